@@ -1,0 +1,28 @@
+# Two entry points do all set-up on a fresh machine: `make run` and `make test`.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+MODEL  ?= $(HOME)/.cache/pdserve/models/tiny
+
+.PHONY: run test lint clean
+
+# On a machine without a CUDA GPU the CPU build of torch is pinned first, so that the
+# dependency resolver never pulls the multi-GB CUDA wheels.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/pdserve demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""pdserve cluster package."""

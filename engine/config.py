@@ -1,0 +1,99 @@
+"""Frozen configuration, one dataclass per layer, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_POLICIES = ("fcfs", "priority")
+_DEVICES = ("auto", "cpu", "cuda")
+_BACKENDS = ("auto", "torch")
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len, 2)
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_gb: float | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # Attention kernels may page at a finer granularity than the allocator (seed 001):
+    # each allocation block is split into block_size // kernel_block_size kernel blocks.
+    kernel_block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("block_size", self.block_size)
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kernel_block_size is not None:
+            _positive_int("kernel_block_size", self.kernel_block_size)
+            if self.block_size % self.kernel_block_size:
+                raise ValueError(
+                    f"kernel_block_size ({self.kernel_block_size}) must divide "
+                    f"block_size ({self.block_size})"
+                )
+
+    @property
+    def effective_kernel_block_size(self) -> int:
+        return self.kernel_block_size or self.block_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    # 0 disables the cap; a positive value chunks long prefills to at most this many tokens.
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        if self.scheduling_policy not in _POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Which implementation of the kernel contract to run; "auto" picks the best for the device.
+    kernel_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kernel_backend not in _BACKENDS:
+            raise ValueError(
+                f"kernel_backend must be one of {_BACKENDS}, got {self.kernel_backend!r}"
+            )

@@ -1,0 +1,34 @@
+"""Chained block hashes for prefix caching.
+
+A block's hash covers its parent's hash, its own token ids and extra keys (the cache salt on
+the first block), so equal hashes imply equal full prefixes, not just equal blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+NONE_HASH: bytes = hashlib.sha256(b"pdserve/root-block").digest()
+
+
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...], extra_keys: tuple = ()
+) -> bytes:
+    h = hashlib.sha256(parent_hash if parent_hash is not None else NONE_HASH)
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+def extend_block_hashes(
+    block_hashes: list[bytes], token_ids: list[int], block_size: int, cache_salt: str | None
+) -> None:
+    """Append the hashes of full blocks of `token_ids` not yet hashed (in place)."""
+    start = len(block_hashes) * block_size
+    while start + block_size <= len(token_ids):
+        parent = block_hashes[-1] if block_hashes else None
+        extra = (cache_salt,) if (start == 0 and cache_salt) else ()
+        block_hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra))
+        start += block_size

@@ -1,0 +1,87 @@
+"""LLMEngine: input processing + EngineCore + output processing, driven step by step."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.processor import InputProcessor, PromptType
+from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                return list(eos) if isinstance(eos, list) else [eos]
+    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, connector=None) -> None:
+        self.config = config
+        model_dir = config.model.model
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"model must be a model directory; {model_dir!r} does not exist")
+        self.tokenizer = load_tokenizer(model_dir)
+        self.core = EngineCore(config, connector)
+        self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
+        self.processor = InputProcessor(
+            self.tokenizer, self.core.max_model_len, self.core.arch.vocab_size, self.eos_token_ids
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> str:
+        """Validate, tokenize and queue a request; raises ValueError on bad input."""
+        request, text = self.processor.process(
+            prompt, params, request_id, priority, cache_salt, kv_transfer_params
+        )
+        self.core.add_request(request)
+        self.output_processor.add_request(request, text)
+        return request.request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.core.abort_requests(ids)
+        for rid in ids:
+            self.output_processor.remove(rid)
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        outputs, stopped = self.output_processor.process(core_outputs)
+        if stopped:
+            self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.core.scheduler.get_num_unfinished_requests()

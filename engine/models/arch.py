@@ -1,0 +1,113 @@
+"""Reading a Hugging Face config.json into the one architecture description our model uses."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+# HF architecture name -> family flags. Llama and Mistral share a layout; Qwen2 adds a qkv
+# bias; Qwen3 adds per-head q/k RMSNorm (and keeps an explicit head_dim).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": dict(qkv_bias=None, qk_norm=False),
+    "MistralForCausalLM": dict(qkv_bias=False, qk_norm=False),
+    "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False),
+    "Qwen3ForCausalLM": dict(qkv_bias=None, qk_norm=True),
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple | None  # sorted (key, value) pairs; hashable for the frozen dataclass
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    torch_dtype: str | None
+
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+
+def load_arch(model_dir: str) -> ModelArch:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model: no config.json in {model_dir!r}")
+    with open(path) as f:
+        cfg = json.load(f)
+    return arch_from_dict(cfg)
+
+
+def arch_from_dict(cfg: dict) -> ModelArch:
+    archs = cfg.get("architectures") or []
+    name = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if name is None:
+        raise ValueError(
+            f"unsupported architecture {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    flags = SUPPORTED_ARCHITECTURES[name]
+    heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    attention_bias = bool(cfg.get("attention_bias", False))
+    qkv_bias = attention_bias if flags["qkv_bias"] is None else flags["qkv_bias"]
+    # Qwen2's o_proj never has a bias; Llama/Qwen3 put attention_bias on o_proj too.
+    o_bias = attention_bias if name in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False
+    theta, scaling = _rope(cfg)
+    sliding = cfg.get("sliding_window")
+    if name == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        sliding = None
+    if name == "Qwen3ForCausalLM" and not cfg.get("use_sliding_window", False):
+        sliding = None
+    return ModelArch(
+        architecture=name,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=flags["qk_norm"],
+        sliding_window=sliding,
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+    )
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """Accept both the legacy (`rope_theta` + `rope_scaling`) and the newer
+    (`rope_parameters`) ways a config describes rotary embeddings."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    theta = cfg.get("rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 10000.0
+    merged = {**params, **scaling}
+    merged.pop("rope_theta", None)
+    rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
+    merged.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "default":
+        return float(theta), None
+    return float(theta), {"rope_type": rope_type, **merged}

@@ -1,0 +1,121 @@
+"""One decoder-only transformer for the Llama family: Llama, Mistral, Qwen2, Qwen3.
+
+Our own layers with fused qkv and gate_up projections; attention runs through the paged
+kernel contract, so a layer reads and writes its KV in the paged cache.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from engine.models.arch import ModelArch
+from engine.models.attention_metadata import AttentionMetadata
+from engine.models.rotary import cos_sin_cache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, ops: SimpleNamespace) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, ops: SimpleNamespace) -> None:
+        super().__init__()
+        self.h, self.hkv, self.d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.d, arch.hidden_size, bias=arch.o_bias)
+        self.q_norm = RMSNorm(self.d, arch.rms_norm_eps, ops) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.d, arch.rms_norm_eps, ops) if arch.qk_norm else None
+        self.scale = self.d**-0.5
+        self.ops = ops
+
+    def forward(self, positions, x, kv_cache, meta: AttentionMetadata, cos_sin):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], -1)
+        q = q.view(T, self.h, self.d)  # [T, H, D]
+        k = k.view(T, self.hkv, self.d)  # [T, Hkv, D]
+        v = v.view(T, self.hkv, self.d)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.ops.rotary_embedding(positions, q, k, cos_sin, True)
+        key_cache, value_cache = kv_cache
+        self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        o = self.ops.paged_attention(
+            q, key_cache, value_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, self.scale
+        )
+        return self.o_proj(o.reshape(T, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch, ops: SimpleNamespace) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.ops = ops
+
+    def forward(self, x):
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, ops: SimpleNamespace) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.self_attn = Attention(arch, ops)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.mlp = MLP(arch, ops)
+
+    def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
+        # The residual add is fused into the norms: rms_norm(x, w, eps, residual) returns
+        # (norm(x + residual), x + residual).
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta, cos_sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class CausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, ops: SimpleNamespace, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, ops) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        # fp32 table, kept out of the state dict (it is derived, not loaded).
+        self.register_buffer(
+            "cos_sin", cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling_dict),
+            persistent=False,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # hidden states [T, hidden]
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv, meta, self.cos_sin)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()  # [N, vocab]

@@ -1,0 +1,142 @@
+"""`pdserve make-model`: a random-weight checkpoint in Hugging Face format, with a byte-level
+BPE tokenizer trained here on the corpus shipped in this package, and a chat template.
+
+No hub is reachable from our machines, so this is the embedded default model and the source
+of every model the tests load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Shapes per preset; family-specific keys are added by `hf_config`.
+PRESETS = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024, vocab_target=1024),
+    "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=2048, vocab_target=2048),
+    "bench": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=2048, vocab_target=4096),
+}
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def corpus_lines() -> list[str]:
+    text = resources.files("engine.models").joinpath("corpus/en.txt").read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def train_tokenizer(vocab_target: int):
+    """Byte-level BPE trained on the shipped corpus; returns a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_target,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus_lines(), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1 << 20,
+    )
+
+
+def hf_config(family: str, preset: str, vocab_size: int, eos_ids: list[int], pad_id: int, **overrides) -> dict:
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    shape = {k: v for k, v in PRESETS[preset].items() if k != "vocab_target"}
+    cfg = dict(
+        architectures=[FAMILIES[family]],
+        model_type=family,
+        vocab_size=vocab_size,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        # Large enough that random logits are well separated, so greedy parity with
+        # transformers is not at the mercy of float rounding on near-ties.
+        initializer_range=0.1,
+        tie_word_embeddings=family in ("qwen2", "qwen3"),
+        eos_token_id=eos_ids[0],
+        pad_token_id=pad_id,
+        torch_dtype="float32",
+        **shape,
+    )
+    if family == "qwen3":
+        cfg["head_dim"] = 2 * cfg["hidden_size"] // cfg["num_attention_heads"]
+    if family == "mistral":
+        cfg["sliding_window"] = None
+    cfg.update(overrides)
+    return cfg
+
+
+def make_model(
+    out_dir: str,
+    preset: str = "tiny",
+    family: str = "llama",
+    seed: int = 0,
+    max_shard_bytes: int | None = None,
+    **overrides,
+) -> str:
+    """Write a random-weight model directory and return its path.
+
+    `overrides` replace config.json keys (e.g. rope_scaling, num_key_value_heads,
+    tie_word_embeddings) so tests can build each family variant.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer = train_tokenizer(PRESETS[preset]["vocab_target"])
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    # Real checkpoints pad the embedding past the tokenizer; do the same (multiple of 64).
+    vocab_size = -(-len(tokenizer) // 64) * 64
+    cfg = hf_config(family, preset, vocab_size, eos_ids, pad_id, **overrides)
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # non-trivial norms catch load bugs
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    save_kwargs = {"safe_serialization": True}
+    if max_shard_bytes:
+        save_kwargs["max_shard_size"] = max_shard_bytes
+    model.save_pretrained(out_dir, **save_kwargs)
+    tokenizer.save_pretrained(out_dir)
+    GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id, bos_token_id=None).save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "pdserve_model.json"), "w") as f:
+        json.dump({"preset": preset, "family": family, "seed": seed}, f)
+    return out_dir

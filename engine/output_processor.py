@@ -1,0 +1,100 @@
+"""Turns EngineCoreOutputs into RequestOutputs: text deltas, stop strings, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request
+from engine.sched_output import EngineCoreOutput
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    sent_chars: int = 0  # how much of `text` streaming has handed out
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}
+
+    def add_request(self, request: Request, prompt: str | None) -> None:
+        params = request.sampling_params
+        self.states[request.request_id] = _RequestState(
+            request=request,
+            prompt=prompt,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def remove(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the request outputs and the ids the core must finish because a stop
+        string matched."""
+        outputs: list[RequestOutput] = []
+        stopped_by_string: list[str] = []
+        for co in core_outputs:
+            state = self.states.get(co.request_id)
+            if state is None:
+                continue
+            params = state.request.sampling_params
+            finish_reason, stop_reason = co.finish_reason, co.stop_reason
+            new_ids: list[int] = []
+            for i, tok in enumerate(co.new_token_ids):
+                new_ids.append(tok)
+                if state.logprobs is not None and co.new_logprobs:
+                    state.logprobs.append(co.new_logprobs[i])
+                delta = state.detokenizer.step(tok)
+                state.text += delta
+                if params.stop and delta:
+                    hit = find_stop_string(state.text, len(delta), params.stop)
+                    if hit is not None:
+                        stop, idx = hit
+                        state.text = state.text[: idx + len(stop) if params.include_stop_str_in_output else idx]
+                        finish_reason, stop_reason = "stop", stop
+                        if not co.finished:
+                            stopped_by_string.append(co.request_id)
+                        break
+            state.token_ids.extend(new_ids)
+            finished = finish_reason is not None
+            # While a stop string could still be completing, hold its possible prefix back.
+            hold = 0 if finished or not params.stop else max(len(s) for s in params.stop) - 1
+            visible = max(len(state.text) - hold, state.sent_chars)
+            delta_text = state.text[state.sent_chars : visible]
+            state.sent_chars = visible
+            outputs.append(
+                RequestOutput(
+                    request_id=co.request_id,
+                    prompt=state.prompt,
+                    prompt_token_ids=state.request.prompt_token_ids,
+                    outputs=[
+                        CompletionOutput(
+                            index=0,
+                            text=state.text,
+                            token_ids=state.token_ids,
+                            finish_reason=finish_reason,
+                            stop_reason=stop_reason,
+                            logprobs=state.logprobs,
+                        )
+                    ],
+                    finished=finished,
+                    num_cached_tokens=co.num_cached_tokens,
+                    delta_text=delta_text,
+                    delta_token_ids=new_ids,
+                    delta_logprobs=co.new_logprobs[: len(new_ids)] if co.new_logprobs else None,
+                    kv_transfer_params=co.kv_transfer_params,
+                )
+            )
+            if finished:
+                del self.states[co.request_id]
+        return outputs, stopped_by_string

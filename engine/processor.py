@@ -1,0 +1,80 @@
+"""Input validation and tokenization, before a request reaches the EngineCore."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+PromptType = str | dict
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return self.tokenize(prompt["prompt"])
+        raise ValueError(
+            f"prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}"
+        )
+
+    def process(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> tuple[Request, str | None]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize(prompt)
+        n = len(ids)
+        if n == 0:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {n} tokens but max_model_len is {self.max_model_len}: the prompt must "
+                f"be at most {self.max_model_len - 1} tokens"
+            )
+        room = self.max_model_len - n
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens must be <= {room} for this prompt: prompt ({n} tokens) + max_tokens "
+                f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})"
+            )
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad_stop}")
+        params = dataclasses.replace(params, _eos_token_ids=self.eos_token_ids)
+        request = Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            max_tokens=params.max_tokens if params.max_tokens is not None else room,
+            priority=priority,
+            cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
+        )
+        return request, text

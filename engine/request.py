@@ -1,0 +1,95 @@
+"""A request's state inside one EngineCore, and its status state machine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Life of a request. Everything above PREEMPTED is finished."""
+
+    WAITING = enum.auto()
+    # The connector said the prompt's KV lives elsewhere; blocks are allocated and the
+    # request sits here until the load completes (P/D consumer side).
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class Request:
+    """Scheduler-side view of one request.
+
+    NOTE: `num_computed_tokens` is the single progress counter of the unified compute
+    model: prefill, chunked prefill, prefix-cache hits and decode all just advance it
+    towards `num_tokens`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved against max_model_len by the engine
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    cache_salt: str | None = None
+    kv_transfer_params: dict | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit on first schedule; -1 = not yet known
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    # Hashes of the full blocks of all_token_ids, extended as tokens are appended.
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def sort_key(self) -> tuple[int, float]:
+        """Lower sorts first; the largest key is the first to be preempted."""
+        return (self.priority, self.arrival_time)

@@ -1,0 +1,71 @@
+"""Typed hand-off objects between the scheduler and the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Everything the runner needs for a request it has no state for: first schedule, or
+    resumption after preemption (then token_ids include the outputs so far)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Deltas for requests the runner already holds (one entry per list index)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # Order of this dict is the order of requests in the flattened batch.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the runner must drop: finished or aborted since the last step, or preempted.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: object | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    # One list per scheduled request, in num_scheduled_tokens order; empty when the request
+    # did not sample this step (a prefill chunk that does not reach the end of the prompt).
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # Per request: for each sampled token, {token_id: logprob} (sampled + top-N), or None.
+    logprobs: list[list[dict[int, float]] | None] | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,316 @@
+"""Continuous-batching scheduler (seed 003): RUNNING first, then WAITING, then the output.
+
+Prefill and decode are not distinguished: every request advances `num_computed_tokens`
+towards `num_tokens` under one per-step token budget, which gives chunked prefill and mixed
+prefill/decode batches for free.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.kv_cache import KVCacheBlocks, KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.request_queue import make_queue
+from engine.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        connector=None,
+    ) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        # Optional KV connector (scheduler side); see engine.kv_connector.
+        self.connector = connector
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(scheduler_config.scheduling_policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(); the runner drops their state.
+        self.finished_req_ids: set[str] = set()
+        # Requests whose remote KV load has completed (reported by the worker side).
+        self.finished_recving_kv_req_ids: set[str] = set()
+
+    # ---- intake -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
+        """Finish requests from outside the step (abort, stop string). Unknown ids are ignored."""
+        assert status.finished
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> dict | None:
+        kv_params = None
+        delay_free = False
+        if self.connector is not None:
+            delay_free, kv_params = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id)
+            )
+        if not delay_free:
+            self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+        return kv_params
+
+    # ---- schedule -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
+        num_scheduled: dict[str, int] = {}
+        new_blocks: dict[str, KVCacheBlocks] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # Phase 1: RUNNING requests, in order; preempt from the back when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = request.num_tokens - request.num_computed_tokens
+            if threshold:
+                n = min(n, threshold)
+            n = min(n, budget, self.max_model_len - request.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            blocks = None
+            while True:
+                blocks = self.kv_cache_manager.allocate_slots(request, n)
+                if blocks is not None:
+                    break
+                victim = self._pick_victim()
+                victim_idx = self.running.index(victim)
+                self.running.pop(victim_idx)
+                if victim in scheduled_running:
+                    # Undo the victim's schedule this step: it gives its tokens back.
+                    scheduled_running.remove(victim)
+                    budget += num_scheduled.pop(victim.request_id)
+                    new_blocks.pop(victim.request_id, None)
+                if victim_idx < i:
+                    i -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if blocks is None:
+                continue  # `request` itself was preempted; running[i] is now the next one
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = n
+            new_blocks[request.request_id] = blocks
+            budget -= n
+            i += 1
+
+        # Phase 2: WAITING requests, unless this step had to preempt (no room to admit).
+        skipped: list[Request] = []
+        while not preempted and len(self.waiting) and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting.peek()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if not self._finish_remote_kv_load(request):
+                    skipped.append(self.waiting.pop())
+                    continue
+            load_async = False
+            num_external = 0
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+                if self.connector is not None:
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(
+                        request, num_local
+                    )
+            else:
+                hit_blocks, num_local = KVCacheBlocks(), 0
+            num_computed = request.num_computed_tokens + num_local + num_external
+            if load_async:
+                n = 0
+            else:
+                n = request.num_tokens - num_computed
+                if threshold:
+                    n = min(n, threshold)
+                n = min(n, budget)
+            blocks = self.kv_cache_manager.allocate_slots(
+                request,
+                n,
+                num_new_computed_tokens=num_local,
+                new_computed_blocks=hit_blocks,
+                num_external_computed_tokens=num_external,
+                delay_cache_blocks=load_async,
+            )
+            if blocks is None:
+                break  # admission control: do not preempt running work for a newcomer
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(
+                    request, self.kv_cache_manager.get_block_ids(request.request_id), num_external
+                )
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_local + num_external
+            if load_async:
+                request.num_computed_tokens = num_computed
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                skipped.append(request)
+                continue
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled_new.append(request)
+            num_scheduled[request.request_id] = n
+            new_blocks[request.request_id] = blocks
+            budget -= n
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
+
+        out = self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted)
+        # Optimistically advance progress: the next schedule() already sees this step's work.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        self.finished_req_ids = set()
+        return out
+
+    def _build_output(self, new_reqs, running_reqs, num_scheduled, new_blocks, preempted):
+        new_data = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                token_ids=list(r.all_token_ids),
+                sampling_params=r.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in new_reqs
+        ]
+        cached = CachedRequestData()
+        for r in running_reqs:
+            cached.req_ids.append(r.request_id)
+            cached.new_block_ids.append(new_blocks[r.request_id].get_block_ids())
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+        meta = None
+        if self.connector is not None:
+            meta = self.connector.build_connector_meta()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=set(self.finished_req_ids),
+            preempted_req_ids={r.request_id for r in preempted},
+            kv_connector_metadata=meta,
+        )
+
+    def _pick_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free all blocks, rewind, and requeue at the front."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.prepend(request)
+        logger.debug("preempted %s (%d preemptions)", request.request_id, request.num_preemptions)
+
+    def _finish_remote_kv_load(self, request: Request) -> bool:
+        """A request waiting for remote KV becomes schedulable once its load completed."""
+        if request.request_id not in self.finished_recving_kv_req_ids:
+            return False
+        self.finished_recving_kv_req_ids.discard(request.request_id)
+        # The loaded blocks now hold valid KV: register them for prefix caching.
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.WAITING
+        return True
+
+    # ---- update -------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for idx, req_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            new_ids = runner_output.sampled_token_ids[idx]
+            if not new_ids:
+                continue  # a prefill chunk: nothing to report yet
+            kept: list[int] = []
+            for token in new_ids:
+                request.append_output_token(token)
+                kept.append(token)
+                if self._check_stop(request):
+                    break
+            logprobs = None
+            if runner_output.logprobs is not None and runner_output.logprobs[idx] is not None:
+                logprobs = runner_output.logprobs[idx][: len(kept)]
+            kv_params = None
+            finish_reason = None
+            if request.is_finished:
+                finish_reason = request.status.finish_reason
+                self.running.remove(request)
+                kv_params = self._free_request(request)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=kept,
+                    finish_reason=finish_reason,
+                    stop_reason=request.stop_reason,
+                    new_logprobs=logprobs,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    kv_transfer_params=kv_params,
+                )
+            )
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in params._eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # ---- introspection ------------------------------------------------------------------
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0

@@ -1,0 +1,222 @@
+"""Runs one scheduled step: flattened super-sequence in, one sampled token per finished
+prefill or decode out (seed 001 / 002 "forward pass")."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from engine.models.arch import ModelArch
+from engine.models.attention_metadata import AttentionMetadata
+from engine.models.loader import load_model
+from engine.sample import Sampler, SamplingMetadata
+from engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.buffers import StagedBuffer
+from engine.worker.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str,
+        arch: ModelArch,
+        ops: SimpleNamespace,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        block_size: int,
+        kernel_block_size: int,
+    ) -> None:
+        self.arch = arch
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.kernel_block_size = kernel_block_size
+        self.max_model_len = max_model_len
+        self.model = load_model(model_dir, arch, ops, device, dtype, max_model_len)
+        self.sampler = Sampler()
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size, kernel_block_size, device)
+        # A prefill chunk is capped by the token budget; a step never exceeds it.
+        T, R = max_num_batched_tokens, max_num_seqs
+        self.input_ids = StagedBuffer(T, torch.int64, device)
+        self.positions = StagedBuffer(T, torch.int64, device)
+        self.slot_mapping = StagedBuffer(T, torch.int64, device)
+        self.query_start_loc = StagedBuffer(R + 1, torch.int32, device)
+        self.seq_lens = StagedBuffer(R, torch.int32, device)
+        self.step_block_table = StagedBuffer(
+            (R, self.input_batch.block_table.max_blocks), torch.int32, device
+        )
+        self.logits_indices = StagedBuffer(R, torch.int64, device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ---- KV cache -----------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        a = self.arch
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * itemsize
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate [num_kernel_blocks, kernel_block_size, Hkv, D] K and V per layer."""
+        k = self.block_size // self.kernel_block_size
+        shape = (num_blocks * k, self.kernel_block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.arch.num_layers)
+        ]
+
+    # ---- step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        req_ids = list(so.num_scheduled_tokens)
+        ib = self.input_batch
+        rows = np.fromiter((ib.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        meta, input_ids, positions, logits_indices, sample_mask = self._prepare_inputs(rows, num_sched)
+
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        ib.num_computed_tokens[rows] += num_sched
+        sampled_lists: list[list[int]] = [[] for _ in req_ids]
+        logprob_lists: list[list[dict[int, float]] | None] = [None] * len(req_ids)
+        sample_idx = np.flatnonzero(sample_mask)
+        if len(sample_idx):
+            logits = self.model.compute_logits(hidden[logits_indices])  # [N, vocab]
+            out = self.sampler(logits, self._sampling_metadata(rows[sample_idx]))
+            tokens = out.sampled_token_ids.tolist()
+            for j, i in enumerate(sample_idx):
+                ib.append_token(int(rows[i]), tokens[j])
+                sampled_lists[i] = [tokens[j]]
+                if out.logprobs is not None and out.logprobs[j] is not None:
+                    logprob_lists[i] = [out.logprobs[j]]
+        has_logprobs = any(lp is not None for lp in logprob_lists)
+        return ModelRunnerOutput(req_ids, sampled_lists, logprob_lists if has_logprobs else None)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        ib = self.input_batch
+        for req_id in so.finished_req_ids:
+            ib.remove_request(req_id)
+        for req_id in so.preempted_req_ids:
+            # Keep the RNG: a resumed seeded request continues its random stream.
+            ib.remove_request(req_id, keep_generator=True)
+        for new in so.scheduled_new_reqs:
+            ib.add_request(
+                new.req_id,
+                new.token_ids,
+                len(new.prompt_token_ids),
+                new.num_computed_tokens,
+                new.block_ids,
+                new.sampling_params,
+                self.device,
+            )
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            row = ib.req_id_to_row[req_id]
+            ib.block_table.append_row(row, block_ids)
+            ib.num_computed_tokens[row] = num_computed
+
+    def _prepare_inputs(self, rows: np.ndarray, num_sched: np.ndarray):
+        ib = self.input_batch
+        R = len(rows)
+        T = int(num_sched.sum())
+        cu = self.query_start_loc.np[: R + 1]
+        cu[0] = 0
+        np.cumsum(num_sched, out=cu[1:])
+        starts = ib.num_computed_tokens[rows]
+        req_idx = np.repeat(np.arange(R), num_sched)  # [T] request of each token
+        positions = starts[req_idx] + np.arange(T) - cu[:-1][req_idx]
+        token_rows = rows[req_idx]
+        self.positions.np[:T] = positions
+        self.input_ids.np[:T] = ib.token_ids[token_rows, positions]
+        self.slot_mapping.np[:T] = ib.block_table.compute_slot_mapping(token_rows, positions)
+        seq_lens = starts + num_sched
+        self.seq_lens.np[:R] = seq_lens
+        max_seq = int(seq_lens.max())
+        nb = -(-max_seq // self.kernel_block_size)
+        self.step_block_table.np[:R, :nb] = ib.block_table.table.np[rows, :nb]
+        # Sample only where the step reaches the end of the known tokens (not mid-prompt).
+        sample_mask = seq_lens >= ib.num_tokens[rows]
+        n_sample = int(sample_mask.sum())
+        self.logits_indices.np[:n_sample] = cu[1:][sample_mask] - 1
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping.to_device(T),
+            block_table=self.step_block_table.to_device()[:R, :nb],
+            query_start_loc=self.query_start_loc.to_device(R + 1),
+            seq_lens=self.seq_lens.to_device(R),
+            max_query_len=int(num_sched.max()),
+            max_seq_len=max_seq,
+        )
+        return (
+            meta,
+            self.input_ids.to_device(T),
+            self.positions.to_device(T),
+            self.logits_indices.to_device(n_sample),
+            sample_mask,
+        )
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        ib = self.input_batch
+        params = [ib.sampling_params[r] for r in rows]
+        temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+        all_greedy = all(p.greedy for p in params)
+        meta = SamplingMetadata(temperature=temps.to(self.device), all_greedy=all_greedy)
+        if not all_greedy:
+            if any(p.top_k > 0 for p in params):
+                meta.top_k = torch.tensor([p.top_k for p in params], device=self.device)
+            if any(p.top_p < 1.0 for p in params):
+                meta.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
+            if any(p.min_p > 0.0 for p in params):
+                meta.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
+            for j, r in enumerate(rows):
+                gen = ib.generators.get(ib.req_ids[r])
+                if gen is not None and not params[j].greedy:
+                    meta.generators[j] = gen
+        meta.num_logprobs = [p.logprobs for p in params]
+        for j, r in enumerate(rows):
+            p = params[j]
+            if p.min_tokens and ib.num_tokens[r] - ib.num_prompt_tokens[r] < p.min_tokens:
+                banned = sorted(p.all_stop_token_ids)
+                if banned:
+                    meta.banned_tokens.append((j, banned))
+        return meta
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int) -> None:
+        """One forward pass of `num_tokens` prompt tokens (plus logits for a full batch of
+        sequences) against a throwaway KV cache, to measure peak activation memory."""
+        a = self.arch
+        nb = -(-num_tokens // self.kernel_block_size)
+        shape = (nb, self.kernel_block_size, a.num_kv_heads, a.head_dim)
+        caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(a.num_layers)
+        ]
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            block_table=torch.arange(nb, dtype=torch.int32, device=self.device).unsqueeze(0),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
+        hidden = self.model(ids, positions, caches, meta)
+        rows = min(num_tokens, self.input_batch.max_num_reqs)
+        self.model.compute_logits(hidden[:rows])
+        del caches, hidden
+        torch.cuda.synchronize()

@@ -1,0 +1,1 @@
+"""pdserve kvstore package."""
