@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random-weight models made locally (no hub is reachable)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests must never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """make(family="llama", preset="tiny", **config_overrides) -> model dir, cached per session."""
+    from engine.models.make_model import make_model
+
+    cache: dict[tuple, str] = {}
+
+    def make(family: str = "llama", preset: str = "tiny", max_shard_bytes=None, **overrides) -> str:
+        key = (family, preset, max_shard_bytes, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"model-{family}-{preset}")
+            cache[key] = make_model(str(out), preset, family, max_shard_bytes=max_shard_bytes, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_factory) -> str:
+    return model_factory("llama")

@@ -1,0 +1,35 @@
+"""Hugging Face `transformers` as the greedy-parity oracle."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuation of each prompt, run one at a time (no padding), stopping at the
+    model's EOS like `generate` does."""
+    model = _hf_model(model_dir)
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(
+                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=max_new_tokens, do_sample=False,
+            )
+            outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Skip the special tokens at the bottom of the vocabulary.
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -1,0 +1,84 @@
+"""The asyncio streaming front: deltas add up to the offline result, concurrent streams
+are independent, and leaving a stream early aborts it and frees its KV blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import AsyncLLM, LLM, SamplingParams, build_engine_config
+
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["The river ran", "Hello! How can I", "Stars are born", "To make bread"]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    outs = LLM(tiny_model, max_model_len=128).generate(PROMPTS, PARAMS, use_tqdm=False)
+    return {p: o.outputs[0] for p, o in zip(PROMPTS, outs)}
+
+
+@pytest.fixture
+def engine(tiny_model):
+    eng = AsyncLLM(build_engine_config(tiny_model, max_model_len=128))
+    yield eng
+    eng.shutdown()
+
+
+async def _collect(engine, prompt, params=PARAMS):
+    text, ids, last = "", [], None
+    async for out in engine.generate(prompt, params):
+        text += out.delta_text
+        ids += out.delta_token_ids
+        last = out
+    return text, ids, last
+
+
+def test_stream_deltas_add_up_to_offline_output(engine, offline):
+    text, ids, last = asyncio.run(_collect(engine, PROMPTS[0]))
+    assert ids == offline[PROMPTS[0]].token_ids == last.outputs[0].token_ids
+    assert text == offline[PROMPTS[0]].text
+    assert last.finished and last.outputs[0].finish_reason == "length"
+
+
+def test_concurrent_streams_match_offline(engine, offline):
+    async def main():
+        return await asyncio.gather(*(_collect(engine, p) for p in PROMPTS))
+
+    results = asyncio.run(main())
+    for p, (text, ids, _) in zip(PROMPTS, results):
+        assert ids == offline[p].token_ids and text == offline[p].text
+
+
+def test_leaving_a_stream_early_aborts_and_frees_blocks(engine):
+    core = engine.engine.core
+
+    async def main():
+        stream = engine.generate("The river ran", SamplingParams(max_tokens=100, ignore_eos=True))
+        async for out in stream:
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        await stream.aclose()
+
+    asyncio.run(main())
+    assert not core.has_unfinished_requests()
+    assert core.kv_cache_manager.get_num_free_blocks() == core.num_kv_blocks
+
+
+def test_invalid_request_raises_to_the_caller(engine):
+    async def main():
+        async for _ in engine.generate("x", SamplingParams(max_tokens=10_000)):
+            pass
+
+    with pytest.raises(ValueError, match="max_tokens"):
+        asyncio.run(main())
+    assert not engine.engine.core.has_unfinished_requests()
+
+
+def test_streamed_text_never_leaks_a_stop_string(engine, offline):
+    full = offline[PROMPTS[1]].text
+    stop = full[4:7]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+    text, _, last = asyncio.run(_collect(engine, PROMPTS[1], params))
+    assert text == last.outputs[0].text == full[: full.index(stop)]
