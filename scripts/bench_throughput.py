@@ -1,0 +1,107 @@
+"""Offline throughput: the pdserve engine vs Hugging Face `generate` on the same model and
+the same requests, measured side by side in one run (these machines are noisy).
+
+HF runs batches of --hf-batch-size left-padded prompts, each batch generating up to its
+longest requested output (EOS ignored); useful output tokens are counted for both.
+
+    python scripts/bench_throughput.py                 # bench preset, made on first use
+    python scripts/bench_throughput.py --model DIR --num-requests 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def make_requests(n: int, vocab: int, seed: int, prompt_range, output_range):
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        plen = rng.randint(*prompt_range)
+        reqs.append(([rng.randrange(3, vocab) for _ in range(plen)], rng.randint(*output_range)))
+    return reqs
+
+
+def run_engine(model: str, reqs, dtype: str, max_num_seqs: int) -> tuple[float, int]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+    llm.generate([{"prompt_token_ids": reqs[0][0]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == sum(o for _, o in reqs), "engine produced a different number of tokens"
+    return elapsed, produced
+
+
+def run_hf(model: str, reqs, dtype: str, batch_size: int) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device).eval()
+    pad = hf.generation_config.pad_token_id or 0
+
+    def generate(batch):
+        width = max(len(p) for p, _ in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (p, _) in enumerate(batch):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        new = max(o for _, o in batch)
+        with torch.no_grad():
+            hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                        min_new_tokens=new, do_sample=False, pad_token_id=pad)
+
+    generate(reqs[:2])  # warm-up
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), batch_size):
+        generate(reqs[i : i + batch_size])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, sum(o for _, o in reqs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model dir (default: bench preset, made on first use)")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256))
+    ap.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+
+    from cluster.cli import ensure_default_model
+    from engine.models.arch import load_arch
+
+    model = args.model or ensure_default_model("bench")
+    vocab = load_arch(model).vocab_size - 64
+    reqs = make_requests(args.num_requests, vocab, args.seed, args.prompt_len, args.output_len)
+    print(f"model={model} requests={len(reqs)} prompt_tokens={sum(len(p) for p, _ in reqs)} "
+          f"output_tokens={sum(o for _, o in reqs)} torch_threads={torch.get_num_threads()}")
+    t_eng, n_eng = run_engine(model, reqs, args.dtype, args.max_num_seqs)
+    print(f"pdserve engine : {n_eng / t_eng:8.1f} output tok/s  ({t_eng:.1f} s)")
+    if args.skip_hf:
+        return
+    t_hf, n_hf = run_hf(model, reqs, args.dtype, args.hf_batch_size)
+    print(f"HF generate    : {n_hf / t_hf:8.1f} output tok/s  ({t_hf:.1f} s, batch {args.hf_batch_size})")
+    print(f"ratio engine/HF: {(n_eng / t_eng) / (n_hf / t_hf):.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Loading Hugging Face checkpoints: architectures, config dialects, weights, dtypes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core import resolve_max_model_len
+from engine.llm_engine import eos_token_ids, load_tokenizer
+from engine.models.arch import arch_from_dict, load_arch
+from engine.models.rotary import inverse_frequencies
+
+BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=128)
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
+        arch_from_dict({**BASE, "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_legacy_rope_scaling_dialect_is_read():
+    arch = arch_from_dict({**BASE, "architectures": ["LlamaForCausalLM"], "rope_theta": 500000.0,
+                           "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192}})
+    assert arch.rope_theta == 500000.0
+    assert arch.rope_scaling_dict["rope_type"] == "llama3" and arch.rope_scaling_dict["factor"] == 8.0
+
+
+def test_unsupported_rope_type_is_rejected():
+    with pytest.raises(ValueError, match="rope type 'yarn'"):
+        arch_from_dict({**BASE, "architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn"}})
+
+
+def test_family_flags():
+    q2 = arch_from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"]})
+    q3 = arch_from_dict({**BASE, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
+    assert q2.qkv_bias and not q2.o_bias and not q2.qk_norm
+    assert q3.qk_norm and q3.head_dim == 32 and not q3.qkv_bias
+    assert arch_from_dict({**BASE, "architectures": ["LlamaForCausalLM"]}).num_kv_heads == 4
+
+
+def test_llama3_frequencies_match_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    cfg = LlamaConfig(**BASE, rope_parameters={**scaling, "rope_theta": 10000.0})
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    ours = inverse_frequencies(16, 10000.0, scaling)
+    assert torch.allclose(ours, theirs, rtol=1e-6)
+    assert not torch.allclose(ours, inverse_frequencies(16, 10000.0, None))
+
+
+def test_sliding_window_caps_max_model_len():
+    arch = arch_from_dict({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 256,
+                           "max_position_embeddings": 4096})
+    assert resolve_max_model_len(None, arch) == 256
+
+
+def test_max_model_len_beyond_model_is_rejected(tiny_model):
+    with pytest.raises(ValueError, match="max_model_len must be <= 1024"):
+        LLM(tiny_model, max_model_len=5000)
+
+
+def test_kv_cache_too_small_for_one_request_is_rejected(tiny_model):
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        LLM(tiny_model, max_model_len=256, num_kv_blocks=4)
+
+
+def test_missing_weight_is_reported(tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing weights"):
+        LLM(str(bad), max_model_len=64)
+
+
+def test_wrong_weight_shape_is_reported(tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["model.norm.weight"] = torch.ones(3)
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        LLM(str(bad), max_model_len=64)
+
+
+def test_missing_model_directory_is_reported(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_prefill_logits_match_transformers(model_factory):
+    from transformers import AutoModelForCausalLM
+
+    model = model_factory("qwen2")
+    llm = LLM(model, max_model_len=128)
+    ids = list(range(10, 40))
+    runner = llm.engine.core.runner
+    captured = {}
+    original = runner.model.compute_logits
+    runner.model.compute_logits = lambda h: captured.setdefault("logits", original(h))
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0, -1]
+    assert torch.allclose(captured["logits"][0], theirs, atol=1e-4)
+
+
+def test_bfloat16_weights_load_and_generate(tiny_model):
+    llm = LLM(tiny_model, dtype="bfloat16", max_model_len=64)
+    assert llm.engine.core.runner.model.embed_tokens.weight.dtype == torch.bfloat16
+    out = llm.generate(["hello"], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5
+
+
+def test_eos_ids_come_from_generation_config(tiny_model):
+    tok = load_tokenizer(tiny_model)
+    with open(os.path.join(tiny_model, "generation_config.json")) as f:
+        expected = json.load(f)["eos_token_id"]
+    assert eos_token_ids(tiny_model, tok) == expected
+    assert tok.convert_tokens_to_ids("<|im_end|>") in expected
+
+
+def test_made_model_has_chat_template_and_loads_in_transformers(tiny_model):
+    tok = load_tokenizer(tiny_model)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert load_arch(tiny_model).vocab_size % 64 == 0 and load_arch(tiny_model).vocab_size >= len(tok)
