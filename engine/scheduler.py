@@ -176,6 +176,7 @@ class Scheduler:
             self.waiting.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_local + num_external
+                self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_local)
             if load_async:
                 request.num_computed_tokens = num_computed
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS

@@ -53,9 +53,11 @@ def paged_attention(
     nb = -(-max_k // block_size)
 
     # Gather each request's context into a padded dense tensor: [R, Hkv, max_k, D].
-    blocks = block_table[:, :nb].long()
-    k = key_cache[blocks].flatten(1, 2)[:, :max_k].transpose(1, 2)
-    v = value_cache[blocks].flatten(1, 2)[:, :max_k].transpose(1, 2)
+    # (index_select over flat block ids is much faster on CPU than advanced indexing)
+    blocks = block_table[:, :nb].reshape(-1).long()
+    Hkv = key_cache.shape[2]
+    k = key_cache.index_select(0, blocks).view(R, nb * block_size, Hkv, D)[:, :max_k].transpose(1, 2)
+    v = value_cache.index_select(0, blocks).view(R, nb * block_size, Hkv, D)[:, :max_k].transpose(1, 2)
 
     # Scatter the flat queries into [R, H, max_q, D] (decode-only batches need no padding).
     if max_q == 1 and T == R:

@@ -128,8 +128,9 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference; blocks reaching 0 join the free queue tail in the given order."""
         for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"{block} freed more times than it was referenced")
             block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"{block} freed twice"
             if block.ref_cnt == 0:
                 if not self.enable_caching:
                     block.block_hash = None

@@ -72,12 +72,15 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        num_hit_tokens = len(hit) * self.block_size
-        if request.num_preemptions == 0:
+        return KVCacheBlocks(hit), len(hit) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup. The scheduler calls this once per request,
+        on admission, so a request retried over several steps is not counted again."""
+        if self.enable_caching:
             self.stats.requests += 1
-            self.stats.queries += request.num_tokens
+            self.stats.queries += num_tokens
             self.stats.hits += num_hit_tokens
-        return KVCacheBlocks(hit), num_hit_tokens
 
     def allocate_slots(
         self,

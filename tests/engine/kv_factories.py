@@ -48,6 +48,9 @@ def prefill(manager: KVCacheManager, request: Request) -> tuple[KVCacheBlocks, i
     hit, num_hit_tokens = manager.get_computed_blocks(request)
     new = manager.allocate_slots(request, request.num_tokens - num_hit_tokens, num_hit_tokens, hit)
     assert new is not None, f"prefill of {request.request_id} did not fit"
+    if request.num_cached_tokens < 0:  # first admission, as the scheduler records it
+        request.num_cached_tokens = num_hit_tokens
+        manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
     request.num_computed_tokens = request.num_tokens
     return hit, num_hit_tokens
 

@@ -406,8 +406,9 @@ def test_freeing_a_block_twice_fails_loudly():
     pool = make_pool(2)
     (block,) = pool.get_new_blocks(1)
     pool.free_blocks([block])
-    with pytest.raises(AssertionError):
+    with pytest.raises(RuntimeError, match="freed more times"):
         pool.free_blocks([block])
+    assert block.ref_cnt == 0 and pool.get_num_free_blocks() == 2
 
 
 def test_touch_pulls_a_free_cached_block_out_of_the_middle_of_the_free_queue():

@@ -639,6 +639,37 @@ def test_delay_cache_blocks_allocates_without_caching():
     assert all(b.block_hash is None for b in request_blocks(manager, a))
 
 
+def test_external_computed_tokens_get_fresh_blocks_after_the_local_hit():
+    manager = make_manager(num_blocks=8)
+    prefill(manager, make_request("a", tokens(9)))
+    b = make_request("b", tokens(17))
+    hit, num_hit_tokens = manager.get_computed_blocks(b)
+    new = manager.allocate_slots(
+        b, b.num_tokens - num_hit_tokens - 4, num_hit_tokens, hit, num_external_computed_tokens=4
+    )
+    assert num_hit_tokens == 8
+    assert len(new) == 3  # 17 tokens need 5 blocks; 2 are hit, the external 4 need a new one
+    assert manager.get_block_ids("b")[:2] == hit.get_block_ids()
+
+
+def test_preempted_request_caches_its_blocks_again_when_readmitted():
+    manager = make_manager(num_blocks=8)
+    a = make_request("a", tokens(9))
+    prefill(manager, a)
+    # Recompute preemption: free everything and rewind.
+    manager.free(a)
+    a.num_computed_tokens = 0
+    a.num_preemptions += 1
+    assert manager.reset_prefix_cache() is True
+    prefill(manager, a)
+    blocks = request_blocks(manager, a)
+    assert [b.block_hash for b in blocks[:2]] == a.block_hashes
+    assert index_snapshot(manager) == {
+        a.block_hashes[0]: blocks[0].block_id,
+        a.block_hashes[1]: blocks[1].block_id,
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # reset_prefix_cache
 # ---------------------------------------------------------------------------------------------
@@ -707,13 +738,12 @@ def test_stats_count_a_miss_then_a_hit():
     assert stats.hit_rate == pytest.approx(8 / 20)
 
 
-def test_stats_skip_lookups_for_preempted_requests():
+def test_stats_ignore_lookups_that_are_not_admitted():
     manager = make_manager(num_blocks=8)
     a = make_request("a", tokens(10))
     prefill(manager, a)
     b = make_request("b", tokens(10))
-    b.num_preemptions = 1
-    _, num_hit_tokens = manager.get_computed_blocks(b)
+    _, num_hit_tokens = manager.get_computed_blocks(b)  # e.g. allocation then fails
     assert num_hit_tokens == 8
     assert (manager.stats.requests, manager.stats.queries, manager.stats.hits) == (1, 10, 0)
 

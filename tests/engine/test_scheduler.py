@@ -170,9 +170,9 @@ def test_finished_request_frees_a_seat_for_the_next_waiting_request():
 
 def test_waiting_requests_are_not_admitted_when_blocks_run_out():
     scheduler = create_scheduler(num_blocks=4)
-    running = create_request("running", prompt_len=12, max_tokens=10)  # 3 blocks
+    running = create_request("running", prompt_len=10, max_tokens=10)  # 3 blocks
     scheduler.add_request(running)
-    step(scheduler)
+    step(scheduler)  # its next decode (position 10) still fits in its third block
     big = create_request("big", prompt_len=8)  # needs 2 blocks, 1 is free
     small = create_request("small", prompt_len=4)  # would fit, but queues behind big
     scheduler.add_request(big)
@@ -290,16 +290,42 @@ def test_preempted_request_goes_back_to_the_front_of_waiting():
     assert list(scheduler.waiting) == [last, waiting]
 
 
-def test_no_waiting_request_is_admitted_in_a_step_that_preempted():
-    scheduler, _, _, _, waiting = _fill_all_blocks_fcfs()
+def test_preempted_request_is_not_readmitted_in_the_step_that_preempted_it():
+    # A chunk of 4 tokens (1 block) of the victim would fit after the preemption.
+    scheduler = create_scheduler(num_blocks=3, long_prefill_token_threshold=4)
+    a, b = create_requests(2, prompt_len=4, max_tokens=10)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    step(scheduler)  # 1 block each, 1 free
 
-    out, _ = step(scheduler)
+    out, _ = step(scheduler)  # a takes the free block; b finds none and preempts itself
 
-    # `last` gave back 3 blocks and only 2 were needed: `waiting` would fit but is held back.
-    assert scheduler.kv_cache_manager.get_num_free_blocks() >= 1
+    assert out.preempted_req_ids == {b.request_id}
+    assert scheduler.kv_cache_manager.get_num_free_blocks() == 1
     assert out.scheduled_new_reqs == []
-    assert "waiting" not in out.num_scheduled_tokens
-    assert waiting.status == RequestStatus.WAITING
+    assert out.num_scheduled_tokens == {a.request_id: 1}
+    assert list(scheduler.waiting) == [b]
+
+
+def test_no_newcomer_is_admitted_in_a_step_that_preempted():
+    scheduler = create_scheduler(num_blocks=3, policy="priority")
+    important = create_request("important", prompt_len=4, priority=0, arrival_time=0.0)
+    unimportant = create_request("unimportant", prompt_len=4, priority=5, arrival_time=1.0)
+    scheduler.add_request(important)
+    scheduler.add_request(unimportant)
+    step(scheduler)  # 1 block each, 1 free
+    # Ranks ahead of the victim in the waiting queue, and needs only 1 block.
+    newcomer = create_request("newcomer", prompt_len=4, priority=1, arrival_time=2.0)
+    scheduler.add_request(newcomer)
+
+    out, _ = step(scheduler)  # important takes the free block; unimportant is preempted
+
+    assert out.preempted_req_ids == {"unimportant"}
+    assert scheduler.kv_cache_manager.get_num_free_blocks() == 1  # newcomer would fit
+    assert out.scheduled_new_reqs == []
+    assert out.num_scheduled_tokens == {"important": 1}
+    assert newcomer.status == RequestStatus.WAITING
+    assert scheduler.waiting.peek() is newcomer
 
 
 def test_preempted_request_resumes_as_new_request_with_prompt_and_outputs():
@@ -674,3 +700,14 @@ def test_runner_output_for_a_prefill_chunk_reports_nothing():
 
     assert outputs == []
     assert scheduler.requests["r"].num_output_tokens == 0
+
+
+def test_prefix_cache_stats_count_each_request_once_even_when_admission_is_retried():
+    # Room for one 8-token request at a time: the second waits (and is looked up again)
+    # for several steps before it is admitted.
+    scheduler = create_scheduler(enable_prefix_caching=True, num_blocks=3, block_size=4)
+    scheduler.add_request(create_request("a", prompt_token_ids=list(range(100, 108)), max_tokens=3))
+    scheduler.add_request(create_request("b", prompt_token_ids=list(range(200, 208)), max_tokens=3))
+    run_until_done(scheduler)
+    stats = scheduler.kv_cache_manager.stats
+    assert (stats.requests, stats.queries) == (2, 16)
