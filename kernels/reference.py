@@ -42,52 +42,57 @@ def paged_attention(
 
     Query i of a request with q_len new tokens sees keys [0, seq_len - q_len + i]. KV heads
     are shared by groups of H // Hkv query heads (GQA/MQA).
+
+    Single-token (decode) requests are batched into one call; multi-token (prefill) requests
+    run one by one so that no FLOPs go to padding and a full prefill uses causal SDPA.
     """
-    T, H, D = q.shape
-    block_size = key_cache.shape[1]
-    R = seq_lens.shape[0]
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()  # [R]
-    ctx = seq_lens.long()  # [R]
-    max_q = int(q_lens.max())
-    max_k = int(ctx.max())
-    nb = -(-max_k // block_size)
-
-    # Gather each request's context into a padded dense tensor: [R, Hkv, max_k, D].
-    # (index_select over flat block ids is much faster on CPU than advanced indexing)
-    blocks = block_table[:, :nb].reshape(-1).long()
-    Hkv = key_cache.shape[2]
-    k = key_cache.index_select(0, blocks).view(R, nb * block_size, Hkv, D)[:, :max_k].transpose(1, 2)
-    v = value_cache.index_select(0, blocks).view(R, nb * block_size, Hkv, D)[:, :max_k].transpose(1, 2)
-
-    # Scatter the flat queries into [R, H, max_q, D] (decode-only batches need no padding).
-    if max_q == 1 and T == R:
-        qp = q.view(R, 1, H, D).transpose(1, 2)
-        row = torch.zeros(R, 1, dtype=torch.long)
-    else:
-        qp = q.new_zeros(R, max_q, H, D)
-        req_idx = torch.repeat_interleave(torch.arange(R), q_lens)
-        row = torch.arange(T) - query_start_loc[:-1].long()[req_idx]
-        qp[req_idx, row] = q
-        qp = qp.transpose(1, 2)
-        row = torch.arange(max_q).unsqueeze(0).expand(R, max_q)
-
-    # Visible key span per query row; padded rows see key 0 only, so no row is all -inf.
-    last_visible = ctx.unsqueeze(1) - q_lens.unsqueeze(1) + row  # [R, max_q]
-    last_visible = torch.where(row < q_lens.unsqueeze(1), last_visible, torch.zeros_like(last_visible))
-    mask = torch.arange(max_k).view(1, 1, max_k) <= last_visible.unsqueeze(-1)  # [R, max_q, max_k]
-    o = F.scaled_dot_product_attention(
-        qp.float(), k.float(), v.float(), attn_mask=mask.unsqueeze(1), scale=scale,
-        enable_gqa=k.shape[1] != H,
-    )  # [R, H, max_q, D]
-    o = o.transpose(1, 2)  # [R, max_q, H, D]
-    if max_q == 1 and T == R:
-        flat = o.reshape(T, H, D)
-    else:
-        flat = o[req_idx, torch.arange(T) - query_start_loc[:-1].long()[req_idx]]
     if out is None:
-        return flat.to(q.dtype)
-    out.copy_(flat)
+        out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    ctx = seq_lens.tolist()
+    decode_rows = [r for r in range(len(ctx)) if starts[r + 1] - starts[r] == 1]
+    if decode_rows:
+        _decode_attention(q, key_cache, value_cache, block_table, starts, ctx, decode_rows, scale, out)
+    for r in range(len(ctx)):
+        q_len = starts[r + 1] - starts[r]
+        if q_len <= 1:
+            continue
+        k, v = _gather_context(key_cache, value_cache, block_table[r : r + 1], ctx[r])  # [1, Hkv, L, D]
+        qr = q[starts[r] : starts[r + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        if q_len == ctx[r]:
+            o = F.scaled_dot_product_attention(
+                qr.float(), k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+            )
+        else:  # a chunk over a cached prefix: causal, aligned to the end of the context
+            mask = torch.ones(q_len, ctx[r], dtype=torch.bool).tril(ctx[r] - q_len)
+            o = F.scaled_dot_product_attention(
+                qr.float(), k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+            )
+        out[starts[r] : starts[r + 1]] = o[0].transpose(0, 1).to(out.dtype)
     return out
+
+
+def _gather_context(key_cache, value_cache, block_table, max_len):
+    """Dense fp32 K/V [R, Hkv, max_len, D] of each table row's first max_len positions.
+    (index_select over flat block ids is much faster on CPU than advanced indexing.)"""
+    R = block_table.shape[0]
+    block_size, Hkv, D = key_cache.shape[1:]
+    nb = -(-max_len // block_size)
+    ids = block_table[:, :nb].reshape(-1).long()
+    k = key_cache.index_select(0, ids).view(R, nb * block_size, Hkv, D)[:, :max_len]
+    v = value_cache.index_select(0, ids).view(R, nb * block_size, Hkv, D)[:, :max_len]
+    return k.transpose(1, 2).float(), v.transpose(1, 2).float()
+
+
+def _decode_attention(q, key_cache, value_cache, block_table, starts, ctx, rows, scale, out):
+    idx = torch.tensor(rows)
+    lens = torch.tensor([ctx[r] for r in rows])
+    k, v = _gather_context(key_cache, value_cache, block_table[idx], int(lens.max()))
+    tok = torch.tensor([starts[r] for r in rows])
+    qd = q[tok].unsqueeze(2).float()  # [n, H, 1, D]
+    mask = torch.arange(k.shape[2]).view(1, 1, 1, -1) < lens.view(-1, 1, 1, 1)
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    out[tok] = o.squeeze(2).to(out.dtype)
 
 
 def rms_norm(

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from engine import AsyncLLM, LLM, SamplingParams, build_engine_config
+from engine import LLM, AsyncLLM, SamplingParams, build_engine_config
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["The river ran", "Hello! How can I", "Stars are born", "To make bread"]
