@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -69,19 +70,29 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # None: 8192 on CUDA, 2048 on CPU (where smaller steps keep activations in cache;
+    # measured +25% throughput on the 2-core benchmark). See `resolved_token_budget`.
+    max_num_batched_tokens: int | None = None
     # 0 disables the cap; a positive value chunks long prefills to at most this many tokens.
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
-        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens is not None:
+            _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}"
             )
+
+
+def resolved_token_budget(config: SchedulerConfig, device_type: str) -> SchedulerConfig:
+    """The scheduler config with the per-step token budget fixed for the device."""
+    if config.max_num_batched_tokens is not None:
+        return config
+    return dataclasses.replace(config, max_num_batched_tokens=8192 if device_type == "cuda" else 2048)
 
 
 @dataclass(frozen=True)

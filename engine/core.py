@@ -11,13 +11,14 @@ import logging
 import torch
 
 import kernels
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolved_token_budget
 from engine.kv_cache import KVCacheManager
 from engine.models.arch import ModelArch, load_arch
 from engine.models.loader import resolve_dtype
 from engine.request import Request, RequestStatus
 from engine.sched_output import EngineCoreOutput
 from engine.scheduler import Scheduler
+from engine.worker.cpu_tuning import keep_freed_memory_in_heap
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -54,11 +55,14 @@ def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
 class EngineCore:
     def __init__(self, config: EngineConfig, connector=None) -> None:
         self.config = config
-        mc, cc, sc = config.model, config.cache, config.scheduler
+        mc, cc = config.model, config.cache
         self.arch = load_arch(mc.model)
         self.device = resolve_device(mc.device)
+        self.scheduler_config = sc = resolved_token_budget(config.scheduler, self.device.type)
         self.dtype = resolve_dtype(mc.dtype, self.arch, self.device)
         self.max_model_len = resolve_max_model_len(mc.max_model_len, self.arch)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()
         backend = "torch" if config.kernel_backend == "auto" else config.kernel_backend
         torch.manual_seed(mc.seed)
         self.runner = ModelRunner(
@@ -95,7 +99,7 @@ class EngineCore:
             n = num_blocks_for_memory(self._profile_free_gpu_memory(), per_block)
         else:
             # No point in more blocks than max_num_seqs full-length requests can use.
-            cap = blocks_per_seq * self.config.scheduler.max_num_seqs
+            cap = blocks_per_seq * self.scheduler_config.max_num_seqs
             n = min(num_blocks_for_memory(int(_CPU_DEFAULT_KV_GB * 2**30), per_block), cap)
         if n < blocks_per_seq:
             raise ValueError(
@@ -110,7 +114,7 @@ class EngineCore:
         gpu_memory_utilization of the device."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        self.runner.profile_run(self.config.scheduler.max_num_batched_tokens)
+        self.runner.profile_run(self.scheduler_config.max_num_batched_tokens)
         peak = torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()
         used_by_others = total - free - torch.cuda.memory_reserved()

@@ -19,7 +19,7 @@ def build_engine_config(
     block_size: int = 16,
     enable_prefix_caching: bool = True,
     max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 8192,
+    max_num_batched_tokens: int | None = None,
     long_prefill_token_threshold: int = 0,
     max_model_len: int | None = None,
     kv_cache_memory_gb: float | None = None,

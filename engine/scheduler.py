@@ -33,6 +33,8 @@ class Scheduler:
         max_model_len: int,
         connector=None,
     ) -> None:
+        if scheduler_config.max_num_batched_tokens is None:
+            raise ValueError("max_num_batched_tokens must be resolved (resolved_token_budget) first")
         self.config = scheduler_config
         self.cache_config = cache_config
         self.kv_cache_manager = kv_cache_manager

@@ -30,10 +30,11 @@ def make_requests(n: int, vocab: int, seed: int, prompt_range, output_range):
     return reqs
 
 
-def run_engine(model: str, reqs, dtype: str, max_num_seqs: int) -> tuple[float, int]:
+def run_engine(model: str, reqs, dtype: str, max_num_seqs: int, max_num_batched_tokens: int | None) -> tuple[float, int]:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, enable_prefix_caching=False,
+              max_num_batched_tokens=max_num_batched_tokens)
     llm.generate([{"prompt_token_ids": reqs[0][0]}], SamplingParams(max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
     t0 = time.perf_counter()
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true")
@@ -94,7 +96,7 @@ def main() -> None:
     reqs = make_requests(args.num_requests, vocab, args.seed, args.prompt_len, args.output_len)
     print(f"model={model} requests={len(reqs)} prompt_tokens={sum(len(p) for p, _ in reqs)} "
           f"output_tokens={sum(o for _, o in reqs)} torch_threads={torch.get_num_threads()}")
-    t_eng, n_eng = run_engine(model, reqs, args.dtype, args.max_num_seqs)
+    t_eng, n_eng = run_engine(model, reqs, args.dtype, args.max_num_seqs, args.max_num_batched_tokens)
     print(f"pdserve engine : {n_eng / t_eng:8.1f} output tok/s  ({t_eng:.1f} s)")
     if args.skip_hf:
         return

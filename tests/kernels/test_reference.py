@@ -155,3 +155,21 @@ def test_rotary_at_position_zero_is_identity():
 def test_silu_and_mul():
     x = torch.randn(3, 10)
     assert torch.allclose(ref.silu_and_mul(x), torch.nn.functional.silu(x[:, :5]) * x[:, 5:])
+
+
+def test_paged_attention_large_decode_batch_with_spread_lengths():
+    # Enough decode rows to be split into length buckets, in shuffled length order.
+    g = torch.Generator().manual_seed(3)
+    ctx_lens = torch.randint(1, 90, (40,), generator=g).tolist()
+    q_lens = [1] * 40
+    q, kc, vc, table, qsl, seq_lens, dense = _paged_inputs(q_lens, ctx_lens, 4, 2, 16, 16, 260, seed=4)
+    out = ref.paged_attention(q, kc, vc, table, qsl, seq_lens, 0.25)
+    assert torch.allclose(out, _naive_attention(q, dense, q_lens, ctx_lens, 0.25), atol=1e-5)
+
+
+def test_paged_attention_chunk_over_cached_prefix_mixed_with_many_decodes():
+    q_lens = [1] * 33 + [6]
+    ctx_lens = list(range(2, 35)) + [30]
+    q, kc, vc, table, qsl, seq_lens, dense = _paged_inputs(q_lens, ctx_lens, 8, 2, 16, 16, 80, seed=5)
+    out = ref.paged_attention(q, kc, vc, table, qsl, seq_lens, 0.25)
+    assert torch.allclose(out, _naive_attention(q, dense, q_lens, ctx_lens, 0.25), atol=1e-5)
