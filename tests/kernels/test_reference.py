@@ -157,8 +157,9 @@ def test_silu_and_mul():
     assert torch.allclose(ref.silu_and_mul(x), torch.nn.functional.silu(x[:, :5]) * x[:, 5:])
 
 
-def test_paged_attention_large_decode_batch_with_spread_lengths():
-    # Enough decode rows to be split into length buckets, in shuffled length order.
+@pytest.mark.parametrize("min_saved", [0, 10**12])  # split into many buckets / never split
+def test_paged_attention_large_decode_batch_with_spread_lengths(monkeypatch, min_saved):
+    monkeypatch.setattr(ref, "_SPLIT_MIN_SAVED_ELEMS", min_saved)
     g = torch.Generator().manual_seed(3)
     ctx_lens = torch.randint(1, 90, (40,), generator=g).tolist()
     q_lens = [1] * 40
@@ -173,3 +174,11 @@ def test_paged_attention_chunk_over_cached_prefix_mixed_with_many_decodes():
     q, kc, vc, table, qsl, seq_lens, dense = _paged_inputs(q_lens, ctx_lens, 8, 2, 16, 16, 80, seed=5)
     out = ref.paged_attention(q, kc, vc, table, qsl, seq_lens, 0.25)
     assert torch.allclose(out, _naive_attention(q, dense, q_lens, ctx_lens, 0.25), atol=1e-5)
+
+
+def test_length_buckets_split_only_where_padding_saved_is_worth_a_call():
+    ctx = {r: n for r, n in enumerate([10, 11, 12, 13, 500, 510, 520, 530])}
+    rows = sorted(ctx, key=ctx.get)
+    buckets = ref._length_buckets(rows, ctx, elems_per_token=1024)
+    assert buckets == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert ref._length_buckets(rows, ctx, elems_per_token=1) == [rows]
