@@ -39,7 +39,7 @@ class Scheduler:
         self.cache_config = cache_config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
-        # Optional KV connector (scheduler side); see engine.kv_connector.
+        # Optional KV connector (scheduler side), an engine.kv_connector.KVConnectorBase.
         self.connector = connector
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(scheduler_config.scheduling_policy)
@@ -310,6 +310,10 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
+
+    def finish_remote_kv_loads(self, request_ids: set[str]) -> None:
+        """The worker side reports these requests' external KV as loaded."""
+        self.finished_recving_kv_req_ids |= request_ids
 
     # ---- introspection ------------------------------------------------------------------
     def get_num_unfinished_requests(self) -> int:

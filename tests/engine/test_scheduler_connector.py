@@ -1,0 +1,105 @@
+"""The scheduler's KV-connector hooks and the WAITING_FOR_REMOTE_KVS state (P/D consumer)."""
+
+from __future__ import annotations
+
+from engine.kv_connector import KVConnectorBase
+from engine.request import RequestStatus
+from tests.engine.sched_factories import create_request, create_scheduler, make_runner_output
+
+
+class FakeConnector(KVConnectorBase):
+    """Claims `remote` tokens of every prompt are loadable asynchronously."""
+
+    def __init__(self, remote: int, delay_free: bool = False) -> None:
+        self.remote = remote
+        self.delay_free = delay_free
+        self.allocated: dict[str, tuple[list[int], int]] = {}
+        self.finished: list[str] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        n = min(self.remote, request.num_tokens - 1) - num_computed_tokens
+        return max(n, 0), n > 0
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        self.allocated[request.request_id] = (list(block_ids), num_external_tokens)
+
+    def build_connector_meta(self):
+        return {"allocated": dict(self.allocated)}
+
+    def request_finished(self, request, block_ids):
+        self.finished.append(request.request_id)
+        return self.delay_free, {"transfer_id": request.request_id}
+
+
+def _scheduler(connector, **kw):
+    scheduler = create_scheduler(block_size=4, **kw)
+    scheduler.connector = connector
+    return scheduler
+
+
+def test_remote_kv_request_waits_with_blocks_allocated_and_nothing_scheduled():
+    conn = FakeConnector(remote=8)
+    scheduler = _scheduler(conn)
+    req = create_request("r", prompt_token_ids=list(range(10, 19)))  # 9 tokens
+    scheduler.add_request(req)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {}
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert conn.allocated["r"][1] == 8 and len(conn.allocated["r"][0]) == 2
+    assert out.kv_connector_metadata == {"allocated": conn.allocated}
+    assert scheduler.schedule().num_scheduled_tokens == {}  # still waiting
+
+
+def test_remote_kv_request_decodes_without_recomputing_its_prompt_once_loaded():
+    scheduler = _scheduler(FakeConnector(remote=8))
+    req = create_request("r", prompt_token_ids=list(range(10, 19)))
+    scheduler.add_request(req)
+    scheduler.schedule()
+    scheduler.finish_remote_kv_loads({"r"})
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"r": 1}  # only the last prompt token
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 8
+    assert req.status == RequestStatus.RUNNING and req.num_cached_tokens == 8
+
+
+def test_other_requests_run_while_one_waits_for_remote_kv():
+    conn = FakeConnector(remote=8)
+    scheduler = _scheduler(conn)
+    scheduler.add_request(create_request("remote", prompt_token_ids=list(range(10, 19))))
+    scheduler.schedule()
+    conn.remote = 0
+    scheduler.add_request(create_request("local", prompt_token_ids=[1, 2, 3]))
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"local": 3}
+
+
+def test_finished_request_reports_kv_transfer_params_and_frees_blocks():
+    scheduler = _scheduler(FakeConnector(remote=0))
+    scheduler.add_request(create_request("r", prompt_token_ids=[1, 2, 3, 4, 5], max_tokens=1))
+    out = scheduler.schedule()
+    [co] = scheduler.update_from_output(out, make_runner_output(scheduler, out))
+    assert co.finished and co.kv_transfer_params == {"transfer_id": "r"}
+    assert scheduler.connector.finished == ["r"]
+    kv = scheduler.kv_cache_manager
+    assert kv.get_num_free_blocks() == kv.num_blocks
+
+
+def test_delay_free_leaves_blocks_to_the_connector():
+    scheduler = _scheduler(FakeConnector(remote=0, delay_free=True))
+    scheduler.add_request(create_request("r", prompt_token_ids=[1, 2, 3, 4, 5], max_tokens=1))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, make_runner_output(scheduler, out))
+    kv = scheduler.kv_cache_manager
+    assert kv.get_num_free_blocks() == kv.num_blocks - 2
+    kv.free(create_request("r", prompt_token_ids=[1]))  # the connector frees by request id
+    assert kv.get_num_free_blocks() == kv.num_blocks
+
+
+def test_abort_while_waiting_for_remote_kv_frees_its_blocks():
+    scheduler = _scheduler(FakeConnector(remote=8))
+    scheduler.add_request(create_request("r", prompt_token_ids=list(range(10, 19))))
+    scheduler.schedule()
+    scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    kv = scheduler.kv_cache_manager
+    assert kv.get_num_free_blocks() == kv.num_blocks
+    assert not scheduler.has_unfinished_requests()
