@@ -52,6 +52,21 @@ def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
     return int(memory_bytes // bytes_per_block)
 
 
+def kv_budget_bytes(total: int, free: int, reserved: int, peak: int, utilization: float) -> int:
+    """GPU bytes left for KV: `utilization` of the device, minus what other processes hold
+    (total - free - our reserved) and minus our peak during a full-budget forward pass."""
+    used_by_others = total - free - reserved
+    budget = int(total * utilization - used_by_others - peak)
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}: "
+            f"other processes use {used_by_others / 2**30:.1f} GiB and a forward pass peaks at "
+            f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise gpu_memory_utilization or "
+            "lower max_num_batched_tokens"
+        )
+    return budget
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, connector=None) -> None:
         self.config = config
@@ -110,21 +125,14 @@ class EngineCore:
         return n
 
     def _profile_free_gpu_memory(self) -> int:
-        """Bytes left for KV after a forward pass at the full token budget, under
-        gpu_memory_utilization of the device."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.runner.profile_run(self.scheduler_config.max_num_batched_tokens)
-        peak = torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()
-        used_by_others = total - free - torch.cuda.memory_reserved()
-        budget = total * self.config.cache.gpu_memory_utilization - used_by_others - peak
-        if budget <= 0:
-            raise ValueError(
-                "no GPU memory left for the KV cache; raise gpu_memory_utilization (now "
-                f"{self.config.cache.gpu_memory_utilization}) or lower max_num_batched_tokens"
-            )
-        return int(budget)
+        return kv_budget_bytes(
+            total, free, torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated(),
+            self.config.cache.gpu_memory_utilization,
+        )
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

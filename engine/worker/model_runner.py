@@ -219,4 +219,5 @@ class ModelRunner:
         rows = min(num_tokens, self.input_batch.max_num_reqs)
         self.model.compute_logits(hidden[:rows])
         del caches, hidden
-        torch.cuda.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()

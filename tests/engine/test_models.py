@@ -142,3 +142,20 @@ def test_made_model_has_chat_template_and_loads_in_transformers(tiny_model):
                                    add_generation_prompt=True)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert load_arch(tiny_model).vocab_size % 64 == 0 and load_arch(tiny_model).vocab_size >= len(tok)
+
+
+def test_kv_budget_subtracts_other_processes_and_activation_peak():
+    from engine.core import kv_budget_bytes
+
+    GiB = 2**30
+    # 80 GiB device, 10 GiB used by another process, we reserved 2 GiB, peak 3 GiB.
+    assert kv_budget_bytes(80 * GiB, 68 * GiB, 2 * GiB, 3 * GiB, 0.9) == int(72 * GiB - 10 * GiB - 3 * GiB)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        kv_budget_bytes(80 * GiB, 10 * GiB, 0, 3 * GiB, 0.9)
+
+
+def test_profile_run_executes_a_full_budget_forward(tiny_model):
+    llm = LLM(tiny_model, max_model_len=128, max_num_batched_tokens=300)
+    llm.engine.core.runner.profile_run(300)  # must not touch the real KV cache
+    out = llm.generate(["hi"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
