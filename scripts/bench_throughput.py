@@ -66,6 +66,11 @@ def run_hf(model: str, reqs, dtype: str, batch_size: int) -> tuple[float, int]:
                         min_new_tokens=new, do_sample=False, pad_token_id=pad)
 
     generate(reqs[:2])  # warm-up
+    batches = [reqs[i : i + batch_size] for i in range(0, len(reqs), batch_size)]
+    computed = sum(len(b) * (max(len(p) for p, _ in b) + max(o for _, o in b)) for b in batches)
+    useful = sum(len(p) + o for p, o in reqs)
+    print(f"HF computes {computed} token positions for {useful} useful ones "
+          f"(padding factor {computed / useful:.2f}x)")
     t0 = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
         generate(reqs[i : i + batch_size])
