@@ -8,6 +8,10 @@ import pytest
 
 # Tests must never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without a GPU the Triton kernels run in Triton's interpreter; this must be set before
+# triton is first imported.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 

@@ -1,0 +1,14 @@
+"""Triton implementations of the kernel contract (ARCHITECTURE.md §3).
+
+Each function has the signature of its torch reference in `kernels.reference`. They run on
+CUDA, and on CPU under TRITON_INTERPRET=1 (which is how the tests check them). Inputs are
+upcast to fp32 inside the kernels before any arithmetic, so fp16/bf16 work in the interpreter.
+"""
+
+from kernels.triton_kernels.activation import silu_and_mul
+from kernels.triton_kernels.attention import paged_attention
+from kernels.triton_kernels.cache import reshape_and_cache
+from kernels.triton_kernels.norm import rms_norm
+from kernels.triton_kernels.rotary import rotary_embedding
+
+__all__ = ["paged_attention", "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul"]
