@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
 _DEVICES = ("auto", "cpu", "cuda")
-_BACKENDS = ("auto", "torch")
+_BACKENDS = ("auto", "triton", "torch")
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> None:
@@ -100,8 +100,11 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # Which implementation of the kernel contract to run; "auto" picks the best for the device.
+    # Which implementation of the kernel contract to run: "auto" is Triton on CUDA and the
+    # torch references on CPU; "triton" / "torch" force one.
     kernel_backend: str = "auto"
+    # Run decode steps eagerly instead of replaying CUDA graphs (graphs need CUDA + Triton).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.kernel_backend not in _BACKENDS:

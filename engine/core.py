@@ -78,12 +78,15 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(mc.max_model_len, self.arch)
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
-        backend = "torch" if config.kernel_backend == "auto" else config.kernel_backend
+        backend = config.kernel_backend
+        if backend == "auto":
+            backend = kernels.default_backend(self.device.type)
+        self.kernel_backend = backend
         torch.manual_seed(mc.seed)
         self.runner = ModelRunner(
             mc.model,
             self.arch,
-            kernels.get_ops(backend),
+            kernels.get_ops(backend, self.device.type),
             self.device,
             self.dtype,
             self.max_model_len,
@@ -91,6 +94,9 @@ class EngineCore:
             sc.max_num_batched_tokens,
             cc.block_size,
             cc.effective_kernel_block_size,
+            use_cuda_graphs=(
+                self.device.type == "cuda" and backend == "triton" and not config.enforce_eager
+            ),
         )
         num_blocks = self._determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)

@@ -30,6 +30,7 @@ def build_engine_config(
     kernel_backend: str = "auto",
     kernel_block_size: int | None = None,
     gpu_memory_utilization: float = 0.9,
+    enforce_eager: bool = False,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device),
@@ -48,6 +49,7 @@ def build_engine_config(
             scheduling_policy=scheduling_policy,
         ),
         kernel_backend=kernel_backend,
+        enforce_eager=enforce_eager,
     )
 
 

@@ -1,23 +1,35 @@
 """Kernels behind the contract of ARCHITECTURE.md §3.
 
-`get_ops(backend)` returns the implementation the engine calls; the torch references in
-`kernels.reference` are the specification and the CPU implementation.
+`get_ops(backend)` returns the implementation the engine calls: "torch" (the references in
+`kernels.reference`, which are the specification and the CPU path) or "triton" (the kernels in
+`kernels.triton_kernels`, for CUDA; on CPU only under TRITON_INTERPRET=1, as the tests run them).
 """
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 from kernels import reference
 
+BACKENDS = ("torch", "triton")
+_OPS = ("reshape_and_cache", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul")
 
-def get_ops(backend: str = "torch") -> SimpleNamespace:
-    if backend != "torch":
-        raise ValueError(f"kernel backend must be 'torch', got {backend!r}")
-    return SimpleNamespace(
-        reshape_and_cache=reference.reshape_and_cache,
-        paged_attention=reference.paged_attention,
-        rms_norm=reference.rms_norm,
-        rotary_embedding=reference.rotary_embedding,
-        silu_and_mul=reference.silu_and_mul,
-    )
+
+def default_backend(device_type: str) -> str:
+    return "triton" if device_type == "cuda" else "torch"
+
+
+def get_ops(backend: str = "torch", device_type: str = "cpu") -> SimpleNamespace:
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return SimpleNamespace(**{name: getattr(reference, name) for name in _OPS})
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "kernel_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 set before "
+            "triton is imported, for testing on CPU)"
+        )
+    from kernels import triton_kernels
+
+    return SimpleNamespace(**{name: getattr(triton_kernels, name) for name in _OPS})

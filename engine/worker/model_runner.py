@@ -15,6 +15,7 @@ from engine.models.loader import load_model
 from engine.sample import Sampler, SamplingMetadata
 from engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.buffers import StagedBuffer
+from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from engine.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         block_size: int,
         kernel_block_size: int,
+        use_cuda_graphs: bool = False,
     ) -> None:
         self.arch = arch
         self.device = device
@@ -55,6 +57,8 @@ class ModelRunner:
         )
         self.logits_indices = StagedBuffer(R, torch.int64, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
+        self.decode_graphs: DecodeGraphs | None = None
 
     # ---- KV cache -----------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -73,6 +77,15 @@ class ModelRunner:
             )
             for _ in range(self.arch.num_layers)
         ]
+        if self.use_cuda_graphs:
+            buffers = SimpleNamespace(
+                input_ids=self.input_ids, positions=self.positions, slot_mapping=self.slot_mapping,
+                query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+                block_table=self.step_block_table,
+            )
+            sizes = capture_sizes(self.input_batch.max_num_reqs)
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, buffers, sizes)
+            self.decode_graphs.capture()
 
     # ---- step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -84,9 +97,18 @@ class ModelRunner:
         ib = self.input_batch
         rows = np.fromiter((ib.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        meta, input_ids, positions, logits_indices, sample_mask = self._prepare_inputs(rows, num_sched)
-
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        T, nb, sample_mask, n_sample = self._fill_host_inputs(rows, num_sched)
+        graphs = self.decode_graphs
+        if graphs is not None and T == len(rows) and padded_size(T, graphs.sizes) is not None:
+            hidden = graphs.run(T)  # one token per request
+            # A 1-token chunk in the middle of a prompt does not sample.
+            logits_indices = (
+                slice(None) if n_sample == T
+                else torch.from_numpy(np.flatnonzero(sample_mask)).to(self.device)
+            )
+        else:
+            meta, input_ids, positions, logits_indices = self._to_device(len(rows), T, nb, n_sample, num_sched)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         ib.num_computed_tokens[rows] += num_sched
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprob_lists: list[list[dict[int, float]] | None] = [None] * len(req_ids)
@@ -128,7 +150,9 @@ class ModelRunner:
             ib.block_table.append_row(row, block_ids)
             ib.num_computed_tokens[row] = num_computed
 
-    def _prepare_inputs(self, rows: np.ndarray, num_sched: np.ndarray):
+    def _fill_host_inputs(self, rows: np.ndarray, num_sched: np.ndarray):
+        """Write this step's flattened inputs into the host buffers; returns
+        (num tokens, block-table width, which rows sample, how many)."""
         ib = self.input_batch
         R = len(rows)
         T = int(num_sched.sum())
@@ -144,28 +168,24 @@ class ModelRunner:
         self.slot_mapping.np[:T] = ib.block_table.compute_slot_mapping(token_rows, positions)
         seq_lens = starts + num_sched
         self.seq_lens.np[:R] = seq_lens
-        max_seq = int(seq_lens.max())
-        nb = -(-max_seq // self.kernel_block_size)
+        nb = -(-int(seq_lens.max()) // self.kernel_block_size)
         self.step_block_table.np[:R, :nb] = ib.block_table.table.np[rows, :nb]
         # Sample only where the step reaches the end of the known tokens (not mid-prompt).
         sample_mask = seq_lens >= ib.num_tokens[rows]
         n_sample = int(sample_mask.sum())
         self.logits_indices.np[:n_sample] = cu[1:][sample_mask] - 1
+        return T, nb, sample_mask, n_sample
+
+    def _to_device(self, R: int, T: int, nb: int, n_sample: int, num_sched: np.ndarray):
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping.to_device(T),
             block_table=self.step_block_table.to_device()[:R, :nb],
             query_start_loc=self.query_start_loc.to_device(R + 1),
             seq_lens=self.seq_lens.to_device(R),
             max_query_len=int(num_sched.max()),
-            max_seq_len=max_seq,
+            max_seq_len=int(self.seq_lens.np[:R].max()),
         )
-        return (
-            meta,
-            self.input_ids.to_device(T),
-            self.positions.to_device(T),
-            self.logits_indices.to_device(n_sample),
-            sample_mask,
-        )
+        return meta, self.input_ids.to_device(T), self.positions.to_device(T), self.logits_indices.to_device(n_sample)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         ib = self.input_batch

@@ -134,10 +134,10 @@ def _reduce_splits_kernel(
     s_ok = s < NUM_SPLITS
     row = (s.to(tl.int64) * num_tokens + t) * NUM_HEADS + h
     m = tl.load(part_ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
-    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
+    l_sum = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
-    total = tl.sum(w * l, axis=0)
+    total = tl.sum(w * l_sum, axis=0)
     d = tl.arange(0, BLOCK_D)
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
                   mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)

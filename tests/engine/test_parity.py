@@ -91,3 +91,15 @@ def test_greedy_is_independent_of_batch_composition(tiny_model):
     llm.reset_prefix_cache()
     alone = [_generate(llm, [p])[0] for p in prompts]
     assert together == alone
+
+
+def test_greedy_matches_transformers_with_triton_kernels(model_factory):
+    # Triton kernels under the interpreter (CPU): the whole engine path, not just the ops.
+    model = model_factory("qwen3")
+    llm = LLM(model, max_model_len=64, kernel_backend="triton")
+    assert llm.engine.core.kernel_backend == "triton"
+    prompts = random_prompts([3, 17, 9], llm.engine.core.arch.vocab_size - 64, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    got = [o.outputs[0].token_ids for o in
+           llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert got == hf_greedy(model, prompts, 6)

@@ -137,3 +137,16 @@ def test_paged_attention_small_tiles_cover_long_prefill():
     # Several query tiles per request and several KV tiles per query tile.
     case = _attention_case([37, 1, 20], [37, 50, 45], 4, 2, 16, 16, torch.float32, seed=4)
     _check_attention(case, torch.float32, block_q=8, block_n=16)
+
+
+def test_get_ops_selects_backends_and_refuses_triton_on_cpu_without_interpreter(monkeypatch):
+    import kernels
+
+    assert kernels.get_ops("torch").paged_attention is ref.paged_attention
+    assert kernels.get_ops("triton", "cpu").paged_attention is tk.paged_attention  # interpreter on
+    assert kernels.default_backend("cuda") == "triton" and kernels.default_backend("cpu") == "torch"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="CUDA"):
+        kernels.get_ops("triton", "cpu")
+    with pytest.raises(ValueError, match="kernel backend"):
+        kernels.get_ops("cuda")
