@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mm = sub.add_parser("make-model", help="write a random-weight HF model with a local tokenizer")
     mm.add_argument("dir")
-    mm.add_argument("--preset", default="tiny", choices=["tiny", "small", "bench"])
+    mm.add_argument("--preset", default="tiny", choices=["tiny", "small", "bench", "1b"])
     mm.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
     mm.add_argument("--seed", type=int, default=0)
     mm.set_defaults(fn=_cmd_make_model)

@@ -1,11 +1,17 @@
 """Offline throughput: the pdserve engine vs Hugging Face `generate` on the same model and
 the same requests, measured side by side in one run (these machines are noisy).
 
-HF runs batches of --hf-batch-size left-padded prompts, each batch generating up to its
-longest requested output (EOS ignored); useful output tokens are counted for both.
+CPU mode (default): HF runs batches of --hf-batch-size left-padded prompts, each batch
+generating up to its longest requested output (EOS ignored); useful output tokens are counted
+for both.
 
-    python scripts/bench_throughput.py                 # bench preset, made on first use
+GPU mode (--gpu): decode tokens/s and model-bandwidth utilisation (weights + KV read per decode
+step / step time / peak HBM bandwidth) at batch 1 and 64 on the `1b` preset, with CUDA graphs,
+and HF `generate` on the same GPU and requests beside it.
+
+    python scripts/bench_throughput.py                 # CPU, bench preset, made on first use
     python scripts/bench_throughput.py --model DIR --num-requests 128
+    python scripts/bench_throughput.py --gpu [--model DIR] [--peak-gbps 4800]
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ def run_engine(model: str, reqs, dtype: str, max_num_seqs: int, max_num_batched_
 def run_hf(model: str, reqs, dtype: str, batch_size: int) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}[dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device).eval()
     pad = hf.generation_config.pad_token_id or 0
@@ -79,6 +86,74 @@ def run_hf(model: str, reqs, dtype: str, batch_size: int) -> tuple[float, int]:
     return time.perf_counter() - t0, sum(o for _, o in reqs)
 
 
+def gpu_decode_run(model: str, batch: int, prompt_len: int, output_len: int, vocab: int, eager: bool):
+    """Run `batch` identical-length requests; returns (decode tok/s, mean decode step seconds,
+    mean context length during decode, engine)."""
+    from engine import SamplingParams
+    from engine.llm import build_engine_config
+    from engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(build_engine_config(model, enable_prefix_caching=False, enforce_eager=eager,
+                                        max_num_seqs=max(batch, 1)))
+    rng = random.Random(batch)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"w{i}", {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]}, params)
+    eng.step()  # prefill (whole batch fits the default budget for these sizes)
+    steps, ctx_sum, t0 = 0, 0, None
+    while eng.has_unfinished_requests():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        if steps >= 3:  # skip the first steps (allocator and graph warm-up)
+            t0 = (t0 or 0.0) + time.perf_counter() - start
+            ctx_sum += prompt_len + steps + 1
+        steps += 1
+    measured = steps - 3
+    step_s = t0 / measured
+    return batch / step_s, step_s, ctx_sum / measured, eng
+
+
+def gpu_main(args) -> None:
+    from cluster.cli import ensure_default_model
+    from engine.models.arch import load_arch
+    from scripts.gpu_roofline import (
+        decode_step_bytes,
+        model_bandwidth_utilization,
+        peak_bandwidth_gbps,
+    )
+
+    if not torch.cuda.is_available():
+        sys.exit("--gpu needs a CUDA GPU")
+    model = args.model or ensure_default_model("1b")
+    arch = load_arch(model)
+    name = torch.cuda.get_device_name()
+    peak = peak_bandwidth_gbps(name, args.peak_gbps)
+    print(f"device={name} peak={peak} GB/s model={model} layers={arch.num_layers} hidden={arch.hidden_size}")
+    vocab = min(arch.vocab_size, 1400)
+    for batch in (1, 64):
+        for eager in (False, True):
+            tps, step_s, ctx, eng = gpu_decode_run(model, batch, 128, args.gpu_output_len, vocab, eager)
+            m = eng.core.runner.model
+            itemsize = next(m.parameters()).element_size()
+            weights = sum(p.numel() for p in m.parameters()) * itemsize
+            if m.lm_head is not None:  # an untied embedding is only gathered, not streamed
+                weights -= m.embed_tokens.weight.numel() * itemsize
+            nbytes = decode_step_bytes(weights, [int(ctx)] * batch, arch.num_layers, arch.num_kv_heads,
+                                       arch.head_dim, itemsize)
+            mbu = f"{100 * model_bandwidth_utilization(nbytes, step_s, peak):.1f}%" if peak else "n/a"
+            mode = "eager" if eager else "cuda-graphs"
+            print(f"pdserve batch {batch:>3} {mode:<11}: {tps:9.1f} decode tok/s, step {step_s * 1e3:.2f} ms, MBU {mbu}")
+            del eng
+            torch.cuda.empty_cache()
+    reqs = make_requests(64, vocab, args.seed, (128, 128), (args.gpu_output_len, args.gpu_output_len))
+    t_eng, n_eng = run_engine(model, reqs, "auto", 256, None)
+    t_hf, n_hf = run_hf(model, reqs, "bfloat16", 64)
+    print(f"batch 64 end to end: pdserve {n_eng / t_eng:.1f} tok/s, HF generate {n_hf / t_hf:.1f} tok/s, "
+          f"ratio {(n_eng / t_eng) / (n_hf / t_hf):.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model dir (default: bench preset, made on first use)")
@@ -91,7 +166,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--gpu", action="store_true", help="GPU mode: decode MBU at batch 1/64 and HF beside")
+    ap.add_argument("--gpu-output-len", type=int, default=256)
+    ap.add_argument("--peak-gbps", type=float, default=None)
     args = ap.parse_args()
+    if args.gpu:
+        gpu_main(args)
+        return
 
     from cluster.cli import ensure_default_model
     from engine.models.arch import load_arch

@@ -29,6 +29,11 @@ PRESETS = {
                   num_key_value_heads=4, max_position_embeddings=2048, vocab_target=2048),
     "bench": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4, max_position_embeddings=2048, vocab_target=4096),
+    # GPU benchmarks: a ~1.1B-parameter shape (TinyLlama's); the embedding is padded to a
+    # realistic vocabulary past what the small corpus can train.
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=4, max_position_embeddings=4096, vocab_target=4096,
+               min_vocab_size=32000),
 }
 FAMILIES = {
     "llama": "LlamaForCausalLM",
@@ -73,7 +78,7 @@ def hf_config(family: str, preset: str, vocab_size: int, eos_ids: list[int], pad
         raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    shape = {k: v for k, v in PRESETS[preset].items() if k != "vocab_target"}
+    shape = {k: v for k, v in PRESETS[preset].items() if k not in ("vocab_target", "min_vocab_size")}
     cfg = dict(
         architectures=[FAMILIES[family]],
         model_type=family,
@@ -119,7 +124,7 @@ def make_model(
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     # Real checkpoints pad the embedding past the tokenizer; do the same (multiple of 64).
-    vocab_size = -(-len(tokenizer) // 64) * 64
+    vocab_size = max(-(-len(tokenizer) // 64) * 64, PRESETS[preset].get("min_vocab_size", 0))
     cfg = hf_config(family, preset, vocab_size, eos_ids, pad_id, **overrides)
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg)

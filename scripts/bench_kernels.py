@@ -1,0 +1,103 @@
+"""Kernel speed on a CUDA GPU: Triton paged_attention (decode) against torch SDPA on dense
+K/V, with achieved GB/s and % of peak HBM bandwidth; plus the element-wise kernels against
+their torch references. Needs CUDA.
+
+    python scripts/bench_kernels.py [--heads 32 --kv-heads 8 --head-dim 128] [--peak-gbps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.gpu_roofline import decode_attention_bytes, peak_bandwidth_gbps  # noqa: E402
+
+
+def _time_us(fn, *args, **kwargs) -> float:
+    """Median microseconds of fn(*args) by triton's do_bench (warm-up, L2 flush, CUDA events)."""
+    import triton.testing
+
+    return triton.testing.do_bench(lambda: fn(*args, **kwargs)) * 1e3
+
+
+def bench_decode_attention(args, peak):
+    from kernels import triton_kernels as tk
+
+    dtype = getattr(torch, args.dtype)
+    H, Hkv, D, page = args.heads, args.kv_heads, args.head_dim, 16
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    print(f"\npaged_attention decode, H={H} Hkv={Hkv} D={D} {args.dtype}, page {page}")
+    print(f"{'batch':>6} {'ctx':>6} {'triton us':>10} {'GB/s':>8} {'%peak':>6} {'sdpa us':>9} {'GB/s':>8}")
+    for batch in args.batches:
+        for ctx in args.contexts:
+            nb = -(-ctx // page)
+            kc = torch.randn(batch * nb, page, Hkv, D, device="cuda", dtype=dtype)
+            vc = torch.randn_like(kc)
+            table = torch.randperm(batch * nb, device="cuda", dtype=torch.int32).view(batch, nb)
+            q = torch.randn(batch, H, D, device="cuda", dtype=dtype)
+            qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+            seq = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+            out = torch.empty_like(q)
+            t_tri = _time_us(tk.paged_attention, q, kc, vc, table, qsl, seq, D**-0.5, out)
+            kd = kc.view(batch, nb * page, Hkv, D)[:, :ctx].transpose(1, 2).contiguous()
+            vd = vc.view(batch, nb * page, Hkv, D)[:, :ctx].transpose(1, 2).contiguous()
+            qd = q.unsqueeze(2)
+            t_sdpa = _time_us(torch.nn.functional.scaled_dot_product_attention, qd, kd, vd,
+                              scale=D**-0.5, enable_gqa=True)
+            nbytes = decode_attention_bytes(batch, ctx, H, Hkv, D, itemsize)
+            gbs_tri, gbs_sdpa = nbytes / t_tri / 1e3, nbytes / t_sdpa / 1e3
+            pct = f"{100 * gbs_tri / peak:5.1f}" if peak else "  n/a"
+            print(f"{batch:>6} {ctx:>6} {t_tri:>10.1f} {gbs_tri:>8.0f} {pct:>6} {t_sdpa:>9.1f} {gbs_sdpa:>8.0f}")
+
+
+def bench_elementwise(args):
+    from kernels import reference as ref
+    from kernels import triton_kernels as tk
+
+    dtype = getattr(torch, args.dtype)
+    T, hidden, H, Hkv, D = 4096, args.heads * args.head_dim, args.heads, args.kv_heads, args.head_dim
+    x = torch.randn(T, hidden, device="cuda", dtype=dtype)
+    res = torch.randn_like(x)
+    w = torch.randn(hidden, device="cuda", dtype=dtype)
+    gu = torch.randn(T, 2 * 4 * hidden, device="cuda", dtype=dtype)
+    q = torch.randn(T, H, D, device="cuda", dtype=dtype)
+    k = torch.randn(T, Hkv, D, device="cuda", dtype=dtype)
+    pos = torch.randint(0, 4096, (T,), device="cuda")
+    cache = torch.randn(4096, D, device="cuda", dtype=torch.float32)
+    print(f"\nelement-wise kernels, {T} tokens, {args.dtype} (us: triton / torch reference)")
+    for label, name, fn_args in (
+        ("rms_norm+residual", "rms_norm", (x, w, 1e-6, res)),
+        ("silu_and_mul", "silu_and_mul", (gu,)),
+        ("rotary_embedding", "rotary_embedding", (pos, q, k, cache, True)),
+    ):
+        t_tri = _time_us(getattr(tk, name), *fn_args)
+        t_ref = _time_us(getattr(ref, name), *fn_args)
+        print(f"  {label:<20} {t_tri:8.1f} / {t_ref:8.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--peak-gbps", type=float, default=None, help="override the device's peak")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU (the kernels are tested on CPU by the test suite)")
+    name = torch.cuda.get_device_name()
+    peak = peak_bandwidth_gbps(name, args.peak_gbps)
+    print(f"device: {name}, peak HBM bandwidth: {peak or 'unknown'} GB/s")
+    bench_decode_attention(args, peak)
+    bench_elementwise(args)
+
+
+if __name__ == "__main__":
+    main()
