@@ -38,6 +38,15 @@ def test_reshape_and_cache_matches_reference_with_padding_slots(dtype):
     assert int((caches[2] != 0).any(-1).any(-1).sum()) == 5  # the two -1 tokens wrote nothing
 
 
+def test_reshape_and_cache_with_three_kv_heads():
+    k, v = torch.randn(4, 3, 16), torch.randn(4, 3, 16)
+    slots = torch.tensor([0, 5, -1, 9])
+    caches = [torch.zeros(3, 4, 3, 16) for _ in range(4)]
+    ref.reshape_and_cache(k, v, caches[0], caches[1], slots)
+    tk.reshape_and_cache(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_reference(dtype, with_residual):
@@ -101,7 +110,7 @@ MIXED = ([5, 1, 1, 9, 1], [21, 17, 3, 9, 34])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H, Hkv", [(4, 4), (8, 2), (4, 1)])
+@pytest.mark.parametrize("H, Hkv", [(4, 4), (8, 2), (4, 1), (6, 2)])
 def test_paged_attention_mixed_batch_matches_reference(dtype, H, Hkv):
     _check_attention(_attention_case(*MIXED, H, Hkv, 32, 16, dtype), dtype)
 
