@@ -1,0 +1,96 @@
+"""Every Triton kernel compiles to PTX for Hopper (sm_90, the H200) without a GPU.
+
+The interpreter checks what the kernels compute; this checks what only the real compiler
+enforces (types of loop-carried values, dot shapes, constexpr use) for the launches the
+wrappers make on a GPU. Run as a script in a subprocess (`python -m tests.kernels.
+test_triton_compile`), because with TRITON_INTERPRET=1 set, kernels cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.triton_kernels import activation, attention, cache, norm, rotary
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def _compile(fn, signature: dict, constexprs: dict) -> str:
+    sig = {**signature, **{name: "constexpr" for name in constexprs}}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=HOPPER).asm["ptx"]
+
+
+def _ints(*names):
+    return {n: "i32" for n in names}
+
+
+ATTN_SIG = {
+    "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_table_ptr": "*i32",
+    "qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
+    "part_ml_ptr": "*fp32", "scale": "fp32",
+    **_ints("num_reqs", "num_tokens", "q_st", "q_sh", "o_st", "o_sh", "c_sb", "c_so", "c_sh", "bt_stride"),
+}
+
+
+def compile_paged_attention(splits, upcast, head_dim, group):
+    g_pad = triton.next_power_of_2(group)
+    sig = dict(ATTN_SIG)
+    if upcast:
+        sig.update({k: "*fp32" for k in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")})
+    ptx = _compile(attention._paged_attention_kernel, sig, dict(
+        NUM_HEADS=group * 2, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, BLOCK_D=head_dim, PAGE=16,
+        BLOCK_Q=max(1, 64 // g_pad), BLOCK_N=64, NUM_SPLITS=splits, UPCAST=upcast))
+    assert ".entry" in ptx
+
+
+def compile_split_reduce():
+    sig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", **_ints("num_tokens", "o_st", "o_sh")}
+    assert ".entry" in _compile(attention._reduce_splits_kernel, sig, dict(
+        NUM_HEADS=32, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=5, BLOCK_S=8))
+
+
+def compile_elementwise():
+    cache_sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
+                 "slot_ptr": "*i64", **_ints("k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h",
+                                             "c_stride_slot", "c_stride_h")}
+    _compile(cache._reshape_and_cache_kernel, cache_sig, dict(NUM_KV_HEADS=3, BLOCK_H=4, HEAD_DIM=128, BLOCK_D=128))
+    norm_sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
+                **_ints("x_stride", "res_stride", "out_stride", "res_out_stride", "dim"), "eps": "fp32"}
+    _compile(norm._rms_norm_kernel, norm_sig, dict(HAS_RESIDUAL=True, BLOCK=2048))
+    act_sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", **_ints("x_stride", "out_stride", "d")}
+    _compile(activation._silu_and_mul_kernel, act_sig, dict(BLOCK=1024))
+    rot_sig = {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "cache_ptr": "*fp32", "qo_ptr": "*bf16",
+               "ko_ptr": "*bf16", **_ints("q_st", "q_sh", "k_st", "k_sh", "qo_st", "qo_sh", "ko_st", "ko_sh",
+                                          "cache_stride", "num_q_heads", "num_k_heads", "head_dim")}
+    for neox in (True, False):
+        _compile(rotary._rotary_kernel, rot_sig, dict(ROT_HALF=64, IS_NEOX=neox, BLOCK_H=32, BLOCK_R=64, BLOCK_D=1))
+
+
+def main() -> None:
+    for case in [(1, False, 128, 4), (4, False, 64, 7), (1, True, 256, 1)]:
+        compile_paged_attention(*case)
+        print("compiled paged_attention", case)
+    compile_split_reduce()
+    print("compiled split reduce")
+    compile_elementwise()
+    print("compiled elementwise")
+
+
+def test_all_kernels_compile_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_triton_compile"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("compiled") == 5
+
+
+if __name__ == "__main__":
+    main()
