@@ -101,6 +101,7 @@ class EngineCore:
         num_blocks = self._determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.connector = connector
         self.scheduler = Scheduler(sc, cc, self.kv_cache_manager, self.max_model_len, connector)
         tokens = num_blocks * cc.block_size
         logger.info(
@@ -151,8 +152,34 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests() and not self.scheduler.finished_req_ids:
             return []
         scheduler_output = self.scheduler.schedule()
+        if self.connector is not None:
+            self.connector.start_load_kv(scheduler_output.kv_connector_metadata, self.runner.kv_caches)
         runner_output = self.runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.connector is not None:
+            outputs += self._finish_kv_transfers(outputs)
+        return outputs
+
+    def _finish_kv_transfers(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Export finished producers' KV, free their blocks, release loaded consumers, and
+        turn failed loads into errors (or recomputes). Returns the extra outputs to emit."""
+        conn = self.connector
+        conn.wait_for_save()
+        conn.save_kv(self.runner.kv_caches)
+        for out in outputs:
+            error = conn.export_errors.pop(out.request_id, None)
+            if error is not None:
+                out.kv_transfer_params = {"error": f"KV export failed: {error}"}
+        sending, recving, failed = conn.get_finished()
+        for request_id in sending:
+            self.kv_cache_manager.free_by_id(request_id)
+        self.scheduler.finish_remote_kv_loads(recving)
+        extra = []
+        recompute = getattr(conn, "load_failure_policy", "fail") == "recompute"
+        for request_id, reason in failed.items():
+            if self.scheduler.fail_remote_kv_load(request_id, recompute):
+                extra.append(EngineCoreOutput(request_id, [], finish_reason="error", stop_reason=reason))
+        return extra
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -315,6 +315,22 @@ class Scheduler:
         """The worker side reports these requests' external KV as loaded."""
         self.finished_recving_kv_req_ids |= request_ids
 
+    def fail_remote_kv_load(self, request_id: str, recompute: bool) -> bool:
+        """A request's external KV could not be loaded. With `recompute` it forgets the
+        remote KV and will compute its whole prompt here; otherwise it finishes with an
+        error. Returns whether the request was finished."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return False
+        if not recompute:
+            self.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
+            return True
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.kv_transfer_params = None
+        request.status = RequestStatus.WAITING
+        return False
+
     # ---- introspection ------------------------------------------------------------------
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)

@@ -136,8 +136,12 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release a request's blocks. Tail blocks go to the free queue first, so they are
         evicted before the shared prefix blocks that are more likely to be hit again."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
+        self.free_by_id(request.request_id)
+
+    def free_by_id(self, request_id: str) -> None:
+        """`free` for a request the scheduler no longer tracks (e.g. after a delayed free)."""
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_blocks.pop(request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

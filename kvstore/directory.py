@@ -1,0 +1,106 @@
+"""The transfer directory: which KV exports exist, where, how big, until when.
+
+Pure Python with an injectable clock; `kvstore.store_actor` wraps it in a Ray actor. The
+directory holds handles (e.g. Ray ObjectRefs), never the bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class StoreFullError(RuntimeError):
+    """Raised when a transfer would exceed the store's capacity."""
+
+
+@dataclass
+class TransferEntry:
+    transfer_id: str
+    owner: str  # replica id of the producer
+    nbytes: int
+    num_tokens: int
+    location: object  # what the transport needs to fetch the bytes (ObjectRef, peer address, ...)
+    created: float
+    deadline: float
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class DirectoryStats:
+    live_transfers: int
+    live_bytes: int
+    registered: int
+    released: int
+    expired: int
+    rejected_full: int
+
+
+class TransferDirectory:
+    def __init__(
+        self,
+        lease_s: float = 120.0,
+        max_bytes: int | None = None,
+        max_transfers: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        self.lease_s = lease_s
+        self.max_bytes = max_bytes
+        self.max_transfers = max_transfers
+        self._clock = clock
+        self._entries: dict[str, TransferEntry] = {}
+        self._bytes = 0
+        self._counts = {"registered": 0, "released": 0, "expired": 0, "rejected_full": 0}
+
+    def put(self, transfer_id: str, owner: str, nbytes: int, num_tokens: int, location: object,
+            meta: dict | None = None, lease_s: float | None = None) -> TransferEntry:
+        if transfer_id in self._entries:
+            raise ValueError(f"transfer_id {transfer_id!r} is already registered")
+        if self.max_transfers is not None and len(self._entries) >= self.max_transfers:
+            self._counts["rejected_full"] += 1
+            raise StoreFullError(
+                f"KV store is full: {len(self._entries)} live transfers (max_transfers={self.max_transfers})"
+            )
+        if self.max_bytes is not None and self._bytes + nbytes > self.max_bytes:
+            self._counts["rejected_full"] += 1
+            raise StoreFullError(
+                f"KV store is full: {self._bytes} + {nbytes} bytes exceeds max_bytes={self.max_bytes}"
+            )
+        now = self._clock()
+        entry = TransferEntry(transfer_id, owner, nbytes, num_tokens, location, now,
+                              now + (lease_s if lease_s is not None else self.lease_s), dict(meta or {}))
+        self._entries[transfer_id] = entry
+        self._bytes += nbytes
+        self._counts["registered"] += 1
+        return entry
+
+    def lookup(self, transfer_id: str) -> TransferEntry | None:
+        return self._entries.get(transfer_id)
+
+    def release(self, transfer_id: str) -> TransferEntry | None:
+        """Forget a transfer (its consumer has the bytes, or nobody will take them)."""
+        entry = self._entries.pop(transfer_id, None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
+            self._counts["released"] += 1
+        return entry
+
+    def release_owner(self, owner: str) -> list[TransferEntry]:
+        """Forget every transfer of a producer (e.g. when its bytes died with it)."""
+        return [self.release(tid) for tid, e in list(self._entries.items()) if e.owner == owner]
+
+    def sweep(self) -> list[TransferEntry]:
+        """Drop every transfer whose lease has passed; returns them."""
+        now = self._clock()
+        expired = [e for e in self._entries.values() if e.deadline <= now]
+        for e in expired:
+            del self._entries[e.transfer_id]
+            self._bytes -= e.nbytes
+            self._counts["expired"] += 1
+        return expired
+
+    def stats(self) -> DirectoryStats:
+        return DirectoryStats(len(self._entries), self._bytes, **self._counts)

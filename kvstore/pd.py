@@ -1,0 +1,39 @@
+"""How one request is split into a prefill request and a decode request.
+
+The prefill replica runs the prompt with max_tokens=1: it samples the first token and exports
+the prompt's KV. The decode replica continues from prompt + [first token] with the prompt's
+KV loaded and its own budget reduced by the token already produced, so the concatenated
+tokens are those a colocated engine would produce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.sampling_params import SamplingParams
+
+DO_REMOTE_DECODE = {"do_remote_decode": True}
+
+
+def prefill_params(params: SamplingParams) -> SamplingParams:
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+
+
+def needs_decode(first_finish_reason: str | None, params: SamplingParams) -> bool:
+    """Whether anything is left after the prefill's single token. The prefill always stops at
+    max_tokens=1 ("length"); it is the real end only if the user asked for one token."""
+    if first_finish_reason != "length":
+        return False  # EOS, stop token/string, error, abort
+    return params.max_tokens is None or params.max_tokens > 1
+
+
+def decode_params(params: SamplingParams) -> SamplingParams:
+    return dataclasses.replace(
+        params,
+        max_tokens=None if params.max_tokens is None else params.max_tokens - 1,
+        min_tokens=max(params.min_tokens - 1, 0),
+    )
+
+
+def decode_prompt(prompt_token_ids: list[int], first_token: int) -> dict:
+    return {"prompt_token_ids": list(prompt_token_ids) + [first_token]}

@@ -1,0 +1,62 @@
+"""The transport interface, and an in-process transport for engines sharing one process."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+
+class TransferError(RuntimeError):
+    """The KV of a transfer could not be fetched (expired, released, producer gone, ...)."""
+
+
+class KVTransport(ABC):
+    """Producer side: `publish`; consumer side: `fetch_async` and `release`.
+
+    `publish` returns the extra entries of kv_transfer_params the consumer needs, and raises
+    on failure (e.g. the store is full). `fetch_async` must not block the engine thread: it
+    calls `on_done(tensor or exception)` from any thread.
+    """
+
+    name = "base"
+
+    @abstractmethod
+    def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> dict: ...
+
+    @abstractmethod
+    def fetch_async(self, params: dict, on_done: Callable[[object], None]) -> None: ...
+
+    @abstractmethod
+    def release(self, params: dict) -> None: ...
+
+
+class LocalTransport(KVTransport):
+    """Both sides in one process (tests, single-process P/D): a locked dict of tensors."""
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, torch.Tensor] = {}
+
+    def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> dict:
+        with self._lock:
+            self._data[transfer_id] = kv
+        return {}
+
+    def fetch_async(self, params: dict, on_done: Callable[[object], None]) -> None:
+        with self._lock:
+            kv = self._data.get(params["transfer_id"])
+        on_done(kv if kv is not None else TransferError(f"transfer {params['transfer_id']!r} not found"))
+
+    def release(self, params: dict) -> None:
+        with self._lock:
+            self._data.pop(params["transfer_id"], None)
+
+    @property
+    def live_transfers(self) -> int:
+        with self._lock:
+            return len(self._data)

@@ -1,0 +1,166 @@
+"""P/D through the connector with two in-process engines (no Ray): the decode engine loads
+the prompt KV instead of recomputing it, tokens equal the colocated run, nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import SamplingParams, build_engine_config
+from engine.llm_engine import LLMEngine
+from kvstore.connector import PDConnector
+from kvstore.pd import DO_REMOTE_DECODE, decode_params, decode_prompt, needs_decode, prefill_params
+from kvstore.transports import LocalTransport, TransferError
+from tests.engine.hf_reference import hf_greedy, random_prompts
+
+BS = 16
+
+
+def _engine(model, connector=None, **kw):
+    return LLMEngine(build_engine_config(model, max_model_len=256, block_size=BS, **kw), connector)
+
+
+def _run(engine, rid):
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out
+
+
+def _pd(prefill, decode, rid, prompt, params):
+    prefill.add_request(rid, {"prompt_token_ids": prompt}, prefill_params(params),
+                        kv_transfer_params=dict(DO_REMOTE_DECODE))
+    first = _run(prefill, rid)
+    tokens = list(first.outputs[0].token_ids)
+    if not needs_decode(first.outputs[0].finish_reason, params):
+        return tokens, first
+    decode.add_request(rid, decode_prompt(prompt, tokens[0]), decode_params(params),
+                       kv_transfer_params=first.kv_transfer_params)
+    last = _run(decode, rid)
+    return tokens + list(last.outputs[0].token_ids), last
+
+
+@pytest.fixture
+def pd_pair(tiny_model):
+    transport = LocalTransport()
+    p = _engine(tiny_model, PDConnector("producer", transport, "p0", BS))
+    d = _engine(tiny_model, PDConnector("consumer", transport, "d0", BS))
+    return p, d, transport
+
+
+def _assert_no_leaks(*engines, transport=None):
+    for e in engines:
+        kv = e.core.kv_cache_manager
+        assert kv.get_num_free_blocks() == kv.num_blocks
+        assert not e.has_unfinished_requests()
+    if transport is not None:
+        assert transport.live_transfers == 0
+
+
+def test_pd_greedy_equals_colocated_and_transformers(pd_pair, tiny_model):
+    p, d, transport = pd_pair
+    colocated = _engine(tiny_model)
+    prompts = random_prompts([5, 16, 33, 70], 1000, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    ref = hf_greedy(tiny_model, prompts, 12)
+    for i, prompt in enumerate(prompts):
+        got, _ = _pd(p, d, f"r{i}", prompt, params)
+        colocated.add_request(f"c{i}", {"prompt_token_ids": prompt}, params)
+        assert got == list(_run(colocated, f"c{i}").outputs[0].token_ids) == ref[i]
+    _assert_no_leaks(p, d, transport=transport)
+
+
+def test_decode_does_not_recompute_the_prompt(pd_pair):
+    p, d, _ = pd_pair
+    prompt = random_prompts([40], 1000, seed=22)[0]
+    scheduled = []
+    original = d.core.runner.execute_model
+
+    def spy(so):
+        scheduled.append(dict(so.num_scheduled_tokens))
+        return original(so)
+
+    d.core.runner.execute_model = spy
+    _pd(p, d, "r", prompt, SamplingParams(temperature=0, max_tokens=4))
+    first_step = next(s for s in scheduled if s)
+    assert first_step == {"r": 1}  # only the first generated token, never the 40-token prompt
+    assert p.core.connector.stats["exports"] == 1 and d.core.connector.stats["loads"] == 1
+
+
+def test_single_token_request_never_reaches_decode(pd_pair):
+    p, d, transport = pd_pair
+    tokens, out = _pd(p, d, "r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=1))
+    assert len(tokens) == 1 and out.outputs[0].finish_reason == "length"
+    # The orchestrator releases the unused transfer.
+    transport.release(out.kv_transfer_params)
+    _assert_no_leaks(p, d, transport=transport)
+
+
+class FailingTransport(LocalTransport):
+    def fetch_async(self, params, on_done):
+        on_done(TransferError("producer is gone"))
+
+
+def _pd_with_failing_fetch(tiny_model, policy):
+    transport = FailingTransport()
+    p = _engine(tiny_model, PDConnector("producer", transport, "p0", BS))
+    d = _engine(tiny_model, PDConnector("consumer", transport, "d0", BS, load_failure_policy=policy))
+    return p, d, transport
+
+
+def test_load_failure_with_fail_policy_is_an_explicit_error(tiny_model):
+    p, d, transport = _pd_with_failing_fetch(tiny_model, "fail")
+    prompt = random_prompts([30], 1000, seed=23)[0]
+    _, out = _pd(p, d, "r", prompt, SamplingParams(temperature=0, max_tokens=6))
+    assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+    assert "KV load failed" in out.outputs[0].stop_reason
+    _assert_no_leaks(p, d, transport=transport)
+
+
+def test_load_failure_with_recompute_policy_gives_the_same_tokens(tiny_model):
+    p, d, transport = _pd_with_failing_fetch(tiny_model, "recompute")
+    prompt = random_prompts([30], 1000, seed=24)[0]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    tokens, out = _pd(p, d, "r", prompt, params)
+    assert out.outputs[0].finish_reason == "length"
+    assert tokens == hf_greedy(tiny_model, [prompt], 6)[0]
+    _assert_no_leaks(p, d, transport=transport)
+
+
+def test_abort_while_waiting_for_kv_frees_blocks_and_transfer(tiny_model):
+    class NeverArrives(LocalTransport):
+        def fetch_async(self, params, on_done):
+            pass  # in flight forever
+
+    transport = NeverArrives()
+    p = _engine(tiny_model, PDConnector("producer", transport, "p0", BS))
+    d = _engine(tiny_model, PDConnector("consumer", transport, "d0", BS))
+    prompt = random_prompts([30], 1000, seed=25)[0]
+    p.add_request("r", {"prompt_token_ids": prompt}, prefill_params(SamplingParams(max_tokens=5)),
+                  kv_transfer_params=dict(DO_REMOTE_DECODE))
+    first = _run(p, "r")
+    d.add_request("r", decode_prompt(prompt, first.outputs[0].token_ids[0]), SamplingParams(max_tokens=4),
+                  kv_transfer_params=first.kv_transfer_params)
+    d.step()
+    d.step()
+    assert d.core.kv_cache_manager.get_num_free_blocks() < d.core.kv_cache_manager.num_blocks
+    d.abort_request("r")
+    _assert_no_leaks(p, d, transport=transport)
+
+
+def test_local_prefix_hit_covering_the_transfer_skips_the_load(pd_pair, tiny_model):
+    p, d, transport = pd_pair
+    prompt = random_prompts([32], 1000, seed=26)[0]  # block aligned: a full local hit
+    params = SamplingParams(temperature=0, max_tokens=3)
+    first_run, _ = _pd(p, d, "a", prompt, params)
+    loads = d.core.connector.stats["loads"]
+    second_run, _ = _pd(p, d, "b", prompt, params)
+    assert second_run == first_run
+    assert d.core.connector.stats["loads"] == loads  # served from d's own prefix cache
+    _assert_no_leaks(p, d, transport=transport)
+
+
+def test_invalid_connector_settings_are_rejected():
+    with pytest.raises(ValueError, match="role"):
+        PDConnector("server", LocalTransport(), "x", 16)
+    with pytest.raises(ValueError, match="load_failure_policy"):
+        PDConnector("consumer", LocalTransport(), "x", 16, load_failure_policy="retry")

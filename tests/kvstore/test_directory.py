@@ -1,0 +1,87 @@
+"""The transfer directory: leases, capacity, release, stats."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.directory import StoreFullError, TransferDirectory
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _dir(**kw):
+    clock = FakeClock()
+    return TransferDirectory(clock=clock, **kw), clock
+
+
+def test_put_lookup_release_round_trip():
+    d, _ = _dir()
+    d.put("t1", "prefill-0", 100, 7, location="ref")
+    assert d.lookup("t1").location == "ref" and d.lookup("t1").num_tokens == 7
+    assert d.stats().live_transfers == 1 and d.stats().live_bytes == 100
+    assert d.release("t1").transfer_id == "t1"
+    assert d.lookup("t1") is None and d.stats().live_bytes == 0
+    assert d.release("t1") is None  # releasing twice is harmless
+
+
+def test_duplicate_transfer_id_is_rejected():
+    d, _ = _dir()
+    d.put("t1", "p", 1, 1, None)
+    with pytest.raises(ValueError, match="already registered"):
+        d.put("t1", "p", 1, 1, None)
+
+
+def test_lease_expiry_frees_unclaimed_transfers_only_after_deadline():
+    d, clock = _dir(lease_s=120.0)
+    d.put("old", "p", 10, 1, None)
+    clock.now += 60
+    d.put("new", "p", 20, 1, None)
+    clock.now += 59.9
+    assert d.sweep() == []
+    clock.now += 0.2
+    assert [e.transfer_id for e in d.sweep()] == ["old"]
+    assert d.stats().live_transfers == 1 and d.stats().live_bytes == 20 and d.stats().expired == 1
+
+
+def test_per_transfer_lease_overrides_default():
+    d, clock = _dir(lease_s=120.0)
+    d.put("short", "p", 1, 1, None, lease_s=1.0)
+    clock.now += 1.0
+    assert [e.transfer_id for e in d.sweep()] == ["short"]
+
+
+def test_capacity_in_bytes_fails_clearly_and_leaves_state_unchanged():
+    d, _ = _dir(max_bytes=100)
+    d.put("a", "p", 60, 1, None)
+    with pytest.raises(StoreFullError, match="max_bytes=100"):
+        d.put("b", "p", 50, 1, None)
+    assert d.stats().live_bytes == 60 and d.stats().rejected_full == 1
+    d.release("a")
+    d.put("b", "p", 50, 1, None)
+
+
+def test_capacity_in_transfers_fails_clearly():
+    d, _ = _dir(max_transfers=1)
+    d.put("a", "p", 1, 1, None)
+    with pytest.raises(StoreFullError, match="max_transfers=1"):
+        d.put("b", "p", 1, 1, None)
+
+
+def test_release_owner_drops_all_of_a_producers_transfers():
+    d, _ = _dir()
+    d.put("a", "p0", 1, 1, None)
+    d.put("b", "p1", 2, 1, None)
+    d.put("c", "p0", 3, 1, None)
+    assert sorted(e.transfer_id for e in d.release_owner("p0")) == ["a", "c"]
+    assert d.stats().live_transfers == 1
+
+
+def test_invalid_lease_is_rejected():
+    with pytest.raises(ValueError, match="lease_s"):
+        TransferDirectory(lease_s=0)
