@@ -1,16 +1,19 @@
 """Asyncio streaming front over one LLMEngine: `async for out in engine.generate(...)`.
 
-Every engine call (add, abort, step) runs on one dedicated thread, so the engine is never
-touched concurrently and the event loop never blocks on a forward pass. A step loop runs
-while any request is unfinished and parks when the engine is idle.
+As seed 004's EngineCoreProc: one background thread owns the engine and runs a busy loop —
+drain the input queue (add / abort / calls), step while there is work, post each output to
+its stream's event loop, and block on the input queue when idle. Nothing else touches the
+engine, so it needs no locks, and the event loop never waits on a forward pass.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 import uuid
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -18,18 +21,66 @@ from engine.outputs import RequestOutput
 from engine.processor import PromptType
 from engine.sampling_params import SamplingParams
 
+_STOP = object()
+
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, connector=None, engine: LLMEngine | None = None) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-engine")
+    def __init__(self, config: EngineConfig | None = None, connector=None, engine: LLMEngine | None = None) -> None:
         self.engine = engine or LLMEngine(config, connector)
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._loop_task: asyncio.Task | None = None
+        self._inputs: queue.Queue = queue.Queue()
+        # request id -> (event loop, asyncio queue) of its stream
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._errored: BaseException | None = None
+        self._thread = threading.Thread(target=self._busy_loop, name="pdserve-engine", daemon=True)
+        self._thread.start()
 
-    async def _call(self, fn, *args, **kwargs):
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+    # ---- engine thread ------------------------------------------------------------------
+    def _busy_loop(self) -> None:
+        while True:
+            block = not self.engine.has_unfinished_requests()
+            try:
+                while True:
+                    item = self._inputs.get(block=block)
+                    block = False
+                    if item is _STOP:
+                        return
+                    self._handle(item)
+            except queue.Empty:
+                pass
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # the engine is unusable: fail every stream, loudly
+                self._errored = e
+                for rid in list(self._streams):
+                    self._post(rid, e)
+                return
+            for out in outputs:
+                self._post(out.request_id, out)
+
+    def _handle(self, item: tuple[Callable, tuple, Future]) -> None:
+        fn, args, fut = item
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:
+            fut.set_exception(e)
+
+    def _post(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    # ---- callers ------------------------------------------------------------------------
+    def call(self, fn: Callable, *args) -> Future:
+        """Run fn(*args) on the engine thread between steps; a concurrent Future."""
+        fut: Future = Future()
+        if self._errored is not None:
+            fut.set_exception(RuntimeError(f"engine is dead: {self._errored!r}"))
+        else:
+            self._inputs.put((fn, args, fut))
+        return fut
 
     async def generate(
         self,
@@ -42,55 +93,43 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last one has `finished=True`. Leaving the loop
         early (client gone, task cancelled) aborts the request and frees its KV blocks."""
-        if self._errored is not None:
-            raise RuntimeError("engine is dead") from self._errored
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._queues:
+        if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
         finished = False
         try:
-            await self._call(
-                self.engine.add_request, request_id, prompt, sampling_params, priority,
-                cache_salt, kv_transfer_params,
-            )
-            self._ensure_loop()
+            await asyncio.wrap_future(self.call(
+                self.engine.add_request, request_id, prompt, sampling_params, priority, cache_salt,
+                kv_transfer_params,
+            ))
             while not finished:
-                item = await queue.get()
+                item = await q.get()
                 if isinstance(item, BaseException):
                     finished = True
-                    raise item
+                    raise RuntimeError(f"engine failed: {item!r}") from item
                 finished = item.finished
                 yield item
+        except ValueError:
+            finished = True  # rejected by validation: nothing was queued
+            raise
         finally:
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
             if not finished:
-                await asyncio.shield(self.abort(request_id))
+                # Queued at once whatever happens next; then wait for it when we still can.
+                fut = self.call(self.engine.abort_request, request_id)
+                try:
+                    await asyncio.shield(asyncio.wrap_future(fut))
+                except (asyncio.CancelledError, RuntimeError):
+                    pass
 
     async def abort(self, request_id: str) -> None:
-        await self._call(self.engine.abort_request, request_id)
-
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
-
-    async def _step_loop(self) -> None:
-        try:
-            while self.engine.has_unfinished_requests():
-                outputs = await self._call(self.engine.step)
-                for out in outputs:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
-        except Exception as e:  # the engine is unusable: fail every stream, loudly
-            self._errored = e
-            for queue in self._queues.values():
-                queue.put_nowait(e)
-            raise
+        await asyncio.wrap_future(self.call(self.engine.abort_request, request_id))
 
     async def load(self) -> dict:
-        return await self._call(self.engine.core.load)
+        return await asyncio.wrap_future(self.call(self.engine.core.load))
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._inputs.put(_STOP)
+        self._thread.join(timeout=30)
