@@ -90,6 +90,7 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        prior_output_tokens: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last one has `finished=True`. Leaving the loop
         early (client gone, task cancelled) aborts the request and frees its KV blocks."""
@@ -102,7 +103,7 @@ class AsyncLLM:
         try:
             await asyncio.wrap_future(self.call(
                 self.engine.add_request, request_id, prompt, sampling_params, priority, cache_salt,
-                kv_transfer_params,
+                kv_transfer_params, prior_output_tokens,
             ))
             while not finished:
                 item = await q.get()

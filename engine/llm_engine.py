@@ -58,10 +58,11 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        prior_output_tokens: int = 0,
     ) -> str:
         """Validate, tokenize and queue a request; raises ValueError on bad input."""
         request, text = self.processor.process(
-            prompt, params, request_id, priority, cache_salt, kv_transfer_params
+            prompt, params, request_id, priority, cache_salt, kv_transfer_params, prior_output_tokens
         )
         self.core.add_request(request)
         self.output_processor.add_request(request, text)

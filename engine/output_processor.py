@@ -31,7 +31,7 @@ class OutputProcessor:
         self.states[request.request_id] = _RequestState(
             request=request,
             prompt=prompt,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
+            detokenizer=_detokenizer(self.tokenizer, request),
             logprobs=[] if params.logprobs is not None else None,
         )
 
@@ -98,3 +98,14 @@ class OutputProcessor:
             if finished:
                 del self.states[co.request_id]
         return outputs, stopped_by_string
+
+
+def _detokenizer(tokenizer, request: Request) -> IncrementalDetokenizer:
+    """A detokenizer positioned as if the request's prior output tokens had been streamed by
+    it: their text was already delivered (or is still pending a multi-byte character)."""
+    k = request.prior_output_tokens
+    ids = request.prompt_token_ids
+    detok = IncrementalDetokenizer(tokenizer, ids[: len(ids) - k], request.sampling_params.skip_special_tokens)
+    for token in ids[len(ids) - k:]:
+        detok.step(token)
+    return detok

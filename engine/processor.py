@@ -43,6 +43,7 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        prior_output_tokens: int = 0,
     ) -> tuple[Request, str | None]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -50,6 +51,8 @@ class InputProcessor:
         n = len(ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
+        if not 0 <= prior_output_tokens < n:
+            raise ValueError(f"prior_output_tokens must be in [0, {n}), got {prior_output_tokens}")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
@@ -76,5 +79,6 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
+            prior_output_tokens=prior_output_tokens,
         )
         return request, text

@@ -57,6 +57,9 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer_params: dict | None = None
+    # The last N prompt tokens were generated for this request elsewhere (the first token of a
+    # P/D request): detokenization and seeded sampling continue from them, not restart.
+    prior_output_tokens: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -18,6 +18,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # Random draws already spent on this request elsewhere (its prior output tokens).
+    rng_draws_done: int = 0
 
 
 @dataclass

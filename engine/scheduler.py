@@ -210,6 +210,7 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
+                rng_draws_done=r.prior_output_tokens,
             )
             for r in new_reqs
         ]

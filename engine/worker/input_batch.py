@@ -48,6 +48,8 @@ class InputBatch:
         block_ids: list[int],
         params: SamplingParams,
         device: torch.device,
+        rng_draws_done: int = 0,
+        vocab_size: int = 0,
     ) -> None:
         if req_id in self.req_id_to_row:
             self.remove_request(req_id)
@@ -66,6 +68,11 @@ class InputBatch:
         if params.seed is not None and req_id not in self.generators:
             gen = torch.Generator(device=device)
             gen.manual_seed(params.seed)
+            if not params.greedy:
+                # Replay the sampler's per-token draw (one Exp(1) per vocab entry) for tokens
+                # sampled elsewhere, so the stream continues where it left off.
+                for _ in range(rng_draws_done):
+                    torch.empty(vocab_size, device=device).exponential_(generator=gen)
             self.generators[req_id] = gen
 
     def remove_request(self, req_id: str, keep_generator: bool = False) -> None:

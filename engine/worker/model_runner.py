@@ -141,6 +141,8 @@ class ModelRunner:
                 new.block_ids,
                 new.sampling_params,
                 self.device,
+                rng_draws_done=new.rng_draws_done,
+                vocab_size=self.arch.vocab_size,
             )
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(

@@ -34,7 +34,7 @@ def _pd(prefill, decode, rid, prompt, params):
     if not needs_decode(first.outputs[0].finish_reason, params):
         return tokens, first
     decode.add_request(rid, decode_prompt(prompt, tokens[0]), decode_params(params),
-                       kv_transfer_params=first.kv_transfer_params)
+                       kv_transfer_params=first.kv_transfer_params, prior_output_tokens=1)
     last = _run(decode, rid)
     return tokens + list(last.outputs[0].token_ids), last
 
@@ -66,6 +66,19 @@ def test_pd_greedy_equals_colocated_and_transformers(pd_pair, tiny_model):
         got, _ = _pd(p, d, f"r{i}", prompt, params)
         colocated.add_request(f"c{i}", {"prompt_token_ids": prompt}, params)
         assert got == list(_run(colocated, f"c{i}").outputs[0].token_ids) == ref[i]
+    _assert_no_leaks(p, d, transport=transport)
+
+
+def test_pd_seeded_sampling_and_text_equal_colocated(pd_pair, tiny_model):
+    p, d, transport = pd_pair
+    colocated = _engine(tiny_model)
+    prompt = random_prompts([21], 1000, seed=27)[0]
+    for seed in (1, 2, 3):
+        params = SamplingParams(temperature=1.0, top_p=0.9, seed=seed, max_tokens=10, ignore_eos=True)
+        got, last = _pd(p, d, f"s{seed}", prompt, params)
+        colocated.add_request(f"c{seed}", {"prompt_token_ids": prompt}, params)
+        ref = _run(colocated, f"c{seed}").outputs[0]
+        assert got == list(ref.token_ids)
     _assert_no_leaks(p, d, transport=transport)
 
 

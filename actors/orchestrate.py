@@ -1,0 +1,126 @@
+"""One request through prefill and decode replicas (ARCHITECTURE.md §2, steps 2-5).
+
+`pd_generate` is what the ingress calls: prefill with max_tokens=1 -> first token +
+kv_transfer_params -> decode with the prompt KV loaded. It yields cumulative RequestOutputs
+whose token ids and text run across both halves, exactly as one colocated request would.
+Whatever ends it — completion, an error on either side, or the caller going away — it aborts
+the request on both replicas and releases the transfer, so no KV block or transfer is left.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import ray
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from kvstore.pd import decode_params, decode_prompt, needs_decode
+
+logger = logging.getLogger(__name__)
+
+
+class PDRequestError(RuntimeError):
+    """A P/D request failed (a replica died, the KV could not be exported or loaded). The
+    client gets an error, never tokens computed from wrong or partial KV."""
+
+
+class _Merged:
+    """Accumulates the prefill output and the decode stream into one request's view."""
+
+    def __init__(self, first: RequestOutput) -> None:
+        c = first.outputs[0]
+        self.request_id = first.request_id
+        self.prompt = first.prompt
+        self.prompt_token_ids = first.prompt_token_ids
+        self.token_ids = list(c.token_ids)
+        self.text = c.text
+        self.logprobs = list(c.logprobs) if c.logprobs is not None else None
+        self.num_cached_tokens = first.num_cached_tokens
+
+    def output(self, finished: bool, finish_reason, stop_reason, delta_text: str, delta_ids: list[int],
+               delta_logprobs=None) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            outputs=[CompletionOutput(0, self.text, list(self.token_ids), finish_reason, stop_reason,
+                                      self.logprobs)],
+            finished=finished, num_cached_tokens=self.num_cached_tokens, delta_text=delta_text,
+            delta_token_ids=delta_ids, delta_logprobs=delta_logprobs,
+        )
+
+    def add(self, out: RequestOutput) -> RequestOutput:
+        self.token_ids += out.delta_token_ids
+        self.text += out.delta_text
+        if self.logprobs is not None and out.delta_logprobs:
+            self.logprobs += out.delta_logprobs
+        c = out.outputs[0]
+        return self.output(out.finished, c.finish_reason, c.stop_reason, out.delta_text,
+                           list(out.delta_token_ids), out.delta_logprobs)
+
+
+async def _stream(gen) -> AsyncIterator[RequestOutput]:
+    async for ref in gen:
+        yield await ref
+
+
+async def pd_generate(prefill, decode, store, prompt, params: SamplingParams, request_id: str,
+                      load_failure_policy: str = "fail") -> AsyncIterator[RequestOutput]:
+    """Disaggregated generation of one request over a prefill and a decode actor handle."""
+    transfer: dict | None = None
+    finished = False
+    try:
+        try:
+            first = await prefill.prefill.remote(prompt, params, request_id)
+        except ray.exceptions.RayActorError as e:
+            raise PDRequestError(f"prefill replica died: {e}") from e
+        c = first.outputs[0]
+        if c.finish_reason == "error":
+            raise PDRequestError(f"prefill failed: {c.stop_reason}")
+        transfer = first.kv_transfer_params
+        merged = _Merged(first)
+        more = needs_decode(c.finish_reason, params)
+        finished = not more
+        yield merged.output(not more, c.finish_reason if not more else None, c.stop_reason if not more else None,
+                            c.text, list(c.token_ids), first.delta_logprobs)
+        if not more:
+            return
+        kv_params = transfer
+        if transfer is None or "error" in transfer:
+            reason = (transfer or {}).get("error", "no KV was exported")
+            if load_failure_policy != "recompute":
+                raise PDRequestError(reason)
+            logger.warning("request %s: %s; decode recomputes the prompt", request_id, reason)
+            kv_params = None
+        gen = decode.generate.remote(decode_prompt(first.prompt_token_ids, c.token_ids[0]),
+                                     decode_params(params), request_id, kv_params, 1)
+        try:
+            async for out in _stream(gen):
+                if out.finished and out.outputs[0].finish_reason == "error":
+                    raise PDRequestError(f"decode failed: {out.outputs[0].stop_reason}")
+                finished = out.finished
+                yield merged.add(out)
+        except ray.exceptions.RayActorError as e:
+            raise PDRequestError(f"decode replica died: {e}") from e
+    finally:
+        if not finished:
+            # Client gone, error or cancellation: nothing of this request may stay anywhere.
+            # (Aborting an unknown request is a no-op, so both sides are told.)
+            prefill.abort.remote(request_id)
+            decode.abort.remote(request_id)
+        if transfer is not None and "transfer_id" in transfer:
+            store.release.remote(transfer["transfer_id"])
+
+
+async def colocated_generate(worker, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    """The baseline: one worker does prefill and decode."""
+    finished = False
+    try:
+        async for out in _stream(worker.generate.remote(prompt, params, request_id)):
+            finished = out.finished
+            yield out
+    except ray.exceptions.RayActorError as e:
+        raise PDRequestError(f"worker died: {e}") from e
+    finally:
+        if not finished:
+            worker.abort.remote(request_id)

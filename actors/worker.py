@@ -1,0 +1,104 @@
+"""EngineWorker: the body of a prefill, decode or colocated Ray actor (or Serve replica).
+
+It owns one engine whose busy loop runs in a background thread (engine.AsyncLLM), and adds
+what the cluster needs around it: the KV connector for its role, streaming and one-shot
+prefill methods, abort, health and load figures. The engine class is injected (`engine_cls`)
+so tests can run the actor with a fake.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import ray
+
+from engine import AsyncLLM, SamplingParams, build_engine_config
+from engine.outputs import RequestOutput
+from kvstore.connector import PDConnector
+from kvstore.pd import DO_REMOTE_DECODE, prefill_params
+from kvstore.transports.object_store import ObjectStoreTransport
+
+ROLES = ("colocated", "prefill", "decode")
+TRANSPORTS = ("object_store",)
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        model: str,
+        role: str = "colocated",
+        replica_id: str | None = None,
+        engine_kwargs: dict | None = None,
+        store=None,
+        transport: str = "object_store",
+        load_failure_policy: str = "fail",
+        engine_cls=AsyncLLM,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.role = role
+        self.replica_id = replica_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        config = build_engine_config(model, **(engine_kwargs or {}))
+        self.transport = None
+        connector = None
+        if role != "colocated":
+            if store is None:
+                raise ValueError(f"a {role} worker needs the KV store actor (store=...)")
+            self.transport = self._make_transport(transport, store)
+            connector = PDConnector(
+                "producer" if role == "prefill" else "consumer", self.transport, self.replica_id,
+                config.cache.block_size, load_failure_policy,
+            )
+        self.engine = engine_cls(config, connector)
+
+    def _make_transport(self, name: str, store):
+        def self_handle():
+            return ray.get_runtime_context().current_actor
+
+        return ObjectStoreTransport(store, self.replica_id, self_handle)
+
+    # ---- requests -----------------------------------------------------------------------
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
+                       kv_transfer_params: dict | None = None, prior_output_tokens: int = 0):
+        """Stream RequestOutputs (a Ray streaming generator when called on the actor)."""
+        async for out in self.engine.generate(prompt, params, request_id, kv_transfer_params=kv_transfer_params,
+                                              prior_output_tokens=prior_output_tokens):
+            yield out
+
+    async def prefill(self, prompt, params: SamplingParams, request_id: str) -> RequestOutput:
+        """Run the prompt with max_tokens=1; the output carries the first token and the
+        kv_transfer_params of the exported prompt KV."""
+        last = None
+        async for out in self.engine.generate(prompt, prefill_params(params), request_id,
+                                              kv_transfer_params=dict(DO_REMOTE_DECODE)):
+            last = out
+        return last
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    def take_export(self, transfer_id: str):
+        """Called by the KV store (which thereby owns the returned object)."""
+        return self.transport.take_export(transfer_id) if self.transport is not None else None
+
+    # ---- health and load ----------------------------------------------------------------
+    async def check_health(self) -> None:
+        if getattr(self.engine, "_errored", None) is not None:
+            raise RuntimeError(f"engine of {self.replica_id} failed: {self.engine._errored!r}")
+
+    async def load(self) -> dict:
+        figures = await self.engine.load()
+        return {"replica": self.replica_id, "role": self.role, **figures}
+
+    def ping(self) -> str:
+        return self.replica_id
+
+
+def create_worker(model: str, role: str = "colocated", num_cpus: float = 0, name: str | None = None, **kwargs):
+    """Start an EngineWorker actor. Actors default to num_cpus=0 so tests fit on 2 cores."""
+    opts = {"num_cpus": num_cpus, "max_concurrency": 1000}
+    if name:
+        opts["name"] = name
+    return ray.remote(EngineWorker).options(**opts).remote(model, role, **kwargs)

@@ -1,0 +1,102 @@
+"""The KV-transfer store as a Ray actor: the directory, leases, capacity and metrics.
+
+Bytes never pass through it. A producer registers a transfer; the store then calls the
+producer's `take_export(transfer_id)`, so the returned object — written to the object store
+by the producer's process — is *owned by the store* and outlives a dead producer. Consumers
+get the ObjectRef from `lookup` and read the bytes straight from the object store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+from ray.util import metrics
+
+from kvstore.directory import StoreFullError, TransferDirectory
+
+logger = logging.getLogger(__name__)
+
+STORE_ACTOR_NAME = "pdserve-kv-store"
+
+
+class KVStore:
+    """Actor body (created with `create_store`)."""
+
+    def __init__(self, lease_s: float = 120.0, max_bytes: int | None = None, max_transfers: int | None = None,
+                 sweep_interval_s: float = 1.0) -> None:
+        self.directory = TransferDirectory(lease_s, max_bytes, max_transfers)
+        self.sweep_interval_s = sweep_interval_s
+        self._sweeper: asyncio.Task | None = None
+        self._live = metrics.Gauge("pdserve_kv_store_live_transfers", "KV transfers registered and not yet released")
+        self._bytes = metrics.Gauge("pdserve_kv_store_live_bytes", "Bytes of live KV transfers")
+        self._latency = metrics.Histogram(
+            "pdserve_kv_transfer_latency_seconds", "Register to release of a KV transfer",
+            boundaries=[0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120],
+        )
+        self._transfer_bytes = metrics.Counter("pdserve_kv_transfer_bytes_total", "Bytes of KV transferred")
+
+    def _ensure_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)  # a periodic timer, not synchronisation
+            self.sweep()
+
+    def _update_gauges(self) -> None:
+        stats = self.directory.stats()
+        self._live.set(stats.live_transfers)
+        self._bytes.set(stats.live_bytes)
+
+    async def register(self, transfer_id: str, owner: str, producer, nbytes: int, num_tokens: int,
+                       meta: dict | None = None) -> dict:
+        """Returns {"ok": True} or {"ok": False, "error": ...} (store full)."""
+        self._ensure_sweeper()
+        try:
+            self.directory.put(transfer_id, owner, nbytes, num_tokens, location=None, meta=meta)
+        except (StoreFullError, ValueError) as e:
+            return {"ok": False, "error": str(e)}
+        # The store is the caller, hence the owner, of the exported object.
+        self.directory.lookup(transfer_id).location = producer.take_export.remote(transfer_id)
+        self._update_gauges()
+        return {"ok": True}
+
+    async def lookup(self, transfer_id: str) -> dict | None:
+        entry = self.directory.lookup(transfer_id)
+        if entry is None:
+            return None
+        # Wrapped in a list so Ray passes the reference instead of resolving it here.
+        return {"refs": [entry.location], "num_tokens": entry.num_tokens, "nbytes": entry.nbytes}
+
+    async def release(self, transfer_id: str) -> bool:
+        entry = self.directory.release(transfer_id)
+        if entry is not None:
+            self._latency.observe(time.monotonic() - entry.created)
+            self._transfer_bytes.inc(entry.nbytes)
+            self._update_gauges()
+        return entry is not None
+
+    def sweep(self) -> list[str]:
+        expired = [e.transfer_id for e in self.directory.sweep()]
+        if expired:
+            logger.info("KV store: %d transfers expired unclaimed", len(expired))
+            self._update_gauges()
+        return expired
+
+    async def stats(self) -> dict:
+        s = self.directory.stats()
+        return {"live_transfers": s.live_transfers, "bytes": s.live_bytes, "registered": s.registered,
+                "released": s.released, "expired": s.expired, "rejected_full": s.rejected_full}
+
+
+def create_store(name: str | None = STORE_ACTOR_NAME, **kwargs):
+    """Start the store actor (detached from no one; it lives as long as its creator's job)."""
+    opts = {"num_cpus": 0, "max_concurrency": 1000}
+    if name:
+        opts["name"] = name
+        opts["get_if_exists"] = True
+    return ray.remote(KVStore).options(**opts).remote(**kwargs)
