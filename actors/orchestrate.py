@@ -9,6 +9,7 @@ the request on both replicas and releases the transfer, so no KV block or transf
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -103,13 +104,16 @@ async def pd_generate(prefill, decode, store, prompt, params: SamplingParams, re
         except ray.exceptions.RayActorError as e:
             raise PDRequestError(f"decode replica died: {e}") from e
     finally:
+        cleanup = []
         if not finished:
             # Client gone, error or cancellation: nothing of this request may stay anywhere.
             # (Aborting an unknown request is a no-op, so both sides are told.)
-            prefill.abort.remote(request_id)
-            decode.abort.remote(request_id)
+            cleanup += [prefill.abort.remote(request_id), decode.abort.remote(request_id)]
         if transfer is not None and "transfer_id" in transfer:
-            store.release.remote(transfer["transfer_id"])
+            cleanup.append(store.release.remote(transfer["transfer_id"]))
+        # Waited for (Ray does not order calls to async actors): when this generator is
+        # closed, the request is gone everywhere. A dead replica's abort just fails.
+        await asyncio.gather(*cleanup, return_exceptions=True)
 
 
 async def colocated_generate(worker, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
@@ -123,4 +127,4 @@ async def colocated_generate(worker, prompt, params: SamplingParams, request_id:
         raise PDRequestError(f"worker died: {e}") from e
     finally:
         if not finished:
-            worker.abort.remote(request_id)
+            await asyncio.gather(worker.abort.remote(request_id), return_exceptions=True)

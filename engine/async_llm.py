@@ -22,6 +22,7 @@ from engine.processor import PromptType
 from engine.sampling_params import SamplingParams
 
 _STOP = object()
+_ABORTED = object()  # posted to a stream whose request was aborted from outside
 
 
 class AsyncLLM:
@@ -107,6 +108,9 @@ class AsyncLLM:
             ))
             while not finished:
                 item = await q.get()
+                if item is _ABORTED:
+                    finished = True
+                    return
                 if isinstance(item, BaseException):
                     finished = True
                     raise RuntimeError(f"engine failed: {item!r}") from item
@@ -126,7 +130,10 @@ class AsyncLLM:
                     pass
 
     async def abort(self, request_id: str) -> None:
+        """Abort a request from outside its stream; the stream then ends without a final
+        output (nothing is left waiting on it)."""
         await asyncio.wrap_future(self.call(self.engine.abort_request, request_id))
+        self._post(request_id, _ABORTED)
 
     async def load(self) -> dict:
         return await asyncio.wrap_future(self.call(self.engine.core.load))

@@ -80,8 +80,8 @@ class KVStore:
             self._update_gauges()
         return entry is not None
 
-    def sweep(self) -> list[str]:
-        expired = [e.transfer_id for e in self.directory.sweep()]
+    def sweep(self, advance_s: float = 0.0) -> list[str]:
+        expired = [e.transfer_id for e in self.directory.sweep(advance_s)]
         if expired:
             logger.info("KV store: %d transfers expired unclaimed", len(expired))
             self._update_gauges()

@@ -82,3 +82,25 @@ def test_streamed_text_never_leaks_a_stop_string(engine, offline):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
     text, _, last = asyncio.run(_collect(engine, PROMPTS[1], params))
     assert text == last.outputs[0].text == full[: full.index(stop)]
+
+
+def test_abort_from_outside_ends_the_stream(engine):
+    core = engine.engine.core
+
+    async def main():
+        outs = []
+
+        async def consume():
+            async for out in engine.generate("The river ran", SamplingParams(max_tokens=100, ignore_eos=True),
+                                             request_id="x"):
+                outs.append(out)
+                if len(outs) == 2:
+                    await engine.abort("x")
+
+        await asyncio.wait_for(consume(), timeout=60)
+        return outs
+
+    outs = asyncio.run(main())
+    assert len(outs) >= 2 and not outs[-1].finished
+    assert not core.has_unfinished_requests()
+    assert core.kv_cache_manager.get_num_free_blocks() == core.num_kv_blocks

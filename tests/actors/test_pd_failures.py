@@ -1,0 +1,271 @@
+"""P/D failures on local Ray. After each, free KV blocks on the surviving replicas and live
+transfers in the store return to their baseline, and no request returns tokens computed
+from wrong or partial KV."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors import PDRequestError, create_worker, pd_generate
+from engine import SamplingParams
+from kvstore.pd import decode_params, decode_prompt
+from kvstore.store_actor import create_store
+from tests.actors.test_pd_ray import ENGINE, assert_no_leaks
+from tests.engine.hf_reference import hf_greedy, random_prompts
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+class HangingEngine:
+    """A fake engine whose requests never finish until aborted."""
+
+    def __init__(self, config, connector) -> None:
+        self.requests: dict[str, asyncio.Event] = {}
+
+    async def generate(self, prompt, params, request_id=None, **kw):
+        event = self.requests[request_id] = asyncio.Event()
+        await event.wait()
+        del self.requests[request_id]
+        if False:
+            yield None
+
+    async def abort(self, request_id):
+        if request_id in self.requests:
+            self.requests[request_id].set()
+
+    async def load(self):
+        return {"running": len(self.requests), "waiting": 0, "free_blocks": 1, "total_blocks": 1}
+
+
+class SilentStore:
+    """A store whose lookups never answer: the transfer stays in flight."""
+
+    def __init__(self) -> None:
+        self.never = asyncio.Event()
+        self.released: list[str] = []
+
+    async def lookup(self, transfer_id):
+        await self.never.wait()
+
+    async def release(self, transfer_id):
+        self.released.append(transfer_id)
+
+    async def register(self, *args, **kwargs):
+        return {"ok": True}
+
+
+@pytest.fixture
+def pd(ray_local, tiny_model):
+    """A fresh store + prefill + decode per test (tests kill actors)."""
+    ray = ray_local
+    created = []
+
+    def make(role, store=None, **kw):
+        kw.setdefault("engine_kwargs", ENGINE)
+        actor = create_worker(tiny_model, role, store=store, **kw)
+        ray.get(actor.ping.remote())
+        created.append(actor)
+        return actor
+
+    store = create_store(name=None)
+    created.append(store)
+    yield ray, store, make
+    for actor in created:
+        ray.kill(actor)
+
+
+async def _collect(stream):
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+async def _wait_until(fn, what: str, tries: int = 500):
+    """Poll a condition on actor state (bounded), yielding to the event loop between tries."""
+    for _ in range(tries):
+        if await fn():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _prompt(seed=41, n=40):
+    return {"prompt_token_ids": random_prompts([n], 1000, seed=seed)[0]}
+
+
+def test_kv_load_failure_with_fail_policy_is_an_error(pd):
+    ray, store, make = pd
+    prefill = make("prefill", store)
+    decode = make("decode", create_store(name=None))  # looks transfers up in the wrong store
+    with pytest.raises(PDRequestError, match="KV load failed"):
+        asyncio.run(_collect(pd_generate(prefill, decode, store, _prompt(), PARAMS, "f1")))
+    assert_no_leaks(ray, store, prefill, decode)
+
+
+def test_kv_load_failure_with_recompute_policy_gives_correct_tokens(pd, tiny_model):
+    ray, store, make = pd
+    prefill = make("prefill", store)
+    decode = make("decode", create_store(name=None), load_failure_policy="recompute")
+    prompt = _prompt(seed=42)
+    out = asyncio.run(_collect(pd_generate(prefill, decode, store, prompt, PARAMS, "f2")))
+    assert out.outputs[0].token_ids == hf_greedy(tiny_model, [prompt["prompt_token_ids"]], 8)[0]
+    assert_no_leaks(ray, store, prefill, decode)
+
+
+def test_prefill_death_during_prefill_is_an_error(pd):
+    ray, store, make = pd
+    prefill = make("prefill", store, engine_cls=HangingEngine)
+    decode = make("decode", store)
+
+    async def main():
+        task = asyncio.ensure_future(_collect(pd_generate(prefill, decode, store, _prompt(), PARAMS, "f3")))
+        await _wait_until(lambda: _running(prefill), "the prefill to start")
+        ray.kill(prefill)
+        return await task
+
+    with pytest.raises(PDRequestError, match="prefill replica died"):
+        asyncio.run(main())
+    assert_no_leaks(ray, store, decode)
+
+
+async def _running(actor) -> bool:
+    return (await actor.load.remote())["running"] > 0
+
+
+def test_prefill_death_after_prefill_does_not_lose_the_kv(pd, tiny_model):
+    ray, store, make = pd
+    prefill = make("prefill", store)
+    decode = make("decode", store)
+    prompt = _prompt(seed=43)
+    first = ray.get(prefill.prefill.remote(prompt, PARAMS, "f4"))
+    entry = ray.get(store.lookup.remote(first.kv_transfer_params["transfer_id"]))
+    ray.wait(entry["refs"])  # the export has reached the object store, owned by the store
+    ray.kill(prefill)
+
+    async def decode_half():
+        gen = decode.generate.remote(decode_prompt(first.prompt_token_ids, first.outputs[0].token_ids[0]),
+                                     decode_params(PARAMS), "f4", first.kv_transfer_params, 1)
+        last = None
+        async for ref in gen:
+            last = await ref
+        return last
+
+    out = asyncio.run(decode_half())
+    tokens = list(first.outputs[0].token_ids) + list(out.outputs[0].token_ids)
+    assert tokens == hf_greedy(tiny_model, [prompt["prompt_token_ids"]], 8)[0]
+    assert_no_leaks(ray, store, decode)
+
+
+def test_decode_death_mid_decode_is_an_error(pd):
+    ray, store, make = pd
+    prefill = make("prefill", store)
+    decode = make("decode", store)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        seen = 0
+        async for out in pd_generate(prefill, decode, store, _prompt(seed=44), params, "f5"):
+            seen += 1
+            if seen == 3:  # first token from prefill, then decode tokens are flowing
+                ray.kill(decode)
+
+    with pytest.raises(PDRequestError, match="decode replica died"):
+        asyncio.run(main())
+    assert_no_leaks(ray, store, prefill)
+
+
+def _abort_after(stream_factory, n_outputs: int):
+    async def main():
+        stream = stream_factory()
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == n_outputs:
+                break
+        await stream.aclose()
+        return seen
+
+    return asyncio.run(main())
+
+
+def test_abort_after_prefill_before_decode_releases_the_transfer(pd):
+    ray, store, make = pd
+    prefill, decode = make("prefill", store), make("decode", store)
+    seen = _abort_after(lambda: pd_generate(prefill, decode, store, _prompt(seed=45), PARAMS, "a1"), 1)
+    assert seen == 1
+    assert_no_leaks(ray, store, prefill, decode)
+
+
+def test_abort_mid_decode_frees_decode_blocks(pd):
+    ray, store, make = pd
+    prefill, decode = make("prefill", store), make("decode", store)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    _abort_after(lambda: pd_generate(prefill, decode, store, _prompt(seed=46), params, "a2"), 4)
+    assert_no_leaks(ray, store, prefill, decode)
+
+
+def test_abort_during_transfer_frees_blocks_on_decode(pd, ray_local):
+    ray, store, make = pd
+    silent = ray_local.remote(SilentStore).options(num_cpus=0, max_concurrency=100).remote()
+    prefill, decode = make("prefill", store), make("decode", silent)
+
+    async def main():
+        task = asyncio.ensure_future(_collect(pd_generate(prefill, decode, store, _prompt(seed=47), PARAMS, "a3")))
+        await _wait_until(lambda: _waiting(decode), "the decode side to wait for KV")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert_no_leaks(ray, store, prefill, decode)
+    ray.kill(silent)
+
+
+async def _waiting(actor) -> bool:
+    return (await actor.load.remote())["waiting"] > 0
+
+
+def test_abort_while_queued_for_prefill(pd):
+    ray, store, make = pd
+    # One sequence at a time and a tiny token budget: a long prompt occupies the prefill
+    # replica for many steps while the next request waits in its queue.
+    prefill = make("prefill", store, engine_kwargs={**ENGINE, "max_num_seqs": 1, "max_num_batched_tokens": 2})
+    decode = make("decode", store)
+
+    async def main():
+        long = asyncio.ensure_future(_collect(pd_generate(prefill, decode, store, _prompt(seed=48, n=200),
+                                                          PARAMS, "busy")))
+        queued = asyncio.ensure_future(_collect(pd_generate(prefill, decode, store, _prompt(seed=49), PARAMS, "q")))
+        await _wait_until(lambda: _waiting(prefill), "a request queued on prefill")
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        return await long
+
+    out = asyncio.run(main())
+    assert len(out.outputs[0].token_ids) == 8
+    assert_no_leaks(ray, store, prefill, decode)
+
+
+def test_lease_expiry_frees_unclaimed_transfers(pd):
+    ray, store, make = pd
+    prefill = make("prefill", store)
+    first = ray.get(prefill.prefill.remote(_prompt(seed=50), PARAMS, "l1"))
+    assert ray.get(store.stats.remote())["live_transfers"] == 1
+    assert ray.get(store.sweep.remote(advance_s=60.0)) == []
+    assert ray.get(store.sweep.remote(advance_s=121.0)) == [first.kv_transfer_params["transfer_id"]]
+    assert_no_leaks(ray, store, prefill)
+
+
+def test_store_full_is_an_explicit_error(pd, ray_local):
+    ray, _, make = pd
+    full = create_store(name=None, max_bytes=1)
+    prefill, decode = make("prefill", full), make("decode", full)
+    with pytest.raises(PDRequestError, match="KV store is full"):
+        asyncio.run(_collect(pd_generate(prefill, decode, full, _prompt(seed=51), PARAMS, "full")))
+    assert_no_leaks(ray, full, prefill, decode)
+    assert ray.get(full.stats.remote())["rejected_full"] == 1
+    ray.kill(full)
