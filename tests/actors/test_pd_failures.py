@@ -167,7 +167,7 @@ def test_decode_death_mid_decode_is_an_error(pd):
 
     async def main():
         seen = 0
-        async for out in pd_generate(prefill, decode, store, _prompt(seed=44), params, "f5"):
+        async for _ in pd_generate(prefill, decode, store, _prompt(seed=44), params, "f5"):
             seen += 1
             if seen == 3:  # first token from prefill, then decode tokens are flowing
                 ray.kill(decode)
