@@ -8,18 +8,21 @@ so tests can run the actor with a fake.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import ray
+import torch
 
 from engine import AsyncLLM, SamplingParams, build_engine_config
 from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
 from kvstore.pd import DO_REMOTE_DECODE, prefill_params
 from kvstore.transports.object_store import ObjectStoreTransport
+from kvstore.transports.torch_dist import TorchDistTransport
 
 ROLES = ("colocated", "prefill", "decode")
-TRANSPORTS = ("object_store",)
+TRANSPORTS = ("object_store", "torch_dist")
 
 
 class EngineWorker:
@@ -33,6 +36,7 @@ class EngineWorker:
         transport: str = "object_store",
         load_failure_policy: str = "fail",
         engine_cls=AsyncLLM,
+        transport_timeout_s: float = 60.0,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -46,18 +50,21 @@ class EngineWorker:
         if role != "colocated":
             if store is None:
                 raise ValueError(f"a {role} worker needs the KV store actor (store=...)")
-            self.transport = self._make_transport(transport, store)
+            self.transport = self._make_transport(transport, store, transport_timeout_s)
             connector = PDConnector(
                 "producer" if role == "prefill" else "consumer", self.transport, self.replica_id,
                 config.cache.block_size, load_failure_policy,
             )
         self.engine = engine_cls(config, connector)
 
-    def _make_transport(self, name: str, store):
+    def _make_transport(self, name: str, store, timeout_s: float):
         def self_handle():
             return ray.get_runtime_context().current_actor
 
-        return ObjectStoreTransport(store, self.replica_id, self_handle)
+        if name == "object_store":
+            return ObjectStoreTransport(store, self.replica_id, self_handle, fetch_timeout_s=timeout_s)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return TorchDistTransport(store, self.replica_id, self_handle, device_type=device, timeout_s=timeout_s)
 
     # ---- requests -----------------------------------------------------------------------
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
@@ -82,6 +89,20 @@ class EngineWorker:
     def take_export(self, transfer_id: str):
         """Called by the KV store (which thereby owns the returned object)."""
         return self.transport.take_export(transfer_id) if self.transport is not None else None
+
+    # torch.distributed transport: pair set-up and sends run off the event loop (they block).
+    async def open_pair(self, consumer_id: str) -> None:
+        await asyncio.to_thread(self.transport.open_pair, consumer_id)
+
+    async def send_kv(self, transfer_id: str, consumer_id: str, tag: int) -> None:
+        await asyncio.to_thread(self.transport.send, transfer_id, consumer_id, tag)
+
+    def drop_export(self, transfer_id: str) -> None:
+        if self.transport is not None:
+            self.transport.drop_export(transfer_id)
+
+    def outbox_size(self) -> int:
+        return self.transport.outbox_size if self.transport is not None else 0
 
     # ---- health and load ----------------------------------------------------------------
     async def check_health(self) -> None:

@@ -45,7 +45,7 @@ class KVStore:
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.sweep_interval_s)  # a periodic timer, not synchronisation
-            self.sweep()
+            await self.sweep()
 
     def _update_gauges(self) -> None:
         stats = self.directory.stats()
@@ -53,15 +53,20 @@ class KVStore:
         self._bytes.set(stats.live_bytes)
 
     async def register(self, transfer_id: str, owner: str, producer, nbytes: int, num_tokens: int,
-                       meta: dict | None = None) -> dict:
-        """Returns {"ok": True} or {"ok": False, "error": ...} (store full)."""
+                       meta: dict | None = None, pull: bool = True) -> dict:
+        """Record a transfer. With `pull` (object-store transport) the store takes the export
+        from the producer, becoming the object's owner; otherwise the producer keeps the bytes
+        and the entry says where they are. Returns {"ok": True} or {"ok": False, "error": ...}."""
         self._ensure_sweeper()
         try:
-            self.directory.put(transfer_id, owner, nbytes, num_tokens, location=None, meta=meta)
+            entry = self.directory.put(transfer_id, owner, nbytes, num_tokens, location=None,
+                                       meta={**(meta or {}), "pull": pull})
         except (StoreFullError, ValueError) as e:
             return {"ok": False, "error": str(e)}
-        # The store is the caller, hence the owner, of the exported object.
-        self.directory.lookup(transfer_id).location = producer.take_export.remote(transfer_id)
+        entry.meta["producer"] = producer
+        if pull:
+            # The store is the caller, hence the owner, of the exported object.
+            entry.location = producer.take_export.remote(transfer_id)
         self._update_gauges()
         return {"ok": True}
 
@@ -70,18 +75,30 @@ class KVStore:
         if entry is None:
             return None
         # Wrapped in a list so Ray passes the reference instead of resolving it here.
-        return {"refs": [entry.location], "num_tokens": entry.num_tokens, "nbytes": entry.nbytes}
+        meta = {k: v for k, v in entry.meta.items() if k != "producer"}
+        return {"refs": [entry.location], "num_tokens": entry.num_tokens, "nbytes": entry.nbytes,
+                "producer": entry.meta["producer"], "meta": meta}
+
+    async def _forget(self, entries) -> None:
+        """Producer-held exports nobody will fetch any more: have their producers drop them
+        (a dead producer has nothing left to drop)."""
+        drops = [e.meta["producer"].drop_export.remote(e.transfer_id)
+                 for e in entries if not e.meta.get("pull", True)]
+        await asyncio.gather(*drops, return_exceptions=True)
 
     async def release(self, transfer_id: str) -> bool:
         entry = self.directory.release(transfer_id)
         if entry is not None:
+            await self._forget([entry])
             self._latency.observe(time.monotonic() - entry.created)
             self._transfer_bytes.inc(entry.nbytes)
             self._update_gauges()
         return entry is not None
 
-    def sweep(self, advance_s: float = 0.0) -> list[str]:
-        expired = [e.transfer_id for e in self.directory.sweep(advance_s)]
+    async def sweep(self, advance_s: float = 0.0) -> list[str]:
+        entries = self.directory.sweep(advance_s)
+        await self._forget(entries)
+        expired = [e.transfer_id for e in entries]
         if expired:
             logger.info("KV store: %d transfers expired unclaimed", len(expired))
             self._update_gauges()

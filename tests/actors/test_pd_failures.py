@@ -8,12 +8,12 @@ import asyncio
 
 import pytest
 
-from actors import PDRequestError, create_worker, pd_generate
+from actors import PDRequestError, pd_generate
 from engine import SamplingParams
 from kvstore.pd import decode_params, decode_prompt
 from kvstore.store_actor import create_store
-from tests.actors.test_pd_ray import ENGINE, assert_no_leaks
-from tests.engine.hf_reference import hf_greedy, random_prompts
+from tests.actors.helpers import ENGINE, assert_no_leaks, collect, make_prompt, wait_until
+from tests.engine.hf_reference import hf_greedy
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -56,52 +56,12 @@ class SilentStore:
         return {"ok": True}
 
 
-@pytest.fixture
-def pd(ray_local, tiny_model):
-    """A fresh store + prefill + decode per test (tests kill actors)."""
-    ray = ray_local
-    created = []
-
-    def make(role, store=None, **kw):
-        kw.setdefault("engine_kwargs", ENGINE)
-        actor = create_worker(tiny_model, role, store=store, **kw)
-        ray.get(actor.ping.remote())
-        created.append(actor)
-        return actor
-
-    store = create_store(name=None)
-    created.append(store)
-    yield ray, store, make
-    for actor in created:
-        ray.kill(actor)
-
-
-async def _collect(stream):
-    last = None
-    async for out in stream:
-        last = out
-    return last
-
-
-async def _wait_until(fn, what: str, tries: int = 500):
-    """Poll a condition on actor state (bounded), yielding to the event loop between tries."""
-    for _ in range(tries):
-        if await fn():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _prompt(seed=41, n=40):
-    return {"prompt_token_ids": random_prompts([n], 1000, seed=seed)[0]}
-
-
 def test_kv_load_failure_with_fail_policy_is_an_error(pd):
     ray, store, make = pd
     prefill = make("prefill", store)
     decode = make("decode", create_store(name=None))  # looks transfers up in the wrong store
     with pytest.raises(PDRequestError, match="KV load failed"):
-        asyncio.run(_collect(pd_generate(prefill, decode, store, _prompt(), PARAMS, "f1")))
+        asyncio.run(collect(pd_generate(prefill, decode, store, make_prompt(), PARAMS, "f1")))
     assert_no_leaks(ray, store, prefill, decode)
 
 
@@ -109,8 +69,8 @@ def test_kv_load_failure_with_recompute_policy_gives_correct_tokens(pd, tiny_mod
     ray, store, make = pd
     prefill = make("prefill", store)
     decode = make("decode", create_store(name=None), load_failure_policy="recompute")
-    prompt = _prompt(seed=42)
-    out = asyncio.run(_collect(pd_generate(prefill, decode, store, prompt, PARAMS, "f2")))
+    prompt = make_prompt(seed=42)
+    out = asyncio.run(collect(pd_generate(prefill, decode, store, prompt, PARAMS, "f2")))
     assert out.outputs[0].token_ids == hf_greedy(tiny_model, [prompt["prompt_token_ids"]], 8)[0]
     assert_no_leaks(ray, store, prefill, decode)
 
@@ -121,8 +81,8 @@ def test_prefill_death_during_prefill_is_an_error(pd):
     decode = make("decode", store)
 
     async def main():
-        task = asyncio.ensure_future(_collect(pd_generate(prefill, decode, store, _prompt(), PARAMS, "f3")))
-        await _wait_until(lambda: _running(prefill), "the prefill to start")
+        task = asyncio.ensure_future(collect(pd_generate(prefill, decode, store, make_prompt(), PARAMS, "f3")))
+        await wait_until(lambda: _running(prefill), "the prefill to start")
         ray.kill(prefill)
         return await task
 
@@ -139,7 +99,7 @@ def test_prefill_death_after_prefill_does_not_lose_the_kv(pd, tiny_model):
     ray, store, make = pd
     prefill = make("prefill", store)
     decode = make("decode", store)
-    prompt = _prompt(seed=43)
+    prompt = make_prompt(seed=43)
     first = ray.get(prefill.prefill.remote(prompt, PARAMS, "f4"))
     entry = ray.get(store.lookup.remote(first.kv_transfer_params["transfer_id"]))
     ray.wait(entry["refs"])  # the export has reached the object store, owned by the store
@@ -167,7 +127,7 @@ def test_decode_death_mid_decode_is_an_error(pd):
 
     async def main():
         seen = 0
-        async for _ in pd_generate(prefill, decode, store, _prompt(seed=44), params, "f5"):
+        async for _ in pd_generate(prefill, decode, store, make_prompt(seed=44), params, "f5"):
             seen += 1
             if seen == 3:  # first token from prefill, then decode tokens are flowing
                 ray.kill(decode)
@@ -194,7 +154,7 @@ def _abort_after(stream_factory, n_outputs: int):
 def test_abort_after_prefill_before_decode_releases_the_transfer(pd):
     ray, store, make = pd
     prefill, decode = make("prefill", store), make("decode", store)
-    seen = _abort_after(lambda: pd_generate(prefill, decode, store, _prompt(seed=45), PARAMS, "a1"), 1)
+    seen = _abort_after(lambda: pd_generate(prefill, decode, store, make_prompt(seed=45), PARAMS, "a1"), 1)
     assert seen == 1
     assert_no_leaks(ray, store, prefill, decode)
 
@@ -203,7 +163,7 @@ def test_abort_mid_decode_frees_decode_blocks(pd):
     ray, store, make = pd
     prefill, decode = make("prefill", store), make("decode", store)
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    _abort_after(lambda: pd_generate(prefill, decode, store, _prompt(seed=46), params, "a2"), 4)
+    _abort_after(lambda: pd_generate(prefill, decode, store, make_prompt(seed=46), params, "a2"), 4)
     assert_no_leaks(ray, store, prefill, decode)
 
 
@@ -213,8 +173,8 @@ def test_abort_during_transfer_frees_blocks_on_decode(pd, ray_local):
     prefill, decode = make("prefill", store), make("decode", silent)
 
     async def main():
-        task = asyncio.ensure_future(_collect(pd_generate(prefill, decode, store, _prompt(seed=47), PARAMS, "a3")))
-        await _wait_until(lambda: _waiting(decode), "the decode side to wait for KV")
+        task = asyncio.ensure_future(collect(pd_generate(prefill, decode, store, make_prompt(seed=47), PARAMS, "a3")))
+        await wait_until(lambda: _waiting(decode), "the decode side to wait for KV")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -236,10 +196,10 @@ def test_abort_while_queued_for_prefill(pd):
     decode = make("decode", store)
 
     async def main():
-        long = asyncio.ensure_future(_collect(pd_generate(prefill, decode, store, _prompt(seed=48, n=200),
+        long = asyncio.ensure_future(collect(pd_generate(prefill, decode, store, make_prompt(seed=48, n=200),
                                                           PARAMS, "busy")))
-        queued = asyncio.ensure_future(_collect(pd_generate(prefill, decode, store, _prompt(seed=49), PARAMS, "q")))
-        await _wait_until(lambda: _waiting(prefill), "a request queued on prefill")
+        queued = asyncio.ensure_future(collect(pd_generate(prefill, decode, store, make_prompt(seed=49), PARAMS, "q")))
+        await wait_until(lambda: _waiting(prefill), "a request queued on prefill")
         queued.cancel()
         with pytest.raises(asyncio.CancelledError):
             await queued
@@ -253,7 +213,7 @@ def test_abort_while_queued_for_prefill(pd):
 def test_lease_expiry_frees_unclaimed_transfers(pd):
     ray, store, make = pd
     prefill = make("prefill", store)
-    first = ray.get(prefill.prefill.remote(_prompt(seed=50), PARAMS, "l1"))
+    first = ray.get(prefill.prefill.remote(make_prompt(seed=50), PARAMS, "l1"))
     assert ray.get(store.stats.remote())["live_transfers"] == 1
     assert ray.get(store.sweep.remote(advance_s=60.0)) == []
     assert ray.get(store.sweep.remote(advance_s=121.0)) == [first.kv_transfer_params["transfer_id"]]
@@ -265,7 +225,7 @@ def test_store_full_is_an_explicit_error(pd, ray_local):
     full = create_store(name=None, max_bytes=1)
     prefill, decode = make("prefill", full), make("decode", full)
     with pytest.raises(PDRequestError, match="KV store is full"):
-        asyncio.run(_collect(pd_generate(prefill, decode, full, _prompt(seed=51), PARAMS, "full")))
+        asyncio.run(collect(pd_generate(prefill, decode, full, make_prompt(seed=51), PARAMS, "full")))
     assert_no_leaks(ray, full, prefill, decode)
     assert ray.get(full.stats.remote())["rejected_full"] == 1
     ray.kill(full)

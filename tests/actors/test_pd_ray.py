@@ -10,17 +10,17 @@ import pytest
 from actors import colocated_generate, create_worker, pd_generate
 from engine import SamplingParams
 from kvstore.store_actor import create_store
+from tests.actors.helpers import ENGINE, assert_no_leaks
 from tests.engine.hf_reference import hf_greedy, random_prompts
 
-ENGINE = {"max_model_len": 256, "num_kv_blocks": 64}
 
-
-@pytest.fixture(scope="module")
-def cluster(ray_local, tiny_model):
+@pytest.fixture(scope="module", params=["object_store", "torch_dist"])
+def cluster(request, ray_local, tiny_model):
     ray = ray_local
     store = create_store(name=None)
-    prefill = create_worker(tiny_model, "prefill", engine_kwargs=ENGINE, store=store)
-    decode = create_worker(tiny_model, "decode", engine_kwargs=ENGINE, store=store)
+    kw = {"engine_kwargs": ENGINE, "store": store, "transport": request.param}
+    prefill = create_worker(tiny_model, "prefill", **kw)
+    decode = create_worker(tiny_model, "decode", **kw)
     colocated = create_worker(tiny_model, "colocated", engine_kwargs=ENGINE)
     ray.get([prefill.ping.remote(), decode.ping.remote(), colocated.ping.remote()])
     yield ray, store, prefill, decode, colocated
@@ -33,13 +33,6 @@ async def _collect(stream):
     async for out in stream:
         last = out
     return last
-
-
-def assert_no_leaks(ray, store, *workers):
-    for load in ray.get([w.load.remote() for w in workers]):
-        assert load["free_blocks"] == load["total_blocks"], load
-        assert load["running"] == 0 and load["waiting"] == 0, load
-    assert ray.get(store.stats.remote())["live_transfers"] == 0
 
 
 def test_pd_greedy_equals_colocated_and_transformers(cluster, tiny_model):

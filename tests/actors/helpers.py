@@ -1,0 +1,38 @@
+"""Shared helpers for the actor tests."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.engine.hf_reference import random_prompts
+
+ENGINE = {"max_model_len": 256, "num_kv_blocks": 64}
+
+
+async def collect(stream):
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+def make_prompt(seed: int = 41, n: int = 40) -> dict:
+    return {"prompt_token_ids": random_prompts([n], 1000, seed=seed)[0]}
+
+
+async def wait_until(fn, what: str, tries: int = 500):
+    """Poll a condition on actor state (bounded), yielding to the event loop between tries."""
+    for _ in range(tries):
+        if await fn():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def assert_no_leaks(ray, store, *workers):
+    """Every KV block free, no request left, no live transfer, no unsent export."""
+    for load in ray.get([w.load.remote() for w in workers]):
+        assert load["free_blocks"] == load["total_blocks"], load
+        assert load["running"] == 0 and load["waiting"] == 0, load
+    assert ray.get(store.stats.remote())["live_transfers"] == 0
+    assert sum(ray.get([w.outbox_size.remote() for w in workers])) == 0

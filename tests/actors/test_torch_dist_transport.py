@@ -1,0 +1,85 @@
+"""The torch.distributed transport (gloo on CPU) over lazily created pairwise groups."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors import PDRequestError, pd_generate
+from engine import SamplingParams
+from tests.actors.helpers import ENGINE, assert_no_leaks, collect, make_prompt
+from tests.engine.hf_reference import hf_greedy
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+TD = {"transport": "torch_dist", "transport_timeout_s": 20.0}
+
+
+def test_one_pair_group_serves_many_transfers(pd, tiny_model):
+    ray, store, make = pd
+    prefill, decode = make("prefill", store, **TD), make("decode", store, **TD)
+    prompts = [make_prompt(seed=s) for s in (61, 62, 63)]
+
+    async def main():
+        return await asyncio.gather(*(collect(pd_generate(prefill, decode, store, p, PARAMS, f"t{i}"))
+                                      for i, p in enumerate(prompts)))
+
+    outs = asyncio.run(main())
+    ref = hf_greedy(tiny_model, [p["prompt_token_ids"] for p in prompts], 6)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert_no_leaks(ray, store, prefill, decode)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_producer_death_before_send_is_a_load_failure(pd, tiny_model, policy):
+    ray, store, make = pd
+    prefill = make("prefill", store, **TD)
+    decode = make("decode", store, load_failure_policy=policy, **TD)
+    prompt = make_prompt(seed=64)
+    first = ray.get(prefill.prefill.remote(prompt, PARAMS, "d1"))
+    ray.kill(prefill)  # the bytes lived only in the producer's outbox
+
+    async def decode_half():
+        from kvstore.pd import decode_params, decode_prompt
+
+        gen = decode.generate.remote(decode_prompt(first.prompt_token_ids, first.outputs[0].token_ids[0]),
+                                     decode_params(PARAMS), "d1", first.kv_transfer_params, 1)
+        last = None
+        async for ref in gen:
+            last = await ref
+        return last
+
+    out = asyncio.run(decode_half())
+    if policy == "fail":
+        assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+    else:
+        tokens = list(first.outputs[0].token_ids) + list(out.outputs[0].token_ids)
+        assert tokens == hf_greedy(tiny_model, [prompt["prompt_token_ids"]], 6)[0]
+    ray.get(store.release.remote(first.kv_transfer_params["transfer_id"]))
+    assert_no_leaks(ray, store, decode)
+
+
+def test_released_or_expired_transfer_is_dropped_by_its_producer(pd):
+    ray, store, make = pd
+    prefill = make("prefill", store, **TD)
+    a = ray.get(prefill.prefill.remote(make_prompt(seed=65), PARAMS, "x1"))
+    ray.get(prefill.prefill.remote(make_prompt(seed=66), PARAMS, "x2"))
+    assert ray.get(prefill.outbox_size.remote()) == 2
+    ray.get(store.release.remote(a.kv_transfer_params["transfer_id"]))
+    ray.get(store.sweep.remote(advance_s=1000.0))
+    assert_no_leaks(ray, store, prefill)
+
+
+def test_orchestrated_failure_with_fail_policy_is_an_error(pd):
+    ray, store, make = pd
+    prefill = make("prefill", store, **TD)
+    decode = make("decode", store, engine_kwargs={**ENGINE}, **TD)
+    # The decode replica looks transfers up in an empty store: the load fails.
+    from kvstore.store_actor import create_store
+
+    other = create_store(name=None)
+    decode_wrong = make("decode", other, **TD)
+    with pytest.raises(PDRequestError, match="KV load failed"):
+        asyncio.run(collect(pd_generate(prefill, decode_wrong, store, make_prompt(seed=67), PARAMS, "w")))
+    assert_no_leaks(ray, store, prefill, decode, decode_wrong)
+    ray.kill(other)
