@@ -56,6 +56,8 @@ class EngineWorker:
                 config.cache.block_size, load_failure_policy,
             )
         self.engine = engine_cls(config, connector)
+        if self.transport is not None:
+            self.transport.warm_up(producer=role == "prefill")
 
     def _make_transport(self, name: str, store, timeout_s: float):
         def self_handle():
@@ -115,6 +117,12 @@ class EngineWorker:
 
     def ping(self) -> str:
         return self.replica_id
+
+    def kv_transfer_stats(self) -> dict:
+        """Counters of the KV connector (exports, loads, bytes, load seconds), if any."""
+        core = getattr(getattr(self.engine, "engine", None), "core", None)
+        connector = getattr(core, "connector", None)
+        return dict(connector.stats) if connector is not None else {}
 
 
 def create_worker(model: str, role: str = "colocated", num_cpus: float = 0, name: str | None = None, **kwargs):

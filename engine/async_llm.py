@@ -23,12 +23,19 @@ from engine.sampling_params import SamplingParams
 
 _STOP = object()
 _ABORTED = object()  # posted to a stream whose request was aborted from outside
+_WAKE = object()  # external KV arrived: re-check for schedulable work
+# While every request waits for remote KV the loop blocks; this bounds the wait in case a
+# wake-up is missed.
+_IDLE_POLL_S = 0.05
 
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, connector=None, engine: LLMEngine | None = None) -> None:
         self.engine = engine or LLMEngine(config, connector)
         self._inputs: queue.Queue = queue.Queue()
+        core_connector = getattr(self.engine.core, "connector", None)
+        if core_connector is not None:
+            core_connector.on_load_done = lambda: self._inputs.put(_WAKE)
         # request id -> (event loop, asyncio queue) of its stream
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._errored: BaseException | None = None
@@ -38,14 +45,18 @@ class AsyncLLM:
     # ---- engine thread ------------------------------------------------------------------
     def _busy_loop(self) -> None:
         while True:
-            block = not self.engine.has_unfinished_requests()
+            # Block when there is nothing to do: no requests, or the last step found nothing
+            # schedulable (all waiting for remote KV; a KV arrival posts _WAKE).
+            waiting_only = self.engine.core.idle and self.engine.has_unfinished_requests()
+            block = not self.engine.has_unfinished_requests() or waiting_only
             try:
                 while True:
-                    item = self._inputs.get(block=block)
+                    item = self._inputs.get(block=block, timeout=_IDLE_POLL_S if waiting_only and block else None)
                     block = False
                     if item is _STOP:
                         return
-                    self._handle(item)
+                    if item is not _WAKE:
+                        self._handle(item)
             except queue.Empty:
                 pass
             if not self.engine.has_unfinished_requests():

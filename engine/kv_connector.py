@@ -12,6 +12,10 @@ from engine.request import Request
 
 
 class KVConnectorBase:
+    # Set by the engine's driver loop: called (from any thread) when external KV arrives, so
+    # a loop that is blocked because every request waits for KV wakes up.
+    on_load_done = None
+
     # ---- scheduler side -----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond the local prefix hit whose KV can be loaded from outside, and

@@ -89,6 +89,8 @@ class PDConnector(KVConnectorBase):
             with self._lock:
                 if rid in self._loads:
                     self._loads[rid].result = result
+            if self.on_load_done is not None:
+                self.on_load_done()
 
         self.transport.fetch_async(load.params, on_done)
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
+
+logger = logging.getLogger(__name__)
+_WARMUP_TIMEOUT_S = 30.0
 
 
 class TransferError(RuntimeError):
@@ -31,6 +35,10 @@ class KVTransport(ABC):
 
     @abstractmethod
     def release(self, params: dict) -> None: ...
+
+    def warm_up(self, producer: bool) -> None:
+        """Make the first transfer as fast as the next (connections, handle set-up)."""
+        del producer  # an in-process transport has nothing to set up
 
 
 class LocalTransport(KVTransport):
@@ -60,3 +68,31 @@ class LocalTransport(KVTransport):
     def live_transfers(self) -> int:
         with self._lock:
             return len(self._data)
+
+
+class StoreBackedTransport(KVTransport):
+    """A transport whose transfers are registered in the KV store actor (`self.store`)."""
+
+    store: object
+    replica_id: str
+
+    def release(self, params: dict) -> None:
+        self.store.release.remote(params["transfer_id"])
+
+    def warm_up(self, producer: bool) -> None:
+        """The first Ray call carrying this actor's handle to the store costs ~1 s (measured):
+        pay it at start-up with a dummy transfer, not on a user's first request. (Pair groups
+        of torch_dist are still made on first use with each peer.)"""
+        import ray
+
+        tid = f"warmup-{self.replica_id}"
+        try:
+            if producer:
+                self.publish(tid, torch.zeros(1), 0)
+                # Not waited for: releasing may call back into this actor (drop_export),
+                # which cannot run while it is still being constructed.
+                self.store.release.remote(tid)
+            else:
+                ray.get(self.store.lookup.remote(tid), timeout=_WARMUP_TIMEOUT_S)
+        except Exception as e:  # a slow store must not keep the replica from starting
+            logger.warning("KV transport warm-up failed (first transfer will be slower): %s", e)

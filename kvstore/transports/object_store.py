@@ -8,10 +8,10 @@ from collections.abc import Callable
 import ray
 import torch
 
-from kvstore.transports.base import KVTransport, TransferError
+from kvstore.transports.base import StoreBackedTransport, TransferError
 
 
-class ObjectStoreTransport(KVTransport):
+class ObjectStoreTransport(StoreBackedTransport):
     """Producer: keeps the export in an outbox until the store pulls it with
     `take_export` (so the store owns the object). Consumer: looks the transfer up in the store
     and reads the object directly; then releases it."""
@@ -66,5 +66,3 @@ class ObjectStoreTransport(KVTransport):
         except Exception as e:
             on_done(e if isinstance(e, TransferError) else TransferError(f"{type(e).__name__}: {e}"))
 
-    def release(self, params: dict) -> None:
-        self.store.release.remote(params["transfer_id"])

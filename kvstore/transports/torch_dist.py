@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
-from kvstore.transports.base import KVTransport, TransferError
+from kvstore.transports.base import StoreBackedTransport, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def default_host() -> str:
     return "127.0.0.1"
 
 
-class TorchDistTransport(KVTransport):
+class TorchDistTransport(StoreBackedTransport):
     name = "torch_dist"
 
     def __init__(self, store, replica_id: str, self_handle_fn: Callable[[], object], device_type: str = "cpu",
@@ -177,5 +177,3 @@ class TorchDistTransport(KVTransport):
         except Exception as e:
             on_done(e if isinstance(e, TransferError) else TransferError(f"{type(e).__name__}: {e}"))
 
-    def release(self, params: dict) -> None:
-        self.store.release.remote(params["transfer_id"])

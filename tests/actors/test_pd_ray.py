@@ -80,3 +80,23 @@ def test_one_token_request_is_served_by_prefill_alone(cluster):
                                            SamplingParams(temperature=0, max_tokens=1), "one")))
     assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
     assert_no_leaks(ray, store, prefill, decode)
+
+
+def test_workers_report_health_and_load(cluster):
+    ray, store, prefill, decode, colocated = cluster
+    for worker, role in ((prefill, "prefill"), (decode, "decode"), (colocated, "colocated")):
+        assert ray.get(worker.check_health.remote()) is None
+        load = ray.get(worker.load.remote())
+        assert load["role"] == role and load["total_blocks"] == ENGINE["num_kv_blocks"]
+        assert {"waiting", "running", "free_blocks", "kv_usage", "prefix_cache_hit_rate"} <= set(load)
+
+
+def test_invalid_worker_settings_fail_clearly(ray_local, tiny_model):
+    from actors.worker import EngineWorker
+
+    with pytest.raises(ValueError, match="role"):
+        EngineWorker(tiny_model, role="router")
+    with pytest.raises(ValueError, match="transport"):
+        EngineWorker(tiny_model, role="decode", transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="KV store"):
+        EngineWorker(tiny_model, role="decode")
