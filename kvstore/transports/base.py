@@ -71,10 +71,53 @@ class LocalTransport(KVTransport):
 
 
 class StoreBackedTransport(KVTransport):
-    """A transport whose transfers are registered in the KV store actor (`self.store`)."""
+    """A transport whose transfers are registered in the KV store actor: producers hold
+    exports in an outbox until they are taken or dropped; consumers look transfers up in the
+    store and receive on a thread of their own (`_receive`)."""
 
-    store: object
-    replica_id: str
+    def __init__(self, store, replica_id: str, timeout_s: float) -> None:
+        self.store = store
+        self.replica_id = replica_id
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._outbox: dict[str, torch.Tensor] = {}
+
+    # producer ------------------------------------------------------------------------------
+    def _hold(self, transfer_id: str, kv: torch.Tensor) -> None:
+        with self._lock:
+            self._outbox[transfer_id] = kv
+
+    def take_export(self, transfer_id: str) -> torch.Tensor | None:
+        with self._lock:
+            return self._outbox.pop(transfer_id, None)
+
+    def drop_export(self, transfer_id: str) -> None:
+        self.take_export(transfer_id)
+
+    @property
+    def outbox_size(self) -> int:
+        with self._lock:
+            return len(self._outbox)
+
+    # consumer ------------------------------------------------------------------------------
+    def fetch_async(self, params: dict, on_done: Callable[[object], None]) -> None:
+        threading.Thread(target=self._fetch, args=(params, on_done), daemon=True,
+                         name=f"kv-fetch-{params['transfer_id']}").start()
+
+    def _fetch(self, params: dict, on_done) -> None:
+        import ray
+
+        try:
+            entry = ray.get(self.store.lookup.remote(params["transfer_id"]), timeout=self.timeout_s)
+            if entry is None:
+                raise TransferError(f"transfer {params['transfer_id']!r} is unknown (expired or released)")
+            on_done(self._receive(params, entry))
+        except Exception as e:
+            on_done(e if isinstance(e, TransferError) else TransferError(f"{type(e).__name__}: {e}"))
+
+    @abstractmethod
+    def _receive(self, params: dict, entry: dict) -> torch.Tensor:
+        """Get the bytes of a transfer the store knows (runs on the fetch thread)."""
 
     def release(self, params: dict) -> None:
         self.store.release.remote(params["transfer_id"])

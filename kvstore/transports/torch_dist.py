@@ -48,21 +48,18 @@ class TorchDistTransport(StoreBackedTransport):
 
     def __init__(self, store, replica_id: str, self_handle_fn: Callable[[], object], device_type: str = "cpu",
                  timeout_s: float = 60.0, host: str | None = None) -> None:
-        self.store = store
-        self.replica_id = replica_id
+        super().__init__(store, replica_id, timeout_s)
         self._self_handle_fn = self_handle_fn
         self.backend = "nccl" if device_type == "cuda" else "gloo"
         self.device = torch.device("cuda" if device_type == "cuda" else "cpu")
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.host = host or default_host()
-        self._lock = threading.Lock()
         self._rendezvous: TCPStore | None = None
         self._port: int | None = None
         self._pairs: dict[str, object] = {}  # peer replica id -> 2-rank process group
         # One creation at a time per peer: concurrent fetches from a new producer must share
         # one rendezvous, not race several rank-1 joiners into it.
         self._pair_locks: dict[str, threading.Lock] = {}
-        self._outbox: dict[str, torch.Tensor] = {}
         self._tags = itertools.count(1)
 
     # ---- pair groups --------------------------------------------------------------------
@@ -117,8 +114,7 @@ class TorchDistTransport(StoreBackedTransport):
     def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> dict:
         host, port = self._ensure_rendezvous()
         kv = kv.to(self.device).contiguous()
-        with self._lock:
-            self._outbox[transfer_id] = kv
+        self._hold(transfer_id, kv)
         nbytes = kv.numel() * kv.element_size()
         reply = ray.get(self.store.register.remote(
             transfer_id, self.replica_id, self._self_handle_fn(), nbytes, num_tokens,
@@ -138,42 +134,19 @@ class TorchDistTransport(StoreBackedTransport):
             raise TransferError(f"no process group with {consumer_id}")
         group.send([kv], 1, tag).wait(self.timeout)
 
-    def drop_export(self, transfer_id: str) -> None:
-        with self._lock:
-            self._outbox.pop(transfer_id, None)
-
-    def take_export(self, transfer_id: str):  # the object-store pull path is not used here
-        return None
-
-    @property
-    def outbox_size(self) -> int:
-        with self._lock:
-            return len(self._outbox)
-
     # ---- consumer -----------------------------------------------------------------------
-    def fetch_async(self, params: dict, on_done: Callable[[object], None]) -> None:
-        threading.Thread(target=self._fetch, args=(params, on_done), daemon=True,
-                         name=f"kv-recv-{params['transfer_id']}").start()
-
-    def _fetch(self, params: dict, on_done) -> None:
+    def _receive(self, params: dict, entry: dict) -> torch.Tensor:
         tid = params["transfer_id"]
+        producer = entry["producer"]
+        group = self._pair_with(producer, params["source"], entry["meta"]["host"], entry["meta"]["port"])
+        buf = torch.empty(params["shape"], dtype=getattr(torch, params["dtype"]), device=self.device)
+        tag = next(self._tags)
+        work = group.recv([buf], 0, tag)
         try:
-            entry = ray.get(self.store.lookup.remote(tid), timeout=self.timeout.total_seconds())
-            if entry is None:
-                raise TransferError(f"transfer {tid!r} is unknown (expired or released)")
-            producer = entry["producer"]
-            group = self._pair_with(producer, params["source"], entry["meta"]["host"], entry["meta"]["port"])
-            buf = torch.empty(params["shape"], dtype=getattr(torch, params["dtype"]), device=self.device)
-            tag = next(self._tags)
-            work = group.recv([buf], 0, tag)
-            try:
-                ray.get(producer.send_kv.remote(tid, self.replica_id, tag), timeout=self.timeout.total_seconds())
-            except Exception:
-                with self._lock:  # the pair is unusable with a receive left pending
-                    self._pairs.pop(params["source"], None)
-                raise
-            work.wait(self.timeout)
-            on_done(buf)
-        except Exception as e:
-            on_done(e if isinstance(e, TransferError) else TransferError(f"{type(e).__name__}: {e}"))
-
+            ray.get(producer.send_kv.remote(tid, self.replica_id, tag), timeout=self.timeout.total_seconds())
+        except Exception:
+            with self._lock:  # the pair is unusable with a receive left pending
+                self._pairs.pop(params["source"], None)
+            raise
+        work.wait(self.timeout)
+        return buf

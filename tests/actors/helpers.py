@@ -36,3 +36,15 @@ def assert_no_leaks(ray, store, *workers):
         assert load["running"] == 0 and load["waiting"] == 0, load
     assert ray.get(store.stats.remote())["live_transfers"] == 0
     assert sum(ray.get([w.outbox_size.remote() for w in workers])) == 0
+
+
+async def decode_half(decode, first, params, request_id):
+    """The decode half of pd_generate, run by hand after a separate prefill call."""
+    from kvstore.pd import decode_params, decode_prompt
+
+    gen = decode.generate.remote(decode_prompt(first.prompt_token_ids, first.outputs[0].token_ids[0]),
+                                 decode_params(params), request_id, first.kv_transfer_params, 1)
+    last = None
+    async for ref in gen:
+        last = await ref
+    return last

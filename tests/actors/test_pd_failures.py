@@ -10,9 +10,15 @@ import pytest
 
 from actors import PDRequestError, pd_generate
 from engine import SamplingParams
-from kvstore.pd import decode_params, decode_prompt
 from kvstore.store_actor import create_store
-from tests.actors.helpers import ENGINE, assert_no_leaks, collect, make_prompt, wait_until
+from tests.actors.helpers import (
+    ENGINE,
+    assert_no_leaks,
+    collect,
+    decode_half,
+    make_prompt,
+    wait_until,
+)
 from tests.engine.hf_reference import hf_greedy
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -107,15 +113,7 @@ def test_prefill_death_after_prefill_does_not_lose_the_kv(pd, tiny_model):
     ray.wait(entry["refs"])  # the export has reached the object store, owned by the store
     ray.kill(prefill)
 
-    async def decode_half():
-        gen = decode.generate.remote(decode_prompt(first.prompt_token_ids, first.outputs[0].token_ids[0]),
-                                     decode_params(PARAMS), "f4", first.kv_transfer_params, 1)
-        last = None
-        async for ref in gen:
-            last = await ref
-        return last
-
-    out = asyncio.run(decode_half())
+    out = asyncio.run(decode_half(decode, first, PARAMS, "f4"))
     tokens = list(first.outputs[0].token_ids) + list(out.outputs[0].token_ids)
     assert tokens == hf_greedy(tiny_model, [prompt["prompt_token_ids"]], 8)[0]
     assert_no_leaks(ray, store, decode)

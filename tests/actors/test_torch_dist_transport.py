@@ -8,7 +8,7 @@ import pytest
 
 from actors import PDRequestError, pd_generate
 from engine import SamplingParams
-from tests.actors.helpers import ENGINE, assert_no_leaks, collect, make_prompt
+from tests.actors.helpers import ENGINE, assert_no_leaks, collect, decode_half, make_prompt
 from tests.engine.hf_reference import hf_greedy
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -39,17 +39,7 @@ def test_producer_death_before_send_is_a_load_failure(pd, tiny_model, policy):
     first = ray.get(prefill.prefill.remote(prompt, PARAMS, "d1"))
     ray.kill(prefill)  # the bytes lived only in the producer's outbox
 
-    async def decode_half():
-        from kvstore.pd import decode_params, decode_prompt
-
-        gen = decode.generate.remote(decode_prompt(first.prompt_token_ids, first.outputs[0].token_ids[0]),
-                                     decode_params(PARAMS), "d1", first.kv_transfer_params, 1)
-        last = None
-        async for ref in gen:
-            last = await ref
-        return last
-
-    out = asyncio.run(decode_half())
+    out = asyncio.run(decode_half(decode, first, PARAMS, "d1"))
     if policy == "fail":
         assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
     else:

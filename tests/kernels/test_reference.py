@@ -34,6 +34,17 @@ def _paged_inputs(q_lens, ctx_lens, H, Hkv, D, block_size, num_blocks, seed=0):
     return q, kc, vc, table, qsl, torch.tensor(ctx_lens, dtype=torch.int32), dense
 
 
+def one_token_per_page(dense, ctx_lens):
+    """The same per-request K/V laid out with page size 1: (key_cache, value_cache, table)."""
+    kc1 = torch.cat([k for k, _ in dense]).unsqueeze(1)
+    vc1 = torch.cat([v for _, v in dense]).unsqueeze(1)
+    offsets = torch.tensor([0, *torch.tensor(ctx_lens).cumsum(0).tolist()])
+    table1 = torch.zeros(len(ctx_lens), max(ctx_lens), dtype=torch.int32)
+    for r, c in enumerate(ctx_lens):
+        table1[r, :c] = torch.arange(offsets[r], offsets[r] + c)
+    return kc1, vc1, table1
+
+
 def _naive_attention(q, dense, q_lens, ctx_lens, scale):
     outs = []
     start = 0
@@ -73,14 +84,7 @@ def test_paged_attention_is_page_size_invariant():
     q_lens, ctx_lens = [3, 1, 7], [20, 35, 7]
     q, kc, vc, table, qsl, seq_lens, dense = _paged_inputs(q_lens, ctx_lens, 4, 2, 16, 16, 8, seed=2)
     out16 = ref.paged_attention(q, kc, vc, table, qsl, seq_lens, 0.25)
-    # Same K/V laid out one token per block.
-    kc1 = torch.cat([k for k, _ in dense]).unsqueeze(1)
-    vc1 = torch.cat([v for _, v in dense]).unsqueeze(1)
-    offsets = torch.tensor([0, *torch.tensor(ctx_lens).cumsum(0).tolist()])
-    table1 = torch.zeros(3, max(ctx_lens), dtype=torch.int32)
-    for r, c in enumerate(ctx_lens):
-        table1[r, :c] = torch.arange(offsets[r], offsets[r] + c)
-    out1 = ref.paged_attention(q, kc1, vc1, table1, qsl, seq_lens, 0.25)
+    out1 = ref.paged_attention(q, *one_token_per_page(dense, ctx_lens), qsl, seq_lens, 0.25)
     assert torch.allclose(out16, out1, atol=1e-6)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from kernels import reference as ref
 from kernels import triton_kernels as tk
-from tests.kernels.test_reference import _paged_inputs
+from tests.kernels.test_reference import _paged_inputs, one_token_per_page
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -124,14 +124,7 @@ def test_paged_attention_is_page_size_invariant():
     q_lens, ctx_lens = [4, 1, 1], [20, 35, 7]
     q, kc, vc, table, qsl, seq_lens, dense = _paged_inputs(q_lens, ctx_lens, 4, 2, 32, 16, 8, seed=2)
     out16 = tk.paged_attention(q, kc, vc, table, qsl, seq_lens, 0.2)
-    # The same K/V laid out one token per page.
-    kc1 = torch.cat([k for k, _ in dense]).unsqueeze(1)
-    vc1 = torch.cat([v for _, v in dense]).unsqueeze(1)
-    offsets = torch.tensor([0, *torch.tensor(ctx_lens).cumsum(0).tolist()])
-    table1 = torch.zeros(3, max(ctx_lens), dtype=torch.int32)
-    for r, c in enumerate(ctx_lens):
-        table1[r, :c] = torch.arange(offsets[r], offsets[r] + c)
-    out1 = tk.paged_attention(q, kc1, vc1, table1, qsl, seq_lens, 0.2)
+    out1 = tk.paged_attention(q, *one_token_per_page(dense, ctx_lens), qsl, seq_lens, 0.2)
     torch.testing.assert_close(out16, out1, atol=1e-5, rtol=1e-5)
 
 
