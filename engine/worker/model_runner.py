@@ -181,7 +181,7 @@ class ModelRunner:
     def _to_device(self, R: int, T: int, nb: int, n_sample: int, num_sched: np.ndarray):
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping.to_device(T),
-            block_table=self.step_block_table.to_device()[:R, :nb],
+            block_table=self.step_block_table.to_device(R)[:, :nb],  # only the R rows in use
             query_start_loc=self.query_start_loc.to_device(R + 1),
             seq_lens=self.seq_lens.to_device(R),
             max_query_len=int(num_sched.max()),
