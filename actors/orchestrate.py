@@ -41,13 +41,13 @@ class _Merged:
         self.num_cached_tokens = first.num_cached_tokens
 
     def output(self, finished: bool, finish_reason, stop_reason, delta_text: str, delta_ids: list[int],
-               delta_logprobs=None) -> RequestOutput:
+               delta_logprobs=None, metrics: dict | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=[CompletionOutput(0, self.text, list(self.token_ids), finish_reason, stop_reason,
                                       self.logprobs)],
             finished=finished, num_cached_tokens=self.num_cached_tokens, delta_text=delta_text,
-            delta_token_ids=delta_ids, delta_logprobs=delta_logprobs,
+            delta_token_ids=delta_ids, delta_logprobs=delta_logprobs, metrics=metrics or {},
         )
 
     def add(self, out: RequestOutput) -> RequestOutput:
@@ -60,21 +60,48 @@ class _Merged:
                            list(out.delta_token_ids), out.delta_logprobs)
 
 
-async def _stream(gen) -> AsyncIterator[RequestOutput]:
-    async for ref in gen:
-        yield await ref
+class ActorPeers:
+    """The two replicas of one P/D request as plain Ray actor handles (abort by request id)."""
+
+    def __init__(self, prefill, decode, store) -> None:
+        self.prefill_actor, self.decode_actor, self.store = prefill, decode, store
+
+    async def prefill(self, prompt, params: SamplingParams, request_id: str) -> RequestOutput:
+        try:
+            return await self.prefill_actor.prefill.remote(prompt, params, request_id)
+        except ray.exceptions.RayActorError as e:
+            raise PDRequestError(f"prefill replica died: {e}") from e
+
+    async def decode(self, prompt, params: SamplingParams, request_id: str, kv_params: dict | None,
+                     prior_output_tokens: int) -> AsyncIterator[RequestOutput]:
+        try:
+            async for ref in self.decode_actor.generate.remote(prompt, params, request_id, kv_params,
+                                                               prior_output_tokens):
+                yield await ref
+        except ray.exceptions.RayActorError as e:
+            raise PDRequestError(f"decode replica died: {e}") from e
+
+    async def cleanup(self, request_id: str, transfer_id: str | None, unfinished: bool) -> None:
+        calls = []
+        if unfinished:
+            # Client gone, error or cancellation: nothing of this request may stay anywhere.
+            # (Aborting an unknown request is a no-op, so both sides are told.)
+            calls += [self.prefill_actor.abort.remote(request_id), self.decode_actor.abort.remote(request_id)]
+        if transfer_id is not None:
+            calls.append(self.store.release.remote(transfer_id))
+        # Waited for (Ray does not order calls to async actors): when the request's generator
+        # is closed, the request is gone everywhere. A dead replica's abort just fails.
+        await asyncio.gather(*calls, return_exceptions=True)
 
 
-async def pd_generate(prefill, decode, store, prompt, params: SamplingParams, request_id: str,
-                      load_failure_policy: str = "fail") -> AsyncIterator[RequestOutput]:
-    """Disaggregated generation of one request over a prefill and a decode actor handle."""
+async def pd_flow(peers, prompt, params: SamplingParams, request_id: str,
+                  load_failure_policy: str = "fail") -> AsyncIterator[RequestOutput]:
+    """Disaggregated generation of one request over any pair of peers (actor handles here,
+    Serve deployment handles in cluster.pd_serve)."""
     transfer: dict | None = None
     finished = False
     try:
-        try:
-            first = await prefill.prefill.remote(prompt, params, request_id)
-        except ray.exceptions.RayActorError as e:
-            raise PDRequestError(f"prefill replica died: {e}") from e
+        first = await peers.prefill(prompt, params, request_id)
         c = first.outputs[0]
         if c.finish_reason == "error":
             raise PDRequestError(f"prefill failed: {c.stop_reason}")
@@ -83,7 +110,7 @@ async def pd_generate(prefill, decode, store, prompt, params: SamplingParams, re
         more = needs_decode(c.finish_reason, params)
         finished = not more
         yield merged.output(not more, c.finish_reason if not more else None, c.stop_reason if not more else None,
-                            c.text, list(c.token_ids), first.delta_logprobs)
+                            c.text, list(c.token_ids), first.delta_logprobs, first.metrics)
         if not more:
             return
         kv_params = transfer
@@ -93,34 +120,29 @@ async def pd_generate(prefill, decode, store, prompt, params: SamplingParams, re
                 raise PDRequestError(reason)
             logger.warning("request %s: %s; decode recomputes the prompt", request_id, reason)
             kv_params = None
-        gen = decode.generate.remote(decode_prompt(first.prompt_token_ids, c.token_ids[0]),
-                                     decode_params(params), request_id, kv_params, 1)
-        try:
-            async for out in _stream(gen):
-                if out.finished and out.outputs[0].finish_reason == "error":
-                    raise PDRequestError(f"decode failed: {out.outputs[0].stop_reason}")
-                finished = out.finished
-                yield merged.add(out)
-        except ray.exceptions.RayActorError as e:
-            raise PDRequestError(f"decode replica died: {e}") from e
+        async for out in peers.decode(decode_prompt(first.prompt_token_ids, c.token_ids[0]),
+                                      decode_params(params), request_id, kv_params, 1):
+            if out.finished and out.outputs[0].finish_reason == "error":
+                raise PDRequestError(f"decode failed: {out.outputs[0].stop_reason}")
+            finished = out.finished
+            yield merged.add(out)
     finally:
-        cleanup = []
-        if not finished:
-            # Client gone, error or cancellation: nothing of this request may stay anywhere.
-            # (Aborting an unknown request is a no-op, so both sides are told.)
-            cleanup += [prefill.abort.remote(request_id), decode.abort.remote(request_id)]
-        if transfer is not None and "transfer_id" in transfer:
-            cleanup.append(store.release.remote(transfer["transfer_id"]))
-        # Waited for (Ray does not order calls to async actors): when this generator is
-        # closed, the request is gone everywhere. A dead replica's abort just fails.
-        await asyncio.gather(*cleanup, return_exceptions=True)
+        tid = transfer.get("transfer_id") if transfer is not None else None
+        await peers.cleanup(request_id, tid, not finished)
+
+
+def pd_generate(prefill, decode, store, prompt, params: SamplingParams, request_id: str,
+                load_failure_policy: str = "fail") -> AsyncIterator[RequestOutput]:
+    """Disaggregated generation of one request over a prefill and a decode actor handle."""
+    return pd_flow(ActorPeers(prefill, decode, store), prompt, params, request_id, load_failure_policy)
 
 
 async def colocated_generate(worker, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
     """The baseline: one worker does prefill and decode."""
     finished = False
     try:
-        async for out in _stream(worker.generate.remote(prompt, params, request_id)):
+        async for ref in worker.generate.remote(prompt, params, request_id):
+            out = await ref
             finished = out.finished
             yield out
     except ray.exceptions.RayActorError as e:

@@ -37,11 +37,16 @@ class EngineWorker:
         load_failure_policy: str = "fail",
         engine_cls=AsyncLLM,
         transport_timeout_s: float = 60.0,
+        store_pulls: bool = True,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "torch_dist" and not store_pulls:
+            # Its consumers call back into the producer's actor, which a Serve replica is not.
+            raise ValueError("transport 'torch_dist' needs plain actors; Serve replicas use 'object_store'")
+        self.store_pulls = store_pulls
         self.role = role
         self.replica_id = replica_id or f"{role}-{uuid.uuid4().hex[:8]}"
         config = build_engine_config(model, **(engine_kwargs or {}))
@@ -64,7 +69,8 @@ class EngineWorker:
             return ray.get_runtime_context().current_actor
 
         if name == "object_store":
-            return ObjectStoreTransport(store, self.replica_id, self_handle, fetch_timeout_s=timeout_s)
+            return ObjectStoreTransport(store, self.replica_id, self_handle if self.store_pulls else None,
+                                        fetch_timeout_s=timeout_s)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         return TorchDistTransport(store, self.replica_id, self_handle, device_type=device, timeout_s=timeout_s)
 

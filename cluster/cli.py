@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="generate a few completions with the default model")
     _add_engine_flags(demo)
     demo.set_defaults(fn=_cmd_demo)
+
+    from cluster.serve_cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -6,7 +6,8 @@ import json
 import os
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core import EngineCore, resolve_max_model_len
+from engine.models.arch import load_arch
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.processor import InputProcessor, PromptType
@@ -30,6 +31,18 @@ def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
             if eos is not None:
                 return list(eos) if isinstance(eos, list) else [eos]
     return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+
+def front_end(config: EngineConfig) -> tuple[object, InputProcessor]:
+    """(tokenizer, InputProcessor) of a model without loading its weights: what a front end
+    (the HTTP ingress) needs to tokenize and validate requests exactly as the engine will."""
+    model_dir = config.model.model
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model must be a model directory; {model_dir!r} does not exist")
+    tokenizer = load_tokenizer(model_dir)
+    arch = load_arch(model_dir)
+    max_len = resolve_max_model_len(config.model.max_model_len, arch)
+    return tokenizer, InputProcessor(tokenizer, max_len, arch.vocab_size, eos_token_ids(model_dir, tokenizer))
 
 
 class LLMEngine:

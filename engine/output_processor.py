@@ -93,6 +93,7 @@ class OutputProcessor:
                     delta_token_ids=new_ids,
                     delta_logprobs=co.new_logprobs[: len(new_ids)] if co.new_logprobs else None,
                     kv_transfer_params=co.kv_transfer_params,
+                    metrics=_metrics(state.request),
                 )
             )
             if finished:
@@ -109,3 +110,9 @@ def _detokenizer(tokenizer, request: Request) -> IncrementalDetokenizer:
     for token in ids[len(ids) - k:]:
         detok.step(token)
     return detok
+
+
+def _metrics(request) -> dict:
+    if request.first_scheduled_time is None:
+        return {}
+    return {"queue_time_s": request.first_scheduled_time - request.arrival_time}

@@ -54,6 +54,7 @@ class Request:
     sampling_params: SamplingParams
     max_tokens: int  # resolved against max_model_len by the engine
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # for the queue-time metric
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer_params: dict | None = None

@@ -8,6 +8,7 @@ prefill/decode batches for free.
 from __future__ import annotations
 
 import logging
+import time
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import KVCacheBlocks, KVCacheManager
@@ -179,6 +180,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_local + num_external
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_local)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             if load_async:
                 request.num_computed_tokens = num_computed
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS

@@ -92,6 +92,9 @@ class TransferDirectory:
         """Forget every transfer of a producer (e.g. when its bytes died with it)."""
         return [self.release(tid) for tid, e in list(self._entries.items()) if e.owner == owner]
 
+    def count_owned(self, owner: str) -> int:
+        return sum(1 for e in self._entries.values() if e.owner == owner)
+
     def sweep(self, advance_s: float = 0.0) -> list[TransferEntry]:
         """Drop every transfer whose lease has passed (as of `advance_s` seconds from now,
         which lets tests and operators expire leases early); returns them."""

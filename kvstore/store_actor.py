@@ -53,10 +53,11 @@ class KVStore:
         self._bytes.set(stats.live_bytes)
 
     async def register(self, transfer_id: str, owner: str, producer, nbytes: int, num_tokens: int,
-                       meta: dict | None = None, pull: bool = True) -> dict:
+                       meta: dict | None = None, pull: bool = True, refs: list | None = None) -> dict:
         """Record a transfer. With `pull` (object-store transport) the store takes the export
-        from the producer, becoming the object's owner; otherwise the producer keeps the bytes
-        and the entry says where they are. Returns {"ok": True} or {"ok": False, "error": ...}."""
+        from the producer, becoming the object's owner; with `refs` the producer already put
+        the object and the store only borrows the reference; otherwise the producer keeps the
+        bytes and the entry says where they are. Returns {"ok": True} or {"ok": False, "error": ...}."""
         self._ensure_sweeper()
         try:
             entry = self.directory.put(transfer_id, owner, nbytes, num_tokens, location=None,
@@ -64,7 +65,9 @@ class KVStore:
         except (StoreFullError, ValueError) as e:
             return {"ok": False, "error": str(e)}
         entry.meta["producer"] = producer
-        if pull:
+        if refs:
+            entry.location = refs[0]
+        elif pull:
             # The store is the caller, hence the owner, of the exported object.
             entry.location = producer.take_export.remote(transfer_id)
         self._update_gauges()
@@ -103,6 +106,10 @@ class KVStore:
             logger.info("KV store: %d transfers expired unclaimed", len(expired))
             self._update_gauges()
         return expired
+
+    async def count_owned(self, owner: str) -> int:
+        """Live transfers a producer exported (a draining prefill replica waits for 0)."""
+        return self.directory.count_owned(owner)
 
     async def stats(self) -> dict:
         s = self.directory.stats()

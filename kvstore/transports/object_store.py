@@ -10,8 +10,13 @@ from kvstore.transports.base import StoreBackedTransport, TransferError
 
 class ObjectStoreTransport(StoreBackedTransport):
     """Producer: keeps the export in its outbox until the store pulls it with
-    `take_export` (so the store owns the object). Consumer: reads the object the store
-    points to, directly from the object store."""
+    `take_export` (so the store owns the object and it survives a dead producer). Consumer:
+    reads the object the store points to, directly from the object store.
+
+    Without a handle to its own actor (`self_handle_fn=None`: a Serve replica, whose actor
+    only answers Serve's own calls) the producer puts the object itself and hands the store
+    a reference; the producer then owns it, so a producer that dies before the decode side
+    fetched loses the transfer (the load-failure policy decides what happens then)."""
 
     name = "object_store"
 
@@ -21,10 +26,15 @@ class ObjectStoreTransport(StoreBackedTransport):
 
     def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> dict:
         kv = kv.cpu()  # the object store is host memory
-        self._hold(transfer_id, kv)
         nbytes = kv.numel() * kv.element_size()
-        reply = ray.get(self.store.register.remote(transfer_id, self.replica_id, self._self_handle_fn(),
-                                                   nbytes, num_tokens))
+        if self._self_handle_fn is None:
+            # Wrapped in a list so Ray passes the reference; the store borrows it.
+            reply = ray.get(self.store.register.remote(transfer_id, self.replica_id, None, nbytes, num_tokens,
+                                                       refs=[ray.put(kv)]))
+        else:
+            self._hold(transfer_id, kv)
+            reply = ray.get(self.store.register.remote(transfer_id, self.replica_id, self._self_handle_fn(),
+                                                       nbytes, num_tokens))
         if not reply["ok"]:
             self.drop_export(transfer_id)  # nobody will pull it
             raise TransferError(reply["error"])

@@ -1,0 +1,86 @@
+"""OpenAI response objects built from engine outputs (completions and chat, plain and streamed)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from engine.outputs import PositionLogprobs
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class TokenText:
+    """Per-token strings for logprobs (each token decoded alone, as vLLM reports them)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return s
+
+
+def _top(position: PositionLogprobs, n: int) -> list[tuple[int, float]]:
+    return sorted(position.items(), key=lambda kv: -kv[1])[:n]
+
+
+def completion_logprobs(text_of: TokenText, token_ids: list[int], positions: list[PositionLogprobs],
+                        n: int, offset: int) -> dict:
+    """The legacy completions `logprobs` object for these tokens; `offset` is where the first
+    token's text starts in the choice's text."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for tid, pos in zip(token_ids, positions):
+        s = text_of(tid)
+        tokens.append(s)
+        token_logprobs.append(pos.get(tid))
+        top_logprobs.append({text_of(t): lp for t, lp in _top(pos, n)} if n else None)
+        text_offset.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def chat_logprobs(text_of: TokenText, token_ids: list[int], positions: list[PositionLogprobs], n: int) -> dict:
+    content = []
+    for tid, pos in zip(token_ids, positions):
+        s = text_of(tid)
+        content.append({
+            "token": s, "logprob": pos.get(tid), "bytes": list(s.encode()),
+            "top_logprobs": [{"token": text_of(t), "logprob": lp, "bytes": list(text_of(t).encode())}
+                             for t, lp in _top(pos, n)],
+        })
+    return {"content": content}
+
+
+def completion_object(request_id: str, model: str, choices: list[dict], usage_: dict | None,
+                      chunk: bool = False) -> dict:
+    obj = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+           "choices": choices}
+    if usage_ is not None or not chunk:
+        obj["usage"] = usage_
+    return obj
+
+
+def chat_object(request_id: str, model: str, choices: list[dict], usage_: dict | None, chunk: bool = False) -> dict:
+    obj = {"id": request_id, "object": "chat.completion.chunk" if chunk else "chat.completion",
+           "created": int(time.time()), "model": model, "choices": choices}
+    if usage_ is not None or not chunk:
+        obj["usage"] = usage_
+    return obj

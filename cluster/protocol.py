@@ -1,0 +1,168 @@
+"""OpenAI request bodies (plus vLLM's extra sampling fields) and their mapping to SamplingParams.
+
+Pydantic checks types and shapes; the value ranges are checked once, by SamplingParams and
+the engine's InputProcessor, whose messages name the field — the ingress turns them into
+400s. Fields OpenAI defines but pdserve does not implement are rejected with a 400 naming
+them rather than silently ignored (a client relying on them would get wrong answers).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    # Unknown fields are ignored, as OpenAI's and vLLM's servers do.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    repetition_penalty: float | None = None
+    priority: int = 0
+    request_id: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) of the first field set to something pdserve cannot do."""
+        if self.n != 1:
+            return "n", f"n must be 1 (parallel sampling is not supported), got {self.n}"
+        if self.presence_penalty:
+            return "presence_penalty", "presence_penalty is not supported (must be 0)"
+        if self.frequency_penalty:
+            return "frequency_penalty", "frequency_penalty is not supported (must be 0)"
+        if self.repetition_penalty not in (None, 1.0):
+            return "repetition_penalty", "repetition_penalty is not supported (must be 1)"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        return None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the field when a value is out of range."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of must be 1"
+        if self.echo and self.logprobs is not None:
+            return "echo", "echo together with logprobs (prompt logprobs) is not supported"
+        return super().unsupported()
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: a string, a token list, or a batch of either."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools", "tools (function calling) are not supported"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "only response_format {'type': 'text'} is supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs requires logprobs=true"
+        return super().unsupported()
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -1,0 +1,116 @@
+"""The body of the Prefill, Decode and Colocated Serve deployments.
+
+Each replica runs one engine in its own process (an `actors.EngineWorker` with the KV
+connector of its role). Serve calls `record_routing_stats` periodically: its figures feed
+the request router (least load) and are forwarded to the Coordinator, which keeps the
+cluster-wide board behind `/metrics` and `/status`. Serve's `check_health` fails the
+replica when its engine thread died, so Serve replaces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+from ray import serve
+
+from actors.worker import EngineWorker
+from engine.sampling_params import SamplingParams
+from kvstore.store_actor import KVStore
+
+logger = logging.getLogger(__name__)
+
+STORE_NAMESPACE = "pdserve"
+# How long a draining prefill replica waits for decode replicas to fetch its exports (they
+# live in its process's object store and go with it).
+_EXPORT_DRAIN_S = 30.0
+
+
+def store_name(app_name: str) -> str:
+    return f"pdserve-kv-store-{app_name}"
+
+
+def get_or_create_store(app_name: str, **store_kwargs):
+    """The app's KV store actor: named, detached (no replica's fate decides its life; the
+    CLI and the Coordinator remove it with the app), created by whichever replica is first."""
+    return ray.remote(KVStore).options(
+        name=store_name(app_name), namespace=STORE_NAMESPACE, lifetime="detached", get_if_exists=True,
+        num_cpus=0, max_concurrency=1000,
+    ).remote(**store_kwargs)
+
+
+def kill_store(app_name: str) -> bool:
+    try:
+        ray.kill(ray.get_actor(store_name(app_name), namespace=STORE_NAMESPACE))
+        return True
+    except ValueError:
+        return False
+
+
+class EngineServer:
+    def __init__(self, model: str, role: str, engine_kwargs: dict | None = None, app_name: str = "pdserve",
+                 load_failure_policy: str = "fail", coordinator: str | None = "Coordinator",
+                 store_kwargs: dict | None = None) -> None:
+        ctx = serve.get_replica_context()
+        self.role = role
+        self.app_name = app_name
+        self.replica_id = f"{role}-{ctx.replica_id.unique_id}"
+        store = None if role == "colocated" else get_or_create_store(app_name, **(store_kwargs or {}))
+        self.store = store
+        self.worker = EngineWorker(model, role, self.replica_id, engine_kwargs, store, "object_store",
+                                   load_failure_policy, store_pulls=False)
+        self._coordinator = (serve.get_deployment_handle(coordinator, app_name)
+                             if coordinator else None)
+        self._seq = 0
+
+    # ---- requests (called through DeploymentHandles) -------------------------------------
+    async def prefill(self, prompt: dict, params: SamplingParams, request_id: str):
+        out = await self.worker.prefill(prompt, params, request_id)
+        return out
+
+    async def generate(self, prompt: dict, params: SamplingParams, request_id: str,
+                       kv_transfer_params: dict | None = None, prior_output_tokens: int = 0):
+        # A Serve streaming method: cancelling the caller's response closes this generator,
+        # which aborts the request in the engine and frees its KV blocks.
+        async for out in self.worker.generate(prompt, params, request_id, kv_transfer_params,
+                                              prior_output_tokens):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        await self.worker.abort(request_id)
+
+    # ---- health, load and metrics -------------------------------------------------------
+    async def check_health(self) -> None:
+        await self.worker.check_health()
+
+    async def figures(self) -> dict:
+        figures = await self.worker.load()
+        figures["kv_transfer"] = self.worker.kv_transfer_stats()
+        return figures
+
+    async def record_routing_stats(self) -> dict:
+        self._seq += 1
+        figures = await self.figures()
+        figures["seq"] = self._seq
+        figures["time"] = time.time()
+        if self._coordinator is not None:
+            # Fire and forget: a slow or restarting coordinator must not stall routing stats.
+            self._coordinator.report.remote(figures)
+        return figures
+
+    async def __del__(self) -> None:
+        # Serve has let in-flight requests finish (graceful_shutdown_timeout_s). A prefill
+        # replica also keeps its process until the decode side fetched what it exported.
+        if self.role == "prefill" and self.store is not None:
+            deadline = time.monotonic() + _EXPORT_DRAIN_S
+            while time.monotonic() < deadline:
+                try:
+                    owned = await self.store.count_owned.remote(self.replica_id)
+                except Exception:  # store gone: nothing left to serve
+                    break
+                if owned == 0:
+                    break
+                await asyncio.sleep(0.2)  # polling the store while draining, bounded
+        self.worker.engine.shutdown()

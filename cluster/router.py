@@ -1,0 +1,100 @@
+"""Which prefill / decode replica gets a request (seed 002: least load, 4*waiting + running).
+
+The load figures come from the replicas themselves (`record_routing_stats`, collected by Serve
+every `request_routing_stats_period_s` and handed to every router). Between two reports a
+router only knows what it sent itself, so each request it routed to a replica since that
+replica's last report counts as one more waiting request there; without that correction a
+burst would pile onto whichever replica looked idlest at the last report.
+
+Prefix affinity (optional) sends prompts that start with the same tokens to the same replica,
+where their prefix blocks are already cached, as long as that replica is not much busier than
+the least loaded one (`affinity_slack`, in load units).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+WAITING_WEIGHT = 4
+
+
+@dataclass(frozen=True)
+class Candidate:
+    key: str  # the replica's unique id
+    running: int
+    waiting: int
+    sent_since_report: int = 0
+
+    @property
+    def load(self) -> int:
+        return WAITING_WEIGHT * (self.waiting + self.sent_since_report) + self.running
+
+
+def affinity_key(prompt_token_ids: list[int] | None, prefix_tokens: int) -> str | None:
+    """The key of a prompt's first `prefix_tokens` tokens; None when the prompt is shorter
+    (nothing worth keeping together)."""
+    if not prompt_token_ids or len(prompt_token_ids) < prefix_tokens:
+        return None
+    head = ",".join(map(str, prompt_token_ids[:prefix_tokens]))
+    return hashlib.sha1(head.encode()).hexdigest()
+
+
+def _rendezvous(key: str, replica_key: str) -> int:
+    return int.from_bytes(hashlib.sha1(f"{key}|{replica_key}".encode()).digest()[:8], "big")
+
+
+def rank(candidates: list[Candidate], affinity: str | None = None, affinity_slack: int = 8) -> list[str]:
+    """Replica keys, most preferred first: least load first (ties by key, so the order is
+    deterministic); with an affinity key, its home replica (highest rendezvous hash, which
+    stays put when other replicas come and go) moves to the front unless its load exceeds
+    the least load by more than `affinity_slack`."""
+    ordered = sorted(candidates, key=lambda c: (c.load, c.key))
+    if affinity is None or not ordered:
+        return [c.key for c in ordered]
+    home = max(ordered, key=lambda c: _rendezvous(affinity, c.key))
+    if home.load <= ordered[0].load + affinity_slack:
+        ordered.remove(home)
+        ordered.insert(0, home)
+    return [c.key for c in ordered]
+
+
+class LeastLoadRouter(FIFOMixin, RequestRouter):
+    """Serve request router for the engine deployments (configured in cluster.app)."""
+
+    def initialize_state(self, prefix_affinity: bool = False, affinity_prefix_tokens: int = 32,
+                         affinity_slack: int = 8, **kwargs) -> None:
+        self._prefix_affinity = prefix_affinity
+        self._affinity_prefix_tokens = affinity_prefix_tokens
+        self._affinity_slack = affinity_slack
+        # replica key -> (report sequence number it applies to, requests sent since)
+        self._sent: dict[str, tuple[object, int]] = {}
+
+    def _candidate(self, replica: RunningReplica) -> Candidate:
+        stats = replica.routing_stats or {}
+        key = replica.replica_id.unique_id
+        seq, sent = self._sent.get(key, (None, 0))
+        if seq != stats.get("seq"):
+            sent = 0  # the replica reported since: its figures include what we sent before
+        return Candidate(key, int(stats.get("running", 0)), int(stats.get("waiting", 0)), sent)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
+        affinity = None
+        if self._prefix_affinity and pending_request is not None and pending_request.args:
+            prompt = pending_request.args[0]
+            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+            affinity = affinity_key(ids, self._affinity_prefix_tokens)
+        order = rank([self._candidate(r) for r in candidate_replicas], affinity, self._affinity_slack)
+        # One replica per rank: Serve tries them in this order, skipping full ones.
+        return [[by_key[k]] for k in order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        key = replica_id.unique_id
+        replica = self._replicas.get(replica_id)
+        seq = (replica.routing_stats or {}).get("seq") if replica is not None else None
+        prev_seq, sent = self._sent.get(key, (None, 0))
+        self._sent[key] = (seq, (sent if prev_seq == seq else 0) + 1)
