@@ -62,13 +62,15 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     """FastAPI's 422 becomes OpenAI's 400, naming the offending field."""
     err = exc.errors()[0] if exc.errors() else {}
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    # The param is the top-level field; the message keeps the path (which for unions also
+    # names the type tried, e.g. prompt.str).
+    param = loc[0] if loc else None
     if err.get("type") == "json_invalid":
         message, param = f"malformed JSON body: {err.get('msg', '')}", None
-    elif err.get("type") == "missing":
-        message, param = f"missing required field '{'.'.join(loc)}'", ".".join(loc) or None
+    elif err.get("type") == "missing" and len(loc) == 1:
+        message = f"missing required field '{param}'"
     else:
         message = f"invalid value for '{'.'.join(loc)}': {err.get('msg', 'invalid')}"
-        param = ".".join(loc) or None
     return OpenAIError(400, message, param=param).response()
 
 

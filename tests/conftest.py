@@ -36,3 +36,13 @@ def model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(model_factory) -> str:
     return model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for the session: fixed small CPU count, no dashboard, shut down after."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()

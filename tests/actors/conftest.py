@@ -1,19 +1,10 @@
-"""Local Ray for actor tests: fixed small CPU count, no dashboard, shut down afterwards."""
+"""A fresh KV store and worker factory per actor test (Ray itself: tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.actors.helpers import ENGINE
-
-
-@pytest.fixture(scope="session")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield ray
-    ray.shutdown()
 
 
 @pytest.fixture

@@ -1,0 +1,52 @@
+"""Serve on local Ray for the HTTP tests: one HTTP proxy on 127.0.0.1 for the session, and an
+app per test module (deployed by `deploy`, deleted with its KV store afterwards)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tests.cluster.helpers import wait_http_ok
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_local):
+    from ray import serve
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def deploy(serve_url):
+    """deploy(AppConfig) -> base URL, once /health answers 200; the app is removed at the end."""
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.replica import kill_store
+
+    deployed = []
+
+    def run(cfg):
+        for name in [n for n in deployed if n != cfg.app_name]:
+            serve.delete(name)
+            kill_store(name)
+            deployed.remove(name)
+        serve.run(build_app(cfg), name=cfg.app_name, route_prefix="/", blocking=False)
+        deployed.append(cfg.app_name)
+        wait_http_ok(f"{serve_url}/health")
+        return serve_url
+
+    yield run
+    for name in deployed:
+        serve.delete(name)
+        kill_store(name)

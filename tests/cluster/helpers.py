@@ -1,0 +1,82 @@
+"""Helpers for the HTTP tests: polling with a deadline, SSE parsing, leak checks."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import requests
+
+# Engine sizes for the app tests: few blocks, so a leaked block is visible.
+ENGINE = {"max_model_len": 512, "num_kv_blocks": 96, "max_num_seqs": 16}
+
+
+def wait_for(fn, what: str, timeout_s: float = 60.0, interval_s: float = 0.05):
+    """Poll `fn` until it returns a truthy value (bounded: fails the test on timeout)."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def wait_http_ok(url: str, timeout_s: float = 120.0) -> None:
+    def ok():
+        try:
+            return requests.get(url, timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    wait_for(ok, f"{url} to answer 200", timeout_s, 0.2)
+
+
+def sse_events(response) -> list:
+    """The `data:` payloads of an SSE response, JSON-decoded except the final [DONE]."""
+    events = []
+    for line in response.iter_lines(decode_unicode=True):
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def replicas(url: str) -> list[dict]:
+    return requests.get(f"{url}/status", timeout=10).json()["replicas"]
+
+
+def assert_no_leaks(url: str, app_name: str, roles: set[str]) -> None:
+    """Every replica reports all KV blocks free and nothing queued or running, and the app's
+    KV store holds no transfer. Replica figures arrive with Serve's routing-stats rounds, so
+    this polls (bounded) for reports made after the call, which must show that state."""
+    import ray
+
+    from cluster.replica import STORE_NAMESPACE, store_name
+
+    since = time.time()
+
+    def clean():
+        reps = [r for r in replicas(url) if r["time"] > since]
+        if {r["role"] for r in reps} != roles:
+            return False
+        return all(r["free_blocks"] == r["total_blocks"] and r["running"] == 0 and r["waiting"] == 0
+                   for r in reps)
+
+    wait_for(clean, "every replica to report no running request and all KV blocks free", 30)
+    if "prefill" in roles:
+        store = ray.get_actor(store_name(app_name), namespace=STORE_NAMESPACE)
+        wait_for(lambda: ray.get(store.stats.remote())["live_transfers"] == 0, "no live KV transfer", 30)
+
+
+def metric_value(url: str, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total

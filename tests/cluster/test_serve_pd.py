@@ -1,0 +1,261 @@
+"""The Serve app in P/D mode on local Ray, driven by the official openai client and raw HTTP.
+
+Oracles: Hugging Face greedy generation (text and token counts), HF log-softmax (logprobs),
+the OpenAI error shape, and the replicas' own KV figures (no leaked block or transfer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import requests
+import torch
+
+from tests.cluster.helpers import ENGINE, assert_no_leaks, metric_value, sse_events
+from tests.engine.hf_reference import _hf_model, hf_greedy
+
+APP = "pdtest"
+NAME = "tiny-test"
+PROMPTS = ["The river ran quietly past", "A good engineer measures before", "Hello! How can I help you",
+           "Once upon a time there was a small village by the sea where"]
+
+
+@pytest.fixture(scope="module")
+def app(deploy, tiny_model):
+    from cluster.app import AppConfig
+
+    cfg = AppConfig(model=tiny_model, mode="pd", served_model_name=NAME, app_name=APP, replica_num_cpus=0,
+                    num_kv_blocks=ENGINE["num_kv_blocks"], max_model_len=ENGINE["max_model_len"],
+                    max_num_seqs=ENGINE["max_num_seqs"])
+    return deploy(cfg)
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def _hf_text(tiny_model, tokenizer, ids: list[int], max_tokens: int) -> tuple[str, int]:
+    out = hf_greedy(tiny_model, [ids], max_tokens)[0]
+    return tokenizer.decode(out, skip_special_tokens=True), len(out)
+
+
+def test_models_and_health(app):
+    assert requests.get(f"{app}/health", timeout=10).status_code == 200
+    data = requests.get(f"{app}/v1/models", timeout=10).json()
+    assert data["object"] == "list"
+    assert [m["id"] for m in data["data"]] == [NAME]
+    assert data["data"][0]["max_model_len"] == ENGINE["max_model_len"]
+
+
+def test_completion_greedy_equals_hf(client, tiny_model, tokenizer):
+    for prompt in PROMPTS:
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0)
+        ids = tokenizer.encode(prompt)
+        text, n = _hf_text(tiny_model, tokenizer, ids, 24)
+        c = r.choices[0]
+        assert c.text == text, prompt
+        assert r.usage.prompt_tokens == len(ids)
+        assert r.usage.completion_tokens == n
+        assert r.usage.total_tokens == len(ids) + n
+        assert c.finish_reason == ("length" if n == 24 else "stop")
+
+
+def test_streamed_completion_matches_plain(client, app):
+    prompt = PROMPTS[3]
+    plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0)
+    stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == plain.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    # Raw: SSE framing ends with [DONE].
+    r = requests.post(f"{app}/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 5,
+                                                     "stream": True}, stream=True, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r)
+    assert events[-1] == "[DONE]" and all(isinstance(e, dict) for e in events[:-1])
+    assert all("usage" not in e for e in events[:-1])  # only with include_usage
+
+
+def test_chat_plain_and_streamed_equal_hf(client, tiny_model, tokenizer):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a river."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    text, n = _hf_text(tiny_model, tokenizer, ids, 16)
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == text
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == n
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.total_tokens == len(ids) + n
+
+
+def test_concurrent_requests_each_equal_hf(app, tiny_model, tokenizer):
+    from openai import AsyncOpenAI
+
+    prompts = [f"{p} {i}" for i, p in enumerate(PROMPTS * 3)]
+    expected = [_hf_text(tiny_model, tokenizer, tokenizer.encode(p), 12)[0] for p in prompts]
+
+    async def run():
+        client = AsyncOpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
+        rs = await asyncio.gather(*[
+            client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0) for p in prompts])
+        await client.close()
+        return [r.choices[0].text for r in rs]
+
+    assert asyncio.run(run()) == expected
+    assert_no_leaks(app, APP, {"prefill", "decode"})
+
+
+def test_batched_prompts_and_token_prompts(client, tiny_model, tokenizer):
+    ids = tokenizer.encode(PROMPTS[0])
+    r = client.completions.create(model=NAME, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=8, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c, p in zip(r.choices, PROMPTS[1:3]):
+        assert c.text == _hf_text(tiny_model, tokenizer, tokenizer.encode(p), 8)[0]
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0)
+    assert r.choices[0].text == _hf_text(tiny_model, tokenizer, ids, 8)[0]
+
+
+def test_logprobs_match_hf(client, tiny_model, tokenizer):
+    prompt = PROMPTS[1]
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    ids = tokenizer.encode(prompt)
+    gen = hf_greedy(tiny_model, [ids], 6)[0]
+    model = _hf_model(tiny_model)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + gen])).logits[0, len(ids) - 1:-1]
+    ref = torch.log_softmax(logits.float(), -1)
+    assert len(lp.token_logprobs) == len(gen)
+    for i, tid in enumerate(gen):
+        assert math.isclose(lp.token_logprobs[i], ref[i, tid].item(), abs_tol=1e-3)
+        assert len(lp.top_logprobs[i]) <= 3
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(lp.token_logprobs[i], abs=1e-5)  # greedy
+    assert lp.text_offset[0] == 0
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+def test_vllm_extra_fields(client, tiny_model, tokenizer):
+    base = dict(model=NAME, prompt=PROMPTS[0], temperature=0)
+    r = client.completions.create(**base, max_tokens=40, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(**base, max_tokens=30, extra_body={"min_tokens": 30, "ignore_eos": False})
+    assert r.usage.completion_tokens == 30
+    stop_id = hf_greedy(tiny_model, [tokenizer.encode(PROMPTS[0])], 1)[0][0]  # the first greedy token
+    r = client.completions.create(**base, max_tokens=5, extra_body={"stop_token_ids": [stop_id]})
+    # As in vLLM, a stop token that is not a special token stays in the text.
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    assert r.choices[0].text == tokenizer.decode([stop_id])
+    sampled = dict(model=NAME, prompt=PROMPTS[2], max_tokens=16, temperature=1.0, seed=7,
+                   extra_body={"top_k": 50, "min_p": 0.01})
+    a = client.completions.create(**sampled).choices[0].text
+    b = client.completions.create(**sampled).choices[0].text
+    assert a == b  # seeded sampling is reproducible across requests (and across the P/D split)
+
+
+BAD = [
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": ENGINE["max_model_len"]}, "max_tokens"),  # prompt + max_tokens beyond the context
+    ({"prompt": "word " * 600}, "prompt"),  # the prompt alone exceeds the context
+    ({"top_k": -3}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"logprobs": 50}, "logprobs"),
+    ({"n": 2}, "n"),
+    ({"max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": None}, "prompt"),
+    ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+]
+
+
+@pytest.mark.parametrize("override,param", BAD, ids=[p for _, p in BAD])
+def test_bad_completion_inputs_are_400_in_openai_shape(app, override, param):
+    body = {"model": NAME, "prompt": "Hello there", "max_tokens": 4, **override}
+    r = requests.post(f"{app}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+def test_malformed_and_missing_fields_are_400(app):
+    r = requests.post(f"{app}/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"},
+                      timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = requests.post(f"{app}/v1/completions", json={"model": NAME}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = requests.post(f"{app}/v1/chat/completions", json={"model": NAME}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = requests.post(f"{app}/v1/chat/completions", json={"model": NAME, "messages": []}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = requests.post(f"{app}/v1/chat/completions", json={"model": NAME, "temperature": -1,
+                                                          "messages": [{"role": "user", "content": "x"}]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = requests.post(f"{app}/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_unknown_model_is_404(app, client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    assert e.value.body["param"] == "model" or e.value.body.get("code") == "model_not_found"
+    r = requests.post(f"{app}/v1/chat/completions", json={"model": "nope", "messages": [
+        {"role": "user", "content": "x"}]}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_disconnect_mid_stream_aborts_both_sides(app):
+    cancelled = metric_value(app, "pdserve_requests_total", status="cancelled")
+    body = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    r = requests.post(f"{app}/v1/completions", json=body, stream=True, timeout=60)
+    lines = r.iter_lines()
+    got = 0
+    for line in lines:
+        if line.startswith(b"data: "):
+            got += 1
+            if got == 3:
+                break
+    r.close()  # the client goes away mid-stream
+    assert_no_leaks(app, APP, {"prefill", "decode"})
+    assert metric_value(app, "pdserve_requests_total", status="cancelled") == cancelled + 1
+
+
+def test_metrics_exposes_latencies_and_replica_figures(app, client):
+    client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_e2e_request_latency_seconds_count",
+                 "pdserve_request_queue_time_seconds_count", "pdserve_inter_token_latency_seconds_count"):
+        assert metric_value(app, name, model_name=NAME) > 0, name
+    text = requests.get(f"{app}/metrics", timeout=10).text
+    for role in ("prefill", "decode"):
+        assert f'pdserve_kv_cache_usage_ratio{{replica="{role}-' in text
+        assert f'pdserve_num_requests_waiting{{replica="{role}-' in text
+    assert metric_value(app, "pdserve_kv_transfer_exports_total", role="prefill") > 0
+    assert metric_value(app, "pdserve_kv_transfer_bytes_in_total", role="decode") > 0
