@@ -41,6 +41,15 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         return delta
 
+    def flush(self) -> str:
+        """At the end of the request: whatever is still held back (a character whose bytes
+        never completed decodes to U+FFFD, as `tokenizer.decode` of all tokens would show;
+        holding it would also drop the complete characters decoded with it)."""
+        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.tokens[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+
 
 def find_stop_string(text: str, num_new_chars: int, stops: list[str]) -> tuple[str, int] | None:
     """The first stop string that ends inside the last `num_new_chars` characters of `text`,

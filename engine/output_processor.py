@@ -67,6 +67,8 @@ class OutputProcessor:
                         break
             state.token_ids.extend(new_ids)
             finished = finish_reason is not None
+            if finished and not (finish_reason == "stop" and isinstance(stop_reason, str)):
+                state.text += state.detokenizer.flush()
             # While a stop string could still be completing, hold its possible prefix back.
             hold = 0 if finished or not params.stop else max(len(s) for s in params.stop) - 1
             visible = max(len(state.text) - hold, state.sent_chars)

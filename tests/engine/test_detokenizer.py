@@ -36,6 +36,20 @@ def test_multibyte_character_split_over_tokens_is_held_until_complete(tiny_model
     assert deltas[-1] == "🌍"
 
 
+def test_flush_at_the_end_returns_text_held_behind_an_incomplete_character(tiny_model):
+    """A request that ends mid-character must still return the complete characters decoded
+    with the partial one, and its text equals decoding all its tokens (what HF shows)."""
+    tok = load_tokenizer(tiny_model)
+    ids = tok.encode("ab🌍", add_special_tokens=False)
+    partial = ids[:-1]  # the emoji's last byte never comes
+    detok = IncrementalDetokenizer(tok, [])
+    streamed = "".join(detok.step(t) for t in partial)
+    final = streamed + detok.flush()
+    assert final == tok.decode(partial)
+    assert final.startswith("ab") and final.endswith("\ufffd")
+    assert detok.flush() == ""  # nothing is returned twice
+
+
 def test_special_tokens_are_skipped_in_text(tiny_model):
     tok = load_tokenizer(tiny_model)
     eos = tok.convert_tokens_to_ids("<|im_end|>")

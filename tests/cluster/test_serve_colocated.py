@@ -1,0 +1,92 @@
+"""The Serve app in colocated mode (the baseline), with a pending-request limit of 2 so the
+503 path can be reached with requests the test holds open."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from tests.cluster.helpers import ENGINE, assert_no_leaks, metric_value, sse_events
+from tests.engine.hf_reference import hf_greedy
+
+APP = "colotest"
+NAME = "tiny-colo"
+
+
+@pytest.fixture(scope="module")
+def app(deploy, tiny_model):
+    from cluster.app import AppConfig
+
+    cfg = AppConfig(model=tiny_model, mode="colocated", served_model_name=NAME, app_name=APP,
+                    replica_num_cpus=0, max_pending_requests=2, num_kv_blocks=ENGINE["num_kv_blocks"],
+                    max_model_len=ENGINE["max_model_len"], max_num_seqs=ENGINE["max_num_seqs"])
+    return deploy(cfg)
+
+
+def _open_stream(app, max_tokens=450):
+    """A streamed request held open by the test (it has read its first event)."""
+    body = {"model": NAME, "prompt": "Hold this stream open", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}
+    r = requests.post(f"{app}/v1/completions", json=body, stream=True, timeout=60)
+    assert r.status_code == 200
+    lines = r.iter_lines()
+    assert next(line for line in lines if line.startswith(b"data: "))
+    return r
+
+
+def test_colocated_greedy_equals_hf(app, tiny_model):
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    client = OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
+    for prompt in ["The river ran quietly past", "Once upon a time"]:
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0)
+        expected = tok.decode(hf_greedy(tiny_model, [tok.encode(prompt)], 20)[0], skip_special_tokens=True)
+        assert r.choices[0].text == expected
+    assert requests.get(f"{app}/status", timeout=10).json()["roles"].keys() == {"colocated"}
+
+
+def test_queue_limit_is_503_with_retry_after(app):
+    """A burst of 8 long requests against a limit of 2 in flight: the first ones take hundreds
+    of decode steps, so the rest of the burst (sent at once) finds the ingress full."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def send(i):
+        return requests.post(f"{app}/v1/completions", json={
+            "model": NAME, "prompt": f"burst {i}", "max_tokens": 300, "ignore_eos": True}, timeout=120)
+
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(send, range(8)))
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) == {200, 503} and codes.count(200) >= 2, codes
+    for r in responses:
+        if r.status_code == 503:
+            assert int(r.headers["Retry-After"]) >= 1
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and "retry" in err["message"]
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 300  # admitted ones are whole
+    assert_no_leaks(app, APP, {"colocated"})
+    # Capacity is back once the burst is over.
+    r = requests.post(f"{app}/v1/completions", json={"model": NAME, "prompt": "again", "max_tokens": 2},
+                      timeout=30)
+    assert r.status_code == 200
+
+
+def test_disconnect_aborts_and_frees(app):
+    cancelled = metric_value(app, "pdserve_requests_total", status="cancelled")
+    _open_stream(app).close()
+    assert_no_leaks(app, APP, {"colocated"})
+    assert metric_value(app, "pdserve_requests_total", status="cancelled") == cancelled + 1
+
+
+def test_stream_runs_to_completion_after_others_leave(app):
+    r = requests.post(f"{app}/v1/chat/completions", json={
+        "model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        stream=True, timeout=60)
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"]["completion_tokens"] == 6 and events[-2]["choices"] == []
+    assert all("usage" in e for e in events[1:-1])  # continuous usage stats on every content chunk
