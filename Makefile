@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/pdserve demo
+	$(VENV)/bin/pdserve serve
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

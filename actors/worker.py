@@ -15,6 +15,7 @@ import ray
 import torch
 
 from engine import AsyncLLM, SamplingParams, build_engine_config
+from engine.kv_connector import TEXT_CONTINUES
 from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
 from kvstore.pd import DO_REMOTE_DECODE, prefill_params
@@ -86,8 +87,12 @@ class EngineWorker:
         """Run the prompt with max_tokens=1; the output carries the first token and the
         kv_transfer_params of the exported prompt KV."""
         last = None
+        kv = dict(DO_REMOTE_DECODE)
+        # When decode will continue the text, a character split at the prefill's single token
+        # must be completed there, not flushed here as U+FFFD.
+        kv[TEXT_CONTINUES] = params.max_tokens is None or params.max_tokens > 1
         async for out in self.engine.generate(prompt, prefill_params(params), request_id,
-                                              kv_transfer_params=dict(DO_REMOTE_DECODE)):
+                                              kv_transfer_params=kv):
             last = out
         return last
 

@@ -99,8 +99,11 @@ def _bad_request(e: ValueError, prompt_param: str = "prompt", logprobs_param: st
 async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
     """Interleave several async iterators as (index, item); closing the merge cancels them all."""
     if len(gens) == 1:
-        async for item in gens[0]:
-            yield 0, item
+        try:
+            async for item in gens[0]:
+                yield 0, item
+        finally:
+            await gens[0].aclose()  # closing the merge closes the request now, not at GC
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from engine.request import Request
 
+# kv_transfer_params key: this request's output continues on another engine when it ends at
+# its length limit (a P/D prefill), so text held back mid-character is not flushed here.
+TEXT_CONTINUES = "text_continues"
+
 
 class KVConnectorBase:
     # Set by the engine's driver loop: called (from any thread) when external KV arrives, so

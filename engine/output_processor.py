@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from engine.kv_connector import TEXT_CONTINUES
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
 from engine.sched_output import EngineCoreOutput
@@ -67,7 +68,7 @@ class OutputProcessor:
                         break
             state.token_ids.extend(new_ids)
             finished = finish_reason is not None
-            if finished and not (finish_reason == "stop" and isinstance(stop_reason, str)):
+            if finished and _flushes(state.request, finish_reason, stop_reason):
                 state.text += state.detokenizer.flush()
             # While a stop string could still be completing, hold its possible prefix back.
             hold = 0 if finished or not params.stop else max(len(s) for s in params.stop) - 1
@@ -112,6 +113,15 @@ def _detokenizer(tokenizer, request: Request) -> IncrementalDetokenizer:
     for token in ids[len(ids) - k:]:
         detok.step(token)
     return detok
+
+
+def _flushes(request: Request, finish_reason: str, stop_reason) -> bool:
+    """Whether held-back text is emitted at the end: not after a stop string (the text was
+    cut there), nor when the output continues on another engine (P/D prefill at its limit)."""
+    if finish_reason == "stop" and isinstance(stop_reason, str):
+        return False
+    kv = request.kv_transfer_params or {}
+    return not (finish_reason == "length" and kv.get(TEXT_CONTINUES))
 
 
 def _metrics(request) -> dict:

@@ -90,3 +90,24 @@ def test_stream_runs_to_completion_after_others_leave(app):
     assert events[-1] == "[DONE]"
     assert events[-2]["usage"]["completion_tokens"] == 6 and events[-2]["choices"] == []
     assert all("usage" in e for e in events[1:-1])  # continuous usage stats on every content chunk
+
+
+def test_deleting_the_app_lets_in_flight_requests_finish(app):
+    """Graceful shutdown: a stream in flight when the app is deleted still runs to its end.
+    (Last in this module: it removes the app.)"""
+    import threading
+
+    from ray import serve
+
+    r = requests.post(f"{app}/v1/completions", json={
+        "model": NAME, "prompt": "Finish me", "max_tokens": 480, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}}, stream=True, timeout=120)
+    lines = r.iter_lines()
+    assert next(line for line in lines if line.startswith(b"data: "))
+    deleter = threading.Thread(target=serve.delete, args=(APP,))
+    deleter.start()
+    events = [line for line in lines if line.startswith(b"data: ")]
+    deleter.join(timeout=120)
+    assert not deleter.is_alive()
+    assert events[-1] == b"data: [DONE]"
+    assert b'"completion_tokens":480' in events[-2]

@@ -1,0 +1,220 @@
+"""cluster.app.AppConfig / build argument checks (no Ray, no Serve app) and the pure helpers
+of cluster.openai_format."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from cluster.app import AppConfig, build
+from cluster.openai_format import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    sse,
+    usage,
+)
+
+# --- AppConfig --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"mode": "x"}, "mode"),
+    ({"prefill_replicas": 0}, "prefill_replicas"),
+    ({"decode_replicas": True}, "decode_replicas"),
+    ({"colocated_replicas": -1}, "colocated_replicas"),
+    ({"prefill_replicas": 1.5}, "prefill_replicas"),
+    ({"max_pending_requests": 0}, "max_pending_requests"),
+    ({"max_ongoing_requests": 0}, "max_ongoing_requests"),
+    ({"load_failure_policy": "x"}, "load_failure_policy"),
+    ({"replica_num_cpus": -1}, "replica_num_cpus"),
+    ({"replica_num_cpus": -0.5}, "replica_num_cpus"),
+])
+def test_invalid_fields_name_the_field(tiny_model, kw, field):
+    with pytest.raises(ValueError, match=field):
+        AppConfig(model=tiny_model, **kw)
+
+
+def test_missing_model_dir(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match="model") as exc:
+        AppConfig(model=missing)
+    assert missing in str(exc.value)
+
+
+def test_model_must_be_a_directory(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"")
+    with pytest.raises(ValueError, match="model"):
+        AppConfig(model=str(f))
+
+
+def test_valid_config(tiny_model):
+    cfg = AppConfig(model=tiny_model, mode="colocated", prefill_replicas=2, decode_replicas=3,
+                    load_failure_policy="recompute", replica_num_cpus=0)
+    assert cfg.mode == "colocated"
+    assert cfg.decode_replicas == 3
+    assert cfg.load_failure_policy == "recompute"
+
+
+def test_model_name_defaults_to_dir_basename(tiny_model):
+    expected = os.path.basename(tiny_model.rstrip(os.sep))
+    assert expected
+    assert AppConfig(model=tiny_model).model_name == expected
+    assert AppConfig(model=tiny_model.rstrip(os.sep) + os.sep).model_name == expected
+
+
+def test_served_model_name_overrides(tiny_model):
+    assert AppConfig(model=tiny_model, served_model_name="my-model").model_name == "my-model"
+
+
+def test_engine_kwargs(tiny_model):
+    cfg = AppConfig(model=tiny_model, dtype="float32", num_kv_blocks=96, max_model_len=512, max_num_seqs=16,
+                    block_size=8, enable_prefix_caching=False, seed=7, kv_cache_memory_gb=0.5,
+                    max_num_batched_tokens=256, gpu_memory_utilization=0.5, enforce_eager=True)
+    kw = cfg.engine_kwargs()
+    assert kw == {"dtype": "float32", "num_kv_blocks": 96, "max_model_len": 512, "max_num_seqs": 16,
+                  "block_size": 8, "enable_prefix_caching": False, "seed": 7, "kv_cache_memory_gb": 0.5,
+                  "max_num_batched_tokens": 256, "gpu_memory_utilization": 0.5, "enforce_eager": True}
+    # serving settings are not engine arguments
+    for key in ("mode", "model", "prefill_replicas", "load_failure_policy", "app_name", "replica_num_cpus"):
+        assert key not in kw
+
+
+def test_engine_kwargs_defaults_and_extras(tiny_model):
+    kw = AppConfig(model=tiny_model).engine_kwargs()
+    assert kw["dtype"] == "auto"
+    assert kw["num_kv_blocks"] is None
+    assert kw["max_model_len"] is None
+    assert kw["block_size"] == 16
+    assert kw["enable_prefix_caching"] is True
+    extra = AppConfig(model=tiny_model, extra_engine_kwargs={"block_size": 32, "custom": "v"}).engine_kwargs()
+    assert extra["block_size"] == 32
+    assert extra["custom"] == "v"
+
+
+def test_replica_num_gpus_explicit(tiny_model):
+    assert AppConfig(model=tiny_model, replica_num_gpus=0.5).num_gpus() == 0.5
+    assert AppConfig(model=tiny_model, replica_num_gpus=0).num_gpus() == 0
+
+
+def test_build_rejects_unknown_arguments(tiny_model):
+    with pytest.raises(ValueError) as exc:
+        build({"model": tiny_model, "bogus": 1, "also_bogus": 2})
+    msg = str(exc.value)
+    assert "bogus" in msg and "also_bogus" in msg
+    # the known arguments are listed too, but not reported as unknown
+    assert "unknown" in msg
+
+
+def test_build_checks_config_fields(tiny_model):
+    with pytest.raises(ValueError, match="mode"):
+        build({"model": tiny_model, "mode": "x"})
+
+
+# --- openai_format ----------------------------------------------------------------------------
+
+
+class FakeTokenizer:
+    def __init__(self, vocab: dict[int, str]):
+        self.vocab = vocab
+        self.calls: list[list[int]] = []
+
+    def decode(self, ids: list[int]) -> str:
+        self.calls.append(list(ids))
+        return "".join(self.vocab[i] for i in ids)
+
+
+VOCAB = {1: "Hello", 2: ",", 3: " wörld", 4: "!", 5: "€", 6: " x", 7: ""}
+
+
+def test_token_text_decodes_each_token_once():
+    tok = FakeTokenizer(VOCAB)
+    text_of = TokenText(tok)
+    assert [text_of(t) for t in (1, 3, 1, 3, 1)] == ["Hello", " wörld", "Hello", " wörld", "Hello"]
+    assert tok.calls == [[1], [3]]
+
+
+def test_completion_logprobs():
+    text_of = TokenText(FakeTokenizer(VOCAB))
+    ids = [1, 2, 3, 4]
+    positions = [
+        {1: -0.1, 6: -2.5, 2: -3.0},
+        {2: -0.5, 4: -0.25, 6: -4.0},
+        {3: -1.0, 5: -0.5, 4: -2.0, 1: -0.75},
+        {4: -0.05},
+    ]
+    out = completion_logprobs(text_of, ids, positions, n=2, offset=10)
+    assert out["tokens"] == ["Hello", ",", " wörld", "!"]
+    assert out["token_logprobs"] == [-0.1, -0.5, -1.0, -0.05]
+    # offsets: each token starts where the previous one's text (in characters) ends
+    assert out["text_offset"] == [10, 10 + 5, 10 + 5 + 1, 10 + 5 + 1 + 6]
+    tops = out["top_logprobs"]
+    assert [list(t.items()) for t in tops] == [
+        [("Hello", -0.1), (" x", -2.5)],
+        [("!", -0.25), (",", -0.5)],
+        [("€", -0.5), ("Hello", -0.75)],
+        [("!", -0.05)],
+    ]
+    assert set(out) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+
+
+def test_completion_logprobs_without_top_and_sampled_token_missing():
+    text_of = TokenText(FakeTokenizer(VOCAB))
+    out = completion_logprobs(text_of, [5, 7, 6], [{5: -0.2}, {}, {1: -0.3}], n=0, offset=0)
+    assert out["top_logprobs"] == [None, None, None]
+    assert out["token_logprobs"] == [-0.2, None, None]
+    assert out["text_offset"] == [0, 1, 1]
+
+
+def test_completion_logprobs_empty():
+    out = completion_logprobs(TokenText(FakeTokenizer(VOCAB)), [], [], n=3, offset=4)
+    assert out == {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def test_chat_logprobs():
+    text_of = TokenText(FakeTokenizer(VOCAB))
+    out = chat_logprobs(text_of, [3, 5], [{3: -0.5, 1: -1.5, 5: -0.25}, {5: -0.01, 4: -5.0}], n=2)
+    content = out["content"]
+    assert len(content) == 2
+    assert content[0]["token"] == " wörld"
+    assert content[0]["logprob"] == -0.5
+    assert content[0]["bytes"] == [0x20, 0x77, 0xC3, 0xB6, 0x72, 0x6C, 0x64]
+    assert content[0]["top_logprobs"] == [
+        {"token": "€", "logprob": -0.25, "bytes": [0xE2, 0x82, 0xAC]},
+        {"token": " wörld", "logprob": -0.5, "bytes": [0x20, 0x77, 0xC3, 0xB6, 0x72, 0x6C, 0x64]},
+    ]
+    assert content[1]["token"] == "€"
+    assert content[1]["bytes"] == [0xE2, 0x82, 0xAC]
+    assert bytes(content[1]["bytes"]).decode("utf-8") == "€"
+    assert [t["token"] for t in content[1]["top_logprobs"]] == ["€", "!"]
+
+
+def test_chat_logprobs_no_top():
+    out = chat_logprobs(TokenText(FakeTokenizer(VOCAB)), [1], [{1: -0.3, 2: -0.1}], n=0)
+    assert out == {"content": [{"token": "Hello", "logprob": -0.3, "bytes": list(b"Hello"), "top_logprobs": []}]}
+
+
+def test_sse_framing():
+    assert sse("[DONE]") == "data: [DONE]\n\n"
+    obj = {"id": "x", "choices": [{"text": "a\nb", "index": 0}], "usage": None}
+    frame = sse(obj)
+    assert frame.startswith("data: ")
+    assert frame.endswith("\n\n")
+    payload = frame[len("data: "):-2]
+    assert "\n" not in payload  # one event per frame: the payload is a single line
+    assert json.loads(payload) == obj
+
+
+def test_usage_totals():
+    assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage(0, 0) == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+
+
+def test_error_body():
+    assert error_body("bad", "invalid_request_error", "n", 400) == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": 400}}
+    assert error_body("oops", "server_error")["error"]["param"] is None

@@ -1,0 +1,301 @@
+"""cluster.protocol: OpenAI request bodies, the fields pdserve refuses, and the mapping to
+SamplingParams."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _completion(**kw) -> CompletionRequest:
+    return CompletionRequest(model="m", prompt=kw.pop("prompt", "hello"), **kw)
+
+
+def _chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=kw.pop("messages", MSG), **kw)
+
+
+# --- prompts() --------------------------------------------------------------------------------
+
+
+def test_prompts_of_a_string():
+    assert _completion(prompt="Once upon").prompts() == ["Once upon"]
+
+
+def test_prompts_of_a_token_list():
+    assert _completion(prompt=[5, 6, 7]).prompts() == [[5, 6, 7]]
+
+
+def test_prompts_of_a_string_batch():
+    assert _completion(prompt=["a", "b c", "d"]).prompts() == ["a", "b c", "d"]
+
+
+def test_prompts_of_a_token_list_batch():
+    assert _completion(prompt=[[1, 2], [3], [4, 5, 6]]).prompts() == [[1, 2], [3], [4, 5, 6]]
+
+
+def test_prompts_returns_a_new_list():
+    req = _completion(prompt=[1, 2, 3])
+    out = req.prompts()
+    out[0].append(99)
+    assert req.prompts() == [[1, 2, 3]]
+
+
+# --- unsupported() ----------------------------------------------------------------------------
+
+
+def test_defaults_are_supported():
+    assert _completion().unsupported() is None
+    assert _chat().unsupported() is None
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 2),
+    ("presence_penalty", 0.5),
+    ("frequency_penalty", -0.3),
+    ("logit_bias", {"50256": -100.0}),
+    ("repetition_penalty", 1.2),
+])
+def test_common_unsupported_fields(field, value):
+    for req in (_completion(**{field: value}), _chat(**{field: value})):
+        out = req.unsupported()
+        assert out is not None
+        param, message = out
+        assert param == field
+        assert isinstance(message, str) and field in message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 1),
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("logit_bias", {}),
+    ("repetition_penalty", 1.0),
+    ("repetition_penalty", None),
+])
+def test_neutral_values_are_supported(field, value):
+    assert _completion(**{field: value}).unsupported() is None
+    assert _chat(**{field: value}).unsupported() is None
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"suffix": "tail"}, "suffix"),
+    ({"best_of": 2}, "best_of"),
+    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"echo": True, "logprobs": 0}, "echo"),
+])
+def test_completion_unsupported(kw, param):
+    out = _completion(**kw).unsupported()
+    assert out is not None
+    assert out[0] == param
+    assert isinstance(out[1], str) and out[1]
+
+
+@pytest.mark.parametrize("kw", [
+    {"best_of": 1},
+    {"best_of": None},
+    {"echo": True},
+    {"logprobs": 3},
+    {"suffix": ""},
+])
+def test_completion_supported(kw):
+    assert _completion(**kw).unsupported() is None
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 2, "logprobs": False}, "top_logprobs"),
+])
+def test_chat_unsupported(kw, param):
+    out = _chat(**kw).unsupported()
+    assert out is not None
+    assert out[0] == param
+    assert isinstance(out[1], str) and out[1]
+
+
+@pytest.mark.parametrize("kw", [
+    {"response_format": {"type": "text"}},
+    {"top_logprobs": 2, "logprobs": True},
+    {"logprobs": True},
+    {"tools": []},
+])
+def test_chat_supported(kw):
+    assert _chat(**kw).unsupported() is None
+
+
+def test_unknown_fields_are_ignored():
+    req = CompletionRequest(model="m", prompt="x", not_a_field=3)
+    assert not hasattr(req, "not_a_field")
+    assert req.unsupported() is None
+
+
+# --- chat properties --------------------------------------------------------------------------
+
+
+def test_max_completion_tokens_takes_precedence():
+    assert _chat(max_tokens=10, max_completion_tokens=20).max_new_tokens == 20
+    assert _chat(max_tokens=30, max_completion_tokens=5).max_new_tokens == 5
+    assert _chat(max_tokens=10).max_new_tokens == 10
+    assert _chat(max_completion_tokens=7).max_new_tokens == 7
+    assert _chat().max_new_tokens is None
+
+
+def test_completion_max_tokens_defaults_to_16():
+    assert _completion().max_tokens == 16
+
+
+def test_num_logprobs():
+    assert _chat().num_logprobs is None
+    assert _chat(logprobs=False).num_logprobs is None
+    assert _chat(logprobs=True).num_logprobs == 0
+    assert _chat(logprobs=True, top_logprobs=0).num_logprobs == 0
+    assert _chat(logprobs=True, top_logprobs=5).num_logprobs == 5
+
+
+def test_conversation_joins_text_parts():
+    req = _chat(messages=[
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]},
+        {"role": "assistant", "content": None},
+        {"role": "developer", "content": []},
+        {"role": "tool", "content": "42", "name": "calc"},
+    ])
+    assert req.conversation() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello, world"},
+        {"role": "assistant", "content": ""},
+        {"role": "developer", "content": ""},
+        {"role": "tool", "content": "42"},
+    ]
+
+
+def test_stream_options():
+    assert not _chat().include_usage
+    assert not _chat().continuous_usage
+    req = _completion(stream=True, stream_options={"include_usage": True})
+    assert req.include_usage and not req.continuous_usage
+    req = _chat(stream=True, stream_options={"continuous_usage_stats": True})
+    assert req.continuous_usage and not req.include_usage
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def test_unknown_role_rejected():
+    with pytest.raises(ValidationError):
+        _chat(messages=[{"role": "wizard", "content": "abracadabra"}])
+
+
+def test_empty_messages_rejected():
+    with pytest.raises(ValidationError):
+        _chat(messages=[])
+
+
+def test_messages_required():
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(model="m")
+
+
+def test_model_and_prompt_required():
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="x")
+    with pytest.raises(ValidationError):
+        CompletionRequest(model="m")
+
+
+def test_text_part_type_must_be_text():
+    with pytest.raises(ValidationError):
+        _chat(messages=[{"role": "user", "content": [{"type": "image_url", "text": "x"}]}])
+
+
+# --- sampling_params() ------------------------------------------------------------------------
+
+
+def test_sampling_params_defaults():
+    sp = _completion().sampling_params(max_tokens=16, logprobs=None)
+    assert sp.temperature == 1.0
+    assert sp.top_p == 1.0
+    assert sp.top_k == 0
+    assert sp.min_p == 0.0
+    assert sp.seed is None
+    assert sp.max_tokens == 16
+    assert sp.min_tokens == 0
+    assert sp.stop == []
+    assert sp.stop_token_ids == []
+    assert sp.ignore_eos is False
+    assert sp.logprobs is None
+    assert sp.skip_special_tokens is True
+    assert sp.include_stop_str_in_output is False
+    assert sp.n == 1
+
+
+def test_sampling_params_maps_fields():
+    req = _chat(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=1234, min_tokens=2,
+                stop=["\n\n", "END"], stop_token_ids=[2, 3], ignore_eos=True, skip_special_tokens=False,
+                include_stop_str_in_output=True)
+    sp = req.sampling_params(max_tokens=50, logprobs=3)
+    assert sp.temperature == 0.7
+    assert sp.top_p == 0.9
+    assert sp.top_k == 40
+    assert sp.min_p == 0.05
+    assert sp.seed == 1234
+    assert sp.max_tokens == 50
+    assert sp.min_tokens == 2
+    assert sp.stop == ["\n\n", "END"]
+    assert sp.stop_token_ids == [2, 3]
+    assert sp.ignore_eos is True
+    assert sp.logprobs == 3
+    assert sp.skip_special_tokens is False
+    assert sp.include_stop_str_in_output is True
+
+
+def test_sampling_params_zero_values_are_kept():
+    # 0 is a value, not "unset": temperature 0 is greedy
+    sp = _completion(temperature=0.0, top_k=0, min_p=0.0).sampling_params(max_tokens=None, logprobs=0)
+    assert sp.temperature == 0.0
+    assert sp.greedy
+    assert sp.top_k == 0
+    assert sp.max_tokens is None
+    assert sp.logprobs == 0
+
+
+def test_sampling_params_single_stop_string_and_top_k_minus_one():
+    sp = _completion(stop="###", top_k=-1).sampling_params(max_tokens=4, logprobs=None)
+    assert sp.stop == ["###"]
+    assert sp.top_k == 0
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"min_p": 2}, "min_p"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_tokens": 10}, "min_tokens"),  # more than max_tokens=5
+    ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_sampling_params_out_of_range_names_the_field(kw, field):
+    req = _completion(**kw)
+    with pytest.raises(ValueError) as exc:
+        req.sampling_params(max_tokens=5, logprobs=None)
+    assert not isinstance(exc.value, ValidationError)
+    assert field in str(exc.value)
+
+
+@pytest.mark.parametrize("max_tokens, logprobs, field", [
+    (0, None, "max_tokens"),
+    (5, 21, "logprobs"),
+    (5, -1, "logprobs"),
+])
+def test_sampling_params_bad_arguments_name_the_field(max_tokens, logprobs, field):
+    with pytest.raises(ValueError, match=field):
+        _chat().sampling_params(max_tokens=max_tokens, logprobs=logprobs)

@@ -1,0 +1,57 @@
+"""EngineServer's health check and load report, on a stand-in worker (no Serve needed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors.worker import EngineWorker
+from cluster.replica import EngineServer
+
+
+class _Engine:
+    def __init__(self, errored=None):
+        self._errored = errored
+
+    async def load(self):
+        return {"waiting": 2, "running": 3, "free_blocks": 10, "total_blocks": 16, "kv_usage": 0.375,
+                "prefix_cache_hit_rate": 0.5}
+
+
+class _Coordinator:
+    def __init__(self):
+        self.reports = []
+
+        class _Report:
+            @staticmethod
+            def remote(figures):
+                self.reports.append(figures)
+
+        self.report = _Report()
+
+
+def _server(errored=None, coordinator=None) -> EngineServer:
+    worker = object.__new__(EngineWorker)
+    worker.engine, worker.replica_id, worker.role = _Engine(errored), "decode-x", "decode"
+    server = object.__new__(EngineServer)
+    server.worker, server.role, server.replica_id = worker, "decode", "decode-x"
+    server._coordinator, server._seq = coordinator, 0
+    return server
+
+
+def test_check_health_fails_when_the_engine_thread_died():
+    asyncio.run(_server().check_health())
+    with pytest.raises(RuntimeError, match="engine of decode-x failed"):
+        asyncio.run(_server(errored=ValueError("boom")).check_health())
+
+
+def test_routing_stats_carry_load_and_a_fresh_sequence_number_and_reach_the_coordinator():
+    coordinator = _Coordinator()
+    server = _server(coordinator=coordinator)
+    a = asyncio.run(server.record_routing_stats())
+    b = asyncio.run(server.record_routing_stats())
+    assert (a["waiting"], a["running"], a["role"], a["replica"]) == (2, 3, "decode", "decode-x")
+    assert b["seq"] == a["seq"] + 1  # routers reset their sent-since-report count on a new seq
+    assert [r["seq"] for r in coordinator.reports] == [a["seq"], b["seq"]]
+    assert a["kv_transfer"] == {}  # no connector on this stand-in
