@@ -45,7 +45,6 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     repetition_penalty: float | None = None
-    priority: int = 0
     request_id: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
