@@ -1,7 +1,10 @@
 """The `pdserve` Serve application: Ingress, Prefill, Decode (or Colocated) and Coordinator.
 
 `build` is the import path Serve config files use (`import_path: cluster.app:build`, with
-`args:` holding AppConfig fields); `build_app(AppConfig)` is the same from Python.
+`args:` holding AppConfig fields); `build_app(AppConfig)` is the same from Python. Deploy it
+with `external_scaler_enabled` (`serve.run(..., external_scaler_enabled=True)`, or
+`external_scaler_enabled: true` in the config): the Coordinator changes replica counts through
+Serve's external-scaling API.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class AppConfig:
     routing_stats_period_s: float = 0.5
     replica_num_cpus: float = 1.0
     replica_num_gpus: float | None = None  # None: 1 when this machine has a CUDA GPU, else 0
+    max_replicas: int = 8  # per role: the ceiling of POST /scale (and of autoscaling by default)
+    autoscale: dict | None = None  # cluster.autoscale.AutoscaleConfig fields; {"enabled": True} turns it on
     extra_engine_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,7 +68,7 @@ class AppConfig:
         if self.load_failure_policy not in POLICIES:
             raise ValueError(f"load_failure_policy must be one of {POLICIES}, got {self.load_failure_policy!r}")
         for name in ("prefill_replicas", "decode_replicas", "colocated_replicas", "max_pending_requests",
-                     "max_ongoing_requests"):
+                     "max_ongoing_requests", "max_replicas"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -71,6 +76,25 @@ class AppConfig:
             raise ValueError(f"model must be a model directory visible to every node; {self.model!r} does not exist")
         if self.replica_num_cpus < 0:
             raise ValueError(f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
+        for name in self.targets():
+            if self.targets()[name] > self.max_replicas:
+                raise ValueError(f"{name}_replicas must be <= max_replicas ({self.max_replicas})")
+        self.autoscale_config()  # validates
+
+    def targets(self) -> dict[str, int]:
+        if self.mode == "pd":
+            return {"prefill": self.prefill_replicas, "decode": self.decode_replicas}
+        return {"colocated": self.colocated_replicas}
+
+    def autoscale_config(self):
+        from cluster.autoscale import AutoscaleConfig
+
+        kw = dict(self.autoscale or {})
+        kw.setdefault("max_replicas", {r: self.max_replicas for r in ("prefill", "decode", "colocated")})
+        try:
+            return AutoscaleConfig(**kw)
+        except TypeError as e:
+            raise ValueError(f"autoscale: {e}") from e
 
     @property
     def model_name(self) -> str:
@@ -108,7 +132,9 @@ def build_app(cfg: AppConfig):
             cfg.model, role, engine_kwargs, cfg.app_name, cfg.load_failure_policy)
 
     coordinator = serve.deployment(Coordinator, name="Coordinator", num_replicas=1,
-                                   ray_actor_options={"num_cpus": 0}).bind(cfg.mode)
+                                   ray_actor_options={"num_cpus": 0}).bind(
+        cfg.mode, cfg.app_name, cfg.targets(), {r: cfg.max_replicas for r in cfg.targets()},
+        dict(cfg.autoscale or {}))
     if cfg.mode == "pd":
         first, second = engine("Prefill", "prefill", cfg.prefill_replicas), engine("Decode", "decode",
                                                                                    cfg.decode_replicas)

@@ -1,17 +1,53 @@
-"""The Coordinator deployment: the cluster-wide board of replica load figures.
+"""The Coordinator deployment: the board of replica load, elastic scaling and autoscaling.
 
 Engine replicas report their figures with every routing-stats round (cluster.replica); the
-board keeps the latest report of each live replica and forgets replicas that stopped
-reporting (scaled down or dead). The ingress reads it for `/metrics` and `/status`.
+board keeps the latest report of each live replica and forgets replicas that stopped (they say
+so when they shut down, or go stale). The ingress forwards `POST /scale`, `GET /status` and
+reads the board for `/metrics`. Replica counts change through Serve (cluster.serve_control);
+while a change is converging (replicas starting, or draining and stopping) the coordinator
+answers further scale requests with 409. With autoscaling on, a loop applies the pure
+policy in cluster.autoscale every `interval_s`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
+from cluster.autoscale import AutoscaleConfig, PolicyState, RoleSignal, decide
+
+logger = logging.getLogger(__name__)
+
 # A replica that has not reported for this long is gone (reports come every ~0.5 s).
 STALE_AFTER_S = 10.0
+DEPLOYMENTS = {"prefill": "Prefill", "decode": "Decode", "colocated": "Colocated"}
+_STATUS_FIELDS = ("replica", "running", "waiting", "free_blocks", "total_blocks", "kv_usage",
+                  "prefix_cache_hit_rate", "ttft_p90_s", "itl_p90_s", "time")
+
+
+class ScaleRequestError(ValueError):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def parse_scale_request(body: object, roles: tuple[str, ...], max_replicas: dict[str, int]) -> dict[str, int]:
+    """{role: count} from a `POST /scale` body, or ScaleRequestError(400) naming the field."""
+    if not isinstance(body, dict) or not body:
+        raise ScaleRequestError(400, f"body must be a JSON object with counts for {list(roles)}, "
+                                     f"e.g. {{\"{roles[0]}\": 2}}")
+    unknown = sorted(set(body) - set(roles))
+    if unknown:
+        raise ScaleRequestError(400, f"unknown role {unknown[0]!r}; this app scales {list(roles)}", unknown[0])
+    targets = {}
+    for role, n in body.items():
+        hi = max_replicas[role]
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= hi:
+            raise ScaleRequestError(400, f"{role} must be an integer in [1, {hi}], got {n!r}", role)
+        targets[role] = n
+    return targets
 
 
 @dataclass
@@ -21,6 +57,9 @@ class Board:
 
     def report(self, figures: dict, now: float | None = None) -> None:
         self._reports[figures["replica"]] = (time.monotonic() if now is None else now, figures)
+
+    def forget(self, replica: str) -> None:
+        self._reports.pop(replica, None)
 
     def live(self, now: float | None = None) -> list[dict]:
         now = time.monotonic() if now is None else now
@@ -38,19 +77,141 @@ class Board:
             r["kv_usage_max"] = max(r["kv_usage_max"], f["kv_usage"])
         return roles
 
+    def signals(self, targets: dict[str, int], now: float | None = None) -> dict[str, RoleSignal]:
+        """The autoscaler's view of each role: sums of queues, the worst KV usage and p90s."""
+        out = {}
+        live = self.live(now)
+        for role, n in targets.items():
+            reps = [f for f in live if f["role"] == role]
+
+            def worst(key, reps=reps):
+                vals = [f[key] for f in reps if f.get(key) is not None]
+                return max(vals) if vals else None
+
+            out[role] = RoleSignal(replicas=n, waiting=sum(f["waiting"] for f in reps),
+                                   running=sum(f["running"] for f in reps),
+                                   kv_usage=worst("kv_usage") or 0.0,
+                                   ttft_p90_s=worst("ttft_p90_s"), itl_p90_s=worst("itl_p90_s"))
+        return out
+
 
 class Coordinator:
     """Serve deployment body (one replica)."""
 
-    def __init__(self, mode: str = "pd") -> None:
+    def __init__(self, mode: str = "pd", app_name: str = "pdserve", targets: dict | None = None,
+                 max_replicas: dict | None = None, autoscale: dict | None = None, control=None) -> None:
         self.mode = mode
+        self.app_name = app_name
+        self.roles = ("prefill", "decode") if mode == "pd" else ("colocated",)
+        self.targets = {r: int((targets or {}).get(r, 1)) for r in self.roles}
+        self.max_replicas = {r: int((max_replicas or {}).get(r, 8)) for r in self.roles}
+        autoscale = dict(autoscale or {})
+        # The autoscaler's ceiling defaults to the manual one.
+        autoscale.setdefault("max_replicas", dict(self.max_replicas))
+        self.autoscale = AutoscaleConfig(**autoscale)
         self.board = Board()
+        if control is None:
+            from cluster.serve_control import ServeControl
 
+            control = ServeControl(app_name)
+        self.control = control
+        self.scaling = False
+        self._scale_lock = asyncio.Lock()
+        self._policy = PolicyState()
+        self._autoscaler: asyncio.Task | None = None
+        self._store = None
+
+    # ---- the board --------------------------------------------------------------------------
     def report(self, figures: dict) -> None:
         self.board.report(figures)
+        if self.autoscale.enabled and (self._autoscaler is None or self._autoscaler.done()):
+            # Started from a report: this replica's event loop is running by then.
+            self._autoscaler = asyncio.get_running_loop().create_task(self._autoscale_forever())
+
+    def forget(self, replica: str) -> None:
+        self.board.forget(replica)
 
     def replicas(self) -> list[dict]:
         return self.board.live()
 
-    def status(self) -> dict:
-        return {"mode": self.mode, "roles": self.board.summary(), "replicas": self.board.live()}
+    # ---- scaling ----------------------------------------------------------------------------
+    async def _refresh_scaling(self) -> bool:
+        if self.scaling and await self.control.settled({DEPLOYMENTS[r]: n for r, n in self.targets.items()}):
+            self.scaling = False
+            logger.info("scaling done: %s", self.targets)
+        return self.scaling
+
+    async def apply(self, targets: dict[str, int], source: str) -> None:
+        for role, n in targets.items():
+            if n != self.targets[role]:
+                await self.control.set_replicas(DEPLOYMENTS[role], n)
+        logger.info("%s scale %s -> %s", source, self.targets, {**self.targets, **targets})
+        self.targets.update(targets)
+        self.scaling = True
+
+    async def scale(self, body: object) -> tuple[int, dict]:
+        """`POST /scale`: (HTTP status, body). 202 with the target; 400 bad input; 409 while
+        another change is in progress or the autoscaler owns the counts."""
+        try:
+            targets = parse_scale_request(body, self.roles, self.max_replicas)
+        except ScaleRequestError as e:
+            return e.status, {"error": {"message": e.message, "type": "invalid_request_error",
+                                        "param": e.param, "code": e.status}}
+        async with self._scale_lock:
+            if self.autoscale.enabled:
+                return 409, _conflict("autoscaling is on: it owns the replica counts")
+            if await self._refresh_scaling():
+                return 409, _conflict(f"a scale to {self.targets} is still in progress; retry when "
+                                      f"GET /status says scaling is false")
+            await self.apply(targets, "manual")
+        return 202, {"target": dict(self.targets), "scaling": True}
+
+    # ---- status -----------------------------------------------------------------------------
+    async def _store_stats(self) -> dict:
+        import ray
+
+        if self.mode != "pd" or not ray.is_initialized():
+            return {"live_transfers": 0, "bytes": 0}
+
+        from cluster.replica import STORE_NAMESPACE, store_name
+
+        try:
+            if self._store is None:
+                self._store = ray.get_actor(store_name(self.app_name), namespace=STORE_NAMESPACE)
+            s = await self._store.stats.remote()
+            return {"live_transfers": s["live_transfers"], "bytes": s["bytes"]}
+        except Exception as e:  # not created yet, or gone: report what we know
+            self._store = None
+            return {"live_transfers": 0, "bytes": 0, "error": f"{type(e).__name__}: {e}"}
+
+    async def status(self) -> dict:
+        await self._refresh_scaling()
+        live = self.board.live()
+        out = {role: [{k: f.get(k) for k in _STATUS_FIELDS} for f in live if f["role"] == role]
+               for role in self.roles}
+        out.update(mode=self.mode, store=await self._store_stats(), scaling=self.scaling,
+                   target=dict(self.targets), autoscaling=self.autoscale.enabled)
+        return out
+
+    # ---- autoscaling -------------------------------------------------------------------------
+    async def autoscale_tick(self) -> dict[str, int]:
+        """One policy step; returns the counts it changed (nothing while a change converges)."""
+        async with self._scale_lock:
+            if await self._refresh_scaling():
+                return {}
+            self._policy, changes = decide(self.autoscale, self._policy, self.board.signals(self.targets))
+            if changes:
+                await self.apply(changes, "autoscale")
+            return changes
+
+    async def _autoscale_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.autoscale.interval_s)  # the policy's tick, not synchronisation
+            try:
+                await self.autoscale_tick()
+            except Exception:  # a failed tick must not end autoscaling
+                logger.exception("autoscale tick failed")
+
+
+def _conflict(message: str) -> dict:
+    return {"error": {"message": message, "type": "conflict", "param": None, "code": 409}}

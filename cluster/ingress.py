@@ -280,6 +280,16 @@ class Ingress:
     async def status(self) -> dict:
         return await self.coordinator.status.remote()
 
+    @app.post("/scale")
+    async def scale(self, request: Request) -> JSONResponse:
+        """`{"prefill": N, "decode": M}` -> 202 with the target (the Coordinator decides)."""
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise OpenAIError(400, f"malformed JSON body: {e}") from e
+        code, payload = await self.coordinator.scale.remote(body)
+        return JSONResponse(payload, status_code=code)
+
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest) -> Response:
         self._check_model(body.model)

@@ -17,6 +17,7 @@ import ray
 from ray import serve
 
 from actors.worker import EngineWorker
+from cluster.latency import LatencyWindow
 from engine.sampling_params import SamplingParams
 from kvstore.store_actor import KVStore
 
@@ -64,18 +65,33 @@ class EngineServer:
         self._coordinator = (serve.get_deployment_handle(coordinator, app_name)
                              if coordinator else None)
         self._seq = 0
+        # Latency as this replica sees it (the autoscaler's signals): time to the first token
+        # of a prefill (queue + compute) and gaps between streamed tokens.
+        self.ttft = LatencyWindow()
+        self.itl = LatencyWindow()
 
     # ---- requests (called through DeploymentHandles) -------------------------------------
     async def prefill(self, prompt: dict, params: SamplingParams, request_id: str):
+        start = time.monotonic()
         out = await self.worker.prefill(prompt, params, request_id)
+        self.ttft.add(time.monotonic() - start)
         return out
 
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str,
                        kv_transfer_params: dict | None = None, prior_output_tokens: int = 0):
         # A Serve streaming method: cancelling the caller's response closes this generator,
         # which aborts the request in the engine and frees its KV blocks.
+        start = last = time.monotonic()
+        first = True
         async for out in self.worker.generate(prompt, params, request_id, kv_transfer_params,
                                               prior_output_tokens):
+            if out.delta_token_ids:
+                now = time.monotonic()
+                if not first:
+                    self.itl.add(now - last)
+                elif self.role == "colocated":
+                    self.ttft.add(now - start)
+                first, last = False, now
             yield out
 
     async def abort(self, request_id: str) -> None:
@@ -88,6 +104,8 @@ class EngineServer:
     async def figures(self) -> dict:
         figures = await self.worker.load()
         figures["kv_transfer"] = self.worker.kv_transfer_stats()
+        figures["ttft_p90_s"] = self.ttft.percentile(0.9)
+        figures["itl_p90_s"] = self.itl.percentile(0.9)
         return figures
 
     async def record_routing_stats(self) -> dict:
@@ -114,3 +132,5 @@ class EngineServer:
                     break
                 await asyncio.sleep(0.2)  # polling the store while draining, bounded
         self.worker.engine.shutdown()
+        if self._coordinator is not None:
+            self._coordinator.forget.remote(self.replica_id)  # off the board now, not when stale

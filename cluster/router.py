@@ -14,6 +14,7 @@ the least loaded one (`affinity_slack`, in load units).
 from __future__ import annotations
 
 import hashlib
+import random
 from dataclasses import dataclass
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -46,12 +47,16 @@ def _rendezvous(key: str, replica_key: str) -> int:
     return int.from_bytes(hashlib.sha1(f"{key}|{replica_key}".encode()).digest()[:8], "big")
 
 
-def rank(candidates: list[Candidate], affinity: str | None = None, affinity_slack: int = 8) -> list[str]:
-    """Replica keys, most preferred first: least load first (ties by key, so the order is
-    deterministic); with an affinity key, its home replica (highest rendezvous hash, which
-    stays put when other replicas come and go) moves to the front unless its load exceeds
-    the least load by more than `affinity_slack`."""
-    ordered = sorted(candidates, key=lambda c: (c.load, c.key))
+def rank(candidates: list[Candidate], affinity: str | None = None, affinity_slack: int = 8,
+         rng: random.Random | None = None) -> list[str]:
+    """Replica keys, most preferred first: least load first (ties by key, or in random order
+    with `rng`, so that idle replicas share light traffic); with an affinity key, its home
+    replica (highest rendezvous hash, which stays put when other replicas come and go) moves
+    to the front unless its load exceeds the least load by more than `affinity_slack`."""
+    if rng is None:
+        ordered = sorted(candidates, key=lambda c: (c.load, c.key))
+    else:
+        ordered = sorted(candidates, key=lambda c: (c.load, rng.random()))
     if affinity is None or not ordered:
         return [c.key for c in ordered]
     home = max(ordered, key=lambda c: _rendezvous(affinity, c.key))
@@ -71,6 +76,7 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
         self._affinity_slack = affinity_slack
         # replica key -> (report sequence number it applies to, requests sent since)
         self._sent: dict[str, tuple[object, int]] = {}
+        self._rng = random.Random()
 
     def _candidate(self, replica: RunningReplica) -> Candidate:
         stats = replica.routing_stats or {}
@@ -88,7 +94,7 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
             prompt = pending_request.args[0]
             ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
             affinity = affinity_key(ids, self._affinity_prefix_tokens)
-        order = rank([self._candidate(r) for r in candidate_replicas], affinity, self._affinity_slack)
+        order = rank([self._candidate(r) for r in candidate_replicas], affinity, self._affinity_slack, self._rng)
         # One replica per rank: Serve tries them in this order, skipping full ones.
         return [[by_key[k]] for k in order]
 

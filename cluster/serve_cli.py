@@ -30,7 +30,57 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica")
     p.add_argument("--app-name", default="pdserve")
+    p.add_argument("--max-replicas", type=int, default=8, help="per-role ceiling of scaling")
+    p.add_argument("--autoscale", action="store_true", help="scale prefill/decode on TTFT/ITL targets")
+    p.add_argument("--ttft-p90-target-ms", type=float, default=1000.0)
+    p.add_argument("--itl-p90-target-ms", type=float, default=100.0)
     p.set_defaults(fn=run_serve)
+
+    sc = sub.add_parser("scale", help="set the replica counts of a running app (POST /scale)")
+    sc.add_argument("--url", default="http://127.0.0.1:8000")
+    sc.add_argument("--prefill", type=int, default=None)
+    sc.add_argument("--decode", type=int, default=None)
+    sc.add_argument("--colocated", type=int, default=None)
+    sc.set_defaults(fn=run_scale)
+
+    st = sub.add_parser("status", help="replicas per role, load, store and scaling state (GET /status)")
+    st.add_argument("--url", default="http://127.0.0.1:8000")
+    st.set_defaults(fn=run_status)
+
+
+def _http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+    except urllib.error.URLError as e:
+        raise ValueError(f"cannot reach {url}: {e.reason}") from e
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    import json
+
+    body = {role: n for role in ("prefill", "decode", "colocated") if (n := getattr(args, role)) is not None}
+    if not body:
+        raise ValueError("give at least one of --prefill, --decode, --colocated")
+    code, payload = _http("POST", f"{args.url.rstrip('/')}/scale", body)
+    print(json.dumps(payload, indent=2))
+    return 0 if code == 202 else 1
+
+
+def run_status(args: argparse.Namespace) -> int:
+    import json
+
+    code, payload = _http("GET", f"{args.url.rstrip('/')}/status")
+    print(json.dumps(payload, indent=2))
+    return 0 if code == 200 else 1
 
 
 def _config(args: argparse.Namespace):
@@ -44,6 +94,9 @@ def _config(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         load_failure_policy=args.load_failure_policy, max_pending_requests=args.max_pending_requests,
         prefix_affinity=args.prefix_affinity, replica_num_cpus=args.replica_cpus,
+        max_replicas=args.max_replicas,
+        autoscale={"enabled": args.autoscale, "ttft_p90_target_s": args.ttft_p90_target_ms / 1000,
+                   "itl_p90_target_s": args.itl_p90_target_ms / 1000},
     )
 
 
@@ -63,7 +116,8 @@ def run_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(cfg), name=cfg.app_name, route_prefix="/", blocking=False)
+        serve.run(build_app(cfg), name=cfg.app_name, route_prefix="/", blocking=False,
+                  external_scaler_enabled=True)
         url = f"http://{args.host}:{args.port}"
         print(f"\npdserve is up ({cfg.mode}, model '{cfg.model_name}') at {url}\n"
               f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"

@@ -132,6 +132,9 @@ class StoreBackedTransport(KVTransport):
         try:
             if producer:
                 self.publish(tid, torch.zeros(1), 0)
+                # Nobody fetches it: out of the outbox now, not when the release below has
+                # made its way back here (outbox figures are exact from the start).
+                self.drop_export(tid)
                 # Not waited for: releasing may call back into this actor (drop_export),
                 # which cannot run while it is still being constructed.
                 self.store.release.remote(tid)

@@ -41,7 +41,8 @@ def deploy(serve_url):
             serve.delete(name)
             kill_store(name)
             deployed.remove(name)
-        serve.run(build_app(cfg), name=cfg.app_name, route_prefix="/", blocking=False)
+        serve.run(build_app(cfg), name=cfg.app_name, route_prefix="/", blocking=False,
+                  external_scaler_enabled=True)
         deployed.append(cfg.app_name)
         wait_http_ok(f"{serve_url}/health")
         return serve_url

@@ -44,7 +44,9 @@ def sse_events(response) -> list:
 
 
 def replicas(url: str) -> list[dict]:
-    return requests.get(f"{url}/status", timeout=10).json()["replicas"]
+    """Every replica's latest report from GET /status, with its role."""
+    status = requests.get(f"{url}/status", timeout=10).json()
+    return [{**r, "role": role} for role in ("prefill", "decode", "colocated") for r in status.get(role, [])]
 
 
 def assert_no_leaks(url: str, app_name: str, roles: set[str]) -> None:

@@ -1,9 +1,9 @@
-"""cluster.coordinator: the Board of replica reports (with explicit clock values) and the
-Coordinator's status shape."""
+"""cluster.coordinator: the Board of replica reports (with explicit clock values) and its
+per-role summary."""
 
 from __future__ import annotations
 
-from cluster.coordinator import STALE_AFTER_S, Board, Coordinator
+from cluster.coordinator import STALE_AFTER_S, Board
 
 
 def _fig(replica: str, role: str = "prefill", waiting: int = 0, running: int = 0, kv_usage: float = 0.0,
@@ -99,22 +99,3 @@ def test_boards_do_not_share_reports():
     a, b = Board(), Board()
     a.report(_fig("r"), now=0.0)
     assert b.live(now=0.0) == []
-
-
-def test_coordinator_status_shape():
-    coord = Coordinator(mode="colocated")
-    assert coord.status() == {"mode": "colocated", "roles": {}, "replicas": []}
-    f1 = _fig("c2", "colocated", waiting=1, running=2, kv_usage=0.5)
-    f2 = _fig("c1", "colocated", waiting=4, running=0, kv_usage=0.25)
-    coord.report(f1)
-    coord.report(f2)
-    status = coord.status()
-    assert set(status) == {"mode", "roles", "replicas"}
-    assert status["mode"] == "colocated"
-    assert status["roles"] == {"colocated": {"replicas": 2, "waiting": 5, "running": 2, "kv_usage_max": 0.5}}
-    assert status["replicas"] == [f2, f1]
-    assert coord.replicas() == [f2, f1]
-
-
-def test_coordinator_default_mode():
-    assert Coordinator().status()["mode"] == "pd"

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from actors.worker import EngineWorker
+from cluster.latency import LatencyWindow
 from cluster.replica import EngineServer
 
 
@@ -37,6 +38,7 @@ def _server(errored=None, coordinator=None) -> EngineServer:
     server = object.__new__(EngineServer)
     server.worker, server.role, server.replica_id = worker, "decode", "decode-x"
     server._coordinator, server._seq = coordinator, 0
+    server.ttft, server.itl = LatencyWindow(), LatencyWindow()
     return server
 
 

@@ -242,10 +242,12 @@ class FakeReplica:
         return f"FakeReplica({self.replica_id.unique_id})"
 
 
-def _router(replicas, **kwargs) -> LeastLoadRouter:
+def _router(replicas, random_ties: bool = False, **kwargs) -> LeastLoadRouter:
     router = object.__new__(LeastLoadRouter)
     router.initialize_state(**kwargs)
     router._replicas = {r.replica_id: r for r in replicas}
+    if not random_ties:
+        router._rng = None  # ties by key, so orders can be asserted
     return router
 
 
@@ -356,3 +358,12 @@ def test_router_affinity_off_or_not_applicable_is_least_load():
     assert _names(_choose(on, reps, SimpleNamespace(args=["text prompt"], kwargs={}))) == expected
     assert _names(_choose(on, reps, None)) == expected
     assert _names(_choose(on, reps, SimpleNamespace(args=[], kwargs={}))) == expected
+
+
+def test_equal_loads_are_shared_in_random_order():
+    """Idle replicas must all get light traffic (a fixed tie order would send every lone
+    request to the same replica)."""
+    replicas = [FakeReplica(k, running=0, waiting=0, seq=1) for k in "abc"]
+    router = _router(replicas, random_ties=True)
+    firsts = {_choose(router, replicas)[0][0].replica_id.unique_id for _ in range(60)}
+    assert firsts == {"a", "b", "c"}

@@ -1,0 +1,111 @@
+"""The Coordinator's scale/status/autoscale logic against a fake Serve control (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.autoscale import AutoscaleConfig
+from cluster.coordinator import Coordinator, ScaleRequestError, parse_scale_request
+
+
+class FakeControl:
+    """Records scale calls; `settle()` makes Serve report every deployment at its target."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+        self.counts: dict[str, int] = {}
+        self.target: dict[str, int] = {}
+
+    async def set_replicas(self, deployment, n):
+        self.calls.append((deployment, n))
+        self.target[deployment] = n
+
+    def settle(self):
+        self.counts.update(self.target)
+
+    async def settled(self, targets):
+        return all(self.counts.get(d, t if d not in self.target else -1) == t for d, t in targets.items())
+
+
+def _fig(replica, role, **kw):
+    base = {"replica": replica, "role": role, "running": 0, "waiting": 0, "free_blocks": 10, "total_blocks": 10,
+            "kv_usage": 0.0, "prefix_cache_hit_rate": 0.0, "ttft_p90_s": None, "itl_p90_s": None}
+    return {**base, **kw}
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prefill": -1}, "prefill"), ({"prefill": 0}, "prefill"), ({"decode": 2.5}, "decode"),
+    ({"decode": "2"}, "decode"), ({"prefill": True}, "prefill"), ({"prefill": 9}, "prefill"),
+    ({"gpu": 1}, "gpu"), ({}, None), ([1, 2], None), (None, None),
+])
+def test_bad_scale_bodies_are_400_naming_the_field(body, param):
+    with pytest.raises(ScaleRequestError) as e:
+        parse_scale_request(body, ("prefill", "decode"), {"prefill": 8, "decode": 8})
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_partial_scale_keeps_the_other_role():
+    assert parse_scale_request({"decode": 3}, ("prefill", "decode"), {"prefill": 8, "decode": 8}) == {"decode": 3}
+
+
+def test_scale_is_202_then_409_until_serve_settles():
+    control = FakeControl()
+    coord = Coordinator("pd", "app", {"prefill": 1, "decode": 1}, {"prefill": 4, "decode": 4}, control=control)
+    code, body = run(coord.scale({"prefill": 2, "decode": 2}))
+    assert code == 202 and body == {"target": {"prefill": 2, "decode": 2}, "scaling": True}
+    assert sorted(control.calls) == [("Decode", 2), ("Prefill", 2)]
+    code, body = run(coord.scale({"prefill": 1}))
+    assert code == 409 and body["error"]["code"] == 409
+    assert run(coord.status())["scaling"] is True
+    control.settle()
+    status = run(coord.status())
+    assert status["scaling"] is False and status["target"] == {"prefill": 2, "decode": 2}
+    code, _ = run(coord.scale({"prefill": 1}))
+    assert code == 202 and control.calls[-1] == ("Prefill", 1)
+    code, body = run(coord.scale({"decode": 5}))
+    assert code == 400 and body["error"]["param"] == "decode"  # above the configured maximum
+
+
+def test_status_groups_replicas_by_role_with_load_fields():
+    coord = Coordinator("pd", "app", control=FakeControl())
+    coord._store_stats = lambda: _const({"live_transfers": 3, "bytes": 99})
+    coord.report(_fig("p-1", "prefill", waiting=2))
+    coord.report(_fig("d-1", "decode", running=5, free_blocks=4))
+    coord.report(_fig("d-2", "decode"))
+    s = run(coord.status())
+    assert [r["replica"] for r in s["prefill"]] == ["p-1"] and s["prefill"][0]["waiting"] == 2
+    assert [r["replica"] for r in s["decode"]] == ["d-1", "d-2"]
+    assert {"replica", "running", "waiting", "free_blocks", "total_blocks"} <= set(s["decode"][0])
+    assert s["store"] == {"live_transfers": 3, "bytes": 99}
+    assert s["scaling"] is False and s["target"] == {"prefill": 1, "decode": 1}
+    coord.forget("d-2")
+    assert [r["replica"] for r in run(coord.status())["decode"]] == ["d-1"]
+
+
+async def _const(value):
+    return value
+
+
+def test_manual_scale_is_409_when_autoscaling_owns_the_counts():
+    coord = Coordinator("pd", "app", autoscale={"enabled": True}, control=FakeControl())
+    assert run(coord.scale({"prefill": 2}))[0] == 409
+
+
+def test_autoscale_tick_applies_the_policy_through_serve_and_waits_for_it():
+    control = FakeControl()
+    coord = Coordinator("pd", "app", autoscale={"enabled": True, "up_ticks": 1, "cooldown_ticks": 0},
+                        control=control)
+    assert isinstance(coord.autoscale, AutoscaleConfig)
+    coord.board.report(_fig("p-1", "prefill", ttft_p90_s=5.0))  # far above the 1 s target
+    coord.board.report(_fig("d-1", "decode", itl_p90_s=0.06))  # neither pressured nor idle
+    assert run(coord.autoscale_tick()) == {"prefill": 2}
+    assert control.calls == [("Prefill", 2)]
+    assert run(coord.autoscale_tick()) == {}  # still converging: no new decision
+    control.settle()
+    assert run(coord.autoscale_tick()) == {"prefill": 3}
