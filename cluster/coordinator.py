@@ -122,16 +122,17 @@ class Coordinator:
         self._store = None
 
     # ---- the board --------------------------------------------------------------------------
-    def report(self, figures: dict) -> None:
+    async def report(self, figures: dict) -> None:
+        # async: Serve runs sync methods on a thread pool; the board and the autoscaler task
+        # belong to this replica's event loop.
         self.board.report(figures)
         if self.autoscale.enabled and (self._autoscaler is None or self._autoscaler.done()):
-            # Started from a report: this replica's event loop is running by then.
             self._autoscaler = asyncio.get_running_loop().create_task(self._autoscale_forever())
 
-    def forget(self, replica: str) -> None:
+    async def forget(self, replica: str) -> None:
         self.board.forget(replica)
 
-    def replicas(self) -> list[dict]:
+    async def replicas(self) -> list[dict]:
         return self.board.live()
 
     # ---- scaling ----------------------------------------------------------------------------

@@ -75,16 +75,16 @@ def test_scale_is_202_then_409_until_serve_settles():
 def test_status_groups_replicas_by_role_with_load_fields():
     coord = Coordinator("pd", "app", control=FakeControl())
     coord._store_stats = lambda: _const({"live_transfers": 3, "bytes": 99})
-    coord.report(_fig("p-1", "prefill", waiting=2))
-    coord.report(_fig("d-1", "decode", running=5, free_blocks=4))
-    coord.report(_fig("d-2", "decode"))
+    run(coord.report(_fig("p-1", "prefill", waiting=2)))
+    run(coord.report(_fig("d-1", "decode", running=5, free_blocks=4)))
+    run(coord.report(_fig("d-2", "decode")))
     s = run(coord.status())
     assert [r["replica"] for r in s["prefill"]] == ["p-1"] and s["prefill"][0]["waiting"] == 2
     assert [r["replica"] for r in s["decode"]] == ["d-1", "d-2"]
     assert {"replica", "running", "waiting", "free_blocks", "total_blocks"} <= set(s["decode"][0])
     assert s["store"] == {"live_transfers": 3, "bytes": 99}
     assert s["scaling"] is False and s["target"] == {"prefill": 1, "decode": 1}
-    coord.forget("d-2")
+    run(coord.forget("d-2"))
     assert [r["replica"] for r in run(coord.status())["decode"]] == ["d-1"]
 
 
