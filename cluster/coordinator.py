@@ -143,11 +143,12 @@ class Coordinator:
         return self.scaling
 
     async def apply(self, targets: dict[str, int], source: str) -> None:
+        logger.info("%s scale %s -> %s", source, self.targets, {**self.targets, **targets})
         for role, n in targets.items():
             if n != self.targets[role]:
-                await self.control.set_replicas(DEPLOYMENTS[role], n)
-        logger.info("%s scale %s -> %s", source, self.targets, {**self.targets, **targets})
-        self.targets.update(targets)
+                self.scaling = True
+                await self.control.set_replicas(DEPLOYMENTS[role], n)  # raises if Serve refuses
+                self.targets[role] = n
         self.scaling = True
 
     async def scale(self, body: object) -> tuple[int, dict]:
@@ -164,7 +165,12 @@ class Coordinator:
             if await self._refresh_scaling():
                 return 409, _conflict(f"a scale to {self.targets} is still in progress; retry when "
                                       f"GET /status says scaling is false")
-            await self.apply(targets, "manual")
+            try:
+                await self.apply(targets, "manual")
+            except Exception as e:  # e.g. the app was deployed without external scaling
+                logger.exception("scale %s failed", targets)
+                return 503, {"error": {"message": f"Serve refused the change: {type(e).__name__}: {e}",
+                                       "type": "service_unavailable", "param": None, "code": 503}}
         return 202, {"target": dict(self.targets), "scaling": True}
 
     # ---- status -----------------------------------------------------------------------------

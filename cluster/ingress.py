@@ -12,6 +12,7 @@ its KV blocks and its transfer.
 import asyncio
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -172,7 +173,7 @@ class Ingress:
         self.text_of = fmt.TokenText(self.tokenizer)
         self.store = get_or_create_store(settings["app_name"]) if self.mode == "pd" else None
         self.metrics = AppMetrics(self.model_name, self.mode)
-        self.pending = 0
+        self._pending: dict[object, int] = {}  # admission token -> prompts it holds
         self.created = int(time.time())
 
     # ---- plumbing ---------------------------------------------------------------------------
@@ -187,10 +188,19 @@ class Ingress:
         except ValueError as e:
             raise _bad_request(e, prompt_param, logprobs_param) from e
 
-    def _admit(self, n: int) -> None:
+    @property
+    def pending(self) -> int:
+        return sum(self._pending.values())
+
+    def _admit(self, n: int) -> object:
         if self.pending + n > self.max_pending:
             raise _overloaded(f"server is at its limit of {self.max_pending} pending requests; retry later")
-        self.pending += n
+        token = object()
+        self._pending[token] = n
+        return token
+
+    def _release(self, token: object) -> None:
+        self._pending.pop(token, None)  # idempotent: stream end and finalizer may both call it
 
     def _run(self, prompt: dict, params, request_id: str) -> AsyncIterator[RequestOutput]:
         if self.mode == "pd":
@@ -228,11 +238,15 @@ class Ingress:
     async def _respond(self, prompts: list[dict], params, request_id: str, stream: bool, chunks,
                        whole) -> Response:
         """Run every prompt; stream `chunks(outputs)` as SSE or return `whole(finals)`."""
-        self._admit(len(prompts))
+        token = self._admit(len(prompts))
         gens = [self._timed(p, params, f"{request_id}-{i}" if len(prompts) > 1 else request_id)
                 for i, p in enumerate(prompts)]
         if stream:
-            return StreamingResponse(self._sse(gens, chunks), media_type="text/event-stream")
+            body = self._sse(gens, chunks, token)
+            # A client gone before the body starts leaves the generator unstarted (its finally
+            # never runs); its admission is then returned when the generator is collected.
+            weakref.finalize(body, self._release, token)
+            return StreamingResponse(body, media_type="text/event-stream")
         try:
             finals: list[RequestOutput | None] = [None] * len(prompts)
             async for i, out in _merge(gens):
@@ -241,9 +255,9 @@ class Ingress:
         except Exception as e:
             raise self._error(e) from e
         finally:
-            self.pending -= len(prompts)
+            self._release(token)
 
-    async def _sse(self, gens, chunks) -> AsyncIterator[str]:
+    async def _sse(self, gens, chunks, token) -> AsyncIterator[str]:
         try:
             async for piece in chunks(_merge(gens)):
                 yield fmt.sse(piece)
@@ -251,7 +265,7 @@ class Ingress:
             err = self._error(e)
             yield fmt.sse(fmt.error_body(err.message, err.type, None, err.status))
         finally:
-            self.pending -= len(gens)
+            self._release(token)
         yield fmt.sse("[DONE]")
 
     # ---- routes ---------------------------------------------------------------------------

@@ -109,3 +109,14 @@ def test_autoscale_tick_applies_the_policy_through_serve_and_waits_for_it():
     assert run(coord.autoscale_tick()) == {}  # still converging: no new decision
     control.settle()
     assert run(coord.autoscale_tick()) == {"prefill": 3}
+
+
+def test_a_change_serve_refuses_is_503_and_keeps_the_old_target():
+    class Refusing(FakeControl):
+        async def set_replicas(self, deployment, n):
+            raise RuntimeError("external scaling is disabled for this application")
+
+    coord = Coordinator("pd", "app", control=Refusing())
+    code, body = run(coord.scale({"prefill": 2}))
+    assert code == 503 and "external scaling is disabled" in body["error"]["message"]
+    assert coord.targets == {"prefill": 1, "decode": 1}
