@@ -110,9 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(demo)
     demo.set_defaults(fn=_cmd_demo)
 
+    from cluster.batch_cli import add_batch_parser
     from cluster.serve_cli import add_serve_parser
 
     add_serve_parser(sub)
+    add_batch_parser(sub)
     return parser
 
 

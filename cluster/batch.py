@@ -1,0 +1,144 @@
+"""Batch inference over Ray Datasets (ARCHITECTURE §3 "Batch").
+
+`EnginePredictor` is the callable class for `Dataset.map_batches`: one offline engine per
+actor (`concurrency=N` actors), each batch generated together so the engine's continuous
+batching fills its steps. Every input row comes out exactly once with its columns kept, plus
+`generated_text`, `generated_token_ids`, `num_prompt_tokens`, `num_generated_tokens`,
+`finish_reason` and `error`: a row whose prompt or parameters are invalid gets the message in
+`error` (and empty outputs) while the rest of the job goes on. Optional per-row columns named
+like SamplingParams fields (`max_tokens`, `temperature`, ...) override the job's defaults.
+
+`run_batch` builds the whole pipeline: Parquet in (file or directory) -> map_batches -> Parquet
+out (a `.parquet` path is one file, anything else a directory), in input order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pyarrow as pa
+
+from engine.sampling_params import SamplingParams
+
+OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens", "num_generated_tokens",
+                  "finish_reason", "error")
+# Per-row sampling columns a dataset may carry (None / null means: the job's default).
+PARAM_COLUMNS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
+                 "stop", "stop_token_ids")
+_OUTPUT_SCHEMA = {"generated_text": pa.string(), "generated_token_ids": pa.list_(pa.int64()),
+                  "num_prompt_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
+                  "finish_reason": pa.string(), "error": pa.string()}
+
+
+def row_params(defaults: SamplingParams, row: dict) -> SamplingParams:
+    """The job's defaults with the row's non-null parameter columns applied (validated)."""
+    overrides = {k: row[k] for k in PARAM_COLUMNS if k in row and row[k] is not None}
+    for k in ("max_tokens", "min_tokens", "top_k", "seed"):
+        if k in overrides and isinstance(overrides[k], float) and overrides[k].is_integer():
+            overrides[k] = int(overrides[k])  # Parquet int columns with nulls read back as floats
+    return dataclasses.replace(defaults, **overrides) if overrides else defaults
+
+
+class EnginePredictor:
+    """`map_batches` callable class (batch_format="pyarrow"): one engine per actor."""
+
+    def __init__(self, model: str, prompt_column: str = "prompt", engine_kwargs: dict | None = None,
+                 sampling: dict | None = None) -> None:
+        from engine import LLM
+
+        self.llm = LLM(model, **(engine_kwargs or {}))
+        self.processor = self.llm.engine.processor
+        self.prompt_column = prompt_column
+        self.defaults = SamplingParams(**(sampling or {}))
+
+    def _check(self, prompt, params: SamplingParams) -> str | None:
+        if not isinstance(prompt, str) and not isinstance(prompt, list):
+            return f"{self.prompt_column} must be a string or a list of token ids, got {type(prompt).__name__}"
+        try:
+            self.processor.process(prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}, params)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.prompt_column not in batch.column_names:
+            raise ValueError(f"input has no {self.prompt_column!r} column (columns: {batch.column_names})")
+        rows = batch.to_pylist()
+        out = {c: [None] * len(rows) for c in OUTPUT_COLUMNS}
+        todo, prompts, params = [], [], []
+        for i, row in enumerate(rows):
+            prompt = row[self.prompt_column]
+            try:
+                p = row_params(self.defaults, row)
+            except (ValueError, TypeError) as e:
+                out["error"][i] = str(e)
+                continue
+            error = self._check(prompt, p)
+            if error is not None:
+                out["error"][i] = error
+                continue
+            todo.append(i)
+            prompts.append(prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt})
+            params.append(p)
+        if prompts:
+            for i, res in zip(todo, self.llm.generate(prompts, params, use_tqdm=False)):
+                c = res.outputs[0]
+                out["generated_text"][i] = c.text
+                out["generated_token_ids"][i] = list(c.token_ids)
+                out["num_prompt_tokens"][i] = len(res.prompt_token_ids)
+                out["num_generated_tokens"][i] = len(c.token_ids)
+                out["finish_reason"][i] = c.finish_reason
+        for name in OUTPUT_COLUMNS:
+            column = pa.array(out[name], type=_OUTPUT_SCHEMA[name])
+            if name in batch.column_names:  # re-running over an earlier output replaces it
+                batch = batch.set_column(batch.column_names.index(name), name, column)
+            else:
+                batch = batch.append_column(name, column)
+        return batch
+
+
+def build_pipeline(ds, model: str, *, prompt_column: str = "prompt", concurrency: int = 1, batch_size: int = 64,
+                   engine_kwargs: dict | None = None, sampling: dict | None = None,
+                   num_cpus: float | None = None, num_gpus: float | None = None):
+    """`ds.map_batches` with one engine per actor. Resources per actor default to one GPU when
+    this machine has CUDA, else one CPU."""
+    if not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if num_gpus is None:
+        import torch
+
+        num_gpus = 1 if torch.cuda.is_available() else 0
+    if num_cpus is None:
+        num_cpus = 0 if num_gpus else 1
+    return ds.map_batches(
+        EnginePredictor,
+        fn_constructor_kwargs={"model": model, "prompt_column": prompt_column,
+                               "engine_kwargs": engine_kwargs or {}, "sampling": sampling or {}},
+        batch_format="pyarrow", batch_size=batch_size, concurrency=concurrency,
+        num_cpus=num_cpus, num_gpus=num_gpus,
+    )
+
+
+def run_batch(input_path: str, output_path: str, model: str, **kwargs) -> int:
+    """Parquet in -> generation -> Parquet out, preserving row order. Returns the row count."""
+    import pyarrow.parquet as pq
+    import ray
+
+    if not os.path.exists(input_path):
+        raise ValueError(f"input {input_path!r} does not exist (a Parquet file or directory)")
+    if not os.path.isdir(model):
+        raise ValueError(f"model must be a model directory; {model!r} does not exist")
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # rows come out in input order
+    ds = build_pipeline(ray.data.read_parquet(input_path), model, **kwargs)
+    if output_path.endswith(".parquet"):
+        table = pa.concat_tables([ray.get(ref) for ref in ds.to_arrow_refs()], promote_options="default")
+        os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+        pq.write_table(table, output_path)
+        return table.num_rows
+    ds = ds.materialize()
+    ds.write_parquet(output_path)
+    return ds.count()

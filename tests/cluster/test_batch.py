@@ -1,0 +1,96 @@
+"""Batch inference over Ray Datasets on local Ray: 200 rows over 2 engine actors; text equals
+the offline engine's; invalid rows are reported in `error`, not fatal; every row once, in
+order, with its other columns kept."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine import LLM, SamplingParams
+
+ENGINE = {"max_model_len": 128, "num_kv_blocks": 96}
+WORDS = "river engineer village quietly measures before once upon time small sea help there".split()
+
+
+def _rows(n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        k = 3 + (i * 7) % 11
+        rows.append({"id": i, "prompt": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(k)),
+                     "max_tokens": None if i % 3 else 4 + i % 5, "temperature": None})
+    rows[5]["prompt"] = ""  # empty
+    rows[17]["prompt"] = "word " * 400  # longer than max_model_len
+    rows[42]["temperature"] = -1.0  # an invalid per-row parameter
+    rows[99]["max_tokens"] = 500  # prompt + max_tokens beyond the context
+    return rows
+
+
+BAD = {5: "prompt", 17: "max_model_len", 42: "temperature", 99: "max_tokens"}
+
+
+def test_200_rows_over_two_engine_actors(ray_local, tiny_model, tmp_path):
+    from cluster.batch import run_batch
+
+    rows = _rows(200)
+    src = tmp_path / "in"
+    src.mkdir()
+    table = pa.Table.from_pylist(rows, schema=pa.schema([("id", pa.int64()), ("prompt", pa.string()),
+                                                         ("max_tokens", pa.int64()), ("temperature", pa.float64())]))
+    pq.write_table(table.slice(0, 120), src / "part-0.parquet")  # a directory of two files
+    pq.write_table(table.slice(120), src / "part-1.parquet")
+    out = tmp_path / "out.parquet"
+    n = run_batch(str(src), str(out), tiny_model, concurrency=2, batch_size=25, engine_kwargs=ENGINE,
+                  sampling={"max_tokens": 8, "temperature": 0.0}, num_cpus=0.25)
+    result = pq.read_table(out).to_pylist()
+    assert n == 200 and [r["id"] for r in result] == list(range(200))  # each row once, in order
+    assert all(r["prompt"] == rows[r["id"]]["prompt"] for r in result)  # other columns kept
+
+    for i, needle in BAD.items():
+        r = result[i]
+        assert r["error"] and needle in r["error"], (i, r["error"])
+        assert r["generated_text"] is None and r["num_generated_tokens"] is None
+    good = [r for r in result if r["id"] not in BAD]
+    assert all(r["error"] is None for r in good)
+
+    llm = LLM(tiny_model, **ENGINE)
+    params = [SamplingParams(max_tokens=rows[r["id"]]["max_tokens"] or 8, temperature=0.0) for r in good]
+    ref = llm.generate([rows[r["id"]]["prompt"] for r in good], params, use_tqdm=False)
+    for r, o in zip(good, ref):
+        assert r["generated_text"] == o.outputs[0].text
+        assert r["generated_token_ids"] == list(o.outputs[0].token_ids)
+        assert r["num_prompt_tokens"] == len(o.prompt_token_ids)
+        assert r["num_generated_tokens"] == len(o.outputs[0].token_ids)
+        assert r["finish_reason"] == o.outputs[0].finish_reason
+
+
+def test_output_directory_and_cli(ray_local, tiny_model, tmp_path):
+    from cluster.cli import main
+
+    pq.write_table(pa.Table.from_pylist([{"text": "hello there", "k": 1}, {"text": "once upon", "k": 2}]),
+                   tmp_path / "in.parquet")
+    rc = main(["batch", str(tmp_path / "in.parquet"), str(tmp_path / "out"), "--model", tiny_model,
+               "--prompt-column", "text", "--max-tokens", "3", "--ignore-eos", "--concurrency", "1",
+               "--max-model-len", "128", "--num-kv-blocks", "32", "--cpus-per-actor", "0.25"])
+    assert rc == 0
+    result = pq.read_table(tmp_path / "out").to_pylist()
+    assert sorted(r["k"] for r in result) == [1, 2]
+    assert all(r["num_generated_tokens"] == 3 and r["finish_reason"] == "length" for r in result)
+
+
+@pytest.mark.parametrize("argv,needle", [(["--max-tokens", "0"], "max_tokens"),
+                                         (["--temperature", "-1"], "temperature")])
+def test_bad_flags_exit_2_before_ray(tiny_model, tmp_path, capsys, argv, needle):
+    from cluster.cli import main
+
+    assert main(["batch", str(tmp_path / "x.parquet"), str(tmp_path / "y"), "--model", tiny_model, *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_missing_prompt_column_is_a_clear_error(tiny_model):
+    from cluster.batch import EnginePredictor
+
+    predictor = EnginePredictor(tiny_model, "prompt", ENGINE)
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        predictor(pa.table({"text": ["x"]}))
