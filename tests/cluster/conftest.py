@@ -36,14 +36,16 @@ def deploy(serve_url):
 
     deployed = []
 
-    def run(cfg):
-        for name in [n for n in deployed if n != cfg.app_name]:
-            serve.delete(name)
-            kill_store(name)
-            deployed.remove(name)
-        serve.run(build_app(cfg), name=cfg.app_name, route_prefix="/", blocking=False,
-                  external_scaler_enabled=True)
-        deployed.append(cfg.app_name)
+    def run(cfg=None, *, app_name: str | None = None, application=None):
+        """Deploy an AppConfig, or an already built `application` under `app_name`."""
+        name = app_name if application is not None else cfg.app_name
+        for other in [n for n in deployed if n != name]:
+            serve.delete(other)
+            kill_store(other)
+            deployed.remove(other)
+        serve.run(application if application is not None else build_app(cfg), name=name, route_prefix="/",
+                  blocking=False, external_scaler_enabled=True)
+        deployed.append(name)
         wait_http_ok(f"{serve_url}/health")
         return serve_url
 

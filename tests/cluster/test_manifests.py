@@ -1,0 +1,80 @@
+"""manifests/: the `ray up` configs pass Ray's own prepare + validate step; the Serve config
+passes Serve's schema and, built through its import path, serves on local Ray."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib
+import os
+
+import pytest
+import requests
+import yaml
+
+from tests.cluster.helpers import ENGINE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLUSTERS = ["aws-gpu.yaml", "local.yaml"]
+
+
+def _load(name: str) -> dict:
+    with open(os.path.join(ROOT, "manifests", name)) as f:
+        return yaml.safe_load(f)
+
+
+@pytest.mark.parametrize("name", CLUSTERS)
+def test_ray_up_config_passes_ray_validation(name):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(copy.deepcopy(_load(name)))
+    validate_config(prepared)
+    assert prepared["head_node_type"] in prepared["available_node_types"]
+
+
+@pytest.mark.parametrize("name", CLUSTERS)
+def test_ray_up_config_installs_pdserve_and_deploys_the_serve_config(name):
+    cfg = _load(name)
+    assert any("pip install" in c and "~/pdserve" in c for c in cfg["setup_commands"])
+    assert any("make-model" in c for c in cfg["setup_commands"])  # same default model on every node
+    head = " ".join(cfg["head_start_ray_commands"])
+    assert "ray start --head" in head and "serve deploy ~/pdserve/manifests/serve.yaml" in head
+    assert cfg["file_mounts"]["~/pdserve"] == "."
+
+
+def test_aws_config_has_cpu_head_and_gpu_workers():
+    nodes = _load("aws-gpu.yaml")["available_node_types"]
+    assert nodes["head"]["resources"].get("GPU", 0) == 0
+    assert nodes["gpu_worker"]["node_config"]["InstanceType"].startswith(("g", "p"))
+    assert nodes["gpu_worker"]["min_workers"] >= 2  # one prefill + one decode replica
+
+
+def test_default_model_is_identical_on_every_node(tmp_path):
+    """The manifests make the default model on each node: it must be the same bytes, or
+    prefill and decode replicas would run different weights."""
+    from engine.models.make_model import make_model
+
+    digests = []
+    for d in ("a", "b"):
+        out = tmp_path / d
+        make_model(str(out), "tiny")
+        digests.append({f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in sorted(os.listdir(out))})
+    assert digests[0] == digests[1]
+
+
+def test_serve_config_passes_schema_and_serves_on_local_ray(deploy, tiny_model):
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(_load("serve.yaml"))
+    app = schema.applications[0]
+    assert app.import_path == "cluster.app:build" and app.external_scaler_enabled
+    module, attr = app.import_path.split(":")
+    build = getattr(importlib.import_module(module), attr)
+    # The same args, on this GPU-less machine with the test model and small KV.
+    args = {**app.args, "model": tiny_model, "replica_num_gpus": 0, "replica_num_cpus": 0, **ENGINE}
+    url = deploy(app_name=app.name, application=build(args))
+    r = requests.post(f"{url}/v1/completions", json={"model": os.path.basename(tiny_model), "prompt": "Hello",
+                                                     "max_tokens": 4, "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    status = requests.get(f"{url}/status", timeout=30).json()
+    assert status["target"] == {"prefill": app.args["prefill_replicas"], "decode": app.args["decode_replicas"]}
