@@ -44,9 +44,15 @@ class EnginePredictor:
     """`map_batches` callable class (batch_format="pyarrow"): one engine per actor."""
 
     def __init__(self, model: str, prompt_column: str = "prompt", engine_kwargs: dict | None = None,
-                 sampling: dict | None = None) -> None:
+                 sampling: dict | None = None, torch_threads: int | None = None) -> None:
         from engine import LLM
 
+        if torch_threads:
+            # Ray caps an actor's OMP threads at its CPU reservation; on CPU engines that is
+            # often fewer threads than the cores the job may use.
+            import torch
+
+            torch.set_num_threads(torch_threads)
         self.llm = LLM(model, **(engine_kwargs or {}))
         self.processor = self.llm.engine.processor
         self.prompt_column = prompt_column
@@ -100,13 +106,16 @@ class EnginePredictor:
 
 def build_pipeline(ds, model: str, *, prompt_column: str = "prompt", concurrency: int = 1, batch_size: int = 64,
                    engine_kwargs: dict | None = None, sampling: dict | None = None,
-                   num_cpus: float | None = None, num_gpus: float | None = None):
+                   num_cpus: float | None = None, num_gpus: float | None = None,
+                   torch_threads: int | None = None):
     """`ds.map_batches` with one engine per actor. Resources per actor default to one GPU when
     this machine has CUDA, else one CPU."""
     if not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    from ray.data import ActorPoolStrategy
+
     if num_gpus is None:
         import torch
 
@@ -116,8 +125,9 @@ def build_pipeline(ds, model: str, *, prompt_column: str = "prompt", concurrency
     return ds.map_batches(
         EnginePredictor,
         fn_constructor_kwargs={"model": model, "prompt_column": prompt_column,
-                               "engine_kwargs": engine_kwargs or {}, "sampling": sampling or {}},
-        batch_format="pyarrow", batch_size=batch_size, concurrency=concurrency,
+                               "engine_kwargs": engine_kwargs or {}, "sampling": sampling or {},
+                               "torch_threads": torch_threads},
+        batch_format="pyarrow", batch_size=batch_size, compute=ActorPoolStrategy(size=concurrency),
         num_cpus=num_cpus, num_gpus=num_gpus,
     )
 
