@@ -36,7 +36,9 @@ class _Merged:
         self.prompt = first.prompt
         self.prompt_token_ids = first.prompt_token_ids
         self.token_ids = list(c.token_ids)
-        self.text = c.text
+        # What the prefill emitted: when decode continues, a possible stop-string prefix (or
+        # a split character) at its end is held back and sent by decode instead.
+        self.text = first.delta_text
         self.logprobs = list(c.logprobs) if c.logprobs is not None else None
         self.num_cached_tokens = first.num_cached_tokens
 
@@ -110,7 +112,7 @@ async def pd_flow(peers, prompt, params: SamplingParams, request_id: str,
         more = needs_decode(c.finish_reason, params)
         finished = not more
         yield merged.output(not more, c.finish_reason if not more else None, c.stop_reason if not more else None,
-                            c.text, list(c.token_ids), first.delta_logprobs, first.metrics)
+                            first.delta_text, list(c.token_ids), first.delta_logprobs, first.metrics)
         if not more:
             return
         kv_params = transfer

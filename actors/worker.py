@@ -15,10 +15,9 @@ import ray
 import torch
 
 from engine import AsyncLLM, SamplingParams, build_engine_config
-from engine.kv_connector import TEXT_CONTINUES
 from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
-from kvstore.pd import DO_REMOTE_DECODE, prefill_params
+from kvstore.pd import prefill_kv_params, prefill_params
 from kvstore.transports.object_store import ObjectStoreTransport
 from kvstore.transports.torch_dist import TorchDistTransport
 
@@ -87,12 +86,8 @@ class EngineWorker:
         """Run the prompt with max_tokens=1; the output carries the first token and the
         kv_transfer_params of the exported prompt KV."""
         last = None
-        kv = dict(DO_REMOTE_DECODE)
-        # When decode will continue the text, a character split at the prefill's single token
-        # must be completed there, not flushed here as U+FFFD.
-        kv[TEXT_CONTINUES] = params.max_tokens is None or params.max_tokens > 1
         async for out in self.engine.generate(prompt, prefill_params(params), request_id,
-                                              kv_transfer_params=kv):
+                                              kv_transfer_params=prefill_kv_params(params)):
             last = out
         return last
 

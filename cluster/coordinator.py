@@ -99,15 +99,16 @@ class Coordinator:
     """Serve deployment body (one replica)."""
 
     def __init__(self, mode: str = "pd", app_name: str = "pdserve", targets: dict | None = None,
-                 max_replicas: dict | None = None, autoscale: dict | None = None, control=None) -> None:
+                 max_replicas: dict | None = None, autoscale: dict | None = None, control=None,
+                 scale_timeout_s: float = 600.0) -> None:
         self.mode = mode
         self.app_name = app_name
         self.roles = ("prefill", "decode") if mode == "pd" else ("colocated",)
         self.targets = {r: int((targets or {}).get(r, 1)) for r in self.roles}
         self.max_replicas = {r: int((max_replicas or {}).get(r, 8)) for r in self.roles}
         autoscale = dict(autoscale or {})
-        # The autoscaler's ceiling defaults to the manual one.
-        autoscale.setdefault("max_replicas", dict(self.max_replicas))
+        # The autoscaler's ceiling defaults to the manual one, role by role.
+        autoscale["max_replicas"] = {**self.max_replicas, **(autoscale.get("max_replicas") or {})}
         self.autoscale = AutoscaleConfig(**autoscale)
         self.board = Board()
         if control is None:
@@ -116,6 +117,9 @@ class Coordinator:
             control = ServeControl(app_name)
         self.control = control
         self.scaling = False
+        self.stuck: str | None = None
+        self.scale_timeout_s = scale_timeout_s
+        self._scaling_since = 0.0
         self._scale_lock = asyncio.Lock()
         self._policy = PolicyState()
         self._autoscaler: asyncio.Task | None = None
@@ -137,13 +141,25 @@ class Coordinator:
 
     # ---- scaling ----------------------------------------------------------------------------
     async def _refresh_scaling(self) -> bool:
-        if self.scaling and await self.control.settled({DEPLOYMENTS[r]: n for r, n in self.targets.items()}):
+        """Whether a change is still converging (callers hold `_scale_lock`, so the targets
+        cannot change under the check)."""
+        if not self.scaling:
+            return False
+        if await self.control.settled({DEPLOYMENTS[r]: n for r, n in self.targets.items()}):
             self.scaling = False
+            self.stuck = None
             logger.info("scaling done: %s", self.targets)
+        elif time.monotonic() - self._scaling_since > self.scale_timeout_s:
+            # E.g. a replica that can never be placed: report it and accept new targets
+            # rather than refusing every later change.
+            self.scaling = False
+            self.stuck = f"target {self.targets} not reached within {self.scale_timeout_s:.0f} s"
+            logger.warning("scaling stuck: %s", self.stuck)
         return self.scaling
 
     async def apply(self, targets: dict[str, int], source: str) -> None:
         logger.info("%s scale %s -> %s", source, self.targets, {**self.targets, **targets})
+        self._scaling_since = time.monotonic()
         for role, n in targets.items():
             if n != self.targets[role]:
                 self.scaling = True
@@ -192,12 +208,13 @@ class Coordinator:
             return {"live_transfers": 0, "bytes": 0, "error": f"{type(e).__name__}: {e}"}
 
     async def status(self) -> dict:
-        await self._refresh_scaling()
+        async with self._scale_lock:
+            await self._refresh_scaling()
         live = self.board.live()
         out = {role: [{k: f.get(k) for k in _STATUS_FIELDS} for f in live if f["role"] == role]
                for role in self.roles}
         out.update(mode=self.mode, store=await self._store_stats(), scaling=self.scaling,
-                   target=dict(self.targets), autoscaling=self.autoscale.enabled)
+                   target=dict(self.targets), autoscaling=self.autoscale.enabled, stuck=self.stuck)
         return out
 
     # ---- autoscaling -------------------------------------------------------------------------

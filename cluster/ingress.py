@@ -10,6 +10,7 @@ its KV blocks and its transfer.
 # No `from __future__ import annotations`: FastAPI must see the body models as real types
 # (Serve's class-based ingress re-wraps the methods, and string annotations are not resolved).
 import asyncio
+import dataclasses
 import time
 import uuid
 import weakref
@@ -73,6 +74,12 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     else:
         message = f"invalid value for '{'.'.join(loc)}': {err.get('msg', 'invalid')}"
     return OpenAIError(400, message, param=param).response()
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """Anything unforeseen is still an OpenAI-shaped 500, never a bare text page."""
+    return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error").response()
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -182,11 +189,17 @@ class Ingress:
             raise OpenAIError(404, f"The model `{model}` does not exist. Available: `{self.model_name}`.",
                               "not_found_error", param="model", code="model_not_found")
 
-    def _validate(self, ids: list[int], params, prompt_param: str, logprobs_param: str = "logprobs") -> None:
+    def _validate(self, ids: list[int], params, prompt_param: str, logprobs_param: str = "logprobs"):
+        """The request's params for this prompt, checked exactly as the engine will; an
+        unset max_tokens becomes the room left in the context (so a P/D split knows when
+        the prefill's token is the last one)."""
         try:
             self.processor.process({"prompt_token_ids": ids}, params)
         except ValueError as e:
             raise _bad_request(e, prompt_param, logprobs_param) from e
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=self.processor.max_model_len - len(ids))
+        return params
 
     @property
     def pending(self) -> int:
@@ -235,12 +248,16 @@ class Ingress:
                                headers={"Retry-After": str(RETRY_AFTER_S)})
         return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error")
 
-    async def _respond(self, prompts: list[dict], params, request_id: str, stream: bool, chunks,
+    async def _respond(self, prompts: list[dict], params: list, request_id: str, stream: bool, chunks,
                        whole) -> Response:
         """Run every prompt; stream `chunks(outputs)` as SSE or return `whole(finals)`."""
+        if len(prompts) > self.max_pending:
+            raise OpenAIError(400, f"prompt holds {len(prompts)} prompts; at most {self.max_pending} per request",
+                              param="prompt")
         token = self._admit(len(prompts))
-        gens = [self._timed(p, params, f"{request_id}-{i}" if len(prompts) > 1 else request_id)
-                for i, p in enumerate(prompts)]
+        # Engine ids are unique even when a client reuses its request_id (it stays the response id).
+        suffix = uuid.uuid4().hex[:8]
+        gens = [self._timed(p, pp, f"{request_id}-{i}-{suffix}") for i, (p, pp) in enumerate(zip(prompts, params))]
         if stream:
             body = self._sse(gens, chunks, token)
             # A client gone before the body starts leaves the generator unstarted (its finally
@@ -271,7 +288,10 @@ class Ingress:
     # ---- routes ---------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> Response:
-        replicas = await self.coordinator.replicas.remote()
+        try:
+            replicas = await self.coordinator.replicas.remote()
+        except Exception as e:  # the coordinator restarting: not healthy yet
+            raise _overloaded(f"coordinator unavailable: {type(e).__name__}") from e
         roles = {r["role"] for r in replicas}
         needed = {"prefill", "decode"} if self.mode == "pd" else {"colocated"}
         if not needed <= roles:
@@ -313,14 +333,16 @@ class Ingress:
             params = body.sampling_params(body.max_tokens, body.logprobs)
         except ValueError as e:
             raise _bad_request(e) from e
-        prompts = []
+        prompts, per_prompt = [], []
+        if not body.prompts():
+            raise OpenAIError(400, "prompt must not be empty", param="prompt")
         for p in body.prompts():
             if isinstance(p, str):
                 ids = self.tokenizer.encode(p, add_special_tokens=True)
-                text = p
             else:
-                ids, text = list(p), self.tokenizer.decode(p)
-            self._validate(ids, params, "prompt")
+                ids = list(p)
+            per_prompt.append(self._validate(ids, params, "prompt"))  # token ids range-checked here
+            text = p if isinstance(p, str) else self.tokenizer.decode(ids)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
         n_logprobs = body.logprobs
@@ -366,7 +388,7 @@ class Ingress:
                 yield fmt.completion_object(request_id, self.model_name, [], fmt.usage(
                     sum(c[0] for c in counts), sum(c[1] for c in counts)), True)
 
-        return await self._respond(prompts, params, request_id, body.stream, chunks, whole)
+        return await self._respond(prompts, per_prompt, request_id, body.stream, chunks, whole)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
@@ -387,7 +409,7 @@ class Ingress:
         except Exception as e:  # template errors are the caller's messages' fault
             raise OpenAIError(400, f"could not apply the chat template: {e}", param="messages") from e
         ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template has its specials
-        self._validate(ids, params, "messages", "top_logprobs")
+        params = self._validate(ids, params, "messages", "top_logprobs")
         prompt = {"prompt": text, "prompt_token_ids": ids}
         request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         n_logprobs = body.num_logprobs
@@ -423,4 +445,4 @@ class Ingress:
             if body.include_usage:
                 yield fmt.chat_object(request_id, self.model_name, [], fmt.usage(len(ids), n_gen), True)
 
-        return await self._respond([prompt], params, request_id, body.stream, chunks, whole)
+        return await self._respond([prompt], [params], request_id, body.stream, chunks, whole)

@@ -18,8 +18,9 @@ from actors.orchestrate import PDRequestError, pd_flow
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-# Errors meaning the replica (not the request) is gone or unreachable.
-_REPLICA_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+# Errors meaning the replica (not the request) failed: gone, unreachable, or its engine died
+# (the ingress validated the request, so an error raised inside a replica is the replica's).
+_REPLICA_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.RayTaskError)
 
 
 class ServePeers:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import SamplingParams
 
@@ -23,6 +23,18 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     # Unknown fields are ignored, as OpenAI's and vLLM's servers do.
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI's spec makes most optional fields nullable (`"n": null`, `"stream": null`,
+        ...) and clients send them so: an explicit null is the field's default — except
+        `max_tokens`, where null means "up to the context", as in vLLM."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items()
+                    if not (v is None and k != "max_tokens" and k in cls.model_fields
+                            and cls.model_fields[k].default is not None)}
+        return data
 
     model: str
     temperature: float | None = None

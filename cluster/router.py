@@ -67,7 +67,13 @@ def rank(candidates: list[Candidate], affinity: str | None = None, affinity_slac
 
 
 class LeastLoadRouter(FIFOMixin, RequestRouter):
-    """Serve request router for the engine deployments (configured in cluster.app)."""
+    """Serve request router for the engine deployments (configured in cluster.app).
+
+    FIFO: without it Serve matches a chosen replica to the pending request by its internal
+    request id, which all calls made while serving one HTTP request share (a batched
+    completion's prompts): the second one then waited for minutes (found by the tests). The
+    price: while requests queue in the router, the replica chosen for one request's prefix
+    may serve the oldest pending one instead, so prefix affinity is best-effort under load."""
 
     def initialize_state(self, prefix_affinity: bool = False, affinity_prefix_tokens: int = 32,
                          affinity_slack: int = 8, **kwargs) -> None:

@@ -29,10 +29,16 @@ class OutputProcessor:
 
     def add_request(self, request: Request, prompt: str | None) -> None:
         params = request.sampling_params
+        detokenizer, prior_text = _detokenizer(self.tokenizer, request)
+        # Text of prior output tokens (P/D: the prefill's first token) takes part in stop-string
+        # matching; the part the other engine held back (a possible stop-string prefix) is
+        # still to be sent from here, by the same rule it used.
         self.states[request.request_id] = _RequestState(
             request=request,
             prompt=prompt,
-            detokenizer=_detokenizer(self.tokenizer, request),
+            detokenizer=detokenizer,
+            text=prior_text,
+            sent_chars=max(len(prior_text) - _stop_hold(params), 0),
             logprobs=[] if params.logprobs is not None else None,
         )
 
@@ -70,8 +76,9 @@ class OutputProcessor:
             finished = finish_reason is not None
             if finished and _flushes(state.request, finish_reason, stop_reason):
                 state.text += state.detokenizer.flush()
-            # While a stop string could still be completing, hold its possible prefix back.
-            hold = 0 if finished or not params.stop else max(len(s) for s in params.stop) - 1
+            # While a stop string could still be completing (here, or on the engine the text
+            # continues on), hold its possible prefix back.
+            hold = 0 if finished and not _continues(state.request, finish_reason) else _stop_hold(params)
             visible = max(len(state.text) - hold, state.sent_chars)
             delta_text = state.text[state.sent_chars : visible]
             state.sent_chars = visible
@@ -104,24 +111,32 @@ class OutputProcessor:
         return outputs, stopped_by_string
 
 
-def _detokenizer(tokenizer, request: Request) -> IncrementalDetokenizer:
+def _detokenizer(tokenizer, request: Request) -> tuple[IncrementalDetokenizer, str]:
     """A detokenizer positioned as if the request's prior output tokens had been streamed by
-    it: their text was already delivered (or is still pending a multi-byte character)."""
+    it, and the text they decoded to (less a multi-byte character still pending)."""
     k = request.prior_output_tokens
     ids = request.prompt_token_ids
     detok = IncrementalDetokenizer(tokenizer, ids[: len(ids) - k], request.sampling_params.skip_special_tokens)
-    for token in ids[len(ids) - k:]:
-        detok.step(token)
-    return detok
+    text = "".join(detok.step(token) for token in ids[len(ids) - k:])
+    return detok, text
+
+
+def _stop_hold(params) -> int:
+    return max(len(s) for s in params.stop) - 1 if params.stop else 0
+
+
+def _continues(request: Request, finish_reason: str | None) -> bool:
+    """The output goes on on another engine (a P/D prefill stopped at its one token)."""
+    kv = request.kv_transfer_params or {}
+    return finish_reason == "length" and bool(kv.get(TEXT_CONTINUES))
 
 
 def _flushes(request: Request, finish_reason: str, stop_reason) -> bool:
     """Whether held-back text is emitted at the end: not after a stop string (the text was
-    cut there), nor when the output continues on another engine (P/D prefill at its limit)."""
+    cut there), nor when the output continues on another engine."""
     if finish_reason == "stop" and isinstance(stop_reason, str):
         return False
-    kv = request.kv_transfer_params or {}
-    return not (finish_reason == "length" and kv.get(TEXT_CONTINUES))
+    return not _continues(request, finish_reason)
 
 
 def _metrics(request) -> dict:

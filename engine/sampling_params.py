@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -51,13 +52,16 @@ class SamplingParams:
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= _INT32_MAX:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer <= {_INT32_MAX}, "
+                             f"got {self.top_k!r}")
         _check_number("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(2**63) <= self.seed < 2**63):
+            # torch generators take 64-bit seeds; a larger one would fail inside the engine step.
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63) or None, got {self.seed!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:

@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 
+from engine.kv_connector import TEXT_CONTINUES
 from engine.sampling_params import SamplingParams
 
 DO_REMOTE_DECODE = {"do_remote_decode": True}
+
+
+def prefill_kv_params(params: SamplingParams) -> dict:
+    """kv_transfer_params of the prefill half: export the prompt's KV, and, when decode will
+    continue the text, leave a character split at the first token and a possible stop-string
+    prefix to decode instead of emitting them here."""
+    return {**DO_REMOTE_DECODE, TEXT_CONTINUES: params.max_tokens is None or params.max_tokens > 1}
 
 
 def prefill_params(params: SamplingParams) -> SamplingParams:

@@ -120,3 +120,19 @@ def test_a_change_serve_refuses_is_503_and_keeps_the_old_target():
     code, body = run(coord.scale({"prefill": 2}))
     assert code == 503 and "external scaling is disabled" in body["error"]["message"]
     assert coord.targets == {"prefill": 1, "decode": 1}
+
+
+def test_a_target_serve_never_reaches_stops_blocking_after_the_timeout():
+    control = FakeControl()
+    coord = Coordinator("pd", "app", control=control, scale_timeout_s=0.0)
+    assert run(coord.scale({"prefill": 3}))[0] == 202
+    # Never settles (e.g. no room for a third replica): reported as stuck, new targets accepted.
+    s = run(coord.status())
+    assert s["scaling"] is False and "not reached" in s["stuck"]
+    assert run(coord.scale({"prefill": 2}))[0] == 202
+
+
+def test_partial_autoscale_ceiling_keeps_the_manual_one_for_other_roles():
+    coord = Coordinator("pd", "app", max_replicas={"prefill": 6, "decode": 6},
+                        autoscale={"max_replicas": {"decode": 3}}, control=FakeControl())
+    assert coord.autoscale.max_replicas["prefill"] == 6 and coord.autoscale.max_replicas["decode"] == 3

@@ -191,6 +191,11 @@ BAD = [
     ({"prompt": None}, "prompt"),
     ({"stop_token_ids": [10**9]}, "stop_token_ids"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"seed": 2**64}, "seed"),  # beyond the engine's 64-bit generators
+    ({"top_k": 2**40}, "top_k"),
+    ({"prompt": [-1, 5]}, "prompt"),  # token ids out of the vocabulary
+    ({"prompt": [10**12]}, "prompt"),
+    ({"prompt": []}, "prompt"),
 ]
 
 
@@ -259,3 +264,25 @@ def test_metrics_exposes_latencies_and_replica_figures(app, client):
         assert f'pdserve_num_requests_waiting{{replica="{role}-' in text
     assert metric_value(app, "pdserve_kv_transfer_exports_total", role="prefill") > 0
     assert metric_value(app, "pdserve_kv_transfer_bytes_in_total", role="decode") > 0
+
+
+def test_null_fields_reused_ids_and_a_prompt_filling_the_context(app, tokenizer, tiny_model):
+    base = {"model": NAME, "prompt": PROMPTS[0], "temperature": 0}
+    # OpenAI clients send explicit nulls for unset fields.
+    r = requests.post(f"{app}/v1/completions", json={**base, "max_tokens": 3, "n": None, "stream": None,
+                                                     "presence_penalty": None, "echo": None}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    # The same client request_id twice at once: both answered, under that id.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        rs = list(pool.map(lambda _: requests.post(f"{app}/v1/completions", json={
+            **base, "max_tokens": 20, "ignore_eos": True, "request_id": "same-id"}, timeout=60), range(2)))
+    assert [x.status_code for x in rs] == [200, 200] and {x.json()["id"] for x in rs} == {"same-id"}
+    # A prompt one token short of the context with max_tokens unset: exactly one token, as a
+    # colocated engine gives (P/D must not send decode a prompt that fills the context).
+    ids = (tokenizer.encode(" ".join(PROMPTS)) * 200)[: ENGINE["max_model_len"] - 1]
+    r = requests.post(f"{app}/v1/completions", json={**base, "prompt": ids, "max_tokens": None,
+                                                     "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1 and r.json()["choices"][0]["finish_reason"] == "length"

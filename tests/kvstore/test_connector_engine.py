@@ -8,7 +8,14 @@ import pytest
 from engine import SamplingParams, build_engine_config
 from engine.llm_engine import LLMEngine
 from kvstore.connector import PDConnector
-from kvstore.pd import DO_REMOTE_DECODE, decode_params, decode_prompt, needs_decode, prefill_params
+from kvstore.pd import (
+    DO_REMOTE_DECODE,
+    decode_params,
+    decode_prompt,
+    needs_decode,
+    prefill_kv_params,
+    prefill_params,
+)
 from kvstore.transports import LocalTransport, TransferError
 from tests.engine.hf_reference import hf_greedy, random_prompts
 
@@ -28,7 +35,7 @@ def _run(engine, rid):
 
 def _pd(prefill, decode, rid, prompt, params):
     prefill.add_request(rid, {"prompt_token_ids": prompt}, prefill_params(params),
-                        kv_transfer_params=dict(DO_REMOTE_DECODE))
+                        kv_transfer_params=prefill_kv_params(params))
     first = _run(prefill, rid)
     tokens = list(first.outputs[0].token_ids)
     if not needs_decode(first.outputs[0].finish_reason, params):
@@ -177,3 +184,50 @@ def test_invalid_connector_settings_are_rejected():
         PDConnector("server", LocalTransport(), "x", 16)
     with pytest.raises(ValueError, match="load_failure_policy"):
         PDConnector("consumer", LocalTransport(), "x", 16, load_failure_policy="retry")
+
+
+def _merged_text(prefill, decode, rid, prompt, params) -> tuple[str, str | None]:
+    """The text a P/D client receives (prefill's emitted text + decode's deltas) and the
+    finish reason, as actors.orchestrate merges them."""
+    prefill.add_request(rid, {"prompt_token_ids": prompt}, prefill_params(params),
+                        kv_transfer_params=prefill_kv_params(params))
+    first = _run(prefill, rid)
+    text = first.delta_text
+    if not needs_decode(first.outputs[0].finish_reason, params):
+        return text, first.outputs[0].finish_reason
+    decode.add_request(rid, decode_prompt(prompt, first.outputs[0].token_ids[0]), decode_params(params),
+                       kv_transfer_params=first.kv_transfer_params, prior_output_tokens=1)
+    while True:
+        for out in decode.step():
+            if out.request_id == rid:
+                text += out.delta_text
+                if out.finished:
+                    return text, out.outputs[0].finish_reason
+
+
+def test_stop_string_spanning_the_first_token_is_honoured_as_colocated(pd_pair, tiny_model):
+    """A stop string that starts in the prefill's token and ends in decode's must cut the
+    text exactly where a colocated engine cuts it (and never reach the client)."""
+    p, d, transport = pd_pair
+    colocated = _engine(tiny_model)
+    checked = 0
+    for i, prompt in enumerate(random_prompts([5, 9, 14, 20, 27, 33], 1000, seed=91)):
+        plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        colocated.add_request(f"c{i}", {"prompt_token_ids": prompt}, plain)
+        ids = _run(colocated, f"c{i}").outputs[0].token_ids
+        tok = colocated.tokenizer
+        a, ab = tok.decode(ids[:1]), tok.decode(ids[:2])
+        if not a or len(ab) <= len(a) or "\ufffd" in ab:
+            continue
+        stop = ab[len(a) - 1: len(a) + 1]  # last char of token 1 + first char of token 2
+        if stop in a:
+            continue
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+        colocated.add_request(f"s{i}", {"prompt_token_ids": prompt}, params)
+        ref = _run(colocated, f"s{i}").outputs[0]
+        text, finish = _merged_text(p, d, f"pd{i}", prompt, params)
+        assert (text, finish) == (ref.text, ref.finish_reason), (stop, text, ref.text)
+        assert stop not in text and finish == "stop"
+        checked += 1
+    assert checked >= 2, "too few prompts gave a first token and a spanning stop string"
+    _assert_no_leaks(p, d, transport=transport)
