@@ -76,6 +76,8 @@ class AppConfig:
             raise ValueError(f"model must be a model directory visible to every node; {self.model!r} does not exist")
         if self.replica_num_cpus < 0:
             raise ValueError(f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
+        if self.replica_num_gpus is not None and self.replica_num_gpus < 0:
+            raise ValueError(f"replica_num_gpus must be >= 0, got {self.replica_num_gpus}")
         for name in self.targets():
             if self.targets()[name] > self.max_replicas:
                 raise ValueError(f"{name}_replicas must be <= max_replicas ({self.max_replicas})")

@@ -50,7 +50,11 @@ def completion_logprobs(text_of: TokenText, token_ids: list[int], positions: lis
         s = text_of(tid)
         tokens.append(s)
         token_logprobs.append(pos.get(tid))
-        top_logprobs.append({text_of(t): lp for t, lp in _top(pos, n)} if n else None)
+        # As vLLM: the top n plus the sampled token (up to n + 1 entries).
+        top = {text_of(t): lp for t, lp in _top(pos, n)} if n else {}
+        if tid in pos:
+            top.setdefault(s, pos[tid])
+        top_logprobs.append(top or None)
         text_offset.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,

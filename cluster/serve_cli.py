@@ -29,6 +29,8 @@ def add_serve_parser(sub) -> None:
                    help="requests in flight per ingress before answering 503")
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica")
+    p.add_argument("--replica-gpus", type=float, default=None,
+                   help="GPUs per engine replica (default: 1 if this machine has a CUDA GPU, else 0)")
     p.add_argument("--app-name", default="pdserve")
     p.add_argument("--max-replicas", type=int, default=8, help="per-role ceiling of scaling")
     p.add_argument("--autoscale", action="store_true", help="scale prefill/decode on TTFT/ITL targets")
@@ -94,6 +96,7 @@ def _config(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         load_failure_policy=args.load_failure_policy, max_pending_requests=args.max_pending_requests,
         prefix_affinity=args.prefix_affinity, replica_num_cpus=args.replica_cpus,
+        replica_num_gpus=args.replica_gpus,
         max_replicas=args.max_replicas,
         autoscale={"enabled": args.autoscale, "ttft_p90_target_s": args.ttft_p90_target_ms / 1000,
                    "itl_p90_target_s": args.itl_p90_target_ms / 1000},

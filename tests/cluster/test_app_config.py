@@ -156,7 +156,7 @@ def test_completion_logprobs():
     assert [list(t.items()) for t in tops] == [
         [("Hello", -0.1), (" x", -2.5)],
         [("!", -0.25), (",", -0.5)],
-        [("€", -0.5), ("Hello", -0.75)],
+        [("€", -0.5), ("Hello", -0.75), (" wörld", -1.0)],  # the sampled token is always there
         [("!", -0.05)],
     ]
     assert set(out) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
@@ -165,7 +165,8 @@ def test_completion_logprobs():
 def test_completion_logprobs_without_top_and_sampled_token_missing():
     text_of = TokenText(FakeTokenizer(VOCAB))
     out = completion_logprobs(text_of, [5, 7, 6], [{5: -0.2}, {}, {1: -0.3}], n=0, offset=0)
-    assert out["top_logprobs"] == [None, None, None]
+    # logprobs=0: only the sampled token, when its logprob is known
+    assert out["top_logprobs"] == [{text_of(5): -0.2}, None, None]
     assert out["token_logprobs"] == [-0.2, None, None]
     assert out["text_offset"] == [0, 1, 1]
 

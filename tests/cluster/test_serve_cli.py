@@ -19,18 +19,20 @@ def test_defaults_are_one_prefill_one_decode_on_localhost(tiny_model):
 def test_flags_reach_the_app_config(tiny_model):
     args = build_parser().parse_args([
         "serve", "--model", tiny_model, "--mode", "colocated", "--prefill-replicas", "2", "--decode-replicas",
-        "3", "--dtype", "float32", "--num-kv-blocks", "77", "--served-model-name", "m", "--prefix-affinity"])
+        "3", "--dtype", "float32", "--num-kv-blocks", "77", "--served-model-name", "m", "--prefix-affinity",
+        "--replica-gpus", "1"])
     cfg = _config(args)
     assert (cfg.mode, cfg.prefill_replicas, cfg.decode_replicas, cfg.model_name) == ("colocated", 2, 3, "m")
     kw = cfg.engine_kwargs()
     assert kw["dtype"] == "float32" and kw["num_kv_blocks"] == 77
-    assert cfg.prefix_affinity
+    assert cfg.prefix_affinity and cfg.num_gpus() == 1
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["--prefill-replicas", "0"], "prefill_replicas"),
     (["--decode-replicas", "-1"], "decode_replicas"),
     (["--max-pending-requests", "0"], "max_pending_requests"),
+    (["--replica-gpus", "-1"], "replica_num_gpus"),
 ])
 def test_bad_values_exit_2_naming_the_field(tiny_model, capsys, argv, needle):
     assert main(["serve", "--model", tiny_model, *argv]) == 2

@@ -148,7 +148,8 @@ def test_logprobs_match_hf(client, tiny_model, tokenizer):
     assert len(lp.token_logprobs) == len(gen)
     for i, tid in enumerate(gen):
         assert math.isclose(lp.token_logprobs[i], ref[i, tid].item(), abs_tol=1e-3)
-        assert len(lp.top_logprobs[i]) <= 3
+        assert len(lp.top_logprobs[i]) <= 3 + 1  # top 3 plus the sampled token
+        assert lp.top_logprobs[i][lp.tokens[i]] == lp.token_logprobs[i]
         assert max(lp.top_logprobs[i].values()) == pytest.approx(lp.token_logprobs[i], abs=1e-5)  # greedy
     assert lp.text_offset[0] == 0
     chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
