@@ -117,6 +117,7 @@ class Coordinator:
             control = ServeControl(app_name)
         self.control = control
         self.scaling = False
+        self._synced = False
         self.stuck: str | None = None
         self.scale_timeout_s = scale_timeout_s
         self._scaling_since = 0.0
@@ -140,6 +141,24 @@ class Coordinator:
         return self.board.live()
 
     # ---- scaling ----------------------------------------------------------------------------
+    async def _sync_targets(self) -> None:
+        """Once: adopt the replica counts Serve runs now. Serve keeps externally set counts
+        when this coordinator restarts, so the configured ones may be stale."""
+        if self._synced:
+            return
+        self._synced = True
+        try:
+            states = await self.control.replica_states()
+        except Exception:  # Serve busy: keep the configured targets
+            logger.exception("could not read Serve's replica counts")
+            return
+        for role in self.roles:
+            counts = states.get(DEPLOYMENTS[role], {})
+            live = sum(n for state, n in counts.items() if state not in ("STOPPING", "STOPPED"))
+            if live and live != self.targets[role]:
+                logger.info("%s runs %d replicas (configured %d): adopting it", role, live, self.targets[role])
+                self.targets[role] = live
+
     async def _refresh_scaling(self) -> bool:
         """Whether a change is still converging (callers hold `_scale_lock`, so the targets
         cannot change under the check)."""
@@ -176,6 +195,7 @@ class Coordinator:
             return e.status, {"error": {"message": e.message, "type": "invalid_request_error",
                                         "param": e.param, "code": e.status}}
         async with self._scale_lock:
+            await self._sync_targets()
             if self.autoscale.enabled:
                 return 409, _conflict("autoscaling is on: it owns the replica counts")
             if await self._refresh_scaling():
@@ -209,6 +229,7 @@ class Coordinator:
 
     async def status(self) -> dict:
         async with self._scale_lock:
+            await self._sync_targets()
             await self._refresh_scaling()
         live = self.board.live()
         out = {role: [{k: f.get(k) for k in _STATUS_FIELDS} for f in live if f["role"] == role]
@@ -221,6 +242,7 @@ class Coordinator:
     async def autoscale_tick(self) -> dict[str, int]:
         """One policy step; returns the counts it changed (nothing while a change converges)."""
         async with self._scale_lock:
+            await self._sync_targets()
             if await self._refresh_scaling():
                 return {}
             self._policy, changes = decide(self.autoscale, self._policy, self.board.signals(self.targets))

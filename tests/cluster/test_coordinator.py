@@ -25,6 +25,9 @@ class FakeControl:
     def settle(self):
         self.counts.update(self.target)
 
+    async def replica_states(self):
+        return {d: {"RUNNING": n} for d, n in self.counts.items()}
+
     async def settled(self, targets):
         return all(self.counts.get(d, t if d not in self.target else -1) == t for d, t in targets.items())
 
@@ -136,3 +139,10 @@ def test_partial_autoscale_ceiling_keeps_the_manual_one_for_other_roles():
     coord = Coordinator("pd", "app", max_replicas={"prefill": 6, "decode": 6},
                         autoscale={"max_replicas": {"decode": 3}}, control=FakeControl())
     assert coord.autoscale.max_replicas["prefill"] == 6 and coord.autoscale.max_replicas["decode"] == 3
+
+
+def test_a_restarted_coordinator_adopts_the_counts_serve_runs():
+    control = FakeControl()
+    control.counts = {"Prefill": 3, "Decode": 2}  # set by an earlier coordinator's /scale
+    coord = Coordinator("pd", "app", {"prefill": 1, "decode": 1}, {"prefill": 4, "decode": 4}, control=control)
+    assert run(coord.status())["target"] == {"prefill": 3, "decode": 2}
