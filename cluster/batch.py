@@ -104,7 +104,7 @@ class EnginePredictor:
         return batch
 
 
-def build_pipeline(ds, model: str, *, prompt_column: str = "prompt", concurrency: int = 1, batch_size: int = 64,
+def build_pipeline(ds, model: str, *, prompt_column: str = "prompt", concurrency: int = 1, batch_size: int = 256,
                    engine_kwargs: dict | None = None, sampling: dict | None = None,
                    num_cpus: float | None = None, num_gpus: float | None = None,
                    torch_threads: int | None = None):

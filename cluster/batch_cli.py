@@ -20,7 +20,8 @@ def add_batch_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--concurrency", type=int, default=1, help="engine actors")
-    p.add_argument("--batch-size", type=int, default=64, help="rows per map_batches call")
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="rows per map_batches call (an engine drains at the end of each batch)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
