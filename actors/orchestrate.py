@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 import ray
@@ -68,9 +69,9 @@ class ActorPeers:
     def __init__(self, prefill, decode, store) -> None:
         self.prefill_actor, self.decode_actor, self.store = prefill, decode, store
 
-    async def prefill(self, prompt, params: SamplingParams, request_id: str) -> RequestOutput:
+    async def prefill(self, prompt, params: SamplingParams, request_id: str, transfer_id: str) -> RequestOutput:
         try:
-            return await self.prefill_actor.prefill.remote(prompt, params, request_id)
+            return await self.prefill_actor.prefill.remote(prompt, params, request_id, transfer_id)
         except ray.exceptions.RayActorError as e:
             raise PDRequestError(f"prefill replica died: {e}") from e
 
@@ -101,9 +102,13 @@ async def pd_flow(peers, prompt, params: SamplingParams, request_id: str,
     """Disaggregated generation of one request over any pair of peers (actor handles here,
     Serve deployment handles in cluster.pd_serve)."""
     transfer: dict | None = None
+    # Named here, so cleanup can release it even when the prefill's result never arrives (the
+    # caller gave up while the export was being registered); the store refuses a
+    # registration that comes after its release.
+    transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
     finished = False
     try:
-        first = await peers.prefill(prompt, params, request_id)
+        first = await peers.prefill(prompt, params, request_id, transfer_id)
         c = first.outputs[0]
         if c.finish_reason == "error":
             raise PDRequestError(f"prefill failed: {c.stop_reason}")
@@ -129,7 +134,7 @@ async def pd_flow(peers, prompt, params: SamplingParams, request_id: str,
             finished = out.finished
             yield merged.add(out)
     finally:
-        tid = transfer.get("transfer_id") if transfer is not None else None
+        tid = transfer.get("transfer_id", transfer_id) if transfer is not None else transfer_id
         await peers.cleanup(request_id, tid, not finished)
 
 

@@ -82,12 +82,13 @@ class EngineWorker:
                                               prior_output_tokens=prior_output_tokens):
             yield out
 
-    async def prefill(self, prompt, params: SamplingParams, request_id: str) -> RequestOutput:
+    async def prefill(self, prompt, params: SamplingParams, request_id: str,
+                      transfer_id: str | None = None) -> RequestOutput:
         """Run the prompt with max_tokens=1; the output carries the first token and the
         kv_transfer_params of the exported prompt KV."""
         last = None
         async for out in self.engine.generate(prompt, prefill_params(params), request_id,
-                                              kv_transfer_params=prefill_kv_params(params)):
+                                              kv_transfer_params=prefill_kv_params(params, transfer_id)):
             last = out
         return last
 

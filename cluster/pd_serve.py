@@ -30,8 +30,8 @@ class ServePeers:
         self.store = store
         self._open: list = []  # responses that may still be running on a replica
 
-    async def prefill(self, prompt, params: SamplingParams, request_id: str) -> RequestOutput:
-        response = self.prefill_handle.prefill.remote(prompt, params, request_id)
+    async def prefill(self, prompt, params: SamplingParams, request_id: str, transfer_id: str) -> RequestOutput:
+        response = self.prefill_handle.prefill.remote(prompt, params, request_id, transfer_id)
         self._open.append(response)
         try:
             out = await response

@@ -71,9 +71,9 @@ class EngineServer:
         self.itl = LatencyWindow()
 
     # ---- requests (called through DeploymentHandles) -------------------------------------
-    async def prefill(self, prompt: dict, params: SamplingParams, request_id: str):
+    async def prefill(self, prompt: dict, params: SamplingParams, request_id: str, transfer_id: str | None = None):
         start = time.monotonic()
-        out = await self.worker.prefill(prompt, params, request_id)
+        out = await self.worker.prefill(prompt, params, request_id, transfer_id)
         self.ttft.add(time.monotonic() - start)
         return out
 

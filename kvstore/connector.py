@@ -108,7 +108,9 @@ class PDConnector(KVConnectorBase):
         if not exporting:
             return False, None
         transfer = {
-            "transfer_id": f"{self.replica_id}-{rid}-{uuid.uuid4().hex[:8]}",
+            # The requester may name the transfer up front, so it can release it even if it
+            # never receives the prefill's result.
+            "transfer_id": params.get("transfer_id") or f"{self.replica_id}-{rid}-{uuid.uuid4().hex[:8]}",
             "num_tokens": request.num_prompt_tokens,
             "block_size": self.block_size,
             "source": self.replica_id,

@@ -37,6 +37,11 @@ class DirectoryStats:
     rejected_full: int
 
 
+# A release that precedes its registration comes from a caller that gave up seconds earlier.
+_TOMBSTONE_S = 60.0
+_MAX_TOMBSTONES = 100_000
+
+
 class TransferDirectory:
     def __init__(
         self,
@@ -52,6 +57,9 @@ class TransferDirectory:
         self.max_transfers = max_transfers
         self._clock = clock
         self._entries: dict[str, TransferEntry] = {}
+        # Ids released before they were registered (the requester gave up while the producer
+        # was still exporting): a later registration is refused, so it cannot leak.
+        self._tombstones: dict[str, float] = {}
         self._bytes = 0
         self._counts = {"registered": 0, "released": 0, "expired": 0, "rejected_full": 0}
 
@@ -59,6 +67,8 @@ class TransferDirectory:
             meta: dict | None = None, lease_s: float | None = None) -> TransferEntry:
         if transfer_id in self._entries:
             raise ValueError(f"transfer_id {transfer_id!r} is already registered")
+        if self._tombstones.pop(transfer_id, None) is not None:
+            raise ValueError(f"transfer_id {transfer_id!r} was released before it was registered")
         if self.max_transfers is not None and len(self._entries) >= self.max_transfers:
             self._counts["rejected_full"] += 1
             raise StoreFullError(
@@ -86,6 +96,10 @@ class TransferDirectory:
         if entry is not None:
             self._bytes -= entry.nbytes
             self._counts["released"] += 1
+        else:
+            self._tombstones[transfer_id] = self._clock() + _TOMBSTONE_S
+            if len(self._tombstones) > _MAX_TOMBSTONES:
+                del self._tombstones[next(iter(self._tombstones))]
         return entry
 
     def release_owner(self, owner: str) -> list[TransferEntry]:
@@ -99,6 +113,9 @@ class TransferDirectory:
         """Drop every transfer whose lease has passed (as of `advance_s` seconds from now,
         which lets tests and operators expire leases early); returns them."""
         now = self._clock() + advance_s
+        # Tombstones share one TTL, so insertion order is expiry order.
+        while self._tombstones and next(iter(self._tombstones.values())) <= now:
+            del self._tombstones[next(iter(self._tombstones))]
         expired = [e for e in self._entries.values() if e.deadline <= now]
         for e in expired:
             del self._entries[e.transfer_id]

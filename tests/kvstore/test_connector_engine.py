@@ -231,3 +231,15 @@ def test_stop_string_spanning_the_first_token_is_honoured_as_colocated(pd_pair, 
         checked += 1
     assert checked >= 2, "too few prompts gave a first token and a spanning stop string"
     _assert_no_leaks(p, d, transport=transport)
+
+
+def test_the_requester_can_name_the_transfer(pd_pair, tiny_model):
+    p, d, transport = pd_pair
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = random_prompts([12], 1000, seed=5)[0]
+    p.add_request("named", {"prompt_token_ids": prompt}, prefill_params(params),
+                  kv_transfer_params=prefill_kv_params(params, transfer_id="chosen-id"))
+    first = _run(p, "named")
+    assert first.kv_transfer_params["transfer_id"] == "chosen-id"
+    transport.release({"transfer_id": "chosen-id"})
+    _assert_no_leaks(p, transport=transport)

@@ -85,3 +85,24 @@ def test_release_owner_drops_all_of_a_producers_transfers():
 def test_invalid_lease_is_rejected():
     with pytest.raises(ValueError, match="lease_s"):
         TransferDirectory(lease_s=0)
+
+
+def test_a_release_before_registration_refuses_the_late_registration():
+    """The requester gave up (and released the id it chose) while the producer was still
+    exporting: the late registration is refused, so nothing waits for the lease."""
+    d, clock = _dir(lease_s=120.0)
+    assert d.release("late") is None
+    with pytest.raises(ValueError, match="released before it was registered"):
+        d.put("late", "p", 10, 1, None)
+    assert d.stats().live_transfers == 0
+    d.put("late", "p", 10, 1, None)  # the tombstone is used up by the refusal
+    d.release("late")
+
+
+def test_tombstones_expire():
+    d, clock = _dir(lease_s=120.0)
+    d.release("gone")
+    clock.now += 61.0
+    d.sweep()
+    d.put("gone", "p", 1, 1, None)  # an old tombstone no longer refuses anything
+    assert d.lookup("gone") is not None
