@@ -238,6 +238,20 @@ class Coordinator:
                    target=dict(self.targets), autoscaling=self.autoscale.enabled, stuck=self.stuck)
         return out
 
+    async def __del__(self) -> None:
+        """When the whole app is being deleted (however: `pdserve serve` exiting, `serve
+        delete`, a config without it), remove its KV store actor, which is detached so that
+        no replica's restart takes it down. A restart of this coordinator alone keeps it."""
+        if self.mode != "pd":
+            return
+        try:
+            if await self.control.app_deleting():
+                from cluster.replica import kill_store
+
+                kill_store(self.app_name)
+        except Exception:  # shutting down: best effort
+            logger.exception("could not remove the KV store of %s", self.app_name)
+
     # ---- autoscaling -------------------------------------------------------------------------
     async def autoscale_tick(self) -> dict[str, int]:
         """One policy step; returns the counts it changed (nothing while a change converges)."""

@@ -35,7 +35,7 @@ def store_name(app_name: str) -> str:
 
 def get_or_create_store(app_name: str, **store_kwargs):
     """The app's KV store actor: named, detached (no replica's fate decides its life; the
-    CLI and the Coordinator remove it with the app), created by whichever replica is first."""
+    Coordinator removes it when the app is deleted), created by whichever replica is first."""
     return ray.remote(KVStore).options(
         name=store_name(app_name), namespace=STORE_NAMESPACE, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_concurrency=1000,

@@ -43,3 +43,9 @@ class ServeControl:
         """Every deployment runs exactly its target, none starting or stopping."""
         states = await self.replica_states()
         return all(states.get(name, {}) == {"RUNNING": n} for name, n in targets.items())
+
+    async def app_deleting(self) -> bool:
+        """Whether this app is being deleted (as opposed to one replica being replaced)."""
+        status = await asyncio.to_thread(serve.status)
+        app = status.applications.get(self.app_name)
+        return app is None or str(getattr(app.status, "value", app.status)) == "DELETING"

@@ -12,7 +12,7 @@ import pytest
 import requests
 import yaml
 
-from tests.cluster.helpers import ENGINE
+from tests.cluster.helpers import ENGINE, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTERS = ["aws-gpu.yaml", "local.yaml"]
@@ -78,3 +78,20 @@ def test_serve_config_passes_schema_and_serves_on_local_ray(deploy, tiny_model):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     status = requests.get(f"{url}/status", timeout=30).json()
     assert status["target"] == {"prefill": app.args["prefill_replicas"], "decode": app.args["decode_replicas"]}
+    # Deleting the app by Serve's own means also removes its detached KV store actor.
+    import ray
+    from ray import serve
+
+    from cluster.replica import STORE_NAMESPACE, store_name
+
+    ray.get_actor(store_name(app.name), namespace=STORE_NAMESPACE)  # exists while the app runs
+    serve.delete(app.name)
+
+    def store_gone():
+        try:
+            ray.get_actor(store_name(app.name), namespace=STORE_NAMESPACE)
+            return False
+        except ValueError:
+            return True
+
+    wait_for(store_gone, "the app's KV store actor to be removed", 60, 0.2)
