@@ -47,8 +47,9 @@ class _Merged:
                delta_logprobs=None, metrics: dict | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-            outputs=[CompletionOutput(0, self.text, list(self.token_ids), finish_reason, stop_reason,
-                                      self.logprobs)],
+            # The growing list itself, as the engine's own outputs do: copying it for every
+            # streamed token would make a long generation quadratic.
+            outputs=[CompletionOutput(0, self.text, self.token_ids, finish_reason, stop_reason, self.logprobs)],
             finished=finished, num_cached_tokens=self.num_cached_tokens, delta_text=delta_text,
             delta_token_ids=delta_ids, delta_logprobs=delta_logprobs, metrics=metrics or {},
         )

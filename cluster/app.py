@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from cluster.autoscale import build_config
 from cluster.coordinator import Coordinator
 from cluster.ingress import Ingress
 from cluster.replica import EngineServer
@@ -78,25 +79,18 @@ class AppConfig:
             raise ValueError(f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
         if self.replica_num_gpus is not None and self.replica_num_gpus < 0:
             raise ValueError(f"replica_num_gpus must be >= 0, got {self.replica_num_gpus}")
-        for name in self.targets():
-            if self.targets()[name] > self.max_replicas:
-                raise ValueError(f"{name}_replicas must be <= max_replicas ({self.max_replicas})")
-        self.autoscale_config()  # validates
+        for role, n in self.targets().items():
+            if n > self.max_replicas:
+                raise ValueError(f"{role}_replicas must be <= max_replicas ({self.max_replicas})")
+        build_config(self.autoscale, self.max_replica_map())  # validates, as the Coordinator will build it
 
     def targets(self) -> dict[str, int]:
         if self.mode == "pd":
             return {"prefill": self.prefill_replicas, "decode": self.decode_replicas}
         return {"colocated": self.colocated_replicas}
 
-    def autoscale_config(self):
-        from cluster.autoscale import AutoscaleConfig
-
-        kw = dict(self.autoscale or {})
-        kw.setdefault("max_replicas", {r: self.max_replicas for r in ("prefill", "decode", "colocated")})
-        try:
-            return AutoscaleConfig(**kw)
-        except TypeError as e:
-            raise ValueError(f"autoscale: {e}") from e
+    def max_replica_map(self) -> dict[str, int]:
+        return {r: self.max_replicas for r in self.targets()}
 
     @property
     def model_name(self) -> str:
@@ -135,8 +129,7 @@ def build_app(cfg: AppConfig):
 
     coordinator = serve.deployment(Coordinator, name="Coordinator", num_replicas=1,
                                    ray_actor_options={"num_cpus": 0}).bind(
-        cfg.mode, cfg.app_name, cfg.targets(), {r: cfg.max_replicas for r in cfg.targets()},
-        dict(cfg.autoscale or {}))
+        cfg.mode, cfg.app_name, cfg.targets(), cfg.max_replica_map(), dict(cfg.autoscale or {}))
     if cfg.mode == "pd":
         first, second = engine("Prefill", "prefill", cfg.prefill_replicas), engine("Decode", "decode",
                                                                                    cfg.decode_replicas)

@@ -116,3 +116,13 @@ def decide(cfg: AutoscaleConfig, state: PolicyState, signals: dict[str, RoleSign
             streak[role] = 0
             cooldown[role] = cfg.cooldown_ticks
     return replace(state, streak=streak, cooldown=cooldown), targets
+
+
+def build_config(overrides: dict | None, max_replicas: dict[str, int]) -> AutoscaleConfig:
+    """AutoscaleConfig from user fields; the ceiling defaults, role by role, to the manual one."""
+    kw = dict(overrides or {})
+    kw["max_replicas"] = {**max_replicas, **(kw.get("max_replicas") or {})}
+    try:
+        return AutoscaleConfig(**kw)
+    except TypeError as e:  # an unknown field
+        raise ValueError(f"autoscale: {e}") from e

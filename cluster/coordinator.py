@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from cluster.autoscale import AutoscaleConfig, PolicyState, RoleSignal, decide
+from cluster.autoscale import PolicyState, RoleSignal, build_config, decide
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +67,6 @@ class Board:
             del self._reports[key]
         return [figures for _, figures in sorted(self._reports.values(), key=lambda r: r[1]["replica"])]
 
-    def summary(self, now: float | None = None) -> dict:
-        roles: dict[str, dict] = {}
-        for f in self.live(now):
-            r = roles.setdefault(f["role"], {"replicas": 0, "waiting": 0, "running": 0, "kv_usage_max": 0.0})
-            r["replicas"] += 1
-            r["waiting"] += f["waiting"]
-            r["running"] += f["running"]
-            r["kv_usage_max"] = max(r["kv_usage_max"], f["kv_usage"])
-        return roles
-
     def signals(self, targets: dict[str, int], now: float | None = None) -> dict[str, RoleSignal]:
         """The autoscaler's view of each role: sums of queues, the worst KV usage and p90s."""
         out = {}
@@ -106,10 +96,7 @@ class Coordinator:
         self.roles = ("prefill", "decode") if mode == "pd" else ("colocated",)
         self.targets = {r: int((targets or {}).get(r, 1)) for r in self.roles}
         self.max_replicas = {r: int((max_replicas or {}).get(r, 8)) for r in self.roles}
-        autoscale = dict(autoscale or {})
-        # The autoscaler's ceiling defaults to the manual one, role by role.
-        autoscale["max_replicas"] = {**self.max_replicas, **(autoscale.get("max_replicas") or {})}
-        self.autoscale = AutoscaleConfig(**autoscale)
+        self.autoscale = build_config(autoscale, self.max_replicas)
         self.board = Board()
         if control is None:
             from cluster.serve_control import ServeControl

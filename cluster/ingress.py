@@ -364,7 +364,7 @@ class Ingress:
                                       c.finish_reason))
                 n_prompt += len(out.prompt_token_ids)
                 n_gen += len(c.token_ids)
-            return fmt.completion_object(request_id, self.model_name, choices, fmt.usage(n_prompt, n_gen))
+            return fmt.response_object("text_completion", request_id, self.model_name, choices, fmt.usage(n_prompt, n_gen))
 
         async def chunks(merged):
             offsets = [0] * len(prompts)
@@ -372,7 +372,7 @@ class Ingress:
             if echo:
                 for i, p in enumerate(prompts):
                     offsets[i] = len(p["prompt"])
-                    yield fmt.completion_object(request_id, self.model_name, [
+                    yield fmt.response_object("text_completion", request_id, self.model_name, [
                         {"index": i, "text": p["prompt"], "logprobs": None, "finish_reason": None}], None, True)
             async for i, out in merged:
                 c = out.outputs[0]
@@ -383,9 +383,9 @@ class Ingress:
                 ch = choice(i, out, out.delta_text, out.delta_token_ids, out.delta_logprobs, offsets[i], finish)
                 offsets[i] += len(out.delta_text)
                 u = fmt.usage(*counts[i]) if body.continuous_usage else None
-                yield fmt.completion_object(request_id, self.model_name, [ch], u, True)
+                yield fmt.response_object("text_completion", request_id, self.model_name, [ch], u, True)
             if body.include_usage:
-                yield fmt.completion_object(request_id, self.model_name, [], fmt.usage(
+                yield fmt.response_object("text_completion", request_id, self.model_name, [], fmt.usage(
                     sum(c[0] for c in counts), sum(c[1] for c in counts)), True)
 
         return await self._respond(prompts, per_prompt, request_id, body.stream, chunks, whole)
@@ -423,12 +423,12 @@ class Ingress:
             choices = [{"index": 0, "message": {"role": "assistant", "content": c.text},
                         "logprobs": logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason}]
-            return fmt.chat_object(request_id, self.model_name, choices,
+            return fmt.response_object("chat.completion", request_id, self.model_name, choices,
                                    fmt.usage(len(out.prompt_token_ids), len(c.token_ids)))
 
         async def chunks(merged):
             n_gen = 0
-            yield fmt.chat_object(request_id, self.model_name, [
+            yield fmt.response_object("chat.completion", request_id, self.model_name, [
                 {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}], None, True)
             async for _, out in merged:
@@ -439,10 +439,10 @@ class Ingress:
                     continue
                 delta = {"content": out.delta_text} if out.delta_text or finish is None else {}
                 u = fmt.usage(len(ids), n_gen) if body.continuous_usage else None
-                yield fmt.chat_object(request_id, self.model_name, [
+                yield fmt.response_object("chat.completion", request_id, self.model_name, [
                     {"index": 0, "delta": delta, "logprobs": logprobs(out.delta_token_ids, out.delta_logprobs),
                      "finish_reason": finish}], u, True)
             if body.include_usage:
-                yield fmt.chat_object(request_id, self.model_name, [], fmt.usage(len(ids), n_gen), True)
+                yield fmt.response_object("chat.completion", request_id, self.model_name, [], fmt.usage(len(ids), n_gen), True)
 
         return await self._respond([prompt], [params], request_id, body.stream, chunks, whole)

@@ -7,8 +7,6 @@ import time
 
 from engine.outputs import PositionLogprobs
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
-
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -73,17 +71,12 @@ def chat_logprobs(text_of: TokenText, token_ids: list[int], positions: list[Posi
     return {"content": content}
 
 
-def completion_object(request_id: str, model: str, choices: list[dict], usage_: dict | None,
-                      chunk: bool = False) -> dict:
-    obj = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-           "choices": choices}
-    if usage_ is not None or not chunk:
-        obj["usage"] = usage_
-    return obj
-
-
-def chat_object(request_id: str, model: str, choices: list[dict], usage_: dict | None, chunk: bool = False) -> dict:
-    obj = {"id": request_id, "object": "chat.completion.chunk" if chunk else "chat.completion",
+def response_object(kind: str, request_id: str, model: str, choices: list[dict], usage_: dict | None,
+                    chunk: bool = False) -> dict:
+    """A completions (`kind="text_completion"`) or chat (`kind="chat.completion"`) response,
+    or one streamed chunk of it (chat chunks are "chat.completion.chunk"; a chunk carries
+    `usage` only when it has one)."""
+    obj = {"id": request_id, "object": f"{kind}.chunk" if chunk and kind == "chat.completion" else kind,
            "created": int(time.time()), "model": model, "choices": choices}
     if usage_ is not None or not chunk:
         obj["usage"] = usage_

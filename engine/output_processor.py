@@ -72,6 +72,7 @@ class OutputProcessor:
                         if not co.finished:
                             stopped_by_string.append(co.request_id)
                         break
+            first = not state.token_ids
             state.token_ids.extend(new_ids)
             finished = finish_reason is not None
             if finished and _flushes(state.request, finish_reason, stop_reason):
@@ -103,7 +104,8 @@ class OutputProcessor:
                     delta_token_ids=new_ids,
                     delta_logprobs=co.new_logprobs[: len(new_ids)] if co.new_logprobs else None,
                     kv_transfer_params=co.kv_transfer_params,
-                    metrics=_metrics(state.request),
+                    # Only the first output carries it (the queue time is known by then).
+                    metrics=_metrics(state.request) if first else {},
                 )
             )
             if finished:

@@ -1,8 +1,9 @@
 """cluster.coordinator: the Board of replica reports (with explicit clock values) and its
-per-role summary."""
+per-role signals for the autoscaler."""
 
 from __future__ import annotations
 
+from cluster.autoscale import RoleSignal
 from cluster.coordinator import STALE_AFTER_S, Board
 
 
@@ -15,7 +16,7 @@ def _fig(replica: str, role: str = "prefill", waiting: int = 0, running: int = 0
 def test_empty_board():
     board = Board()
     assert board.live(now=0.0) == []
-    assert board.summary(now=0.0) == {}
+    assert board.signals({"prefill": 1}, now=0.0) == {"prefill": RoleSignal(replicas=1)}
 
 
 def test_default_stale_after():
@@ -73,25 +74,26 @@ def test_dropped_replica_is_forgotten():
     assert [f["replica"] for f in board.live(now=6.0)] == ["r"]
 
 
-def test_summary_per_role():
+def test_signals_per_role():
     board = Board(stale_after_s=5.0)
     board.report(_fig("p1", "prefill", waiting=2, running=1, kv_usage=0.10), now=0.0)
     board.report(_fig("p2", "prefill", waiting=3, running=4, kv_usage=0.60), now=0.0)
     board.report(_fig("p3", "prefill", waiting=0, running=2, kv_usage=0.30), now=0.0)
     board.report(_fig("d1", "decode", waiting=1, running=8, kv_usage=0.75), now=0.0)
-    assert board.summary(now=1.0) == {
-        "prefill": {"replicas": 3, "waiting": 5, "running": 7, "kv_usage_max": 0.60},
-        "decode": {"replicas": 1, "waiting": 1, "running": 8, "kv_usage_max": 0.75},
+    assert board.signals({"prefill": 3, "decode": 1}, now=1.0) == {
+        "prefill": RoleSignal(replicas=3, waiting=5, running=7, kv_usage=0.60),
+        "decode": RoleSignal(replicas=1, waiting=1, running=8, kv_usage=0.75),
     }
 
 
-def test_summary_leaves_out_stale_replicas():
+def test_signals_leave_out_stale_replicas():
     board = Board(stale_after_s=2.0)
     board.report(_fig("p1", "prefill", waiting=2, running=1, kv_usage=0.9), now=0.0)
     board.report(_fig("p2", "prefill", waiting=3, running=4, kv_usage=0.2), now=3.0)
     board.report(_fig("d1", "decode", waiting=5, running=5, kv_usage=0.5), now=0.0)
-    assert board.summary(now=4.0) == {
-        "prefill": {"replicas": 1, "waiting": 3, "running": 4, "kv_usage_max": 0.2},
+    assert board.signals({"prefill": 1, "decode": 1}, now=4.0) == {
+        "prefill": RoleSignal(replicas=1, waiting=3, running=4, kv_usage=0.2),
+        "decode": RoleSignal(replicas=1),  # its only report went stale
     }
 
 
