@@ -29,7 +29,7 @@ from cluster.metrics import AppMetrics
 from cluster.pd_serve import serve_colocated_generate, serve_pd_generate
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.replica import get_or_create_store
-from engine import build_engine_config
+from engine import EngineArgs
 from engine.llm_engine import front_end
 from engine.outputs import RequestOutput
 
@@ -175,7 +175,7 @@ class Ingress:
         self.model_name = settings["served_model_name"]
         self.max_pending = settings["max_pending_requests"]
         self.load_failure_policy = settings.get("load_failure_policy", "fail")
-        config = build_engine_config(self.model_dir, **settings.get("engine_kwargs", {}))
+        config = EngineArgs.from_kwargs(self.model_dir, **settings.get("engine_kwargs", {})).create_engine_config()
         self.tokenizer, self.processor = front_end(config)
         self.text_of = fmt.TokenText(self.tokenizer)
         self.store = get_or_create_store(settings["app_name"]) if self.mode == "pd" else None

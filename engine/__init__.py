@@ -1,8 +1,10 @@
 """pdserve engine: a paged-KV, continuously batching LLM engine (never imports Ray)."""
 
+from engine.args import EngineArgs
 from engine.async_llm import AsyncLLM
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.llm import LLM, build_engine_config
+from engine.errors import ParameterError
+from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -11,10 +13,11 @@ __all__ = [
     "AsyncLLM",
     "CacheConfig",
     "CompletionOutput",
+    "EngineArgs",
     "EngineConfig",
     "ModelConfig",
+    "ParameterError",
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
-    "build_engine_config",
 ]

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
+from engine.args import EngineArgs
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -31,6 +32,7 @@ _IDLE_POLL_S = 0.05
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, connector=None, engine: LLMEngine | None = None) -> None:
+        """Over a new LLMEngine for `config` (with the KV connector, if any), or over `engine`."""
         self.engine = engine or LLMEngine(config, connector)
         self._inputs: queue.Queue = queue.Queue()
         core_connector = getattr(self.engine.core, "connector", None)
@@ -41,6 +43,10 @@ class AsyncLLM:
         self._errored: BaseException | None = None
         self._thread = threading.Thread(target=self._busy_loop, name="pdserve-engine", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, connector=None) -> AsyncLLM:
+        return cls(engine_args.create_engine_config(), connector)
 
     # ---- engine thread ------------------------------------------------------------------
     def _busy_loop(self) -> None:

@@ -5,15 +5,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_POLICIES = ("fcfs", "priority")
-_DEVICES = ("auto", "cpu", "cuda")
-_BACKENDS = ("auto", "triton", "torch")
+from engine.errors import ParameterError, check_choice, check_int
 
-
-def _positive_int(name: str, value: object, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+POLICIES = ("fcfs", "priority")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -25,12 +22,10 @@ class ModelConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        check_choice("dtype", self.dtype, DTYPES)
         if self.max_model_len is not None:
-            _positive_int("max_model_len", self.max_model_len, 2)
-        if self.device not in _DEVICES:
-            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+            check_int("max_model_len", self.max_model_len, 2)
+        check_choice("device", self.device, DEVICES)
 
 
 @dataclass(frozen=True)
@@ -45,20 +40,20 @@ class CacheConfig:
     kernel_block_size: int | None = None
 
     def __post_init__(self) -> None:
-        _positive_int("block_size", self.block_size)
+        check_int("block_size", self.block_size)
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+            raise ParameterError("kv_cache_memory_gb", f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_kv_blocks is not None:
-            _positive_int("num_kv_blocks", self.num_kv_blocks)
+            check_int("num_kv_blocks", self.num_kv_blocks)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            raise ParameterError(
+                "gpu_memory_utilization", f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if self.kernel_block_size is not None:
-            _positive_int("kernel_block_size", self.kernel_block_size)
+            check_int("kernel_block_size", self.kernel_block_size)
             if self.block_size % self.kernel_block_size:
-                raise ValueError(
-                    f"kernel_block_size ({self.kernel_block_size}) must divide "
+                raise ParameterError(
+                    "kernel_block_size", f"kernel_block_size ({self.kernel_block_size}) must divide "
                     f"block_size ({self.block_size})"
                 )
 
@@ -78,14 +73,11 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
-        _positive_int("max_num_seqs", self.max_num_seqs)
+        check_int("max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None:
-            _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
-        if self.scheduling_policy not in _POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}"
-            )
+            check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        check_choice("scheduling_policy", self.scheduling_policy, POLICIES)
 
 
 def resolved_token_budget(config: SchedulerConfig, device_type: str) -> SchedulerConfig:
@@ -107,7 +99,4 @@ class EngineConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        if self.kernel_backend not in _BACKENDS:
-            raise ValueError(
-                f"kernel_backend must be one of {_BACKENDS}, got {self.kernel_backend!r}"
-            )
+        check_choice("kernel_backend", self.kernel_backend, BACKENDS)

@@ -6,60 +6,26 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.args import EngineArgs
+from engine.errors import ParameterError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.processor import PromptType
 from engine.sampling_params import SamplingParams
 
 
-def build_engine_config(
-    model: str,
-    dtype: str = "auto",
-    block_size: int = 16,
-    enable_prefix_caching: bool = True,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int | None = None,
-    long_prefill_token_threshold: int = 0,
-    max_model_len: int | None = None,
-    kv_cache_memory_gb: float | None = None,
-    num_kv_blocks: int | None = None,
-    scheduling_policy: str = "fcfs",
-    seed: int = 0,
-    device: str = "auto",
-    kernel_backend: str = "auto",
-    kernel_block_size: int | None = None,
-    gpu_memory_utilization: float = 0.9,
-    enforce_eager: bool = False,
-) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device),
-        cache=CacheConfig(
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_memory_gb=kv_cache_memory_gb,
-            num_kv_blocks=num_kv_blocks,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kernel_block_size=kernel_block_size,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            scheduling_policy=scheduling_policy,
-        ),
-        kernel_backend=kernel_backend,
-        enforce_eager=enforce_eager,
-    )
-
-
 class LLM:
-    """Batch generation over one in-process engine. Keyword arguments are those of
-    `build_engine_config` (ARCHITECTURE.md §3)."""
+    """Batch generation over one in-process engine. Keyword arguments are `EngineArgs`
+    fields (ARCHITECTURE.md §3); an unknown one is a ParameterError listing them."""
 
     def __init__(self, model: str, **kwargs) -> None:
-        self.engine = LLMEngine(build_engine_config(model, **kwargs))
+        self.engine_args = EngineArgs.from_kwargs(model, **kwargs)
+        self.engine = LLMEngine(self.engine_args.create_engine_config())
         self._counter = 0
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        return cls(**{f: getattr(engine_args, f) for f in EngineArgs.field_names()})
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -81,12 +47,12 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(
-                    f"sampling_params must be one SamplingParams or one per prompt "
+                raise ParameterError(
+                    "sampling_params", f"sampling_params must be one SamplingParams or one per prompt "
                     f"({len(prompts)}), got {len(params)}"
                 )
         if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}")
+            raise ParameterError("priority", f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}")
 
         ids: list[str] = []
         try:

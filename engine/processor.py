@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 
+from engine.errors import ParameterError
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -27,12 +28,12 @@ class InputProcessor:
                 if not isinstance(ids, (list, tuple)) or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in ids
                 ):
-                    raise ValueError("prompt_token_ids must be a list of integers")
+                    raise ParameterError("prompt", "prompt_token_ids must be a list of integers")
                 return prompt.get("prompt"), list(ids)
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
                 return self.tokenize(prompt["prompt"])
-        raise ValueError(
-            f"prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}"
+        raise ParameterError(
+            "prompt", f"prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}"
         )
 
     def process(
@@ -46,30 +47,30 @@ class InputProcessor:
         prior_output_tokens: int = 0,
     ) -> tuple[Request, str | None]:
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+            raise ParameterError("sampling_params", f"sampling_params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.tokenize(prompt)
         n = len(ids)
         if n == 0:
-            raise ValueError("prompt must not be empty")
+            raise ParameterError("prompt", "prompt must not be empty")
         if not 0 <= prior_output_tokens < n:
             raise ValueError(f"prior_output_tokens must be in [0, {n}), got {prior_output_tokens}")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            raise ParameterError("prompt", f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {n} tokens but max_model_len is {self.max_model_len}: the prompt must "
+            raise ParameterError(
+                "prompt", f"prompt is {n} tokens but max_model_len is {self.max_model_len}: the prompt must "
                 f"be at most {self.max_model_len - 1} tokens"
             )
         room = self.max_model_len - n
         if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
-                f"max_tokens must be <= {room} for this prompt: prompt ({n} tokens) + max_tokens "
+            raise ParameterError(
+                "max_tokens", f"max_tokens must be <= {room} for this prompt: prompt ({n} tokens) + max_tokens "
                 f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})"
             )
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad_stop}")
+            raise ParameterError("stop_token_ids", f"stop_token_ids must be in [0, {self.vocab_size}), got {bad_stop}")
         params = dataclasses.replace(params, _eos_token_ids=self.eos_token_ids)
         request = Request(
             request_id=request_id or uuid.uuid4().hex,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.errors import ParameterError, check_number
+
 _GREEDY_EPS = 1e-5
 _INT32_MAX = 2**31 - 1
 
@@ -45,41 +47,41 @@ class SamplingParams:
 
     def _validate(self) -> None:
         if not isinstance(self.n, int) or self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n!r}")
-        _check_number("temperature", self.temperature)
+            raise ParameterError("n", f"n must be 1 (parallel sampling is not supported), got {self.n!r}")
+        check_number("temperature", self.temperature)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        _check_number("top_p", self.top_p)
+            raise ParameterError("temperature", f"temperature must be >= 0, got {self.temperature}")
+        check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= _INT32_MAX:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer <= {_INT32_MAX}, "
+            raise ParameterError("top_k", f"top_k must be -1, 0 (disabled) or a positive integer <= {_INT32_MAX}, "
                              f"got {self.top_k!r}")
-        _check_number("min_p", self.min_p)
+        check_number("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ParameterError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -(2**63) <= self.seed < 2**63):
             # torch generators take 64-bit seeds; a larger one would fail inside the engine step.
-            raise ValueError(f"seed must be an integer in [-2**63, 2**63) or None, got {self.seed!r}")
+            raise ParameterError("seed", f"seed must be an integer in [-2**63, 2**63) or None, got {self.seed!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise ParameterError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise ParameterError("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            raise ParameterError(
+                "min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must be a non-empty string or a list of them, got {s!r}")
+                raise ParameterError("stop", f"stop must be a non-empty string or a list of them, got {s!r}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+                raise ParameterError("stop_token_ids", f"stop_token_ids must be non-negative integers, got {t!r}")
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
         ):
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+            raise ParameterError("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -90,7 +92,3 @@ class SamplingParams:
         eos = set() if self.ignore_eos else set(self._eos_token_ids)
         return eos | set(self.stop_token_ids)
 
-
-def _check_number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")

@@ -90,11 +90,11 @@ def gpu_decode_run(model: str, batch: int, prompt_len: int, output_len: int, voc
     """Run `batch` identical-length requests; returns (decode tok/s, mean decode step seconds,
     mean context length during decode, engine)."""
     from engine import SamplingParams
-    from engine.llm import build_engine_config
+    from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
 
-    eng = LLMEngine(build_engine_config(model, enable_prefix_caching=False, enforce_eager=eager,
-                                        max_num_seqs=max(batch, 1)))
+    eng = LLMEngine(EngineArgs(model, enable_prefix_caching=False, enforce_eager=eager,
+                               max_num_seqs=max(batch, 1)).create_engine_config())
     rng = random.Random(batch)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for i in range(batch):

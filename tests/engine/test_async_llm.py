@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from engine import LLM, AsyncLLM, SamplingParams, build_engine_config
+from engine import LLM, AsyncLLM, EngineArgs, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["The river ran", "Hello! How can I", "Stars are born", "To make bread"]
@@ -21,7 +21,7 @@ def offline(tiny_model):
 
 @pytest.fixture
 def engine(tiny_model):
-    eng = AsyncLLM(build_engine_config(tiny_model, max_model_len=128))
+    eng = AsyncLLM.from_engine_args(EngineArgs(tiny_model, max_model_len=128))
     yield eng
     eng.shutdown()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams, build_engine_config
+from engine import EngineArgs, SamplingParams
 from engine.llm_engine import LLMEngine
 from kvstore.connector import PDConnector
 from kvstore.pd import (
@@ -23,7 +23,7 @@ BS = 16
 
 
 def _engine(model, connector=None, **kw):
-    return LLMEngine(build_engine_config(model, max_model_len=256, block_size=BS, **kw), connector)
+    return LLMEngine(EngineArgs.from_kwargs(model, max_model_len=256, block_size=BS, **kw).create_engine_config(), connector)
 
 
 def _run(engine, rid):

@@ -1,0 +1,141 @@
+"""EngineArgs: every engine argument, once, under vLLM's names.
+
+Every entry point takes an `EngineArgs`: `LLM(**kwargs)`, `AsyncLLM.from_engine_args`, the
+P/D actors, the Serve application config, `pdserve serve/generate/batch` and the bench
+scripts. A new engine argument is one field here: it appears in every `--help` (through
+`add_cli_args`), in the Serve config, and reaches the engine through `create_engine_config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+from engine.config import (
+    BACKENDS,
+    DEVICES,
+    DTYPES,
+    POLICIES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from engine.errors import ParameterError
+
+
+def _arg(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str = _arg("", "model directory (Hugging Face layout: config.json, safetensors, tokenizer)")
+    # model
+    dtype: str = _arg("auto", "weights and activations dtype (auto: the checkpoint's on CUDA, "
+                      "float32 on CPU)", DTYPES)
+    max_model_len: int | None = _arg(None, "context length (default: the model's)")
+    seed: int = _arg(0, "random seed of the engine (weights init order, unseeded sampling)")
+    device: str = _arg("auto", "device to run on (auto: CUDA when available)", DEVICES)
+    # cache
+    block_size: int = _arg(16, "tokens per KV cache block")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV of shared prompt prefixes")
+    kv_cache_memory_gb: float | None = _arg(None, "memory for the KV cache in GiB (default: from "
+                                            "gpu_memory_utilization on CUDA, 1 GiB on CPU)")
+    num_kv_blocks: int | None = _arg(None, "number of KV cache blocks (overrides kv_cache_memory_gb)")
+    gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory the engine may use")
+    kernel_block_size: int | None = _arg(None, "tokens per attention-kernel page (divides block_size)")
+    # scheduler
+    max_num_seqs: int = _arg(256, "most requests in one step")
+    max_num_batched_tokens: int | None = _arg(None, "token budget of one step (default: 8192 on "
+                                              "CUDA, 2048 on CPU)")
+    long_prefill_token_threshold: int = _arg(0, "chunk prompts longer than this per step (0: off)")
+    scheduling_policy: str = _arg("fcfs", "order of the waiting queue", POLICIES)
+    # execution
+    kernel_backend: str = _arg("auto", "kernel implementation (auto: Triton on CUDA, torch on CPU)",
+                               BACKENDS)
+    enforce_eager: bool = _arg(False, "never replay CUDA graphs for decode")
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> EngineArgs:
+        """`LLM(model, **kwargs)`: unknown names are a ParameterError listing the allowed ones."""
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise ParameterError(
+                unknown[0], f"unknown engine arguments {unknown}; allowed: {sorted(cls.field_names())}"
+            )
+        return cls(model=model, **kwargs)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def replace(self, **changes) -> EngineArgs:
+        return dataclasses.replace(self, **changes)
+
+    # ---- command line -------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        """Add one `--flag-name` per field (booleans as `--x/--no-x`, as vLLM's CLI does).
+        `--model` defaults to None so a CLI can substitute its own default model."""
+        group = parser.add_argument_group("engine arguments")
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f.metadata.get("help", "")
+            choices = f.metadata.get("choices")
+            if f.name == "model":
+                group.add_argument(flag, default=None, help=help_)
+            elif isinstance(f.default, bool):
+                group.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction,
+                                   help=help_)
+            else:
+                if "default" not in help_:
+                    help_ = f"{help_} (default: {f.default})"
+                group.add_argument(flag, default=f.default, type=_cli_type(f.type), choices=choices,
+                                   help=help_)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace, **overrides) -> EngineArgs:
+        values = {name: getattr(namespace, name) for name in cls.field_names() if hasattr(namespace, name)}
+        values.update(overrides)
+        return cls(**values)
+
+    # ---- to the engine ------------------------------------------------------------------
+    def create_engine_config(self) -> EngineConfig:
+        """The frozen per-layer configs; every value is validated there (ParameterError)."""
+        if not isinstance(self.model, str) or not self.model:
+            raise ParameterError("model", f"model must be a model directory, got {self.model!r}")
+        return EngineConfig(
+            model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
+                              seed=self.seed, device=self.device),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory_gb=self.kv_cache_memory_gb,
+                num_kv_blocks=self.num_kv_blocks,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kernel_block_size=self.kernel_block_size,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                scheduling_policy=self.scheduling_policy,
+            ),
+            kernel_backend=self.kernel_backend,
+            enforce_eager=self.enforce_eager,
+        )
+
+
+def _cli_type(annotation: str):
+    """argparse type of a field from its (string) annotation."""
+    if annotation.startswith("int"):
+        return int
+    if annotation.startswith("float"):
+        return float
+    return str
