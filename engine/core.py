@@ -211,4 +211,8 @@ class EngineCore:
             "total_blocks": self.kv_cache_manager.num_blocks,
             "kv_usage": self.kv_cache_manager.usage,
             "prefix_cache_hit_rate": self.kv_cache_manager.stats.hit_rate,
+            # Cumulative counters (vllm:prefix_cache_queries / _hits, vllm:num_preemptions).
+            "prefix_cache_queries": self.kv_cache_manager.stats.queries,
+            "prefix_cache_hits": self.kv_cache_manager.stats.hits,
+            "num_preemptions": self.scheduler.num_preemptions,
         }

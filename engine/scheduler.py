@@ -49,6 +49,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # Requests whose remote KV load has completed (reported by the worker side).
         self.finished_recving_kv_req_ids: set[str] = set()
+        self.num_preemptions = 0  # cumulative, for metrics
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -246,6 +247,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.prepend(request)
         logger.debug("preempted %s (%d preemptions)", request.request_id, request.num_preemptions)
 
