@@ -14,7 +14,7 @@ import uuid
 import ray
 import torch
 
-from engine import AsyncLLM, SamplingParams, build_engine_config
+from engine import AsyncLLM, EngineArgs, SamplingParams
 from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
 from kvstore.pd import prefill_kv_params, prefill_params
@@ -28,10 +28,9 @@ TRANSPORTS = ("object_store", "torch_dist")
 class EngineWorker:
     def __init__(
         self,
-        model: str,
+        engine_args: EngineArgs,
         role: str = "colocated",
         replica_id: str | None = None,
-        engine_kwargs: dict | None = None,
         store=None,
         transport: str = "object_store",
         load_failure_policy: str = "fail",
@@ -49,7 +48,7 @@ class EngineWorker:
         self.store_pulls = store_pulls
         self.role = role
         self.replica_id = replica_id or f"{role}-{uuid.uuid4().hex[:8]}"
-        config = build_engine_config(model, **(engine_kwargs or {}))
+        config = engine_args.create_engine_config()
         self.transport = None
         connector = None
         if role != "colocated":
@@ -132,9 +131,10 @@ class EngineWorker:
         return dict(connector.stats) if connector is not None else {}
 
 
-def create_worker(model: str, role: str = "colocated", num_cpus: float = 0, name: str | None = None, **kwargs):
+def create_worker(engine_args: EngineArgs, role: str = "colocated", num_cpus: float = 0, name: str | None = None,
+                  **kwargs):
     """Start an EngineWorker actor. Actors default to num_cpus=0 so tests fit on 2 cores."""
     opts = {"num_cpus": num_cpus, "max_concurrency": 1000}
     if name:
         opts["name"] = name
-    return ray.remote(EngineWorker).options(**opts).remote(model, role, **kwargs)
+    return ray.remote(EngineWorker).options(**opts).remote(engine_args, role, **kwargs)

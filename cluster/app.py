@@ -21,6 +21,7 @@ from cluster.coordinator import Coordinator
 from cluster.ingress import Ingress
 from cluster.replica import EngineServer
 from cluster.router import LeastLoadRouter
+from engine.args import EngineArgs
 
 MODES = ("pd", "colocated")
 POLICIES = ("fail", "recompute")
@@ -125,7 +126,7 @@ def build_app(cfg: AppConfig):
 
     def engine(name: str, role: str, replicas: int):
         return serve.deployment(EngineServer, name=name, num_replicas=replicas, **engine_options).bind(
-            cfg.model, role, engine_kwargs, cfg.app_name, cfg.load_failure_policy)
+            EngineArgs.from_kwargs(cfg.model, **engine_kwargs), role, cfg.app_name, cfg.load_failure_policy)
 
     coordinator = serve.deployment(Coordinator, name="Coordinator", num_replicas=1,
                                    ray_actor_options={"num_cpus": 0}).bind(

@@ -203,11 +203,13 @@ class Coordinator:
         if self.mode != "pd" or not ray.is_initialized():
             return {"live_transfers": 0, "bytes": 0}
 
-        from cluster.replica import STORE_NAMESPACE, store_name
+        from kvstore.store_actor import find_app_store
 
         try:
             if self._store is None:
-                self._store = ray.get_actor(store_name(self.app_name), namespace=STORE_NAMESPACE)
+                self._store = find_app_store(self.app_name)
+                if self._store is None:
+                    return {"live_transfers": 0, "bytes": 0, "error": "KV store not created yet"}
             s = await self._store.stats.remote()
             return {"live_transfers": s["live_transfers"], "bytes": s["bytes"]}
         except Exception as e:  # not created yet, or gone: report what we know
@@ -233,9 +235,9 @@ class Coordinator:
             return
         try:
             if await self.control.app_deleting():
-                from cluster.replica import kill_store
+                from kvstore.store_actor import remove_app_store
 
-                kill_store(self.app_name)
+                remove_app_store(self.app_name)
         except Exception:  # shutting down: best effort
             logger.exception("could not remove the KV store of %s", self.app_name)
 

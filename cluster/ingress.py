@@ -28,10 +28,10 @@ from cluster import openai_format as fmt
 from cluster.metrics import AppMetrics
 from cluster.pd_serve import serve_colocated_generate, serve_pd_generate
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.replica import get_or_create_store
 from engine import EngineArgs
 from engine.llm_engine import front_end
 from engine.outputs import RequestOutput
+from kvstore.store_actor import app_store
 
 RETRY_AFTER_S = 1
 
@@ -178,7 +178,7 @@ class Ingress:
         config = EngineArgs.from_kwargs(self.model_dir, **settings.get("engine_kwargs", {})).create_engine_config()
         self.tokenizer, self.processor = front_end(config)
         self.text_of = fmt.TokenText(self.tokenizer)
-        self.store = get_or_create_store(settings["app_name"]) if self.mode == "pd" else None
+        self.store = app_store(settings["app_name"]) if self.mode == "pd" else None
         self.metrics = AppMetrics(self.model_name, self.mode)
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
         self.created = int(time.time())

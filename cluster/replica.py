@@ -13,54 +13,32 @@ import asyncio
 import logging
 import time
 
-import ray
 from ray import serve
 
 from actors.worker import EngineWorker
 from cluster.latency import LatencyWindow
+from engine.args import EngineArgs
 from engine.sampling_params import SamplingParams
-from kvstore.store_actor import KVStore
+from kvstore.store_actor import app_store
 
 logger = logging.getLogger(__name__)
 
-STORE_NAMESPACE = "pdserve"
 # How long a draining prefill replica waits for decode replicas to fetch its exports (they
 # live in its process's object store and go with it).
 _EXPORT_DRAIN_S = 30.0
 
 
-def store_name(app_name: str) -> str:
-    return f"pdserve-kv-store-{app_name}"
-
-
-def get_or_create_store(app_name: str, **store_kwargs):
-    """The app's KV store actor: named, detached (no replica's fate decides its life; the
-    Coordinator removes it when the app is deleted), created by whichever replica is first."""
-    return ray.remote(KVStore).options(
-        name=store_name(app_name), namespace=STORE_NAMESPACE, lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_concurrency=1000,
-    ).remote(**store_kwargs)
-
-
-def kill_store(app_name: str) -> bool:
-    try:
-        ray.kill(ray.get_actor(store_name(app_name), namespace=STORE_NAMESPACE))
-        return True
-    except ValueError:
-        return False
-
-
 class EngineServer:
-    def __init__(self, model: str, role: str, engine_kwargs: dict | None = None, app_name: str = "pdserve",
+    def __init__(self, engine_args: EngineArgs, role: str, app_name: str = "pdserve",
                  load_failure_policy: str = "fail", coordinator: str | None = "Coordinator",
                  store_kwargs: dict | None = None) -> None:
         ctx = serve.get_replica_context()
         self.role = role
         self.app_name = app_name
         self.replica_id = f"{role}-{ctx.replica_id.unique_id}"
-        store = None if role == "colocated" else get_or_create_store(app_name, **(store_kwargs or {}))
+        store = None if role == "colocated" else app_store(app_name, **(store_kwargs or {}))
         self.store = store
-        self.worker = EngineWorker(model, role, self.replica_id, engine_kwargs, store, "object_store",
+        self.worker = EngineWorker(engine_args, role, self.replica_id, store, "object_store",
                                    load_failure_policy, store_pulls=False)
         self._coordinator = (serve.get_deployment_handle(coordinator, app_name)
                              if coordinator else None)

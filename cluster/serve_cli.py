@@ -108,7 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.app import build_app
-    from cluster.replica import kill_store
+    from kvstore.store_actor import remove_app_store
 
     cfg = _config(args)  # bad flags fail here, before Ray starts
     address = os.environ.get("RAY_ADDRESS")
@@ -131,7 +131,7 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         try:
             serve.delete(cfg.app_name)
-            kill_store(cfg.app_name)
+            remove_app_store(cfg.app_name)
             if not address:
                 serve.shutdown()
         finally:

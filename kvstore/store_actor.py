@@ -19,11 +19,11 @@ from kvstore.directory import StoreFullError, TransferDirectory
 
 logger = logging.getLogger(__name__)
 
-STORE_ACTOR_NAME = "pdserve-kv-store"
+STORE_NAMESPACE = "pdserve"
 
 
 class KVStore:
-    """Actor body (created with `create_store`)."""
+    """Actor body (created with `create_store`, nowhere else)."""
 
     def __init__(self, lease_s: float = 120.0, max_bytes: int | None = None, max_transfers: int | None = None,
                  sweep_interval_s: float = 1.0) -> None:
@@ -117,10 +117,42 @@ class KVStore:
                 "released": s.released, "expired": s.expired, "rejected_full": s.rejected_full}
 
 
-def create_store(name: str | None = STORE_ACTOR_NAME, **kwargs):
-    """Start the store actor (detached from no one; it lives as long as its creator's job)."""
+def store_name(app_name: str) -> str:
+    return f"pdserve-kv-store-{app_name}"
+
+
+def create_store(app_name: str | None = None, detached: bool = False, **store_kwargs):
+    """The one place a KV store actor is created.
+
+    With `app_name`: the app's named store (namespace "pdserve"), got if it exists, so every
+    replica of the app that asks first or concurrently shares one; `detached` makes it outlive
+    its creator (a Serve app: no replica's fate decides its life, `remove_app_store` ends it).
+    Without: an anonymous store owned by the caller (plain-actor P/D, tests, benchmarks)."""
     opts = {"num_cpus": 0, "max_concurrency": 1000}
-    if name:
-        opts["name"] = name
-        opts["get_if_exists"] = True
-    return ray.remote(KVStore).options(**opts).remote(**kwargs)
+    if app_name is not None:
+        opts.update(name=store_name(app_name), namespace=STORE_NAMESPACE, get_if_exists=True)
+        if detached:
+            opts["lifetime"] = "detached"
+    return ray.remote(KVStore).options(**opts).remote(**store_kwargs)
+
+
+def app_store(app_name: str, **store_kwargs):
+    """The Serve app's store (detached; created by whichever caller comes first)."""
+    return create_store(app_name, detached=True, **store_kwargs)
+
+
+def find_app_store(app_name: str):
+    """The app's store if it exists, else None (never creates one)."""
+    try:
+        return ray.get_actor(store_name(app_name), namespace=STORE_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def remove_app_store(app_name: str) -> bool:
+    """End the app's store (with the app); False if there was none."""
+    store = find_app_store(app_name)
+    if store is None:
+        return False
+    ray.kill(store)
+    return True

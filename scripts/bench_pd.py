@@ -57,7 +57,7 @@ def bench_transfer(ray, model, engine_kwargs, lengths, vocab):
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     rng = random.Random(0)
     for transport in ("object_store", "torch_dist"):
-        store = create_store(name=None)
+        store = create_store()
         kw = dict(engine_kwargs=engine_kwargs, store=store, transport=transport)
         prefill, decode = create_worker(model, "prefill", **kw), create_worker(model, "decode", **kw)
         ray.get([prefill.ping.remote(), decode.ping.remote()])
@@ -102,7 +102,7 @@ def bench_latency(ray, model, engine_kwargs, n_requests, rate, vocab, seed):
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
 
-    store = create_store(name=None)
+    store = create_store()
     kw = dict(engine_kwargs=engine_kwargs, store=store)
     prefill, decode = create_worker(model, "prefill", **kw), create_worker(model, "decode", **kw)
     colocated = create_worker(model, "colocated", engine_kwargs=engine_kwargs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine import EngineArgs
 from tests.actors.helpers import ENGINE
 
 
@@ -17,13 +18,13 @@ def pd(ray_local, tiny_model):
     created = []
 
     def make(role, store=None, **kw):
-        kw.setdefault("engine_kwargs", ENGINE)
-        actor = create_worker(tiny_model, role, store=store, **kw)
+        args = EngineArgs(tiny_model, **kw.pop("engine_kwargs", ENGINE))
+        actor = create_worker(args, role, store=store, **kw)
         ray.get(actor.ping.remote())
         created.append(actor)
         return actor
 
-    store = create_store(name=None)
+    store = create_store()
     created.append(store)
     yield ray, store, make
     for actor in created:

@@ -67,7 +67,7 @@ class SilentStore:
 def test_kv_load_failure_with_fail_policy_is_an_error(pd):
     ray, store, make = pd
     prefill = make("prefill", store)
-    decode = make("decode", create_store(name=None))  # looks transfers up in the wrong store
+    decode = make("decode", create_store())  # looks transfers up in the wrong store
     with pytest.raises(PDRequestError, match="KV load failed"):
         asyncio.run(collect(pd_generate(prefill, decode, store, make_prompt(), PARAMS, "f1")))
     assert_no_leaks(ray, store, prefill, decode)
@@ -76,7 +76,7 @@ def test_kv_load_failure_with_fail_policy_is_an_error(pd):
 def test_kv_load_failure_with_recompute_policy_gives_correct_tokens(pd, tiny_model):
     ray, store, make = pd
     prefill = make("prefill", store)
-    decode = make("decode", create_store(name=None), load_failure_policy="recompute")
+    decode = make("decode", create_store(), load_failure_policy="recompute")
     prompt = make_prompt(seed=42)
     out = asyncio.run(collect(pd_generate(prefill, decode, store, prompt, PARAMS, "f2")))
     assert out.outputs[0].token_ids == hf_greedy(tiny_model, [prompt["prompt_token_ids"]], 8)[0]
@@ -222,7 +222,7 @@ def test_lease_expiry_frees_unclaimed_transfers(pd):
 
 def test_store_full_is_an_explicit_error(pd, ray_local):
     ray, _, make = pd
-    full = create_store(name=None, max_bytes=64)  # room for the 4-byte warm-up, not for KV
+    full = create_store(max_bytes=64)  # room for the 4-byte warm-up, not for KV
     prefill, decode = make("prefill", full), make("decode", full)
     with pytest.raises(PDRequestError, match="KV store is full"):
         asyncio.run(collect(pd_generate(prefill, decode, full, make_prompt(seed=51), PARAMS, "full")))

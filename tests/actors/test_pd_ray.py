@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from actors import colocated_generate, create_worker, pd_generate
-from engine import SamplingParams
+from engine import EngineArgs, SamplingParams
 from kvstore.store_actor import create_store
 from tests.actors.helpers import ENGINE, assert_no_leaks
 from tests.engine.hf_reference import hf_greedy, random_prompts
@@ -17,11 +17,11 @@ from tests.engine.hf_reference import hf_greedy, random_prompts
 @pytest.fixture(scope="module", params=["object_store", "torch_dist"])
 def cluster(request, ray_local, tiny_model):
     ray = ray_local
-    store = create_store(name=None)
-    kw = {"engine_kwargs": ENGINE, "store": store, "transport": request.param}
-    prefill = create_worker(tiny_model, "prefill", **kw)
-    decode = create_worker(tiny_model, "decode", **kw)
-    colocated = create_worker(tiny_model, "colocated", engine_kwargs=ENGINE)
+    store = create_store()
+    kw = {"store": store, "transport": request.param}
+    prefill = create_worker(EngineArgs(tiny_model, **ENGINE), "prefill", **kw)
+    decode = create_worker(EngineArgs(tiny_model, **ENGINE), "decode", **kw)
+    colocated = create_worker(EngineArgs(tiny_model, **ENGINE), "colocated")
     ray.get([prefill.ping.remote(), decode.ping.remote(), colocated.ping.remote()])
     yield ray, store, prefill, decode, colocated
     for actor in (prefill, decode, colocated, store):
@@ -95,8 +95,8 @@ def test_invalid_worker_settings_fail_clearly(ray_local, tiny_model):
     from actors.worker import EngineWorker
 
     with pytest.raises(ValueError, match="role"):
-        EngineWorker(tiny_model, role="router")
+        EngineWorker(EngineArgs(tiny_model), role="router")
     with pytest.raises(ValueError, match="transport"):
-        EngineWorker(tiny_model, role="decode", transport="carrier-pigeon")
+        EngineWorker(EngineArgs(tiny_model), role="decode", transport="carrier-pigeon")
     with pytest.raises(ValueError, match="KV store"):
-        EngineWorker(tiny_model, role="decode")
+        EngineWorker(EngineArgs(tiny_model), role="decode")

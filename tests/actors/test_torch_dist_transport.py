@@ -67,7 +67,7 @@ def test_orchestrated_failure_with_fail_policy_is_an_error(pd):
     # The decode replica looks transfers up in an empty store: the load fails.
     from kvstore.store_actor import create_store
 
-    other = create_store(name=None)
+    other = create_store()
     decode_wrong = make("decode", other, **TD)
     with pytest.raises(PDRequestError, match="KV load failed"):
         asyncio.run(collect(pd_generate(prefill, decode_wrong, store, make_prompt(seed=67), PARAMS, "w")))
