@@ -4,7 +4,9 @@
 kv_transfer_params -> decode with the prompt KV loaded. It yields cumulative RequestOutputs
 whose token ids and text run across both halves, exactly as one colocated request would.
 Whatever ends it — completion, an error on either side, or the caller going away — it aborts
-the request on both replicas and releases the transfer, so no KV block or transfer is left.
+the request on both replicas, so no KV block is left. The transfer is released exactly once:
+by the decode replica's connector once the decode request reached it (after loading, or when
+the request ends first), and by this flow only when no decode replica took it over.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from collections.abc import AsyncIterator
 
 import ray
 
+from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from kvstore.pd import decode_params, decode_prompt, needs_decode
+from kvstore.pd import decode_kv_params, decode_params, decode_prompt, needs_decode
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +29,10 @@ logger = logging.getLogger(__name__)
 class PDRequestError(RuntimeError):
     """A P/D request failed (a replica died, the KV could not be exported or loaded). The
     client gets an error, never tokens computed from wrong or partial KV."""
+
+    def __init__(self, message: str, replica_died: bool = False) -> None:
+        super().__init__(message)
+        self.replica_died = replica_died
 
 
 class _Merged:
@@ -76,14 +83,13 @@ class ActorPeers:
         except ray.exceptions.RayActorError as e:
             raise PDRequestError(f"prefill replica died: {e}") from e
 
-    async def decode(self, prompt, params: SamplingParams, request_id: str, kv_params: dict | None,
-                     prior_output_tokens: int) -> AsyncIterator[RequestOutput]:
+    async def decode(self, prompt, params: SamplingParams, request_id: str,
+                     kv_params: KVTransferParams) -> AsyncIterator[RequestOutput]:
         try:
-            async for ref in self.decode_actor.generate.remote(prompt, params, request_id, kv_params,
-                                                               prior_output_tokens):
+            async for ref in self.decode_actor.generate.remote(prompt, params, request_id, kv_params):
                 yield await ref
         except ray.exceptions.RayActorError as e:
-            raise PDRequestError(f"decode replica died: {e}") from e
+            raise PDRequestError(f"decode replica died: {e}", replica_died=True) from e
 
     async def cleanup(self, request_id: str, transfer_id: str | None, unfinished: bool) -> None:
         calls = []
@@ -102,18 +108,19 @@ async def pd_flow(peers, prompt, params: SamplingParams, request_id: str,
                   load_failure_policy: str = "fail") -> AsyncIterator[RequestOutput]:
     """Disaggregated generation of one request over any pair of peers (actor handles here,
     Serve deployment handles in cluster.pd_serve)."""
-    transfer: dict | None = None
     # Named here, so cleanup can release it even when the prefill's result never arrives (the
     # caller gave up while the export was being registered); the store refuses a
     # registration that comes after its release.
     transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
     finished = False
+    # Whether this flow still owns the transfer's release: until a decode replica took the
+    # request (its connector then releases), or when that replica died with it.
+    owns_release = True
     try:
         first = await peers.prefill(prompt, params, request_id, transfer_id)
         c = first.outputs[0]
         if c.finish_reason == "error":
             raise PDRequestError(f"prefill failed: {c.stop_reason}")
-        transfer = first.kv_transfer_params
         merged = _Merged(first)
         more = needs_decode(c.finish_reason, params)
         finished = not more
@@ -121,22 +128,33 @@ async def pd_flow(peers, prompt, params: SamplingParams, request_id: str,
                             first.delta_text, list(c.token_ids), first.delta_logprobs, first.metrics)
         if not more:
             return
-        kv_params = transfer
-        if transfer is None or "error" in transfer:
-            reason = (transfer or {}).get("error", "no KV was exported")
+        exported = first.kv_transfer_params
+        if exported is None:
             if load_failure_policy != "recompute":
-                raise PDRequestError(reason)
-            logger.warning("request %s: %s; decode recomputes the prompt", request_id, reason)
-            kv_params = None
-        async for out in peers.decode(decode_prompt(first.prompt_token_ids, c.token_ids[0]),
-                                      decode_params(params), request_id, kv_params, 1):
-            if out.finished and out.outputs[0].finish_reason == "error":
-                raise PDRequestError(f"decode failed: {out.outputs[0].stop_reason}")
-            finished = out.finished
-            yield merged.add(out)
+                raise PDRequestError("the prefill exported no KV")
+            logger.warning("request %s: no KV was exported; decode recomputes the prompt", request_id)
+        # The decode request carries the transfer (its prompt KV) and the prior token either way.
+        kv_params = decode_kv_params(exported or KVTransferParams())
+        owns_release = exported is None
+        decode_error = None
+        try:
+            async for out in peers.decode(decode_prompt(first.prompt_token_ids, c.token_ids[0]),
+                                          decode_params(params), request_id, kv_params):
+                if out.finished and out.outputs[0].finish_reason == "error":
+                    decode_error = out.outputs[0].stop_reason  # its connector released the transfer
+                    break
+                finished = out.finished
+                yield merged.add(out)
+        except Exception as e:
+            # The decode replica failed (died, or broke the stream): it may have released
+            # nothing, so this flow does (a second release would be a no-op in the store).
+            if not isinstance(e, PDRequestError) or e.replica_died:
+                owns_release = True
+            raise
+        if decode_error is not None:
+            raise PDRequestError(f"decode failed: {decode_error}")
     finally:
-        tid = transfer.get("transfer_id", transfer_id) if transfer is not None else transfer_id
-        await peers.cleanup(request_id, tid, not finished)
+        await peers.cleanup(request_id, transfer_id if owns_release else None, not finished)
 
 
 def pd_generate(prefill, decode, store, prompt, params: SamplingParams, request_id: str,

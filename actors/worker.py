@@ -15,6 +15,8 @@ import ray
 import torch
 
 from engine import AsyncLLM, EngineArgs, SamplingParams
+from engine.kv_connector import KVConnectorRole
+from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
 from kvstore.pd import prefill_kv_params, prefill_params
@@ -50,16 +52,21 @@ class EngineWorker:
         self.replica_id = replica_id or f"{role}-{uuid.uuid4().hex[:8]}"
         config = engine_args.create_engine_config()
         self.transport = None
-        connector = None
+        factory = None
+        # Both sides of the connector, once made (the worker side's counters are the stats).
+        self.connectors: dict[KVConnectorRole, PDConnector] = {}
         if role != "colocated":
             if store is None:
                 raise ValueError(f"a {role} worker needs the KV store actor (store=...)")
             self.transport = self._make_transport(transport, store, transport_timeout_s)
-            connector = PDConnector(
-                "producer" if role == "prefill" else "consumer", self.transport, self.replica_id,
-                config.cache.block_size, load_failure_policy,
-            )
-        self.engine = engine_cls(config, connector)
+            pd_role = "producer" if role == "prefill" else "consumer"
+
+            def factory(side: KVConnectorRole) -> PDConnector:
+                self.connectors[side] = PDConnector(side, pd_role, self.transport, self.replica_id,
+                                                    config.cache.block_size, load_failure_policy)
+                return self.connectors[side]
+
+        self.engine = engine_cls(config, factory)
         if self.transport is not None:
             self.transport.warm_up(producer=role == "prefill")
 
@@ -75,10 +82,9 @@ class EngineWorker:
 
     # ---- requests -----------------------------------------------------------------------
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
-                       kv_transfer_params: dict | None = None, prior_output_tokens: int = 0):
+                       kv_transfer_params: KVTransferParams | None = None):
         """Stream RequestOutputs (a Ray streaming generator when called on the actor)."""
-        async for out in self.engine.generate(prompt, params, request_id, kv_transfer_params=kv_transfer_params,
-                                              prior_output_tokens=prior_output_tokens):
+        async for out in self.engine.generate(prompt, params, request_id, kv_transfer_params=kv_transfer_params):
             yield out
 
     async def prefill(self, prompt, params: SamplingParams, request_id: str,
@@ -126,9 +132,8 @@ class EngineWorker:
 
     def kv_transfer_stats(self) -> dict:
         """Counters of the KV connector (exports, loads, bytes, load seconds), if any."""
-        core = getattr(getattr(self.engine, "engine", None), "core", None)
-        connector = getattr(core, "connector", None)
-        return dict(connector.stats) if connector is not None else {}
+        worker_side = self.connectors.get(KVConnectorRole.WORKER)
+        return dict(worker_side.stats) if worker_side is not None else {}
 
 
 def create_worker(engine_args: EngineArgs, role: str = "colocated", num_cpus: float = 0, name: str | None = None,

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 import ray
 
 from actors.orchestrate import PDRequestError, pd_flow
+from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -40,9 +41,9 @@ class ServePeers:
         self._open.remove(response)
         return out
 
-    async def decode(self, prompt, params: SamplingParams, request_id: str, kv_params: dict | None,
-                     prior_output_tokens: int) -> AsyncIterator[RequestOutput]:
-        stream = self.decode_handle.generate.remote(prompt, params, request_id, kv_params, prior_output_tokens)
+    async def decode(self, prompt, params: SamplingParams, request_id: str,
+                     kv_params: KVTransferParams) -> AsyncIterator[RequestOutput]:
+        stream = self.decode_handle.generate.remote(prompt, params, request_id, kv_params)
         self._open.append(stream)
         try:
             async for out in stream:
@@ -50,7 +51,7 @@ class ServePeers:
                 if out.finished:
                     self._open.remove(stream)
         except _REPLICA_ERRORS as e:
-            raise PDRequestError(f"decode replica unavailable: {e}") from e
+            raise PDRequestError(f"decode replica unavailable: {e}", replica_died=True) from e
 
     async def cleanup(self, request_id: str, transfer_id: str | None, unfinished: bool) -> None:
         if unfinished:

@@ -18,6 +18,7 @@ from ray import serve
 from actors.worker import EngineWorker
 from cluster.latency import LatencyWindow
 from engine.args import EngineArgs
+from engine.kv_transfer_params import KVTransferParams
 from engine.sampling_params import SamplingParams
 from kvstore.store_actor import app_store
 
@@ -56,13 +57,12 @@ class EngineServer:
         return out
 
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str,
-                       kv_transfer_params: dict | None = None, prior_output_tokens: int = 0):
+                       kv_transfer_params: KVTransferParams | None = None):
         # A Serve streaming method: cancelling the caller's response closes this generator,
         # which aborts the request in the engine and frees its KV blocks.
         start = last = time.monotonic()
         first = True
-        async for out in self.worker.generate(prompt, params, request_id, kv_transfer_params,
-                                              prior_output_tokens):
+        async for out in self.worker.generate(prompt, params, request_id, kv_transfer_params):
             if out.delta_token_ids:
                 now = time.monotonic()
                 if not first:

@@ -17,6 +17,8 @@ from concurrent.futures import Future
 
 from engine.args import EngineArgs
 from engine.config import EngineConfig
+from engine.kv_connector import KVConnectorFactory
+from engine.kv_transfer_params import KVTransferParams
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.processor import PromptType
@@ -31,13 +33,12 @@ _IDLE_POLL_S = 0.05
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig | None = None, connector=None, engine: LLMEngine | None = None) -> None:
-        """Over a new LLMEngine for `config` (with the KV connector, if any), or over `engine`."""
-        self.engine = engine or LLMEngine(config, connector)
+    def __init__(self, config: EngineConfig | None = None, kv_connector_factory: KVConnectorFactory | None = None,
+                 engine: LLMEngine | None = None) -> None:
+        """Over a new LLMEngine for `config` (with a KV connector, if any), or over `engine`."""
+        self.engine = engine or LLMEngine(config, kv_connector_factory)
         self._inputs: queue.Queue = queue.Queue()
-        core_connector = getattr(self.engine.core, "connector", None)
-        if core_connector is not None:
-            core_connector.on_load_done = lambda: self._inputs.put(_WAKE)
+        self.engine.core.set_kv_wakeup(lambda: self._inputs.put(_WAKE))
         # request id -> (event loop, asyncio queue) of its stream
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._errored: BaseException | None = None
@@ -45,16 +46,17 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, connector=None) -> AsyncLLM:
-        return cls(engine_args.create_engine_config(), connector)
+    def from_engine_args(cls, engine_args: EngineArgs,
+                         kv_connector_factory: KVConnectorFactory | None = None) -> AsyncLLM:
+        return cls(engine_args.create_engine_config(), kv_connector_factory)
 
     # ---- engine thread ------------------------------------------------------------------
     def _busy_loop(self) -> None:
         while True:
             # Block when there is nothing to do: no requests, or the last step found nothing
             # schedulable (all waiting for remote KV; a KV arrival posts _WAKE).
-            waiting_only = self.engine.core.idle and self.engine.has_unfinished_requests()
-            block = not self.engine.has_unfinished_requests() or waiting_only
+            waiting_only = self.engine.core.idle and self.engine.has_work()
+            block = not self.engine.has_work() or waiting_only
             try:
                 while True:
                     item = self._inputs.get(block=block, timeout=_IDLE_POLL_S if waiting_only and block else None)
@@ -65,7 +67,7 @@ class AsyncLLM:
                         self._handle(item)
             except queue.Empty:
                 pass
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.has_work():
                 continue
             try:
                 outputs = self.engine.step()
@@ -107,8 +109,7 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
-        prior_output_tokens: int = 0,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last one has `finished=True`. Leaving the loop
         early (client gone, task cancelled) aborts the request and frees its KV blocks."""
@@ -121,7 +122,7 @@ class AsyncLLM:
         try:
             await asyncio.wrap_future(self.call(
                 self.engine.add_request, request_id, prompt, sampling_params, priority, cache_salt,
-                kv_transfer_params, prior_output_tokens,
+                kv_transfer_params,
             ))
             while not finished:
                 item = await q.get()
@@ -158,3 +159,5 @@ class AsyncLLM:
     def shutdown(self) -> None:
         self._inputs.put(_STOP)
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self.engine.core.shutdown()

@@ -12,14 +12,14 @@ import torch
 
 import kernels
 from engine.config import EngineConfig, resolved_token_budget
+from engine.executor import Executor, UniProcExecutor, WorkerConfig
 from engine.kv_cache import KVCacheManager
+from engine.kv_connector import KVConnectorFactory, KVConnectorRole
 from engine.models.arch import ModelArch, load_arch
 from engine.models.loader import resolve_dtype
 from engine.request import Request, RequestStatus
 from engine.sched_output import EngineCoreOutput
 from engine.scheduler import Scheduler
-from engine.worker.cpu_tuning import keep_freed_memory_in_heap
-from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -53,23 +53,13 @@ def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
     return int(memory_bytes // bytes_per_block)
 
 
-def kv_budget_bytes(total: int, free: int, reserved: int, peak: int, utilization: float) -> int:
-    """GPU bytes left for KV: `utilization` of the device, minus what other processes hold
-    (total - free - our reserved) and minus our peak during a full-budget forward pass."""
-    used_by_others = total - free - reserved
-    budget = int(total * utilization - used_by_others - peak)
-    if budget <= 0:
-        raise ValueError(
-            f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}: "
-            f"other processes use {used_by_others / 2**30:.1f} GiB and a forward pass peaks at "
-            f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise gpu_memory_utilization or "
-            "lower max_num_batched_tokens"
-        )
-    return budget
-
-
 class EngineCore:
-    def __init__(self, config: EngineConfig, connector=None) -> None:
+    """Scheduler + KV cache manager + an Executor. `kv_connector_factory` makes each side of
+    the KV connector (engine.kv_connector), if any: the scheduler side here, the worker side
+    on each worker."""
+
+    def __init__(self, config: EngineConfig, kv_connector_factory: KVConnectorFactory | None = None,
+                 executor_cls: type[Executor] = UniProcExecutor) -> None:
         self.config = config
         mc, cc = config.model, config.cache
         self.arch = load_arch(mc.model)
@@ -77,39 +67,24 @@ class EngineCore:
         self.scheduler_config = sc = resolved_token_budget(config.scheduler, self.device.type)
         self.dtype = resolve_dtype(mc.dtype, self.arch, self.device)
         self.max_model_len = resolve_max_model_len(mc.max_model_len, self.arch)
-        if self.device.type == "cpu":
-            keep_freed_memory_in_heap()
         backend = config.kernel_backend
         if backend == "auto":
             backend = kernels.default_backend(self.device.type)
         self.kernel_backend = backend
-        torch.manual_seed(mc.seed)
-        self.runner = ModelRunner(
-            mc.model,
-            self.arch,
-            kernels.get_ops(backend, self.device.type),
-            self.device,
-            self.dtype,
-            self.max_model_len,
-            sc.max_num_seqs,
-            sc.max_num_batched_tokens,
-            cc.block_size,
-            cc.effective_kernel_block_size,
-            use_cuda_graphs=(
-                self.device.type == "cuda" and backend == "triton" and not config.enforce_eager
-            ),
-        )
+        worker_config = WorkerConfig(config, self.arch, self.device, self.dtype, self.max_model_len, sc, backend)
+        self.executor = executor_cls(worker_config, kv_connector_factory)
         num_blocks = self._determine_num_blocks()
         if self.device.type == "cpu":
             # One throwaway forward, so the first real request does not pay for first-touch
             # allocations and kernel set-up (measured ~1.7 s on the small model). On CUDA the
             # memory profile run above already did this.
-            self.runner.profile_run(min(sc.max_num_batched_tokens, _WARMUP_TOKENS))
-        self.runner.initialize_kv_cache(num_blocks)
+            self.executor.profile_run(min(sc.max_num_batched_tokens, _WARMUP_TOKENS))
+        self.executor.initialize_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.connector = connector
+        self.connector = (kv_connector_factory(KVConnectorRole.SCHEDULER)
+                          if kv_connector_factory is not None else None)
         self.idle = True
-        self.scheduler = Scheduler(sc, cc, self.kv_cache_manager, self.max_model_len, connector)
+        self.scheduler = Scheduler(sc, cc, self.kv_cache_manager, self.max_model_len, self.connector)
         tokens = num_blocks * cc.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens; max concurrency %.2fx at %d tokens/request",
@@ -118,14 +93,14 @@ class EngineCore:
 
     def _determine_num_blocks(self) -> int:
         cc = self.config.cache
-        per_block = self.runner.kv_bytes_per_block()
+        per_block = self.executor.kv_bytes_per_block()
         blocks_per_seq = -(-self.max_model_len // cc.block_size)
         if cc.num_kv_blocks is not None:
             n = cc.num_kv_blocks
         elif cc.kv_cache_memory_gb is not None:
             n = num_blocks_for_memory(int(cc.kv_cache_memory_gb * 2**30), per_block)
         elif self.device.type == "cuda":
-            n = num_blocks_for_memory(self._profile_free_gpu_memory(), per_block)
+            n = num_blocks_for_memory(self.executor.determine_available_memory(), per_block)
         else:
             # No point in more blocks than max_num_seqs full-length requests can use.
             cap = blocks_per_seq * self.scheduler_config.max_num_seqs
@@ -138,15 +113,13 @@ class EngineCore:
             )
         return n
 
-    def _profile_free_gpu_memory(self) -> int:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        self.runner.profile_run(self.scheduler_config.max_num_batched_tokens)
-        free, total = torch.cuda.mem_get_info()
-        return kv_budget_bytes(
-            total, free, torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated(),
-            self.config.cache.gpu_memory_utilization,
-        )
+    def set_kv_wakeup(self, callback) -> None:
+        """`callback` (any thread) wakes a driver loop blocked while every request waits for
+        remote KV: the worker side calls it when a load completes."""
+        self.executor.collective_rpc("set_kv_wakeup", (callback,))
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -156,44 +129,20 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def step(self) -> list[EngineCoreOutput]:
-        if not self.scheduler.has_unfinished_requests() and not self.scheduler.finished_req_ids:
+        if not self.scheduler.has_work():
             return []
         scheduler_output = self.scheduler.schedule()
-        # Nothing to compute (e.g. every request waits for remote KV): the caller may block.
-        self.idle = scheduler_output.is_empty
-        if self.connector is not None:
-            self.connector.start_load_kv(scheduler_output.kv_connector_metadata, self.runner.kv_caches)
-        runner_output = self.runner.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self.connector is not None:
-            outputs += self._finish_kv_transfers(outputs)
-        return outputs
-
-    def _finish_kv_transfers(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-        """Export finished producers' KV, free their blocks, release loaded consumers, and
-        turn failed loads into errors (or recomputes). Returns the extra outputs to emit."""
-        conn = self.connector
-        conn.wait_for_save()
-        conn.save_kv(self.runner.kv_caches)
-        for out in outputs:
-            error = conn.export_errors.pop(out.request_id, None)
-            if error is not None:
-                out.kv_transfer_params = {"error": f"KV export failed: {error}"}
-        sending, recving, failed = conn.get_finished()
-        for request_id in sending:
-            self.kv_cache_manager.free_by_id(request_id)
-        self.scheduler.finish_remote_kv_loads(recving)
-        if recving or failed:
-            self.idle = False  # those requests can be scheduled (or reported) right away
-        extra = []
-        recompute = getattr(conn, "load_failure_policy", "fail") == "recompute"
-        for request_id, reason in failed.items():
-            if self.scheduler.fail_remote_kv_load(request_id, recompute):
-                extra.append(EngineCoreOutput(request_id, [], finish_reason="error", stop_reason=reason))
-        return extra
+        runner_output = self.executor.execute_model(scheduler_output)
+        # Nothing was computed (e.g. every request waits for remote KV) and no transfer
+        # finished: the driver loop may block until woken.
+        self.idle = scheduler_output.is_empty and runner_output.kv_connector_output is None
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -1,48 +1,131 @@
-"""The KV connector interface the engine calls (seed 002, "Disaggregated P/D").
+"""The KV-connector contract (seed 002, "Disaggregated P/D"; the shape of vLLM's
+KVConnectorBase_V1).
 
-The engine never knows where KV comes from or goes to: the scheduler asks the connector how
-many prompt tokens have their KV elsewhere and tells it which blocks were allocated; the
-worker side moves the bytes. Implementations live in `kvstore/`; the base class does
-nothing, which is a colocated engine.
+The engine never knows where KV comes from or goes to. A connector has two sides, each an
+instance of the same class made for one `KVConnectorRole`:
+
+- the scheduler side (in the EngineCore, next to the Scheduler) decides: how many prompt
+  tokens have their KV elsewhere, which blocks they go into, what to export when a request
+  finishes. Once per step it packs its decisions into a `KVConnectorMetadata`.
+- the worker side (next to the model runner, one per rank) acts on that metadata: starts
+  loads, writes loaded KV into the paged cache, saves exports, and reports what finished in
+  a `KVConnectorOutput`, which travels back in the ModelRunnerOutput.
+
+The two sides share nothing but those two typed messages, so the worker side can live in
+another process. Nothing a connector does may block the engine thread on a remote call.
+P/D state of a request travels in its `KVTransferParams` (frozen; never mutated once set).
+Implementations live in `kvstore/`.
 """
 
 from __future__ import annotations
 
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.kv_transfer_params import KVTransferParams
 from engine.request import Request
+from engine.sched_output import KVConnectorOutput, SchedulerOutput
 
-# kv_transfer_params key: this request's output continues on another engine when it ends at
-# its length limit (a P/D prefill), so text held back mid-character is not flushed here.
-TEXT_CONTINUES = "text_continues"
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
-class KVConnectorBase:
-    # Set by the engine's driver loop: called (from any thread) when external KV arrives, so
-    # a loop that is blocked because every request waits for KV wakes up.
-    on_load_done = None
+class KVConnectorRole(enum.Enum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+@dataclass
+class KVConnectorMetadata:
+    """What the scheduler side tells the worker side for one step. Subclasses add their
+    fields; the base carries nothing (a step with no connector work)."""
+
+
+class KVConnectorBase(ABC):
+    """The contract. Every method is abstract: an implementation states what each hook does
+    for it (a no-op is a decision, documented where it is made)."""
+
+    # "fail": a request whose KV cannot be loaded finishes with an error (never runs on
+    # partial KV); "recompute": it computes its whole prompt locally instead.
+    kv_load_failure_policy: str = "fail"
+
+    def __init__(self, role: KVConnectorRole) -> None:
+        self.role = role
 
     # ---- scheduler side -----------------------------------------------------------------
+    @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond the local prefix hit whose KV can be loaded from outside, and
-        whether that load is asynchronous (then the request waits in WAITING_FOR_REMOTE_KVS
-        until the worker side reports it finished)."""
-        return 0, False
+        """Prompt tokens beyond the local prefix hit (`num_computed_tokens`) whose KV can be
+        loaded from outside, and whether that load is asynchronous (then the request waits in
+        WAITING_FOR_REMOTE_KVS until the worker side reports it in `finished_recving`)."""
 
+    @abstractmethod
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        """Blocks were allocated for a request being admitted (with `num_external_tokens`
-        to be filled from outside)."""
+        """Blocks were allocated for a request being admitted, the last
+        `num_external_tokens` of its computed tokens to be filled from outside."""
 
-    def build_connector_meta(self) -> object | None:
-        """What the worker side needs this step (loads to start, saves to make)."""
-        return None
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's instructions for the worker side, given what this step schedules (e.g.
+        save the KV of a prompt whose last chunk runs now); resets the scheduler side's
+        per-step state. Called once per schedule()."""
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """A request finished. Returns (delay_free, kv_transfer_params): with delay_free the
-        connector owns the blocks until it frees them itself (e.g. while they are being sent)."""
-        return False, None
+    @abstractmethod
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The scheduler has applied the worker side's report of this step (freed exported
+        blocks, made loaded requests schedulable, failed or recomputed failed loads)."""
+
+    @abstractmethod
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
+        """A request finished (any reason). Returns (delay_free_blocks, kv_transfer_params):
+        with delay_free_blocks the blocks stay allocated until the worker side reports the
+        request in `finished_sending`; the params go out with the request's final output."""
 
     # ---- worker side --------------------------------------------------------------------
-    def start_load_kv(self, metadata: object, kv_caches: list) -> None:
-        """Begin loading external KV into the paged cache for this step's requests."""
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: list) -> None:
+        """The paged KV cache of this worker ([(K, V)] per layer), once it is allocated."""
 
-    def wait_for_save(self) -> None:
-        """Block until this step's KV exports are safely handed off."""
+    @abstractmethod
+    def set_wakeup(self, callback: Callable[[], None]) -> None:
+        """`callback` (callable from any thread) wakes an engine loop that blocked because
+        every request waits for remote KV; called when an asynchronous load completes."""
+
+    @abstractmethod
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        """Before the forward pass: start the loads the metadata asks for, and write the KV
+        of completed loads into the paged cache."""
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until `layer_name`'s KV is loaded (layer-wise pipelined loading)."""
+
+    @abstractmethod
+    def save_kv_layer(self, layer_name: str, kv_layer: object, attn_metadata: object) -> None:
+        """Start saving one layer's KV during the forward pass (layer-wise pipelined saving)."""
+
+    @abstractmethod
+    def wait_for_save(self, metadata: KVConnectorMetadata) -> None:
+        """After the forward pass: hand off the KV this step computed that the metadata asks
+        to save. Must not wait on a remote call."""
+
+    @abstractmethod
+    def get_finished(self) -> KVConnectorOutput:
+        """Exports handed off, loads completed and loads failed since the last call."""
+
+
+# Makes one side of a connector; the engine calls it once per side (and per worker rank).
+KVConnectorFactory = Callable[[KVConnectorRole], "KVConnectorBase"]
+
+
+def run_worker_step(connector: KVConnectorBase | None, metadata: KVConnectorMetadata | None,
+                    execute: Callable[[], object]):
+    """The worker side around one forward pass: start loads, run `execute`, save; returns
+    (execute's result, the connector's KVConnectorOutput or None)."""
+    if connector is None:
+        return execute(), None
+    connector.start_load_kv(metadata)
+    result = execute()
+    connector.wait_for_save(metadata)
+    return result, connector.get_finished()

@@ -7,6 +7,8 @@ import os
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, resolve_max_model_len
+from engine.kv_connector import KVConnectorFactory
+from engine.kv_transfer_params import KVTransferParams
 from engine.models.arch import load_arch
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -46,13 +48,13 @@ def front_end(config: EngineConfig) -> tuple[object, InputProcessor]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connector=None) -> None:
+    def __init__(self, config: EngineConfig, kv_connector_factory: KVConnectorFactory | None = None) -> None:
         self.config = config
         model_dir = config.model.model
         if not os.path.isdir(model_dir):
             raise ValueError(f"model must be a model directory; {model_dir!r} does not exist")
         self.tokenizer = load_tokenizer(model_dir)
-        self.core = EngineCore(config, connector)
+        self.core = EngineCore(config, kv_connector_factory)
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
         self.processor = InputProcessor(
             self.tokenizer, self.core.max_model_len, self.core.arch.vocab_size, self.eos_token_ids
@@ -70,12 +72,11 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
-        prior_output_tokens: int = 0,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> str:
-        """Validate, tokenize and queue a request; raises ValueError on bad input."""
+        """Validate, tokenize and queue a request; raises ParameterError on bad input."""
         request, text = self.processor.process(
-            prompt, params, request_id, priority, cache_salt, kv_transfer_params, prior_output_tokens
+            prompt, params, request_id, priority, cache_salt, kv_transfer_params
         )
         self.core.add_request(request)
         self.output_processor.add_request(request, text)
@@ -96,6 +97,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        """A step is needed (see Scheduler.has_work); drivers step while this holds."""
+        return self.core.has_work()
 
     def get_num_unfinished_requests(self) -> int:
         return self.core.scheduler.get_num_unfinished_requests()

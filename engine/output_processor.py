@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from engine.kv_connector import TEXT_CONTINUES
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
 from engine.sched_output import EngineCoreOutput
@@ -116,7 +115,7 @@ class OutputProcessor:
 def _detokenizer(tokenizer, request: Request) -> tuple[IncrementalDetokenizer, str]:
     """A detokenizer positioned as if the request's prior output tokens had been streamed by
     it, and the text they decoded to (less a multi-byte character still pending)."""
-    k = request.prior_output_tokens
+    k = request.kv_transfer_params.num_prior_output_tokens if request.kv_transfer_params else 0
     ids = request.prompt_token_ids
     detok = IncrementalDetokenizer(tokenizer, ids[: len(ids) - k], request.sampling_params.skip_special_tokens)
     text = "".join(detok.step(token) for token in ids[len(ids) - k:])
@@ -129,8 +128,8 @@ def _stop_hold(params) -> int:
 
 def _continues(request: Request, finish_reason: str | None) -> bool:
     """The output goes on on another engine (a P/D prefill stopped at its one token)."""
-    kv = request.kv_transfer_params or {}
-    return finish_reason == "length" and bool(kv.get(TEXT_CONTINUES))
+    kv = request.kv_transfer_params
+    return finish_reason == "length" and kv is not None and kv.output_continues
 
 
 def _flushes(request: Request, finish_reason: str, stop_reason) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.kv_transfer_params import KVTransferParams
+
 # {token_id: logprob} for the sampled token plus the top-N alternatives at one position.
 PositionLogprobs = dict[int, float]
 
@@ -32,5 +34,5 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[PositionLogprobs] | None = None
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
     metrics: dict = field(default_factory=dict)

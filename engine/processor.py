@@ -6,6 +6,7 @@ import dataclasses
 import uuid
 
 from engine.errors import ParameterError
+from engine.kv_transfer_params import KVTransferParams
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -43,8 +44,7 @@ class InputProcessor:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
-        prior_output_tokens: int = 0,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> tuple[Request, str | None]:
         if not isinstance(params, SamplingParams):
             raise ParameterError("sampling_params", f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -52,8 +52,14 @@ class InputProcessor:
         n = len(ids)
         if n == 0:
             raise ParameterError("prompt", "prompt must not be empty")
-        if not 0 <= prior_output_tokens < n:
-            raise ValueError(f"prior_output_tokens must be in [0, {n}), got {prior_output_tokens}")
+        if kv_transfer_params is not None:
+            if not isinstance(kv_transfer_params, KVTransferParams):
+                raise ParameterError("kv_transfer_params", "kv_transfer_params must be KVTransferParams, "
+                                     f"got {type(kv_transfer_params).__name__}")
+            prior = kv_transfer_params.num_prior_output_tokens
+            if not 0 <= prior < n:
+                raise ParameterError("kv_transfer_params", f"kv_transfer_params.num_prior_output_tokens "
+                                     f"must be in [0, {n}) for this prompt, got {prior}")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ParameterError("prompt", f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
@@ -80,6 +86,5 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
-            prior_output_tokens=prior_output_tokens,
         )
         return request, text

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.kv_transfer_params import KVTransferParams
 from engine.sampling_params import SamplingParams
 
 
@@ -57,10 +58,8 @@ class Request:
     first_scheduled_time: float | None = None  # for the queue-time metric
     priority: int = 0
     cache_salt: str | None = None
-    kv_transfer_params: dict | None = None
-    # The last N prompt tokens were generated for this request elsewhere (the first token of a
-    # P/D request): detokenization and seeded sampling continue from them, not restart.
-    prior_output_tokens: int = 0
+    # P/D state (engine.kv_connector); None for a plain request.
+    kv_transfer_params: KVTransferParams | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.kv_transfer_params import KVTransferParams
 from engine.sampling_params import SamplingParams
 
 
@@ -18,8 +19,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    # Random draws already spent on this request elsewhere (its prior output tokens).
-    rng_draws_done: int = 0
+    # P/D state; a consumer's prior output tokens were sampled elsewhere, so its seeded random
+    # stream continues past them.
+    kv_transfer_params: KVTransferParams | None = None
 
 
 @dataclass
@@ -41,11 +43,28 @@ class SchedulerOutput:
     # Requests the runner must drop: finished or aborted since the last step, or preempted.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # The KV connector's instructions for the worker side (engine.kv_connector).
     kv_connector_metadata: object | None = None
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker side of a KV connector finished since its last report."""
+
+    # Exports handed off: their blocks may be freed.
+    finished_sending: set[str] = field(default_factory=set)
+    # Loads written into their blocks: the requests can be scheduled.
+    finished_recving: set[str] = field(default_factory=set)
+    # Loads that failed, with the reason: the request fails or recomputes (load policy).
+    failed_recving: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.failed_recving)
 
 
 @dataclass
@@ -56,9 +75,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per request: for each sampled token, {token_id: logprob} (sampled + top-N), or None.
     logprobs: list[list[dict[int, float]] | None] | None = None
+    kv_connector_output: KVConnectorOutput | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
@@ -66,7 +86,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def finished(self) -> bool:

@@ -12,11 +12,13 @@ import time
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import KVCacheBlocks, KVCacheManager
+from engine.kv_transfer_params import KVTransferParams
 from engine.request import Request, RequestStatus
 from engine.request_queue import make_queue
 from engine.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
+    KVConnectorOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -40,8 +42,10 @@ class Scheduler:
         self.cache_config = cache_config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
-        # Optional KV connector (scheduler side), an engine.kv_connector.KVConnectorBase.
+        # Optional KV connector, its scheduler side (engine.kv_connector.KVConnectorBase).
         self.connector = connector
+        # Finished requests whose blocks the connector holds until their KV is exported.
+        self.sending: set[str] = set()
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
@@ -74,14 +78,17 @@ class Scheduler:
             request.status = status
             self._free_request(request)
 
-    def _free_request(self, request: Request) -> dict | None:
+    def _free_request(self, request: Request) -> KVTransferParams | None:
         kv_params = None
         delay_free = False
         if self.connector is not None:
             delay_free, kv_params = self.connector.request_finished(
                 request, self.kv_cache_manager.get_block_ids(request.request_id)
             )
-        if not delay_free:
+        if delay_free:
+            # NOTE: freed when the worker side reports the export in finished_sending.
+            self.sending.add(request.request_id)
+        else:
             self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -214,7 +221,7 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
-                rng_draws_done=r.prior_output_tokens,
+                kv_transfer_params=r.kv_transfer_params,
             )
             for r in new_reqs
         ]
@@ -223,18 +230,17 @@ class Scheduler:
             cached.req_ids.append(r.request_id)
             cached.new_block_ids.append(new_blocks[r.request_id].get_block_ids())
             cached.num_computed_tokens.append(r.num_computed_tokens)
-        meta = None
-        if self.connector is not None:
-            meta = self.connector.build_connector_meta()
-        return SchedulerOutput(
+        out = SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=set(self.finished_req_ids),
             preempted_req_ids={r.request_id for r in preempted},
-            kv_connector_metadata=meta,
         )
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
@@ -266,6 +272,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if runner_output.kv_connector_output is not None:
+            outputs += self._update_from_kv_transfers(runner_output.kv_connector_output)
         for idx, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -317,11 +325,23 @@ class Scheduler:
             return True
         return False
 
-    def finish_remote_kv_loads(self, request_ids: set[str]) -> None:
-        """The worker side reports these requests' external KV as loaded."""
-        self.finished_recving_kv_req_ids |= request_ids
+    def _update_from_kv_transfers(self, kv_output: KVConnectorOutput) -> list[EngineCoreOutput]:
+        """Free the blocks of exported requests, make loaded ones schedulable, and fail (or
+        recompute) the ones whose load failed. Returns the error outputs to emit."""
+        for request_id in kv_output.finished_sending:
+            if request_id in self.sending:
+                self.sending.discard(request_id)
+                self.kv_cache_manager.free_by_id(request_id)
+        self.finished_recving_kv_req_ids |= kv_output.finished_recving
+        recompute = self.connector.kv_load_failure_policy == "recompute"
+        errors = []
+        for request_id, reason in kv_output.failed_recving.items():
+            if self._fail_remote_kv_load(request_id, recompute):
+                errors.append(EngineCoreOutput(request_id, [], finish_reason="error", stop_reason=reason))
+        self.connector.update_connector_output(kv_output)
+        return errors
 
-    def fail_remote_kv_load(self, request_id: str, recompute: bool) -> bool:
+    def _fail_remote_kv_load(self, request_id: str, recompute: bool) -> bool:
         """A request's external KV could not be loaded. With `recompute` it forgets the
         remote KV and will compute its whole prompt here; otherwise it finishes with an
         error. Returns whether the request was finished."""
@@ -331,9 +351,10 @@ class Scheduler:
         if not recompute:
             self.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
             return True
+        # NOTE: the connector remembers the failed load and matches no external tokens for
+        # this request again; its params stay (they still say what its prompt continues).
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
-        request.kv_transfer_params = None
         request.status = RequestStatus.WAITING
         return False
 
@@ -343,3 +364,8 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
+
+    def has_work(self) -> bool:
+        """Whether a step is needed: requests to run, finished ones the workers (and their
+        KV connector) have not heard of yet, or blocks held for an export in progress."""
+        return self.has_unfinished_requests() or bool(self.finished_req_ids) or bool(self.sending)

@@ -60,6 +60,9 @@ class TransferDirectory:
         # Ids released before they were registered (the requester gave up while the producer
         # was still exporting): a later registration is refused, so it cannot leak.
         self._tombstones: dict[str, float] = {}
+        # Ids whose registration was refused or abandoned by the producer, with the reason (a
+        # consumer looking one up learns why, instead of waiting for it).
+        self._rejected: dict[str, tuple[float, str]] = {}
         self._bytes = 0
         self._counts = {"registered": 0, "released": 0, "expired": 0, "rejected_full": 0}
 
@@ -90,6 +93,20 @@ class TransferDirectory:
     def lookup(self, transfer_id: str) -> TransferEntry | None:
         return self._entries.get(transfer_id)
 
+    def reject(self, transfer_id: str, reason: str) -> None:
+        """Record that `transfer_id` will never be registered, and why."""
+        self._rejected[transfer_id] = (self._clock() + _TOMBSTONE_S, reason)
+        if len(self._rejected) > _MAX_TOMBSTONES:
+            del self._rejected[next(iter(self._rejected))]
+
+    def rejection(self, transfer_id: str) -> str | None:
+        entry = self._rejected.get(transfer_id)
+        return entry[1] if entry is not None else None
+
+    def is_closed(self, transfer_id: str) -> bool:
+        """Released or rejected: no registration of it will ever be accepted."""
+        return transfer_id in self._tombstones or transfer_id in self._rejected
+
     def release(self, transfer_id: str) -> TransferEntry | None:
         """Forget a transfer (its consumer has the bytes, or nobody will take them)."""
         entry = self._entries.pop(transfer_id, None)
@@ -116,6 +133,8 @@ class TransferDirectory:
         # Tombstones share one TTL, so insertion order is expiry order.
         while self._tombstones and next(iter(self._tombstones.values())) <= now:
             del self._tombstones[next(iter(self._tombstones))]
+        while self._rejected and next(iter(self._rejected.values()))[0] <= now:
+            del self._rejected[next(iter(self._rejected))]
         expired = [e for e in self._entries.values() if e.deadline <= now]
         for e in expired:
             del self._entries[e.transfer_id]

@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.kv_connector import TEXT_CONTINUES
+from engine.kv_transfer_params import KVTransferParams
 from engine.sampling_params import SamplingParams
 
-DO_REMOTE_DECODE = {"do_remote_decode": True}
+
+def prefill_kv_params(params: SamplingParams, transfer_id: str | None = None) -> KVTransferParams:
+    """The prefill half exports the prompt's KV (under `transfer_id` when the requester names
+    it), and, when decode will continue the text, leaves a character split at the first token
+    and a possible stop-string prefix to decode instead of emitting them here."""
+    return KVTransferParams(do_remote_decode=True, transfer_id=transfer_id,
+                            output_continues=params.max_tokens is None or params.max_tokens > 1)
 
 
-def prefill_kv_params(params: SamplingParams, transfer_id: str | None = None) -> dict:
-    """kv_transfer_params of the prefill half: export the prompt's KV (under `transfer_id`
-    when the requester names it), and, when decode will continue the text, leave a character
-    split at the first token and a possible stop-string prefix to decode instead of emitting
-    them here."""
-    kv = {**DO_REMOTE_DECODE, TEXT_CONTINUES: params.max_tokens is None or params.max_tokens > 1}
-    if transfer_id is not None:
-        kv["transfer_id"] = transfer_id
-    return kv
+def decode_kv_params(exported: KVTransferParams) -> KVTransferParams:
+    """The decode half loads the exported prompt KV; its prompt ends with the one token the
+    prefill generated."""
+    return dataclasses.replace(exported, num_prior_output_tokens=1)
 
 
 def prefill_params(params: SamplingParams) -> SamplingParams:

@@ -37,6 +37,14 @@ class KVStore:
             boundaries=[0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120],
         )
         self._transfer_bytes = metrics.Counter("pdserve_kv_transfer_bytes_total", "Bytes of KV transferred")
+        # Consumers waiting in `lookup` for a registration still on its way.
+        self._waiters: dict[str, asyncio.Event] = {}
+
+    def _settle(self, transfer_id: str) -> None:
+        """Wake the lookups waiting for `transfer_id` (registered, rejected or released)."""
+        event = self._waiters.pop(transfer_id, None)
+        if event is not None:
+            event.set()
 
     def _ensure_sweeper(self) -> None:
         if self._sweeper is None or self._sweeper.done():
@@ -57,12 +65,19 @@ class KVStore:
         """Record a transfer. With `pull` (object-store transport) the store takes the export
         from the producer, becoming the object's owner; with `refs` the producer already put
         the object and the store only borrows the reference; otherwise the producer keeps the
-        bytes and the entry says where they are. Returns {"ok": True} or {"ok": False, "error": ...}."""
+        bytes and the entry says where they are. Producers do not wait for the answer
+        ({"ok": True} or {"ok": False, "error": ...}): a refusal is recorded, and the
+        consumer's lookup reports it."""
         self._ensure_sweeper()
         try:
             entry = self.directory.put(transfer_id, owner, nbytes, num_tokens, location=None,
                                        meta={**(meta or {}), "pull": pull})
         except (StoreFullError, ValueError) as e:
+            if not self.directory.is_closed(transfer_id):
+                self.directory.reject(transfer_id, str(e))
+            if producer is not None:
+                producer.drop_export.remote(transfer_id)  # nobody will fetch what it holds
+            self._settle(transfer_id)
             return {"ok": False, "error": str(e)}
         entry.meta["producer"] = producer
         if refs:
@@ -71,12 +86,31 @@ class KVStore:
             # The store is the caller, hence the owner, of the exported object.
             entry.location = producer.take_export.remote(transfer_id)
         self._update_gauges()
+        self._settle(transfer_id)
         return {"ok": True}
 
-    async def lookup(self, transfer_id: str) -> dict | None:
+    async def abandon(self, transfer_id: str, reason: str) -> None:
+        """The producer could not export `transfer_id` (it will never be registered)."""
+        if self.directory.lookup(transfer_id) is None and not self.directory.is_closed(transfer_id):
+            self.directory.reject(transfer_id, reason)
+        self._settle(transfer_id)
+
+    async def lookup(self, transfer_id: str, wait_s: float = 0.0) -> dict | None:
+        """Where a transfer's bytes are. A registration may still be on its way (producers
+        do not wait for theirs): wait up to `wait_s` for it. None if it is unknown (released,
+        expired, or never registered in time); {"error": reason} if it was refused."""
         entry = self.directory.lookup(transfer_id)
+        if entry is None and wait_s > 0 and not self.directory.is_closed(transfer_id):
+            event = self._waiters.setdefault(transfer_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), wait_s)
+            except asyncio.TimeoutError:
+                if self._waiters.get(transfer_id) is event and not event.is_set():
+                    self._waiters.pop(transfer_id)
+            entry = self.directory.lookup(transfer_id)
         if entry is None:
-            return None
+            reason = self.directory.rejection(transfer_id)
+            return {"error": reason} if reason is not None else None
         # Wrapped in a list so Ray passes the reference instead of resolving it here.
         meta = {k: v for k, v in entry.meta.items() if k != "producer"}
         return {"refs": [entry.location], "num_tokens": entry.num_tokens, "nbytes": entry.nbytes,
@@ -91,6 +125,7 @@ class KVStore:
 
     async def release(self, transfer_id: str) -> bool:
         entry = self.directory.release(transfer_id)
+        self._settle(transfer_id)
         if entry is not None:
             await self._forget([entry])
             self._latency.observe(time.monotonic() - entry.created)

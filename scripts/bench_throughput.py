@@ -135,7 +135,7 @@ def gpu_main(args) -> None:
     for batch in (1, 64):
         for eager in (False, True):
             tps, step_s, ctx, eng = gpu_decode_run(model, batch, 128, args.gpu_output_len, vocab, eager)
-            m = eng.core.runner.model
+            m = eng.core.executor.worker.runner.model
             itemsize = next(m.parameters()).element_size()
             weights = sum(p.numel() for p in m.parameters()) * itemsize
             if m.lm_head is not None:  # an untied embedding is only gathered, not streamed

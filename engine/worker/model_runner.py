@@ -141,7 +141,7 @@ class ModelRunner:
                 new.block_ids,
                 new.sampling_params,
                 self.device,
-                rng_draws_done=new.rng_draws_done,
+                rng_draws_done=new.kv_transfer_params.num_prior_output_tokens if new.kv_transfer_params else 0,
                 vocab_size=self.arch.vocab_size,
             )
         cached = so.scheduled_cached_reqs

@@ -9,8 +9,13 @@ from collections.abc import Callable
 
 import torch
 
+from engine.kv_transfer_params import KVTransferParams
+
 logger = logging.getLogger(__name__)
 _WARMUP_TIMEOUT_S = 30.0
+# How long a consumer waits for a registration the producer sent before its result: it
+# normally arrives within milliseconds of the prefill's output.
+_REGISTRATION_WAIT_S = 10.0
 
 
 class TransferError(RuntimeError):
@@ -18,23 +23,28 @@ class TransferError(RuntimeError):
 
 
 class KVTransport(ABC):
-    """Producer side: `publish`; consumer side: `fetch_async` and `release`.
+    """Producer side: `publish` and `abandon`; consumer side: `fetch_async` and `release`.
 
-    `publish` returns the extra entries of kv_transfer_params the consumer needs, and raises
-    on failure (e.g. the store is full). `fetch_async` must not block the engine thread: it
-    calls `on_done(tensor or exception)` from any thread.
+    None of them may block the engine thread on a remote call: `publish` hands the bytes
+    over and registers them without waiting for the store's answer (a refusal reaches the
+    consumer through its lookup); `fetch_async` calls `on_done(tensor or exception)` from any
+    thread; `release` is fire-and-forget.
     """
 
     name = "base"
 
     @abstractmethod
-    def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> dict: ...
+    def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None: ...
 
     @abstractmethod
-    def fetch_async(self, params: dict, on_done: Callable[[object], None]) -> None: ...
+    def abandon(self, transfer_id: str, reason: str) -> None:
+        """The producer could not export `transfer_id`: tell whoever will look it up why."""
 
     @abstractmethod
-    def release(self, params: dict) -> None: ...
+    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None]) -> None: ...
+
+    @abstractmethod
+    def release(self, params: KVTransferParams) -> None: ...
 
     def warm_up(self, producer: bool) -> None:
         """Make the first transfer as fast as the next (connections, handle set-up)."""
@@ -49,20 +59,26 @@ class LocalTransport(KVTransport):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._data: dict[str, torch.Tensor] = {}
+        self._abandoned: dict[str, str] = {}
 
-    def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> dict:
+    def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None:
         with self._lock:
             self._data[transfer_id] = kv
-        return {}
 
-    def fetch_async(self, params: dict, on_done: Callable[[object], None]) -> None:
+    def abandon(self, transfer_id: str, reason: str) -> None:
         with self._lock:
-            kv = self._data.get(params["transfer_id"])
-        on_done(kv if kv is not None else TransferError(f"transfer {params['transfer_id']!r} not found"))
+            self._abandoned[transfer_id] = reason
 
-    def release(self, params: dict) -> None:
+    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None]) -> None:
+        tid = params.transfer_id
         with self._lock:
-            self._data.pop(params["transfer_id"], None)
+            kv = self._data.get(tid)
+            reason = self._abandoned.pop(tid, None)
+        on_done(kv if kv is not None else TransferError(reason or f"transfer {tid!r} not found"))
+
+    def release(self, params: KVTransferParams) -> None:
+        with self._lock:
+            self._data.pop(params.transfer_id, None)
 
     @property
     def live_transfers(self) -> int:
@@ -100,27 +116,36 @@ class StoreBackedTransport(KVTransport):
             return len(self._outbox)
 
     # consumer ------------------------------------------------------------------------------
-    def fetch_async(self, params: dict, on_done: Callable[[object], None]) -> None:
-        threading.Thread(target=self._fetch, args=(params, on_done), daemon=True,
-                         name=f"kv-fetch-{params['transfer_id']}").start()
+    def abandon(self, transfer_id: str, reason: str) -> None:
+        self.drop_export(transfer_id)
+        self.store.abandon.remote(transfer_id, reason)
 
-    def _fetch(self, params: dict, on_done) -> None:
+    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None]) -> None:
+        threading.Thread(target=self._fetch, args=(params, on_done), daemon=True,
+                         name=f"kv-fetch-{params.transfer_id}").start()
+
+    def _fetch(self, params: KVTransferParams, on_done) -> None:
         import ray
 
+        tid = params.transfer_id
         try:
-            entry = ray.get(self.store.lookup.remote(params["transfer_id"]), timeout=self.timeout_s)
+            # The producer does not wait for its registration: it may still be on its way.
+            wait_s = min(self.timeout_s, _REGISTRATION_WAIT_S)
+            entry = ray.get(self.store.lookup.remote(tid, wait_s), timeout=self.timeout_s + wait_s)
             if entry is None:
-                raise TransferError(f"transfer {params['transfer_id']!r} is unknown (expired or released)")
+                raise TransferError(f"transfer {tid!r} is unknown (expired or released)")
+            if "error" in entry:
+                raise TransferError(entry["error"])
             on_done(self._receive(params, entry))
         except Exception as e:
             on_done(e if isinstance(e, TransferError) else TransferError(f"{type(e).__name__}: {e}"))
 
     @abstractmethod
-    def _receive(self, params: dict, entry: dict) -> torch.Tensor:
+    def _receive(self, params: KVTransferParams, entry: dict) -> torch.Tensor:
         """Get the bytes of a transfer the store knows (runs on the fetch thread)."""
 
-    def release(self, params: dict) -> None:
-        self.store.release.remote(params["transfer_id"])
+    def release(self, params: KVTransferParams) -> None:
+        self.store.release.remote(params.transfer_id)
 
     def warm_up(self, producer: bool) -> None:
         """The first Ray call carrying this actor's handle to the store costs ~1 s (measured):
@@ -132,6 +157,7 @@ class StoreBackedTransport(KVTransport):
         try:
             if producer:
                 self.publish(tid, torch.zeros(1), 0)
+                ray.get(self.store.lookup.remote(tid, _WARMUP_TIMEOUT_S), timeout=2 * _WARMUP_TIMEOUT_S)
                 # Nobody fetches it: out of the outbox now, not when the release below has
                 # made its way back here (outbox figures are exact from the start).
                 self.drop_export(tid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ray
 import torch
 
+from engine.kv_transfer_params import KVTransferParams
 from kvstore.transports.base import StoreBackedTransport, TransferError
 
 
@@ -24,24 +25,20 @@ class ObjectStoreTransport(StoreBackedTransport):
         super().__init__(store, replica_id, fetch_timeout_s)
         self._self_handle_fn = self_handle_fn  # the hosting actor's handle (for the store to call)
 
-    def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> dict:
+    def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None:
         kv = kv.cpu()  # the object store is host memory
         nbytes = kv.numel() * kv.element_size()
         if self._self_handle_fn is None:
-            # Wrapped in a list so Ray passes the reference; the store borrows it.
-            reply = ray.get(self.store.register.remote(transfer_id, self.replica_id, None, nbytes, num_tokens,
-                                                       refs=[ray.put(kv)]))
+            # Wrapped in a list so Ray passes the reference; the store borrows it. The pending
+            # call holds the reference until the store has it.
+            self.store.register.remote(transfer_id, self.replica_id, None, nbytes, num_tokens,
+                                       refs=[ray.put(kv)])
         else:
             self._hold(transfer_id, kv)
-            reply = ray.get(self.store.register.remote(transfer_id, self.replica_id, self._self_handle_fn(),
-                                                       nbytes, num_tokens))
-        if not reply["ok"]:
-            self.drop_export(transfer_id)  # nobody will pull it
-            raise TransferError(reply["error"])
-        return {"nbytes": nbytes}
+            self.store.register.remote(transfer_id, self.replica_id, self._self_handle_fn(), nbytes, num_tokens)
 
-    def _receive(self, params: dict, entry: dict) -> torch.Tensor:
+    def _receive(self, params: KVTransferParams, entry: dict) -> torch.Tensor:
         kv = ray.get(entry["refs"][0], timeout=self.timeout_s)
         if kv is None:
-            raise TransferError(f"transfer {params['transfer_id']!r} had no data at its producer")
+            raise TransferError(f"transfer {params.transfer_id!r} had no data at its producer")
         return kv

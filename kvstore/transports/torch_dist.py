@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
+from engine.kv_transfer_params import KVTransferParams
 from kvstore.transports.base import StoreBackedTransport, TransferError
 
 logger = logging.getLogger(__name__)
@@ -111,18 +112,15 @@ class TorchDistTransport(StoreBackedTransport):
             return group
 
     # ---- producer -----------------------------------------------------------------------
-    def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> dict:
+    def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None:
         host, port = self._ensure_rendezvous()
         kv = kv.to(self.device).contiguous()
         self._hold(transfer_id, kv)
         nbytes = kv.numel() * kv.element_size()
-        reply = ray.get(self.store.register.remote(
-            transfer_id, self.replica_id, self._self_handle_fn(), nbytes, num_tokens,
-            meta={"host": host, "port": port}, pull=False))
-        if not reply["ok"]:
-            self.drop_export(transfer_id)
-            raise TransferError(reply["error"])
-        return {"nbytes": nbytes, "peer_host": host, "peer_port": port}
+        # The consumer sizes its receive buffer from the entry's meta.
+        meta = {"host": host, "port": port, "shape": list(kv.shape), "dtype": str(kv.dtype).removeprefix("torch.")}
+        self.store.register.remote(transfer_id, self.replica_id, self._self_handle_fn(), nbytes, num_tokens,
+                                   meta=meta, pull=False)
 
     def send(self, transfer_id: str, consumer_id: str, tag: int) -> None:
         with self._lock:
@@ -135,18 +133,19 @@ class TorchDistTransport(StoreBackedTransport):
         group.send([kv], 1, tag).wait(self.timeout)
 
     # ---- consumer -----------------------------------------------------------------------
-    def _receive(self, params: dict, entry: dict) -> torch.Tensor:
-        tid = params["transfer_id"]
+    def _receive(self, params: KVTransferParams, entry: dict) -> torch.Tensor:
+        tid = params.transfer_id
         producer = entry["producer"]
-        group = self._pair_with(producer, params["source"], entry["meta"]["host"], entry["meta"]["port"])
-        buf = torch.empty(params["shape"], dtype=getattr(torch, params["dtype"]), device=self.device)
+        meta = entry["meta"]
+        group = self._pair_with(producer, params.source, meta["host"], meta["port"])
+        buf = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]), device=self.device)
         tag = next(self._tags)
         work = group.recv([buf], 0, tag)
         try:
             ray.get(producer.send_kv.remote(tid, self.replica_id, tag), timeout=self.timeout.total_seconds())
         except Exception:
             with self._lock:  # the pair is unusable with a receive left pending
-                self._pairs.pop(params["source"], None)
+                self._pairs.pop(params.source, None)
             raise
         work.wait(self.timeout)
         return buf

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from tests.engine.hf_reference import random_prompts
 
@@ -34,17 +35,37 @@ def assert_no_leaks(ray, store, *workers):
     for load in ray.get([w.load.remote() for w in workers]):
         assert load["free_blocks"] == load["total_blocks"], load
         assert load["running"] == 0 and load["waiting"] == 0, load
-    assert ray.get(store.stats.remote())["live_transfers"] == 0
+    # A consumer's release is fire-and-forget (it must not block its engine thread): it
+    # reaches the store shortly after the request ended there, so wait for it, bounded.
+    for _ in range(500):
+        if ray.get(store.stats.remote())["live_transfers"] == 0:
+            break
+        time.sleep(0.01)
+    assert ray.get(store.stats.remote())["live_transfers"] == 0, ray.get(store.stats.remote())
     assert sum(ray.get([w.outbox_size.remote() for w in workers])) == 0
 
 
 async def decode_half(decode, first, params, request_id):
     """The decode half of pd_generate, run by hand after a separate prefill call."""
-    from kvstore.pd import decode_params, decode_prompt
+    from kvstore.pd import decode_kv_params, decode_params, decode_prompt
 
     gen = decode.generate.remote(decode_prompt(first.prompt_token_ids, first.outputs[0].token_ids[0]),
-                                 decode_params(params), request_id, first.kv_transfer_params, 1)
+                                 decode_params(params), request_id, decode_kv_params(first.kv_transfer_params))
     last = None
     async for ref in gen:
         last = await ref
     return last
+
+
+def transfer_lost_peers(prefill, decode, store):
+    """Peers whose prefill's transfer is gone from the store before the decode loads it (its
+    lease ran out): the decode replica's load fails the way a real loss would."""
+    from actors.orchestrate import ActorPeers
+
+    class Losing(ActorPeers):
+        async def prefill(self, prompt, params, request_id, transfer_id):
+            out = await super().prefill(prompt, params, request_id, transfer_id)
+            await self.store.release.remote(transfer_id)
+            return out
+
+    return Losing(prefill, decode, store)

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from actors import PDRequestError, pd_generate
+from actors.orchestrate import pd_flow
 from engine import SamplingParams
 from kvstore.store_actor import create_store
 from tests.actors.helpers import (
@@ -17,6 +18,7 @@ from tests.actors.helpers import (
     collect,
     decode_half,
     make_prompt,
+    transfer_lost_peers,
     wait_until,
 )
 from tests.engine.hf_reference import hf_greedy
@@ -46,39 +48,43 @@ class HangingEngine:
 
 
 class SilentStore:
-    """A store whose lookups never answer: the transfer stays in flight."""
+    """The real store as the decode replica sees it, but lookups never answer: the transfer
+    stays in flight. Releases go through to the real store."""
 
-    def __init__(self) -> None:
+    def __init__(self, inner) -> None:
+        self.inner = inner
         self.never = asyncio.Event()
-        self.released: list[str] = []
 
-    async def lookup(self, transfer_id):
+    async def lookup(self, transfer_id, wait_s=0.0):
         if transfer_id.startswith("warmup-"):
             return None  # lets the worker start
         await self.never.wait()
 
     async def release(self, transfer_id):
-        self.released.append(transfer_id)
+        return await self.inner.release.remote(transfer_id)
 
     async def register(self, *args, **kwargs):
         return {"ok": True}
+
+    async def abandon(self, transfer_id, reason):
+        pass
 
 
 def test_kv_load_failure_with_fail_policy_is_an_error(pd):
     ray, store, make = pd
     prefill = make("prefill", store)
-    decode = make("decode", create_store())  # looks transfers up in the wrong store
+    decode = make("decode", store)
     with pytest.raises(PDRequestError, match="KV load failed"):
-        asyncio.run(collect(pd_generate(prefill, decode, store, make_prompt(), PARAMS, "f1")))
+        asyncio.run(collect(pd_flow(transfer_lost_peers(prefill, decode, store), make_prompt(), PARAMS, "f1")))
     assert_no_leaks(ray, store, prefill, decode)
 
 
 def test_kv_load_failure_with_recompute_policy_gives_correct_tokens(pd, tiny_model):
     ray, store, make = pd
     prefill = make("prefill", store)
-    decode = make("decode", create_store(), load_failure_policy="recompute")
+    decode = make("decode", store, load_failure_policy="recompute")
     prompt = make_prompt(seed=42)
-    out = asyncio.run(collect(pd_generate(prefill, decode, store, prompt, PARAMS, "f2")))
+    out = asyncio.run(collect(pd_flow(transfer_lost_peers(prefill, decode, store), prompt, PARAMS, "f2")))
     assert out.outputs[0].token_ids == hf_greedy(tiny_model, [prompt["prompt_token_ids"]], 8)[0]
     assert_no_leaks(ray, store, prefill, decode)
 
@@ -109,7 +115,7 @@ def test_prefill_death_after_prefill_does_not_lose_the_kv(pd, tiny_model):
     decode = make("decode", store)
     prompt = make_prompt(seed=43)
     first = ray.get(prefill.prefill.remote(prompt, PARAMS, "f4"))
-    entry = ray.get(store.lookup.remote(first.kv_transfer_params["transfer_id"]))
+    entry = ray.get(store.lookup.remote(first.kv_transfer_params.transfer_id, 10.0))
     ray.wait(entry["refs"])  # the export has reached the object store, owned by the store
     ray.kill(prefill)
 
@@ -169,7 +175,7 @@ def test_abort_mid_decode_frees_decode_blocks(pd):
 
 def test_abort_during_transfer_frees_blocks_on_decode(pd, ray_local):
     ray, store, make = pd
-    silent = ray_local.remote(SilentStore).options(num_cpus=0, max_concurrency=100).remote()
+    silent = ray_local.remote(SilentStore).options(num_cpus=0, max_concurrency=100).remote(store)
     prefill, decode = make("prefill", store), make("decode", silent)
 
     async def main():
@@ -214,9 +220,10 @@ def test_lease_expiry_frees_unclaimed_transfers(pd):
     ray, store, make = pd
     prefill = make("prefill", store)
     first = ray.get(prefill.prefill.remote(make_prompt(seed=50), PARAMS, "l1"))
+    ray.get(store.lookup.remote(first.kv_transfer_params.transfer_id, 10.0))  # registered by now
     assert ray.get(store.stats.remote())["live_transfers"] == 1
     assert ray.get(store.sweep.remote(advance_s=60.0)) == []
-    assert ray.get(store.sweep.remote(advance_s=121.0)) == [first.kv_transfer_params["transfer_id"]]
+    assert ray.get(store.sweep.remote(advance_s=121.0)) == [first.kv_transfer_params.transfer_id]
     assert_no_leaks(ray, store, prefill)
 
 

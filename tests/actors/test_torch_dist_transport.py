@@ -7,8 +7,16 @@ import asyncio
 import pytest
 
 from actors import PDRequestError, pd_generate
+from actors.orchestrate import pd_flow
 from engine import SamplingParams
-from tests.actors.helpers import ENGINE, assert_no_leaks, collect, decode_half, make_prompt
+from tests.actors.helpers import (
+    ENGINE,
+    assert_no_leaks,
+    collect,
+    decode_half,
+    make_prompt,
+    transfer_lost_peers,
+)
 from tests.engine.hf_reference import hf_greedy
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -45,7 +53,7 @@ def test_producer_death_before_send_is_a_load_failure(pd, tiny_model, policy):
     else:
         tokens = list(first.outputs[0].token_ids) + list(out.outputs[0].token_ids)
         assert tokens == hf_greedy(tiny_model, [prompt["prompt_token_ids"]], 6)[0]
-    ray.get(store.release.remote(first.kv_transfer_params["transfer_id"]))
+    ray.get(store.release.remote(first.kv_transfer_params.transfer_id))
     assert_no_leaks(ray, store, decode)
 
 
@@ -55,7 +63,7 @@ def test_released_or_expired_transfer_is_dropped_by_its_producer(pd):
     a = ray.get(prefill.prefill.remote(make_prompt(seed=65), PARAMS, "x1"))
     ray.get(prefill.prefill.remote(make_prompt(seed=66), PARAMS, "x2"))
     assert ray.get(prefill.outbox_size.remote()) == 2
-    ray.get(store.release.remote(a.kv_transfer_params["transfer_id"]))
+    ray.get(store.release.remote(a.kv_transfer_params.transfer_id))
     ray.get(store.sweep.remote(advance_s=1000.0))
     assert_no_leaks(ray, store, prefill)
 
@@ -64,12 +72,7 @@ def test_orchestrated_failure_with_fail_policy_is_an_error(pd):
     ray, store, make = pd
     prefill = make("prefill", store, **TD)
     decode = make("decode", store, engine_kwargs={**ENGINE}, **TD)
-    # The decode replica looks transfers up in an empty store: the load fails.
-    from kvstore.store_actor import create_store
-
-    other = create_store()
-    decode_wrong = make("decode", other, **TD)
+    # The transfer is gone from the store before the decode replica loads it: the load fails.
     with pytest.raises(PDRequestError, match="KV load failed"):
-        asyncio.run(collect(pd_generate(prefill, decode_wrong, store, make_prompt(seed=67), PARAMS, "w")))
-    assert_no_leaks(ray, store, prefill, decode, decode_wrong)
-    ray.kill(other)
+        asyncio.run(collect(pd_flow(transfer_lost_peers(prefill, decode, store), make_prompt(seed=67), PARAMS, "w")))
+    assert_no_leaks(ray, store, prefill, decode)

@@ -15,7 +15,12 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from engine.sched_output import (
+    EngineCoreOutput,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from engine.scheduler import Scheduler
 
 EOS_TOKEN_ID = 2
@@ -119,7 +124,8 @@ def _choose_token(request: Request, tokens: TokenChoice | None) -> int:
 
 
 def make_runner_output(
-    scheduler: Scheduler, scheduler_output: SchedulerOutput, tokens: TokenChoice | None = None
+    scheduler: Scheduler, scheduler_output: SchedulerOutput, tokens: TokenChoice | None = None,
+    kv_connector_output: KVConnectorOutput | None = None,
 ) -> ModelRunnerOutput:
     """Fake the model runner for one step.
 
@@ -136,7 +142,7 @@ def make_runner_output(
             sampled.append([_choose_token(request, tokens)])
         else:
             sampled.append([])
-    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_connector_output)
 
 
 def step(

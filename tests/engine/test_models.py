@@ -110,7 +110,7 @@ def test_prefill_logits_match_transformers(model_factory):
     model = model_factory("qwen2")
     llm = LLM(model, max_model_len=128)
     ids = list(range(10, 40))
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.worker.runner
     captured = {}
     original = runner.model.compute_logits
     runner.model.compute_logits = lambda h: captured.setdefault("logits", original(h))
@@ -123,7 +123,7 @@ def test_prefill_logits_match_transformers(model_factory):
 
 def test_bfloat16_weights_load_and_generate(tiny_model):
     llm = LLM(tiny_model, dtype="bfloat16", max_model_len=64)
-    assert llm.engine.core.runner.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert llm.engine.core.executor.worker.runner.model.embed_tokens.weight.dtype == torch.bfloat16
     out = llm.generate(["hello"], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5
 
@@ -145,7 +145,7 @@ def test_made_model_has_chat_template_and_loads_in_transformers(tiny_model):
 
 
 def test_kv_budget_subtracts_other_processes_and_activation_peak():
-    from engine.core import kv_budget_bytes
+    from engine.worker.worker import kv_budget_bytes
 
     GiB = 2**30
     # 80 GiB device, 10 GiB used by another process, we reserved 2 GiB, peak 3 GiB.
@@ -156,6 +156,6 @@ def test_kv_budget_subtracts_other_processes_and_activation_peak():
 
 def test_profile_run_executes_a_full_budget_forward(tiny_model):
     llm = LLM(tiny_model, max_model_len=128, max_num_batched_tokens=300)
-    llm.engine.core.runner.profile_run(300)  # must not touch the real KV cache
+    llm.engine.core.executor.worker.runner.profile_run(300)  # must not touch the real KV cache
     out = llm.generate(["hi"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 2

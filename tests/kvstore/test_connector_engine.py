@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineArgs, SamplingParams
+from engine.kv_connector import KVConnectorRole
+from engine.kv_transfer_params import KVTransferParams
 from engine.llm_engine import LLMEngine
 from kvstore.connector import PDConnector
 from kvstore.pd import (
-    DO_REMOTE_DECODE,
+    decode_kv_params,
     decode_params,
     decode_prompt,
     needs_decode,
@@ -23,7 +25,20 @@ BS = 16
 
 
 def _engine(model, connector=None, **kw):
-    return LLMEngine(EngineArgs.from_kwargs(model, max_model_len=256, block_size=BS, **kw).create_engine_config(), connector)
+    """An engine with both sides of `connector` (a PDConnector argument tuple), or none."""
+    config = EngineArgs.from_kwargs(model, max_model_len=256, block_size=BS, **kw).create_engine_config()
+    factory = None
+    if connector is not None:
+        pd_role, transport, replica_id, *rest = connector
+
+        def factory(side):
+            return PDConnector(side, pd_role, transport, replica_id, BS, *rest)
+
+    return LLMEngine(config, factory)
+
+
+def _worker_side(engine) -> PDConnector:
+    return engine.core.executor.worker.kv_connector
 
 
 def _run(engine, rid):
@@ -41,7 +56,7 @@ def _pd(prefill, decode, rid, prompt, params):
     if not needs_decode(first.outputs[0].finish_reason, params):
         return tokens, first
     decode.add_request(rid, decode_prompt(prompt, tokens[0]), decode_params(params),
-                       kv_transfer_params=first.kv_transfer_params, prior_output_tokens=1)
+                       kv_transfer_params=decode_kv_params(first.kv_transfer_params))
     last = _run(decode, rid)
     return tokens + list(last.outputs[0].token_ids), last
 
@@ -49,8 +64,8 @@ def _pd(prefill, decode, rid, prompt, params):
 @pytest.fixture
 def pd_pair(tiny_model):
     transport = LocalTransport()
-    p = _engine(tiny_model, PDConnector("producer", transport, "p0", BS))
-    d = _engine(tiny_model, PDConnector("consumer", transport, "d0", BS))
+    p = _engine(tiny_model, ("producer", transport, "p0"))
+    d = _engine(tiny_model, ("consumer", transport, "d0"))
     return p, d, transport
 
 
@@ -93,17 +108,18 @@ def test_decode_does_not_recompute_the_prompt(pd_pair):
     p, d, _ = pd_pair
     prompt = random_prompts([40], 1000, seed=22)[0]
     scheduled = []
-    original = d.core.runner.execute_model
+    runner = d.core.executor.worker.runner
+    original = runner.execute_model
 
     def spy(so):
         scheduled.append(dict(so.num_scheduled_tokens))
         return original(so)
 
-    d.core.runner.execute_model = spy
+    runner.execute_model = spy
     _pd(p, d, "r", prompt, SamplingParams(temperature=0, max_tokens=4))
     first_step = next(s for s in scheduled if s)
     assert first_step == {"r": 1}  # only the first generated token, never the 40-token prompt
-    assert p.core.connector.stats["exports"] == 1 and d.core.connector.stats["loads"] == 1
+    assert _worker_side(p).stats["exports"] == 1 and _worker_side(d).stats["loads"] == 1
 
 
 def test_single_token_request_never_reaches_decode(pd_pair):
@@ -122,8 +138,8 @@ class FailingTransport(LocalTransport):
 
 def _pd_with_failing_fetch(tiny_model, policy):
     transport = FailingTransport()
-    p = _engine(tiny_model, PDConnector("producer", transport, "p0", BS))
-    d = _engine(tiny_model, PDConnector("consumer", transport, "d0", BS, load_failure_policy=policy))
+    p = _engine(tiny_model, ("producer", transport, "p0"))
+    d = _engine(tiny_model, ("consumer", transport, "d0", policy))
     return p, d, transport
 
 
@@ -152,18 +168,19 @@ def test_abort_while_waiting_for_kv_frees_blocks_and_transfer(tiny_model):
             pass  # in flight forever
 
     transport = NeverArrives()
-    p = _engine(tiny_model, PDConnector("producer", transport, "p0", BS))
-    d = _engine(tiny_model, PDConnector("consumer", transport, "d0", BS))
+    p = _engine(tiny_model, ("producer", transport, "p0"))
+    d = _engine(tiny_model, ("consumer", transport, "d0"))
     prompt = random_prompts([30], 1000, seed=25)[0]
     p.add_request("r", {"prompt_token_ids": prompt}, prefill_params(SamplingParams(max_tokens=5)),
-                  kv_transfer_params=dict(DO_REMOTE_DECODE))
+                  kv_transfer_params=KVTransferParams(do_remote_decode=True))
     first = _run(p, "r")
     d.add_request("r", decode_prompt(prompt, first.outputs[0].token_ids[0]), SamplingParams(max_tokens=4),
-                  kv_transfer_params=first.kv_transfer_params)
+                  kv_transfer_params=decode_kv_params(first.kv_transfer_params))
     d.step()
     d.step()
     assert d.core.kv_cache_manager.get_num_free_blocks() < d.core.kv_cache_manager.num_blocks
     d.abort_request("r")
+    d.step()  # the engine's next step tells the worker side, which releases the transfer
     _assert_no_leaks(p, d, transport=transport)
 
 
@@ -172,18 +189,18 @@ def test_local_prefix_hit_covering_the_transfer_skips_the_load(pd_pair, tiny_mod
     prompt = random_prompts([32], 1000, seed=26)[0]  # block aligned: a full local hit
     params = SamplingParams(temperature=0, max_tokens=3)
     first_run, _ = _pd(p, d, "a", prompt, params)
-    loads = d.core.connector.stats["loads"]
+    loads = _worker_side(d).stats["loads"]
     second_run, _ = _pd(p, d, "b", prompt, params)
     assert second_run == first_run
-    assert d.core.connector.stats["loads"] == loads  # served from d's own prefix cache
+    assert _worker_side(d).stats["loads"] == loads  # served from d's own prefix cache
     _assert_no_leaks(p, d, transport=transport)
 
 
 def test_invalid_connector_settings_are_rejected():
     with pytest.raises(ValueError, match="role"):
-        PDConnector("server", LocalTransport(), "x", 16)
+        PDConnector(KVConnectorRole.SCHEDULER, "server", LocalTransport(), "x", 16)
     with pytest.raises(ValueError, match="load_failure_policy"):
-        PDConnector("consumer", LocalTransport(), "x", 16, load_failure_policy="retry")
+        PDConnector(KVConnectorRole.WORKER, "consumer", LocalTransport(), "x", 16, load_failure_policy="retry")
 
 
 def _merged_text(prefill, decode, rid, prompt, params) -> tuple[str, str | None]:
@@ -196,7 +213,7 @@ def _merged_text(prefill, decode, rid, prompt, params) -> tuple[str, str | None]
     if not needs_decode(first.outputs[0].finish_reason, params):
         return text, first.outputs[0].finish_reason
     decode.add_request(rid, decode_prompt(prompt, first.outputs[0].token_ids[0]), decode_params(params),
-                       kv_transfer_params=first.kv_transfer_params, prior_output_tokens=1)
+                       kv_transfer_params=decode_kv_params(first.kv_transfer_params))
     while True:
         for out in decode.step():
             if out.request_id == rid:
@@ -240,6 +257,6 @@ def test_the_requester_can_name_the_transfer(pd_pair, tiny_model):
     p.add_request("named", {"prompt_token_ids": prompt}, prefill_params(params),
                   kv_transfer_params=prefill_kv_params(params, transfer_id="chosen-id"))
     first = _run(p, "named")
-    assert first.kv_transfer_params["transfer_id"] == "chosen-id"
-    transport.release({"transfer_id": "chosen-id"})
+    assert first.kv_transfer_params.transfer_id == "chosen-id"
+    transport.release(first.kv_transfer_params)
     _assert_no_leaks(p, transport=transport)

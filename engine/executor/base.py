@@ -1,0 +1,69 @@
+"""The Executor interface and the resolved configuration every worker is built from."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig, SchedulerConfig
+from engine.models.arch import ModelArch
+from engine.sched_output import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """An EngineConfig with everything a worker must not decide on its own resolved once by
+    the EngineCore (device, dtype, context length, token budget, kernel backend), so every
+    rank builds the same model runner."""
+
+    engine: EngineConfig
+    arch: ModelArch
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    scheduler: SchedulerConfig  # max_num_batched_tokens resolved for the device
+    kernel_backend: str  # "triton" or "torch"
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.device.type == "cuda" and self.kernel_backend == "triton" and not self.engine.enforce_eager
+
+
+class Executor(ABC):
+    """What the EngineCore needs from its workers. Every method is a collective: it reaches
+    all workers and, where workers answer, returns what the driver rank (rank 0) says."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step on every worker; the sampled tokens (and the KV
+        connector's report) come from the driver rank."""
+
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        """Call `method` on every worker; one result per rank, in rank order."""
+
+    # ---- KV cache sizing ----------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block on the rank that holds the most (ranks may differ)."""
+        return max(self.collective_rpc("kv_bytes_per_block"))
+
+    def determine_available_memory(self) -> int:
+        """Bytes each rank can give the KV cache after a full-budget profiling forward pass
+        (the least of all ranks: block tables are the same everywhere)."""
+        return min(self.collective_rpc("determine_available_memory"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    def profile_run(self, num_tokens: int) -> None:
+        self.collective_rpc("profile_run", (num_tokens,))
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the workers (processes, actors, device memory). Idempotent."""

@@ -1,0 +1,34 @@
+"""Typed P/D state of one request (see engine.kv_connector for the contract around it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """The P/D state of one request.
+
+    A prefill (producer) request is submitted with `do_remote_decode=True` (and, when the
+    requester wants to release it itself, a `transfer_id` of its choosing); its final output
+    carries the params of the export: transfer_id, num_tokens, block_size, source, transport.
+    A decode (consumer) request is submitted with those params plus
+    `num_prior_output_tokens`: its prompt ends with that many tokens already generated on the
+    producer, so detokenization and seeded sampling continue from them.
+    """
+
+    do_remote_decode: bool = False
+    # Producer: its output goes on on the decode engine, so a character split at the end of
+    # its text (or a possible stop-string prefix) is left for the decode side to emit.
+    output_continues: bool = False
+    transfer_id: str | None = None
+    num_tokens: int = 0
+    block_size: int = 0
+    source: str | None = None
+    transport: str | None = None
+    num_prior_output_tokens: int = 0
+
+    @property
+    def loads_remote_kv(self) -> bool:
+        """A consumer request: its prompt's KV is in a transfer."""
+        return not self.do_remote_decode and self.transfer_id is not None and self.num_tokens > 0

@@ -1,0 +1,94 @@
+"""One rank's worker: its model runner, its share of the KV cache, and the worker side of the
+KV connector. Executors call these methods (directly, or as collective RPCs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import kernels
+from engine.executor.base import WorkerConfig
+from engine.kv_connector import KVConnectorFactory, KVConnectorRole, run_worker_step
+from engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.cpu_tuning import keep_freed_memory_in_heap
+from engine.worker.model_runner import ModelRunner
+
+
+def kv_budget_bytes(total: int, free: int, reserved: int, peak: int, utilization: float) -> int:
+    """GPU bytes left for KV: `utilization` of the device, minus what other processes hold
+    (total - free - our reserved) and minus our peak during a full-budget forward pass."""
+    used_by_others = total - free - reserved
+    budget = int(total * utilization - used_by_others - peak)
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}: "
+            f"other processes use {used_by_others / 2**30:.1f} GiB and a forward pass peaks at "
+            f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise gpu_memory_utilization or "
+            "lower max_num_batched_tokens"
+        )
+    return budget
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, rank: int = 0,
+                 kv_connector_factory: KVConnectorFactory | None = None) -> None:
+        self.config = config
+        self.rank = rank
+        ec, sc = config.engine, config.scheduler
+        if config.device.type == "cpu":
+            keep_freed_memory_in_heap()
+        torch.manual_seed(ec.model.seed)
+        self.runner = ModelRunner(
+            ec.model.model,
+            config.arch,
+            kernels.get_ops(config.kernel_backend, config.device.type),
+            config.device,
+            config.dtype,
+            config.max_model_len,
+            sc.max_num_seqs,
+            sc.max_num_batched_tokens,
+            ec.cache.block_size,
+            ec.cache.effective_kernel_block_size,
+            use_cuda_graphs=config.use_cuda_graphs,
+        )
+        self.kv_connector = (kv_connector_factory(KVConnectorRole.WORKER)
+                             if kv_connector_factory is not None else None)
+
+    # ---- KV cache -----------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
+    def determine_available_memory(self) -> int:
+        if self.config.device.type != "cuda":
+            raise RuntimeError("memory profiling needs CUDA; size the KV cache explicitly on CPU")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.runner.profile_run(self.config.scheduler.max_num_batched_tokens)
+        free, total = torch.cuda.mem_get_info()
+        return kv_budget_bytes(
+            total, free, torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated(),
+            self.config.engine.cache.gpu_memory_utilization,
+        )
+
+    def profile_run(self, num_tokens: int) -> None:
+        self.runner.profile_run(num_tokens)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.runner.kv_caches)
+
+    def set_kv_wakeup(self, callback: Callable[[], None]) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.set_wakeup(callback)
+
+    # ---- step ---------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output, kv_output = run_worker_step(
+            self.kv_connector, scheduler_output.kv_connector_metadata,
+            lambda: self.runner.execute_model(scheduler_output),
+        )
+        if kv_output is not None and not kv_output.is_empty:
+            output.kv_connector_output = kv_output
+        return output
