@@ -32,7 +32,7 @@ def deploy(serve_url):
     from ray import serve
 
     from cluster.app import build_app
-    from cluster.replica import kill_store
+    from kvstore.store_actor import remove_app_store
 
     deployed = []
 
@@ -41,7 +41,7 @@ def deploy(serve_url):
         name = app_name if application is not None else cfg.app_name
         for other in [n for n in deployed if n != name]:
             serve.delete(other)
-            kill_store(other)
+            remove_app_store(other)
             deployed.remove(other)
         serve.run(application if application is not None else build_app(cfg), name=name, route_prefix="/",
                   blocking=False, external_scaler_enabled=True)
@@ -52,4 +52,4 @@ def deploy(serve_url):
     yield run
     for name in deployed:
         serve.delete(name)
-        kill_store(name)
+        remove_app_store(name)

@@ -55,7 +55,7 @@ def assert_no_leaks(url: str, app_name: str, roles: set[str]) -> None:
     this polls (bounded) for reports made after the call, which must show that state."""
     import ray
 
-    from cluster.replica import STORE_NAMESPACE, store_name
+    from kvstore.store_actor import STORE_NAMESPACE, store_name
 
     since = time.time()
 

@@ -82,7 +82,7 @@ def test_serve_config_passes_schema_and_serves_on_local_ray(deploy, tiny_model):
     import ray
     from ray import serve
 
-    from cluster.replica import STORE_NAMESPACE, store_name
+    from kvstore.store_actor import STORE_NAMESPACE, store_name
 
     ray.get_actor(store_name(app.name), namespace=STORE_NAMESPACE)  # exists while the app runs
     serve.delete(app.name)
