@@ -1,57 +1,43 @@
 """The `pdserve` Serve application: Ingress, Prefill, Decode (or Colocated) and Coordinator.
 
 `build` is the import path Serve config files use (`import_path: cluster.app:build`, with
-`args:` holding AppConfig fields); `build_app(AppConfig)` is the same from Python. Deploy it
-with `external_scaler_enabled` (`serve.run(..., external_scaler_enabled=True)`, or
-`external_scaler_enabled: true` in the config): the Coordinator changes replica counts through
-Serve's external-scaling API.
+`args:` holding AppConfig fields and EngineArgs fields side by side, flat);
+`build_app(AppConfig)` is the same from Python. Deploy it with `external_scaler_enabled`
+(`serve.run(..., external_scaler_enabled=True)`, or `external_scaler_enabled: true` in the
+config): the Coordinator changes replica counts through Serve's external-scaling API.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster.autoscale import build_config
 from cluster.coordinator import Coordinator
+from cluster.default_model import ensure_default_model, require_model_dir
 from cluster.ingress import Ingress
 from cluster.replica import EngineServer
 from cluster.router import LeastLoadRouter
 from engine.args import EngineArgs
+from engine.errors import ParameterError, check_choice, check_int
 
 MODES = ("pd", "colocated")
 POLICIES = ("fail", "recompute")
-_ENGINE_KEYS = ("dtype", "num_kv_blocks", "kv_cache_memory_gb", "max_model_len", "max_num_seqs",
-                "max_num_batched_tokens", "block_size", "enable_prefix_caching", "gpu_memory_utilization",
-                "enforce_eager", "seed")
 
 
 @dataclass(frozen=True)
 class AppConfig:
-    model: str
+    engine_args: EngineArgs  # the same engine on every replica; the ingress validates with it
     mode: str = "pd"
     prefill_replicas: int = 1
     decode_replicas: int = 1
     colocated_replicas: int = 1
     served_model_name: str | None = None
     app_name: str = "pdserve"
-    # engine
-    dtype: str = "auto"
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    seed: int = 0
-    # serving
     load_failure_policy: str = "fail"
     max_pending_requests: int = 1024  # per ingress replica; beyond it: 503 + Retry-After
     max_ongoing_requests: int = 1024  # per engine replica (Serve's own cap)
@@ -62,28 +48,43 @@ class AppConfig:
     replica_num_gpus: float | None = None  # None: 1 when this machine has a CUDA GPU, else 0
     max_replicas: int = 8  # per role: the ceiling of POST /scale (and of autoscaling by default)
     autoscale: dict | None = None  # cluster.autoscale.AutoscaleConfig fields; {"enabled": True} turns it on
-    extra_engine_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.load_failure_policy not in POLICIES:
-            raise ValueError(f"load_failure_policy must be one of {POLICIES}, got {self.load_failure_policy!r}")
+        if not isinstance(self.engine_args, EngineArgs):
+            raise ParameterError("engine_args", f"engine_args must be an EngineArgs, got "
+                                 f"{type(self.engine_args).__name__}")
+        check_choice("mode", self.mode, MODES)
+        check_choice("load_failure_policy", self.load_failure_policy, POLICIES)
         for name in ("prefill_replicas", "decode_replicas", "colocated_replicas", "max_pending_requests",
                      "max_ongoing_requests", "max_replicas"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model must be a model directory visible to every node; {self.model!r} does not exist")
+            check_int(name, getattr(self, name))
+        require_model_dir(self.engine_args.model)
+        self.engine_args.create_engine_config()  # every engine field, checked before Ray starts
         if self.replica_num_cpus < 0:
-            raise ValueError(f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
+            raise ParameterError("replica_num_cpus", f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
         if self.replica_num_gpus is not None and self.replica_num_gpus < 0:
-            raise ValueError(f"replica_num_gpus must be >= 0, got {self.replica_num_gpus}")
+            raise ParameterError("replica_num_gpus", f"replica_num_gpus must be >= 0, got {self.replica_num_gpus}")
         for role, n in self.targets().items():
             if n > self.max_replicas:
-                raise ValueError(f"{role}_replicas must be <= max_replicas ({self.max_replicas})")
+                raise ParameterError(f"{role}_replicas",
+                                     f"{role}_replicas must be <= max_replicas ({self.max_replicas})")
         build_config(self.autoscale, self.max_replica_map())  # validates, as the Coordinator will build it
+
+    @classmethod
+    def from_flat(cls, args: dict) -> AppConfig:
+        """An AppConfig from one flat mapping of AppConfig and EngineArgs fields (a Serve
+        config's `args:`). Unknown keys are an error listing the allowed ones."""
+        app_keys = {f.name for f in dataclasses.fields(cls)} - {"engine_args"}
+        engine_keys = set(EngineArgs.field_names())
+        unknown = sorted(set(args) - app_keys - engine_keys)
+        if unknown:
+            raise ValueError(f"unknown app arguments {unknown}; allowed: {sorted(app_keys | engine_keys)}")
+        engine_args = EngineArgs(**{k: v for k, v in args.items() if k in engine_keys})
+        return cls(engine_args=engine_args, **{k: v for k, v in args.items() if k in app_keys})
+
+    @property
+    def model(self) -> str:
+        return self.engine_args.model
 
     def targets(self) -> dict[str, int]:
         if self.mode == "pd":
@@ -97,9 +98,6 @@ class AppConfig:
     def model_name(self) -> str:
         return self.served_model_name or os.path.basename(os.path.normpath(self.model))
 
-    def engine_kwargs(self) -> dict:
-        return {**{k: getattr(self, k) for k in _ENGINE_KEYS}, **self.extra_engine_kwargs}
-
     def num_gpus(self) -> float:
         if self.replica_num_gpus is not None:
             return self.replica_num_gpus
@@ -109,7 +107,6 @@ class AppConfig:
 
 
 def build_app(cfg: AppConfig):
-    engine_kwargs = cfg.engine_kwargs()
     router = RequestRouterConfig(
         request_router_class=LeastLoadRouter,
         request_router_kwargs={"prefix_affinity": cfg.prefix_affinity},
@@ -126,7 +123,8 @@ def build_app(cfg: AppConfig):
 
     def engine(name: str, role: str, replicas: int):
         return serve.deployment(EngineServer, name=name, num_replicas=replicas, **engine_options).bind(
-            EngineArgs.from_kwargs(cfg.model, **engine_kwargs), role, cfg.app_name, cfg.load_failure_policy)
+            engine_args=cfg.engine_args, role=role, app_name=cfg.app_name,
+            load_failure_policy=cfg.load_failure_policy)
 
     coordinator = serve.deployment(Coordinator, name="Coordinator", num_replicas=1,
                                    ray_actor_options={"num_cpus": 0}).bind(
@@ -136,24 +134,18 @@ def build_app(cfg: AppConfig):
                                                                                    cfg.decode_replicas)
     else:
         first, second = engine("Colocated", "colocated", cfg.colocated_replicas), None
-    settings = {"mode": cfg.mode, "model": cfg.model, "served_model_name": cfg.model_name,
+    settings = {"mode": cfg.mode, "engine_args": cfg.engine_args, "served_model_name": cfg.model_name,
                 "max_pending_requests": cfg.max_pending_requests, "load_failure_policy": cfg.load_failure_policy,
-                "engine_kwargs": engine_kwargs, "app_name": cfg.app_name}
+                "app_name": cfg.app_name}
     return serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=cfg.max_pending_requests * 2,
                             graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                             ray_actor_options={"num_cpus": 0}).bind(first, second, coordinator, settings)
 
 
 def build(args: dict):
-    """Serve config entry point: `args` are AppConfig fields; `model` defaults to the tiny
-    default model (made on first use)."""
+    """Serve config entry point: `args` are AppConfig and EngineArgs fields, flat; `model`
+    defaults to the tiny default model (made on first use)."""
     args = dict(args or {})
     if not args.get("model"):
-        from cluster.cli import ensure_default_model
-
         args["model"] = ensure_default_model("tiny")
-    known = {f.name for f in dataclasses.fields(AppConfig)}
-    unknown = sorted(set(args) - known)
-    if unknown:
-        raise ValueError(f"unknown app arguments {unknown}; allowed: {sorted(known)}")
-    return build_app(AppConfig(**args))
+    return build_app(AppConfig.from_flat(args))

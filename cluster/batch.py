@@ -19,6 +19,9 @@ import os
 
 import pyarrow as pa
 
+from cluster.default_model import require_model_dir
+from engine.args import EngineArgs
+from engine.errors import check_int
 from engine.sampling_params import SamplingParams
 
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens", "num_generated_tokens",
@@ -43,8 +46,8 @@ def row_params(defaults: SamplingParams, row: dict) -> SamplingParams:
 class EnginePredictor:
     """`map_batches` callable class (batch_format="pyarrow"): one engine per actor."""
 
-    def __init__(self, model: str, prompt_column: str = "prompt", engine_kwargs: dict | None = None,
-                 sampling: dict | None = None, torch_threads: int | None = None) -> None:
+    def __init__(self, engine_args: EngineArgs, prompt_column: str = "prompt",
+                 sampling: SamplingParams | None = None, torch_threads: int | None = None) -> None:
         from engine import LLM
 
         if torch_threads:
@@ -53,10 +56,10 @@ class EnginePredictor:
             import torch
 
             torch.set_num_threads(torch_threads)
-        self.llm = LLM(model, **(engine_kwargs or {}))
+        self.llm = LLM.from_engine_args(engine_args)
         self.processor = self.llm.engine.processor
         self.prompt_column = prompt_column
-        self.defaults = SamplingParams(**(sampling or {}))
+        self.defaults = sampling or SamplingParams()
 
     def _check(self, prompt, params: SamplingParams) -> str | None:
         if not isinstance(prompt, str) and not isinstance(prompt, list):
@@ -104,16 +107,15 @@ class EnginePredictor:
         return batch
 
 
-def build_pipeline(ds, model: str, *, prompt_column: str = "prompt", concurrency: int = 1, batch_size: int = 256,
-                   engine_kwargs: dict | None = None, sampling: dict | None = None,
+def build_pipeline(ds, engine_args: EngineArgs, *, prompt_column: str = "prompt", concurrency: int = 1,
+                   batch_size: int = 256, sampling: SamplingParams | None = None,
                    num_cpus: float | None = None, num_gpus: float | None = None,
                    torch_threads: int | None = None):
-    """`ds.map_batches` with one engine per actor. Resources per actor default to one GPU when
-    this machine has CUDA, else one CPU."""
-    if not isinstance(concurrency, int) or concurrency < 1:
-        raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    """`ds.map_batches` with one engine per actor. `sampling` holds the job's defaults (rows
+    may override them). Resources per actor default to one GPU when this machine has CUDA,
+    else one CPU."""
+    check_int("concurrency", concurrency)
+    check_int("batch_size", batch_size)
     from ray.data import ActorPoolStrategy
 
     if num_gpus is None:
@@ -124,26 +126,24 @@ def build_pipeline(ds, model: str, *, prompt_column: str = "prompt", concurrency
         num_cpus = 0 if num_gpus else 1
     return ds.map_batches(
         EnginePredictor,
-        fn_constructor_kwargs={"model": model, "prompt_column": prompt_column,
-                               "engine_kwargs": engine_kwargs or {}, "sampling": sampling or {},
-                               "torch_threads": torch_threads},
+        fn_constructor_kwargs={"engine_args": engine_args, "prompt_column": prompt_column,
+                               "sampling": sampling, "torch_threads": torch_threads},
         batch_format="pyarrow", batch_size=batch_size, compute=ActorPoolStrategy(size=concurrency),
         num_cpus=num_cpus, num_gpus=num_gpus,
     )
 
 
-def run_batch(input_path: str, output_path: str, model: str, **kwargs) -> int:
+def run_batch(input_path: str, output_path: str, engine_args: EngineArgs, **kwargs) -> int:
     """Parquet in -> generation -> Parquet out, preserving row order. Returns the row count."""
     import pyarrow.parquet as pq
     import ray
 
     if not os.path.exists(input_path):
         raise ValueError(f"input {input_path!r} does not exist (a Parquet file or directory)")
-    if not os.path.isdir(model):
-        raise ValueError(f"model must be a model directory; {model!r} does not exist")
+    require_model_dir(engine_args.model)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # rows come out in input order
-    ds = build_pipeline(ray.data.read_parquet(input_path), model, **kwargs)
+    ds = build_pipeline(ray.data.read_parquet(input_path), engine_args, **kwargs)
     if output_path.endswith(".parquet"):
         table = pa.concat_tables([ray.get(ref) for ref in ds.to_arrow_refs()], promote_options="default")
         os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)

@@ -1,9 +1,10 @@
 """OpenAI request bodies (plus vLLM's extra sampling fields) and their mapping to SamplingParams.
 
 Pydantic checks types and shapes; the value ranges are checked once, by SamplingParams and
-the engine's InputProcessor, whose messages name the field — the ingress turns them into
-400s. Fields OpenAI defines but pdserve does not implement are rejected with a 400 naming
-them rather than silently ignored (a client relying on them would get wrong answers).
+the engine's InputProcessor. Fields OpenAI defines but pdserve does not implement are
+rejected rather than silently ignored (a client relying on them would get wrong answers).
+Every rejection is a `ParameterError` naming an engine-side field; `param(field)` says which
+field of this request that is, so the ingress answers a 400 with OpenAI's `param`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.errors import ParameterError
 from engine.sampling_params import SamplingParams
 
 
@@ -59,37 +61,41 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = None
     request_id: str | None = None
 
-    def unsupported(self) -> tuple[str, str] | None:
-        """(param, message) of the first field set to something pdserve cannot do."""
-        if self.n != 1:
-            return "n", f"n must be 1 (parallel sampling is not supported), got {self.n}"
+    def check_supported(self) -> None:
+        """Raise a ParameterError on the first field set to something pdserve cannot do."""
         if self.presence_penalty:
-            return "presence_penalty", "presence_penalty is not supported (must be 0)"
+            raise ParameterError("presence_penalty", "presence_penalty is not supported (must be 0)")
         if self.frequency_penalty:
-            return "frequency_penalty", "frequency_penalty is not supported (must be 0)"
+            raise ParameterError("frequency_penalty", "frequency_penalty is not supported (must be 0)")
         if self.repetition_penalty not in (None, 1.0):
-            return "repetition_penalty", "repetition_penalty is not supported (must be 1)"
+            raise ParameterError("repetition_penalty", "repetition_penalty is not supported (must be 1)")
         if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
-        return None
+            raise ParameterError("logit_bias", "logit_bias is not supported")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the field when a value is out of range."""
+    def sampling_params(self) -> SamplingParams:
+        """This request's SamplingParams; raises ParameterError naming the field when a
+        feature is unsupported (`n` > 1 included) or a value is out of range."""
+        self.check_supported()
         return SamplingParams(
+            n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
             seed=self.seed,
-            max_tokens=max_tokens,
+            max_tokens=self.max_new_tokens,
             min_tokens=self.min_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
+            logprobs=self.num_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
+
+    def param(self, field: str) -> str:
+        """The request field (OpenAI's `param`) that a ParameterError's `field` came from."""
+        return field
 
     @property
     def include_usage(self) -> bool:
@@ -108,21 +114,30 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
 
-    def unsupported(self) -> tuple[str, str] | None:
+    def check_supported(self) -> None:
         if self.suffix:
-            return "suffix", "suffix is not supported"
+            raise ParameterError("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):
-            return "best_of", "best_of must be 1"
+            raise ParameterError("best_of", "best_of must be 1")
         if self.echo and self.logprobs is not None:
-            return "echo", "echo together with logprobs (prompt logprobs) is not supported"
-        return super().unsupported()
+            raise ParameterError("echo", "echo together with logprobs (prompt logprobs) is not supported")
+        super().check_supported()
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompts of this request: a string, a token list, or a batch of either."""
+        """The prompts of this request: a string, a token list, or a batch of either. An
+        empty list is one empty prompt, which the engine's own check rejects."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(x, int) for x in p):
+        if all(isinstance(x, int) for x in p):
             return [list(p)]
         return list(p)
 
@@ -158,14 +173,25 @@ class ChatCompletionRequest(_Sampling):
     tools: list | None = None
     response_format: dict | None = None
 
-    def unsupported(self) -> tuple[str, str] | None:
+    def check_supported(self) -> None:
         if self.tools:
-            return "tools", "tools (function calling) are not supported"
+            raise ParameterError("tools", "tools (function calling) are not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "only response_format {'type': 'text'} is supported"
+            raise ParameterError("response_format", "only response_format {'type': 'text'} is supported")
         if self.top_logprobs is not None and not self.logprobs:
-            return "top_logprobs", "top_logprobs requires logprobs=true"
-        return super().unsupported()
+            raise ParameterError("top_logprobs", "top_logprobs requires logprobs=true")
+        super().check_supported()
+
+    def param(self, field: str) -> str:
+        """The engine's prompt is the rendered `messages`, its logprobs count `top_logprobs`,
+        its max_tokens whichever of max_tokens / max_completion_tokens the client sent."""
+        if field == "prompt":
+            return "messages"
+        if field == "logprobs":
+            return "top_logprobs"
+        if field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return field
 
     @property
     def max_new_tokens(self) -> int | None:

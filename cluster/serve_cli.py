@@ -9,20 +9,17 @@ import signal
 import sys
 import threading
 
+from engine.args import EngineArgs
+
 
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (P/D or colocated)")
-    p.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--mode", default="pd", choices=["pd", "colocated"])
     p.add_argument("--prefill-replicas", type=int, default=1)
     p.add_argument("--decode-replicas", type=int, default=1)
     p.add_argument("--replicas", type=int, default=1, help="engine replicas in colocated mode")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--served-model-name", default=None, help="default: the model directory's name")
     p.add_argument("--load-failure-policy", default="fail", choices=["fail", "recompute"])
     p.add_argument("--max-pending-requests", type=int, default=1024,
@@ -36,6 +33,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--autoscale", action="store_true", help="scale prefill/decode on TTFT/ITL targets")
     p.add_argument("--ttft-p90-target-ms", type=float, default=1000.0)
     p.add_argument("--itl-p90-target-ms", type=float, default=100.0)
+    EngineArgs.add_cli_args(p)  # --model (default: the embedded tiny model) and every engine flag
     p.set_defaults(fn=run_serve)
 
     sc = sub.add_parser("scale", help="set the replica counts of a running app (POST /scale)")
@@ -87,17 +85,15 @@ def run_status(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace):
     from cluster.app import AppConfig
-    from cluster.cli import ensure_default_model
+    from cluster.default_model import ensure_default_model
 
     return AppConfig(
-        model=args.model or ensure_default_model(), mode=args.mode, prefill_replicas=args.prefill_replicas,
-        decode_replicas=args.decode_replicas, colocated_replicas=args.replicas,
-        served_model_name=args.served_model_name, app_name=args.app_name, dtype=args.dtype,
-        num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        engine_args=EngineArgs.from_cli_args(args, model=args.model or ensure_default_model()),
+        mode=args.mode, prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
+        colocated_replicas=args.replicas, served_model_name=args.served_model_name, app_name=args.app_name,
         load_failure_policy=args.load_failure_policy, max_pending_requests=args.max_pending_requests,
         prefix_affinity=args.prefix_affinity, replica_num_cpus=args.replica_cpus,
-        replica_num_gpus=args.replica_gpus,
-        max_replicas=args.max_replicas,
+        replica_num_gpus=args.replica_gpus, max_replicas=args.max_replicas,
         autoscale={"enabled": args.autoscale, "ttft_p90_target_s": args.ttft_p90_target_ms / 1000,
                    "itl_p90_target_s": args.itl_p90_target_ms / 1000},
     )

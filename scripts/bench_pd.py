@@ -6,7 +6,7 @@
 2. TTFT and ITL of P/D (1 prefill + 1 decode actor) against colocated (1 actor) on a mixed
    workload with Poisson arrivals.
 
-    python scripts/bench_pd.py [--model DIR] [--requests 32] [--rate 4]
+    python scripts/bench_pd.py [--model DIR] [--requests 32] [--rate 4] [engine flags]
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.args import EngineArgs  # noqa: E402  (after the path set-up above)
 
 
 def _pct(values, q):
@@ -47,7 +49,7 @@ async def _one_pd(handles, n, rid, params, rng, vocab):
         pass
 
 
-def bench_transfer(ray, model, engine_kwargs, lengths, vocab):
+def bench_transfer(ray, engine_args, lengths, vocab):
     from actors import create_worker
     from engine import SamplingParams
     from kvstore.store_actor import create_store
@@ -58,8 +60,8 @@ def bench_transfer(ray, model, engine_kwargs, lengths, vocab):
     rng = random.Random(0)
     for transport in ("object_store", "torch_dist"):
         store = create_store()
-        kw = dict(engine_kwargs=engine_kwargs, store=store, transport=transport)
-        prefill, decode = create_worker(model, "prefill", **kw), create_worker(model, "decode", **kw)
+        kw = dict(store=store, transport=transport)
+        prefill, decode = create_worker(engine_args, "prefill", **kw), create_worker(engine_args, "decode", **kw)
         ray.get([prefill.ping.remote(), decode.ping.remote()])
 
         handles = (prefill, decode, store)
@@ -77,7 +79,7 @@ def bench_transfer(ray, model, engine_kwargs, lengths, vocab):
             ray.kill(actor)
 
 
-def bench_latency(ray, model, engine_kwargs, n_requests, rate, vocab, seed):
+def bench_latency(ray, engine_args, n_requests, rate, vocab, seed):
     from actors import colocated_generate, create_worker, pd_generate
     from engine import SamplingParams
     from kvstore.store_actor import create_store
@@ -103,9 +105,9 @@ def bench_latency(ray, model, engine_kwargs, n_requests, rate, vocab, seed):
         return results, time.perf_counter() - start
 
     store = create_store()
-    kw = dict(engine_kwargs=engine_kwargs, store=store)
-    prefill, decode = create_worker(model, "prefill", **kw), create_worker(model, "decode", **kw)
-    colocated = create_worker(model, "colocated", engine_kwargs=engine_kwargs)
+    prefill = create_worker(engine_args, "prefill", store=store)
+    decode = create_worker(engine_args, "decode", store=store)
+    colocated = create_worker(engine_args, "colocated")
     ray.get([prefill.ping.remote(), decode.ping.remote(), colocated.ping.remote()])
     modes = {
         "colocated": lambda pr, pa, rid: colocated_generate(colocated, pr, pa, rid),
@@ -129,26 +131,26 @@ def bench_latency(ray, model, engine_kwargs, n_requests, rate, vocab, seed):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="model dir (default: the small preset, made on first use)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s")
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024])
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workload-seed", type=int, default=0)
+    EngineArgs.add_cli_args(ap)  # --model (default: the small preset, made on first use), engine flags
+    ap.set_defaults(max_model_len=2048)
     args = ap.parse_args()
 
     import ray
 
-    from cluster.cli import ensure_default_model
+    from cluster.default_model import ensure_default_model
     from engine.models.arch import load_arch
 
-    model = args.model or ensure_default_model("small")
-    vocab = load_arch(model).vocab_size - 64
-    engine_kwargs = {"max_model_len": 2048}
+    engine_args = EngineArgs.from_cli_args(args, model=args.model or ensure_default_model("small"))
+    vocab = load_arch(engine_args.model).vocab_size - 64
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        print(f"model={model}")
-        bench_transfer(ray, model, engine_kwargs, args.lengths, vocab)
-        bench_latency(ray, model, engine_kwargs, args.requests, args.rate, vocab, args.seed)
+        print(f"model={engine_args.model}")
+        bench_transfer(ray, engine_args, args.lengths, vocab)
+        bench_latency(ray, engine_args, args.requests, args.rate, vocab, args.workload_seed)
     finally:
         ray.shutdown()
 

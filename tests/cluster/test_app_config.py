@@ -17,8 +17,14 @@ from cluster.openai_format import (
     sse,
     usage,
 )
+from engine.args import EngineArgs
+from engine.errors import ParameterError
 
 # --- AppConfig --------------------------------------------------------------------------------
+
+
+def _cfg(model: str, **kw) -> AppConfig:
+    return AppConfig(engine_args=EngineArgs(model=model), **kw)
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -32,87 +38,106 @@ from cluster.openai_format import (
     ({"load_failure_policy": "x"}, "load_failure_policy"),
     ({"replica_num_cpus": -1}, "replica_num_cpus"),
     ({"replica_num_cpus": -0.5}, "replica_num_cpus"),
+    ({"replica_num_gpus": -1}, "replica_num_gpus"),
+    ({"prefill_replicas": 9}, "prefill_replicas"),  # above max_replicas (8)
 ])
 def test_invalid_fields_name_the_field(tiny_model, kw, field):
-    with pytest.raises(ValueError, match=field):
-        AppConfig(model=tiny_model, **kw)
+    with pytest.raises(ParameterError, match=field) as exc:
+        _cfg(tiny_model, **kw)
+    assert exc.value.field == field
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"block_size": 0}, "block_size"),
+    ({"dtype": "int4"}, "dtype"),
+    ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+])
+def test_invalid_engine_arguments_fail_in_the_config(tiny_model, kw, field):
+    """Engine fields are checked by the engine's own configs, before any replica starts."""
+    with pytest.raises(ParameterError) as exc:
+        AppConfig(engine_args=EngineArgs(model=tiny_model, **kw))
+    assert exc.value.field == field
+
+
+def test_engine_args_must_be_engine_args(tiny_model):
+    with pytest.raises(ParameterError, match="engine_args"):
+        AppConfig(engine_args={"model": tiny_model})
 
 
 def test_missing_model_dir(tmp_path):
     missing = str(tmp_path / "no-such-model")
-    with pytest.raises(ValueError, match="model") as exc:
-        AppConfig(model=missing)
-    assert missing in str(exc.value)
+    with pytest.raises(ParameterError, match="model") as exc:
+        _cfg(missing)
+    assert missing in str(exc.value) and exc.value.field == "model"
 
 
 def test_model_must_be_a_directory(tmp_path):
     f = tmp_path / "weights.bin"
     f.write_bytes(b"")
     with pytest.raises(ValueError, match="model"):
-        AppConfig(model=str(f))
+        _cfg(str(f))
 
 
 def test_valid_config(tiny_model):
-    cfg = AppConfig(model=tiny_model, mode="colocated", prefill_replicas=2, decode_replicas=3,
-                    load_failure_policy="recompute", replica_num_cpus=0)
+    cfg = _cfg(tiny_model, mode="colocated", prefill_replicas=2, decode_replicas=3,
+               load_failure_policy="recompute", replica_num_cpus=0)
     assert cfg.mode == "colocated"
     assert cfg.decode_replicas == 3
     assert cfg.load_failure_policy == "recompute"
+    assert cfg.model == tiny_model
 
 
 def test_model_name_defaults_to_dir_basename(tiny_model):
     expected = os.path.basename(tiny_model.rstrip(os.sep))
     assert expected
-    assert AppConfig(model=tiny_model).model_name == expected
-    assert AppConfig(model=tiny_model.rstrip(os.sep) + os.sep).model_name == expected
+    assert _cfg(tiny_model).model_name == expected
+    assert _cfg(tiny_model.rstrip(os.sep) + os.sep).model_name == expected
 
 
 def test_served_model_name_overrides(tiny_model):
-    assert AppConfig(model=tiny_model, served_model_name="my-model").model_name == "my-model"
-
-
-def test_engine_kwargs(tiny_model):
-    cfg = AppConfig(model=tiny_model, dtype="float32", num_kv_blocks=96, max_model_len=512, max_num_seqs=16,
-                    block_size=8, enable_prefix_caching=False, seed=7, kv_cache_memory_gb=0.5,
-                    max_num_batched_tokens=256, gpu_memory_utilization=0.5, enforce_eager=True)
-    kw = cfg.engine_kwargs()
-    assert kw == {"dtype": "float32", "num_kv_blocks": 96, "max_model_len": 512, "max_num_seqs": 16,
-                  "block_size": 8, "enable_prefix_caching": False, "seed": 7, "kv_cache_memory_gb": 0.5,
-                  "max_num_batched_tokens": 256, "gpu_memory_utilization": 0.5, "enforce_eager": True}
-    # serving settings are not engine arguments
-    for key in ("mode", "model", "prefill_replicas", "load_failure_policy", "app_name", "replica_num_cpus"):
-        assert key not in kw
-
-
-def test_engine_kwargs_defaults_and_extras(tiny_model):
-    kw = AppConfig(model=tiny_model).engine_kwargs()
-    assert kw["dtype"] == "auto"
-    assert kw["num_kv_blocks"] is None
-    assert kw["max_model_len"] is None
-    assert kw["block_size"] == 16
-    assert kw["enable_prefix_caching"] is True
-    extra = AppConfig(model=tiny_model, extra_engine_kwargs={"block_size": 32, "custom": "v"}).engine_kwargs()
-    assert extra["block_size"] == 32
-    assert extra["custom"] == "v"
+    assert _cfg(tiny_model, served_model_name="my-model").model_name == "my-model"
 
 
 def test_replica_num_gpus_explicit(tiny_model):
-    assert AppConfig(model=tiny_model, replica_num_gpus=0.5).num_gpus() == 0.5
-    assert AppConfig(model=tiny_model, replica_num_gpus=0).num_gpus() == 0
+    assert _cfg(tiny_model, replica_num_gpus=0.5).num_gpus() == 0.5
+    assert _cfg(tiny_model, replica_num_gpus=0).num_gpus() == 0
 
 
-def test_build_rejects_unknown_arguments(tiny_model):
+def test_from_flat_splits_every_engine_argument_from_the_app_fields(tiny_model):
+    """Every EngineArgs field is accepted flat, next to the AppConfig fields, with no list
+    of engine names in cluster/ (a new EngineArgs field needs no change there)."""
+    engine_values = {"dtype": "float32", "num_kv_blocks": 96, "max_model_len": 512, "max_num_seqs": 16,
+                     "block_size": 8, "enable_prefix_caching": False, "seed": 7, "kv_cache_memory_gb": 0.5,
+                     "max_num_batched_tokens": 256, "gpu_memory_utilization": 0.5, "enforce_eager": True,
+                     "long_prefill_token_threshold": 64, "scheduling_policy": "priority",
+                     "kernel_block_size": 4, "kernel_backend": "torch", "device": "cpu"}
+    assert set(engine_values) | {"model"} == set(EngineArgs.field_names())  # the test covers them all
+    cfg = AppConfig.from_flat({"model": tiny_model, "mode": "colocated", "max_replicas": 3, **engine_values})
+    assert cfg.engine_args == EngineArgs(model=tiny_model, **engine_values)
+    assert (cfg.mode, cfg.max_replicas) == ("colocated", 3)
+
+
+def test_from_flat_defaults_are_engine_args_defaults(tiny_model):
+    assert AppConfig.from_flat({"model": tiny_model}).engine_args == EngineArgs(model=tiny_model)
+
+
+def test_build_rejects_unknown_arguments_listing_the_allowed_ones(tiny_model):
     with pytest.raises(ValueError) as exc:
         build({"model": tiny_model, "bogus": 1, "also_bogus": 2})
     msg = str(exc.value)
-    assert "bogus" in msg and "also_bogus" in msg
-    # the known arguments are listed too, but not reported as unknown
-    assert "unknown" in msg
+    assert "unknown" in msg and "'also_bogus', 'bogus'" in msg
+    allowed = msg.split("allowed:", 1)[1]
+    for name in ("block_size", "scheduling_policy", "mode", "prefill_replicas", "autoscale"):
+        assert repr(name) in allowed
+    assert "engine_args" not in allowed  # an implementation detail, not a config key
 
 
 def test_build_checks_config_fields(tiny_model):
     with pytest.raises(ValueError, match="mode"):
         build({"model": tiny_model, "mode": "x"})
+    with pytest.raises(ValueError, match="block_size"):
+        build({"model": tiny_model, "block_size": -4})
 
 
 # --- openai_format ----------------------------------------------------------------------------

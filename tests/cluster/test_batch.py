@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineArgs, SamplingParams
 
 ENGINE = {"max_model_len": 128, "num_kv_blocks": 96}
 WORDS = "river engineer village quietly measures before once upon time small sea help there".split()
@@ -41,8 +41,8 @@ def test_200_rows_over_two_engine_actors(ray_local, tiny_model, tmp_path):
     pq.write_table(table.slice(0, 120), src / "part-0.parquet")  # a directory of two files
     pq.write_table(table.slice(120), src / "part-1.parquet")
     out = tmp_path / "out.parquet"
-    n = run_batch(str(src), str(out), tiny_model, concurrency=2, batch_size=25, engine_kwargs=ENGINE,
-                  sampling={"max_tokens": 8, "temperature": 0.0}, num_cpus=0.25)
+    n = run_batch(str(src), str(out), EngineArgs(model=tiny_model, **ENGINE), concurrency=2, batch_size=25,
+                  sampling=SamplingParams(max_tokens=8, temperature=0.0), num_cpus=0.25)
     result = pq.read_table(out).to_pylist()
     assert n == 200 and [r["id"] for r in result] == list(range(200))  # each row once, in order
     assert all(r["prompt"] == rows[r["id"]]["prompt"] for r in result)  # other columns kept
@@ -80,7 +80,9 @@ def test_output_directory_and_cli(ray_local, tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("argv,needle", [(["--max-tokens", "0"], "max_tokens"),
-                                         (["--temperature", "-1"], "temperature")])
+                                         (["--temperature", "-1"], "temperature"),
+                                         (["--top-k", "-5"], "top_k"),
+                                         (["--block-size", "0"], "block_size")])
 def test_bad_flags_exit_2_before_ray(tiny_model, tmp_path, capsys, argv, needle):
     from cluster.cli import main
 
@@ -91,6 +93,6 @@ def test_bad_flags_exit_2_before_ray(tiny_model, tmp_path, capsys, argv, needle)
 def test_missing_prompt_column_is_a_clear_error(tiny_model):
     from cluster.batch import EnginePredictor
 
-    predictor = EnginePredictor(tiny_model, "prompt", ENGINE)
+    predictor = EnginePredictor(EngineArgs(model=tiny_model, **ENGINE), "prompt")
     with pytest.raises(ValueError, match="no 'prompt' column"):
         predictor(pa.table({"text": ["x"]}))

@@ -1,4 +1,5 @@
-"""Ingress admission bookkeeping (no Serve): a pending-request limit that can't leak."""
+"""Ingress admission bookkeeping (no Serve): a pending-request limit that can't leak; and the
+one path from a ParameterError to an OpenAI 400 naming the request's field."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import weakref
 
 import pytest
 
-from cluster.ingress import Ingress, OpenAIError, _bad_request
+from cluster.http_errors import OpenAIError, rejecting
+from cluster.ingress import Ingress
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from engine.errors import ParameterError
 
 
 def _ingress(limit: int) -> Ingress:
@@ -65,13 +69,29 @@ async def _empty():
     yield
 
 
-@pytest.mark.parametrize("message,param", [
-    ("temperature must be >= 0, got -1", "temperature"),
-    ("max_tokens must be <= 10 for this prompt", "max_tokens"),
-    ("prompt is 900 tokens but max_model_len is 512", "messages"),
-    ("logprobs must be an integer in [0, 20], got 30", "top_logprobs"),
-    ("something unexpected", "messages"),
+CHAT = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+CHAT_MCT = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], max_completion_tokens=3)
+COMPLETION = CompletionRequest(model="m", prompt="x")
+
+
+@pytest.mark.parametrize("body,field,param", [
+    (CHAT, "temperature", "temperature"),
+    (CHAT, "max_tokens", "max_tokens"),
+    (CHAT_MCT, "max_tokens", "max_completion_tokens"),
+    (CHAT, "prompt", "messages"),
+    (CHAT, "logprobs", "top_logprobs"),
+    (COMPLETION, "prompt", "prompt"),
+    (COMPLETION, "logprobs", "logprobs"),
+    (COMPLETION, "stop_token_ids", "stop_token_ids"),
 ])
-def test_engine_messages_map_to_the_openai_param(message, param):
-    err = _bad_request(ValueError(message), prompt_param="messages", logprobs_param="top_logprobs")
-    assert err.status == 400 and err.param == param and err.message == message
+def test_parameter_errors_are_400_naming_the_request_field(body, field, param):
+    with pytest.raises(OpenAIError) as exc, rejecting(body):
+        raise ParameterError(field, f"{field} is out of range")
+    err = exc.value
+    assert err.status == 400 and err.param == param and err.message == f"{field} is out of range"
+    assert isinstance(err.__cause__, ParameterError)
+
+
+def test_other_errors_pass_through_rejecting():
+    with pytest.raises(KeyError), rejecting(COMPLETION):
+        raise KeyError("not a validation error")

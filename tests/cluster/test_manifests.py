@@ -62,6 +62,19 @@ def test_default_model_is_identical_on_every_node(tmp_path):
     assert digests[0] == digests[1]
 
 
+def test_serve_config_args_split_into_app_and_engine_arguments(tiny_model):
+    """Every key of the shipped `args:` is an AppConfig or EngineArgs field (no Ray needed)."""
+    from cluster.app import AppConfig
+    from engine.args import EngineArgs
+
+    args = _load("serve.yaml")["applications"][0]["args"]
+    cfg = AppConfig.from_flat({**args, "model": tiny_model})
+    engine_keys = set(args) & set(EngineArgs.field_names())
+    assert {"dtype", "block_size", "enable_prefix_caching", "max_num_seqs"} <= engine_keys
+    assert all(getattr(cfg.engine_args, k) == args[k] for k in engine_keys - {"model"})
+    assert (cfg.mode, cfg.max_replicas, cfg.replica_num_gpus) == (args["mode"], args["max_replicas"], 1)
+
+
 def test_serve_config_passes_schema_and_serves_on_local_ray(deploy, tiny_model):
     from ray.serve.schema import ServeDeploySchema
 
@@ -75,7 +88,7 @@ def test_serve_config_passes_schema_and_serves_on_local_ray(deploy, tiny_model):
     url = deploy(app_name=app.name, application=build(args))
     r = requests.post(f"{url}/v1/completions", json={"model": os.path.basename(tiny_model), "prompt": "Hello",
                                                      "max_tokens": 4, "temperature": 0}, timeout=60)
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
     status = requests.get(f"{url}/status", timeout=30).json()
     assert status["target"] == {"prefill": app.args["prefill_replicas"], "decode": app.args["decode_replicas"]}
     # Deleting the app by Serve's own means also removes its detached KV store actor.

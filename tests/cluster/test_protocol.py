@@ -1,5 +1,5 @@
-"""cluster.protocol: OpenAI request bodies, the fields pdserve refuses, and the mapping to
-SamplingParams."""
+"""cluster.protocol: OpenAI request bodies, the fields pdserve refuses, the mapping to
+SamplingParams, and which request field (OpenAI's `param`) an engine field error belongs to."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from engine.errors import ParameterError
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -38,6 +39,11 @@ def test_prompts_of_a_token_list_batch():
     assert _completion(prompt=[[1, 2], [3], [4, 5, 6]]).prompts() == [[1, 2], [3], [4, 5, 6]]
 
 
+def test_an_empty_prompt_list_is_one_empty_prompt():
+    """So the engine's own empty-prompt check rejects it (one rule, one message)."""
+    assert _completion(prompt=[]).prompts() == [[]]
+
+
 def test_prompts_returns_a_new_list():
     req = _completion(prompt=[1, 2, 3])
     out = req.prompts()
@@ -45,12 +51,18 @@ def test_prompts_returns_a_new_list():
     assert req.prompts() == [[1, 2, 3]]
 
 
-# --- unsupported() ----------------------------------------------------------------------------
+# --- check_supported() -----------------------------------------------------------------------
+
+
+def _rejected(req) -> ParameterError:
+    with pytest.raises(ParameterError) as exc:
+        req.sampling_params()
+    return exc.value
 
 
 def test_defaults_are_supported():
-    assert _completion().unsupported() is None
-    assert _chat().unsupported() is None
+    _completion().sampling_params()
+    _chat().sampling_params()
 
 
 @pytest.mark.parametrize("field, value", [
@@ -62,11 +74,9 @@ def test_defaults_are_supported():
 ])
 def test_common_unsupported_fields(field, value):
     for req in (_completion(**{field: value}), _chat(**{field: value})):
-        out = req.unsupported()
-        assert out is not None
-        param, message = out
-        assert param == field
-        assert isinstance(message, str) and field in message
+        err = _rejected(req)
+        assert err.field == field and req.param(err.field) == field
+        assert field in str(err)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -78,8 +88,8 @@ def test_common_unsupported_fields(field, value):
     ("repetition_penalty", None),
 ])
 def test_neutral_values_are_supported(field, value):
-    assert _completion(**{field: value}).unsupported() is None
-    assert _chat(**{field: value}).unsupported() is None
+    _completion(**{field: value}).sampling_params()
+    _chat(**{field: value}).sampling_params()
 
 
 @pytest.mark.parametrize("kw, param", [
@@ -89,10 +99,8 @@ def test_neutral_values_are_supported(field, value):
     ({"echo": True, "logprobs": 0}, "echo"),
 ])
 def test_completion_unsupported(kw, param):
-    out = _completion(**kw).unsupported()
-    assert out is not None
-    assert out[0] == param
-    assert isinstance(out[1], str) and out[1]
+    err = _rejected(_completion(**kw))
+    assert err.field == param and str(err)
 
 
 @pytest.mark.parametrize("kw", [
@@ -103,7 +111,7 @@ def test_completion_unsupported(kw, param):
     {"suffix": ""},
 ])
 def test_completion_supported(kw):
-    assert _completion(**kw).unsupported() is None
+    _completion(**kw).sampling_params()
 
 
 @pytest.mark.parametrize("kw, param", [
@@ -114,10 +122,8 @@ def test_completion_supported(kw):
     ({"top_logprobs": 2, "logprobs": False}, "top_logprobs"),
 ])
 def test_chat_unsupported(kw, param):
-    out = _chat(**kw).unsupported()
-    assert out is not None
-    assert out[0] == param
-    assert isinstance(out[1], str) and out[1]
+    err = _rejected(_chat(**kw))
+    assert err.field == param and str(err)
 
 
 @pytest.mark.parametrize("kw", [
@@ -127,13 +133,46 @@ def test_chat_unsupported(kw, param):
     {"tools": []},
 ])
 def test_chat_supported(kw):
-    assert _chat(**kw).unsupported() is None
+    _chat(**kw).sampling_params()
 
 
 def test_unknown_fields_are_ignored():
     req = CompletionRequest(model="m", prompt="x", not_a_field=3)
     assert not hasattr(req, "not_a_field")
-    assert req.unsupported() is None
+    req.sampling_params()
+
+
+# --- param(): engine field -> request field ---------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["prompt", "max_tokens", "logprobs", "temperature", "stop_token_ids"])
+def test_completion_params_are_the_engine_fields(field):
+    assert _completion().param(field) == field
+
+
+@pytest.mark.parametrize("kw, field, param", [
+    ({}, "prompt", "messages"),
+    ({}, "logprobs", "top_logprobs"),
+    ({}, "max_tokens", "max_tokens"),
+    ({"max_tokens": 5}, "max_tokens", "max_tokens"),
+    ({"max_completion_tokens": 5}, "max_tokens", "max_completion_tokens"),
+    ({"max_tokens": 5, "max_completion_tokens": 7}, "max_tokens", "max_completion_tokens"),
+    ({}, "temperature", "temperature"),
+])
+def test_chat_params_name_the_field_the_client_sent(kw, field, param):
+    assert _chat(**kw).param(field) == param
+
+
+def test_chat_max_completion_tokens_error_names_it():
+    req = _chat(max_completion_tokens=0)
+    err = _rejected(req)
+    assert err.field == "max_tokens" and req.param(err.field) == "max_completion_tokens"
+
+
+def test_chat_top_logprobs_error_names_it():
+    req = _chat(logprobs=True, top_logprobs=30)
+    err = _rejected(req)
+    assert req.param(err.field) == "top_logprobs"
 
 
 # --- chat properties --------------------------------------------------------------------------
@@ -219,7 +258,7 @@ def test_text_part_type_must_be_text():
 
 
 def test_sampling_params_defaults():
-    sp = _completion().sampling_params(max_tokens=16, logprobs=None)
+    sp = _completion().sampling_params()
     assert sp.temperature == 1.0
     assert sp.top_p == 1.0
     assert sp.top_k == 0
@@ -239,8 +278,8 @@ def test_sampling_params_defaults():
 def test_sampling_params_maps_fields():
     req = _chat(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=1234, min_tokens=2,
                 stop=["\n\n", "END"], stop_token_ids=[2, 3], ignore_eos=True, skip_special_tokens=False,
-                include_stop_str_in_output=True)
-    sp = req.sampling_params(max_tokens=50, logprobs=3)
+                include_stop_str_in_output=True, max_completion_tokens=50, logprobs=True, top_logprobs=3)
+    sp = req.sampling_params()
     assert sp.temperature == 0.7
     assert sp.top_p == 0.9
     assert sp.top_k == 40
@@ -258,7 +297,7 @@ def test_sampling_params_maps_fields():
 
 def test_sampling_params_zero_values_are_kept():
     # 0 is a value, not "unset": temperature 0 is greedy
-    sp = _completion(temperature=0.0, top_k=0, min_p=0.0).sampling_params(max_tokens=None, logprobs=0)
+    sp = _completion(temperature=0.0, top_k=0, min_p=0.0, max_tokens=None, logprobs=0).sampling_params()
     assert sp.temperature == 0.0
     assert sp.greedy
     assert sp.top_k == 0
@@ -267,7 +306,7 @@ def test_sampling_params_zero_values_are_kept():
 
 
 def test_sampling_params_single_stop_string_and_top_k_minus_one():
-    sp = _completion(stop="###", top_k=-1).sampling_params(max_tokens=4, logprobs=None)
+    sp = _completion(stop="###", top_k=-1, max_tokens=4).sampling_params()
     assert sp.stop == ["###"]
     assert sp.top_k == 0
 
@@ -284,18 +323,15 @@ def test_sampling_params_single_stop_string_and_top_k_minus_one():
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
 ])
 def test_sampling_params_out_of_range_names_the_field(kw, field):
-    req = _completion(**kw)
-    with pytest.raises(ValueError) as exc:
-        req.sampling_params(max_tokens=5, logprobs=None)
-    assert not isinstance(exc.value, ValidationError)
-    assert field in str(exc.value)
+    err = _rejected(_completion(max_tokens=5, **kw))
+    assert err.field == field and field in str(err)
 
 
-@pytest.mark.parametrize("max_tokens, logprobs, field", [
-    (0, None, "max_tokens"),
-    (5, 21, "logprobs"),
-    (5, -1, "logprobs"),
+@pytest.mark.parametrize("kw, field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
 ])
-def test_sampling_params_bad_arguments_name_the_field(max_tokens, logprobs, field):
-    with pytest.raises(ValueError, match=field):
-        _chat().sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+def test_completion_bad_max_tokens_and_logprobs_name_the_field(kw, field):
+    err = _rejected(_completion(**kw))
+    assert err.field == field and field in str(err)

@@ -21,10 +21,11 @@ AUTOSCALE = {"enabled": True, "interval_s": 0.5, "ttft_p90_target_s": 0.001, "it
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model):
     from cluster.app import AppConfig
+    from engine import EngineArgs
 
-    cfg = AppConfig(model=tiny_model, mode="pd", served_model_name=NAME, app_name=APP, replica_num_cpus=0,
-                    max_replicas=2, num_kv_blocks=ENGINE["num_kv_blocks"], max_model_len=ENGINE["max_model_len"],
-                    max_num_seqs=ENGINE["max_num_seqs"], autoscale=AUTOSCALE)
+    cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE),
+                    mode="pd", served_model_name=NAME, app_name=APP, replica_num_cpus=0,
+                    max_replicas=2, autoscale=AUTOSCALE)
     return deploy(cfg)
 
 

@@ -1,4 +1,5 @@
-"""`pdserve serve` flags: mapped onto AppConfig, and bad ones rejected before Ray starts."""
+"""`pdserve serve` flags: mapped onto AppConfig (engine flags from EngineArgs.add_cli_args), and
+bad ones rejected before Ray starts."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from cluster.cli import build_parser, main
 from cluster.serve_cli import _config
+from engine.args import EngineArgs
 
 
 def test_defaults_are_one_prefill_one_decode_on_localhost(tiny_model):
@@ -14,6 +16,7 @@ def test_defaults_are_one_prefill_one_decode_on_localhost(tiny_model):
     cfg = _config(args)
     assert (cfg.prefill_replicas, cfg.decode_replicas, cfg.mode) == (1, 1, "pd")
     assert cfg.model_name == tiny_model.rstrip("/").rsplit("/", 1)[-1]
+    assert cfg.engine_args == EngineArgs(model=tiny_model)  # engine defaults are EngineArgs' own
 
 
 def test_flags_reach_the_app_config(tiny_model):
@@ -23,9 +26,24 @@ def test_flags_reach_the_app_config(tiny_model):
         "--replica-gpus", "1"])
     cfg = _config(args)
     assert (cfg.mode, cfg.prefill_replicas, cfg.decode_replicas, cfg.model_name) == ("colocated", 2, 3, "m")
-    kw = cfg.engine_kwargs()
-    assert kw["dtype"] == "float32" and kw["num_kv_blocks"] == 77
+    assert cfg.engine_args.dtype == "float32" and cfg.engine_args.num_kv_blocks == 77
     assert cfg.prefix_affinity and cfg.num_gpus() == 1
+
+
+def test_every_engine_argument_is_a_serve_flag(tiny_model, capsys):
+    args = build_parser().parse_args([
+        "serve", "--model", tiny_model, "--block-size", "8", "--no-enable-prefix-caching",
+        "--max-num-batched-tokens", "512", "--long-prefill-token-threshold", "64", "--kv-cache-memory-gb",
+        "0.25", "--scheduling-policy", "priority", "--seed", "3", "--max-num-seqs", "4", "--enforce-eager"])
+    assert _config(args).engine_args == EngineArgs(
+        model=tiny_model, block_size=8, enable_prefix_caching=False, max_num_batched_tokens=512,
+        long_prefill_token_threshold=64, kv_cache_memory_gb=0.25, scheduling_policy="priority", seed=3,
+        max_num_seqs=4, enforce_eager=True)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    helptext = capsys.readouterr().out
+    for name in EngineArgs.field_names():
+        assert "--" + name.replace("_", "-") in helptext
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -33,6 +51,8 @@ def test_flags_reach_the_app_config(tiny_model):
     (["--decode-replicas", "-1"], "decode_replicas"),
     (["--max-pending-requests", "0"], "max_pending_requests"),
     (["--replica-gpus", "-1"], "replica_num_gpus"),
+    (["--block-size", "0"], "block_size"),
+    (["--max-num-seqs", "0"], "max_num_seqs"),
 ])
 def test_bad_values_exit_2_naming_the_field(tiny_model, capsys, argv, needle):
     assert main(["serve", "--model", tiny_model, *argv]) == 2
@@ -44,7 +64,13 @@ def test_missing_model_dir_exits_2(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_bad_mode_is_rejected_by_the_parser():
+@pytest.mark.parametrize("argv", [["--mode", "both"], ["--scheduling-policy", "lifo"], ["--dtype", "int4"]])
+def test_bad_choices_are_rejected_by_the_parser(argv):
     with pytest.raises(SystemExit) as e:
-        build_parser().parse_args(["serve", "--mode", "both"])
+        build_parser().parse_args(["serve", *argv])
     assert e.value.code == 2
+
+
+def test_generate_has_sampling_seed_beside_the_engine_seed():
+    args = build_parser().parse_args(["generate", "hi", "--seed", "5", "--sampling-seed", "9", "--block-size", "8"])
+    assert (args.seed, args.sampling_seed, args.block_size) == (5, 9, 8)

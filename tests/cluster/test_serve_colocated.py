@@ -16,10 +16,11 @@ NAME = "tiny-colo"
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model):
     from cluster.app import AppConfig
+    from engine import EngineArgs
 
-    cfg = AppConfig(model=tiny_model, mode="colocated", served_model_name=NAME, app_name=APP,
-                    replica_num_cpus=0, max_pending_requests=2, num_kv_blocks=ENGINE["num_kv_blocks"],
-                    max_model_len=ENGINE["max_model_len"], max_num_seqs=ENGINE["max_num_seqs"])
+    cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE),
+                    mode="colocated", served_model_name=NAME, app_name=APP,
+                    replica_num_cpus=0, max_pending_requests=2)
     return deploy(cfg)
 
 
@@ -46,6 +47,37 @@ def test_colocated_greedy_equals_hf(app, tiny_model):
         assert r.choices[0].text == expected
     status = requests.get(f"{app}/status", timeout=10).json()
     assert status["target"] == {"colocated": 1} and len(status["colocated"]) == 1
+
+
+CHAT_BAD = [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),  # the field the client sent
+    ({"max_completion_tokens": ENGINE["max_model_len"]}, "max_completion_tokens"),  # beyond the context
+    ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "word " * 600}]}, "messages"),  # over the context
+    ({"n": 2}, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"temperature": -1}, "temperature"),
+]
+COMPLETION_BAD = [
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"best_of": 2}, "best_of"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"frequency_penalty": 1.0}, "frequency_penalty"),
+]
+
+
+@pytest.mark.parametrize("route,override,param", [("chat/completions", o, p) for o, p in CHAT_BAD]
+                         + [("completions", o, p) for o, p in COMPLETION_BAD],
+                         ids=[f"chat-{p}" for _, p in CHAT_BAD] + [f"cmpl-{p}" for _, p in COMPLETION_BAD])
+def test_bad_inputs_are_400_naming_the_request_field(app, route, override, param):
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if route.startswith("chat")
+            else {"prompt": "Hello there", "max_tokens": 4})
+    r = requests.post(f"{app}/v1/{route}", json={"model": NAME, **base, **override}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
 
 
 def test_queue_limit_is_503_with_retry_after(app):

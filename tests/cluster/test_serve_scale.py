@@ -20,10 +20,11 @@ PROMPTS = ["The river ran quietly past", "A good engineer measures before", "Hel
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model):
     from cluster.app import AppConfig
+    from engine import EngineArgs
 
-    cfg = AppConfig(model=tiny_model, mode="pd", served_model_name=NAME, app_name=APP, replica_num_cpus=0,
-                    max_replicas=2, num_kv_blocks=ENGINE["num_kv_blocks"], max_model_len=ENGINE["max_model_len"],
-                    max_num_seqs=ENGINE["max_num_seqs"], graceful_shutdown_timeout_s=30)
+    cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE),
+                    mode="pd", served_model_name=NAME, app_name=APP, replica_num_cpus=0,
+                    max_replicas=2, graceful_shutdown_timeout_s=30)
     return deploy(cfg)
 
 

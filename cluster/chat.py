@@ -1,0 +1,74 @@
+"""`POST /v1/chat/completions`: messages rendered with the model's chat template, the chat
+response (or its SSE chunks) out."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi.responses import Response
+
+from cluster import openai_format as fmt
+from cluster.http_errors import OpenAIError, rejecting
+from cluster.protocol import ChatCompletionRequest
+
+
+def render(tokenizer, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """(text, token ids) of the conversation through the model's chat template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            body.conversation(), tokenize=False,
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            continue_final_message=body.continue_final_message)
+    except Exception as e:  # template errors are the caller's messages' fault
+        raise OpenAIError(400, f"could not apply the chat template: {e}", param="messages") from e
+    return text, tokenizer.encode(text, add_special_tokens=False)  # the template has its specials
+
+
+async def create_chat_completion(ingress, body: ChatCompletionRequest) -> Response:
+    """`ingress` is the cluster.ingress.Ingress replica serving the request."""
+    ingress.check_model(body.model)
+    with rejecting(body):
+        params = body.sampling_params()
+    text, ids = render(ingress.tokenizer, body)
+    with rejecting(body):
+        params = ingress.validate(ids, params)
+    request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+    model, n_logprobs = ingress.model_name, body.num_logprobs
+
+    def logprobs(token_ids, positions):
+        if n_logprobs is None:
+            return None
+        return fmt.chat_logprobs(ingress.text_of, token_ids, positions or [], n_logprobs)
+
+    def whole(finals):
+        out = finals[0]
+        c = out.outputs[0]
+        choices = [{"index": 0, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}]
+        return fmt.response_object("chat.completion", request_id, model, choices,
+                                   fmt.usage(len(out.prompt_token_ids), len(c.token_ids)))
+
+    async def chunks(merged):
+        n_gen = 0
+        yield fmt.response_object("chat.completion", request_id, model, [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+             "finish_reason": None}], None, True)
+        async for _, out in merged:
+            c = out.outputs[0]
+            n_gen = len(c.token_ids)
+            finish = c.finish_reason if out.finished else None
+            if not out.delta_text and not out.delta_token_ids and finish is None:
+                continue
+            delta = {"content": out.delta_text} if out.delta_text or finish is None else {}
+            u = fmt.usage(len(ids), n_gen) if body.continuous_usage else None
+            yield fmt.response_object("chat.completion", request_id, model, [
+                {"index": 0, "delta": delta, "logprobs": logprobs(out.delta_token_ids, out.delta_logprobs),
+                 "finish_reason": finish}], u, True)
+        if body.include_usage:
+            yield fmt.response_object("chat.completion", request_id, model, [], fmt.usage(len(ids), n_gen), True)
+
+    prompt = {"prompt": text, "prompt_token_ids": ids}
+    return await ingress.respond([prompt], [params], request_id, body.stream, chunks, whole)

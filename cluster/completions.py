@@ -1,0 +1,68 @@
+"""`POST /v1/completions`: prompts (a string, token ids, or a batch of either) in, the legacy
+completions response (or its SSE chunks) out."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi.responses import Response
+
+from cluster import openai_format as fmt
+from cluster.http_errors import rejecting
+from cluster.protocol import CompletionRequest
+from engine.outputs import RequestOutput
+
+
+async def create_completion(ingress, body: CompletionRequest) -> Response:
+    """`ingress` is the cluster.ingress.Ingress replica serving the request."""
+    ingress.check_model(body.model)
+    prompts, per_prompt = [], []
+    with rejecting(body):
+        params = body.sampling_params()
+        for p in body.prompts():
+            ids = ingress.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+            per_prompt.append(ingress.validate(ids, params))  # token ids range-checked here
+            text = p if isinstance(p, str) else ingress.tokenizer.decode(ids)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+    request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
+    model, n_logprobs, echo = ingress.model_name, body.logprobs, body.echo
+
+    def choice(i, out: RequestOutput, text: str, ids: list[int], positions, offset: int, finish) -> dict:
+        lp = (fmt.completion_logprobs(ingress.text_of, ids, positions or [], n_logprobs, offset)
+              if n_logprobs is not None else None)
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish,
+                "stop_reason": out.outputs[0].stop_reason if finish else None}
+
+    def whole(finals):
+        choices, n_prompt, n_gen = [], 0, 0
+        for i, out in enumerate(finals):
+            c = out.outputs[0]
+            prefix = prompts[i]["prompt"] if echo else ""
+            choices.append(choice(i, out, prefix + c.text, c.token_ids, c.logprobs, len(prefix), c.finish_reason))
+            n_prompt += len(out.prompt_token_ids)
+            n_gen += len(c.token_ids)
+        return fmt.response_object("text_completion", request_id, model, choices, fmt.usage(n_prompt, n_gen))
+
+    async def chunks(merged):
+        offsets = [0] * len(prompts)
+        counts = [[len(p["prompt_token_ids"]), 0] for p in prompts]
+        if echo:
+            for i, p in enumerate(prompts):
+                offsets[i] = len(p["prompt"])
+                yield fmt.response_object("text_completion", request_id, model, [
+                    {"index": i, "text": p["prompt"], "logprobs": None, "finish_reason": None}], None, True)
+        async for i, out in merged:
+            c = out.outputs[0]
+            counts[i][1] = len(c.token_ids)
+            finish = c.finish_reason if out.finished else None
+            if not out.delta_text and not out.delta_token_ids and finish is None:
+                continue
+            ch = choice(i, out, out.delta_text, out.delta_token_ids, out.delta_logprobs, offsets[i], finish)
+            offsets[i] += len(out.delta_text)
+            u = fmt.usage(*counts[i]) if body.continuous_usage else None
+            yield fmt.response_object("text_completion", request_id, model, [ch], u, True)
+        if body.include_usage:
+            yield fmt.response_object("text_completion", request_id, model, [], fmt.usage(
+                sum(c[0] for c in counts), sum(c[1] for c in counts)), True)
+
+    return await ingress.respond(prompts, per_prompt, request_id, body.stream, chunks, whole)

@@ -1,0 +1,86 @@
+"""OpenAI-shaped HTTP errors: the exception the ingress raises, and the FastAPI handlers that
+turn it (and FastAPI's own schema errors) into `{"error": {message, type, param, code}}`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from actors.orchestrate import PDRequestError
+from cluster import openai_format as fmt
+from engine.errors import ParameterError
+
+RETRY_AFTER_S = 1
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(fmt.error_body(self.message, self.type, self.param, self.code or self.status),
+                            status_code=self.status, headers=self.headers)
+
+
+def overloaded(message: str) -> OpenAIError:
+    return OpenAIError(503, message, "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+@contextmanager
+def rejecting(body) -> Iterator[None]:
+    """Inside, a ParameterError (from any layer) becomes a 400 whose `param` is the request
+    field it came from (`body.param(field)`): the one path from validation to the client."""
+    try:
+        yield
+    except ParameterError as e:
+        raise OpenAIError(400, str(e), param=body.param(e.field)) from e
+
+
+def replica_error(e: Exception) -> OpenAIError:
+    """What the client gets when running a validated request failed."""
+    if isinstance(e, BackPressureError):
+        return overloaded(f"engine replicas are at their queue limit; retry later ({e})")
+    if isinstance(e, PDRequestError):
+        return overloaded(f"request failed on a replica: {e}")
+    return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's 422 becomes OpenAI's 400, naming the offending field."""
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # The param is the top-level field; the message keeps the path (which for unions also
+        # names the type tried, e.g. prompt.str).
+        param = loc[0] if loc else None
+        if err.get("type") == "json_invalid":
+            message, param = f"malformed JSON body: {err.get('msg', '')}", None
+        elif err.get("type") == "missing" and len(loc) == 1:
+            message = f"missing required field '{param}'"
+        else:
+            message = f"invalid value for '{'.'.join(loc)}': {err.get('msg', 'invalid')}"
+        return OpenAIError(400, message, param=param).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """Anything unforeseen is still an OpenAI-shaped 500, never a bare text page."""
+        return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return OpenAIError(exc.status_code, str(exc.detail), type_).response()
