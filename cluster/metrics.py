@@ -1,85 +1,123 @@
 """Prometheus metrics of the app, served by the ingress at `GET /metrics`.
 
+Names follow vLLM wherever vLLM has the metric (`vllm:time_to_first_token_seconds`,
+`vllm:num_requests_running`, ...; defined once in engine.metrics.names, which the offline
+`LLM.get_metrics()` uses too), so vLLM's dashboards work unchanged; figures only pdserve has
+(KV transfer, request status, replicas per role, autoscaling signals) are `pdserve:`.
+
 Request latencies (TTFT, ITL, E2E, queue time) are observed where the client's request is
-seen whole: the ingress. Engine figures (running/waiting, KV usage, prefix hit rate, KV
-transfer counters) come from the Coordinator's board of replica reports, labelled by role and
-replica, and are turned into metric families at scrape time. All text is produced by
-prometheus_client.
+seen whole: the ingress. Engine figures come from the Coordinator's board of replica reports,
+labelled by role and replica, and are turned into metric families at scrape time. All text is
+produced by prometheus_client.
 """
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+from engine.metrics import names
+from engine.metrics.names import MetricDef
 
-_GAUGES = (
-    ("running", "pdserve_num_requests_running", "Requests in the engine's running set"),
-    ("waiting", "pdserve_num_requests_waiting", "Requests waiting in the engine's queue"),
-    ("kv_usage", "pdserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use"),
-    ("free_blocks", "pdserve_kv_cache_free_blocks", "Free KV cache blocks"),
-    ("prefix_cache_hit_rate", "pdserve_prefix_cache_hit_rate", "Prefix cache hit rate (tokens)"),
-)
-_TRANSFER_COUNTERS = (
-    ("exports", "pdserve_kv_transfer_exports", "KV exports (prefill side)"),
-    ("loads", "pdserve_kv_transfer_loads", "KV loads (decode side)"),
-    ("load_failures", "pdserve_kv_transfer_load_failures", "KV loads that failed"),
-    ("bytes_out", "pdserve_kv_transfer_bytes_out", "Bytes of KV exported"),
-    ("bytes_in", "pdserve_kv_transfer_bytes_in", "Bytes of KV loaded"),
-    ("load_seconds", "pdserve_kv_transfer_load_seconds", "Seconds spent loading KV (fetch to blocks written)"),
-)
+# Token-count histogram bounds when the ingress does not say its context length.
+DEFAULT_MAX_MODEL_LEN = 1 << 20
+
+REQUESTS = MetricDef("pdserve:requests", "counter", "Requests answered, by status (ok, error, cancelled)")
+REPLICAS = MetricDef("pdserve:replicas", "gauge", "Engine replicas reporting, by role")
+# Keys of a replica report's "kv_transfer" dict.
+KV_TRANSFER: dict[str, MetricDef] = {
+    "exports": MetricDef("pdserve:kv_transfer_exports", "counter", "KV exports (prefill side)"),
+    "loads": MetricDef("pdserve:kv_transfer_loads", "counter", "KV loads (decode side)"),
+    "load_failures": MetricDef("pdserve:kv_transfer_load_failures", "counter", "KV loads that failed"),
+    "bytes_out": MetricDef("pdserve:kv_transfer_bytes_out", "counter", "Bytes of KV exported"),
+    "bytes_in": MetricDef("pdserve:kv_transfer_bytes_in", "counter", "Bytes of KV loaded"),
+    "load_seconds": MetricDef("pdserve:kv_transfer_load_seconds", "counter",
+                              "Seconds spent loading KV (fetch to blocks written)"),
+}
+# The replica's own latency percentiles the autoscaler reads; absent until it has samples.
+SCALING_SIGNALS: dict[str, MetricDef] = {
+    "ttft_p90_s": MetricDef("pdserve:replica_ttft_p90_seconds", "gauge",
+                            "A replica's recent time-to-first-token p90 (autoscaling signal)"),
+    "itl_p90_s": MetricDef("pdserve:replica_itl_p90_seconds", "gauge",
+                           "A replica's recent inter-token latency p90 (autoscaling signal)"),
+}
+
+
+def _family(definition: MetricDef, labels: list[str]):
+    cls = CounterMetricFamily if definition.kind == "counter" else GaugeMetricFamily
+    return cls(definition.name, definition.doc, labels=labels)
 
 
 class _ReplicaFigures:
     """A collector over the latest replica reports (set just before each scrape)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.reports: list[dict] = []
 
     def collect(self):
-        labels = ["role", "replica"]
-        for key, name, doc in _GAUGES:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            for r in self.reports:
-                g.add_metric([r["role"], r["replica"]], float(r.get(key, 0)))
-            yield g
-        for key, name, doc in _TRANSFER_COUNTERS:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            for r in self.reports:
-                c.add_metric([r["role"], r["replica"]], float(r.get("kv_transfer", {}).get(key, 0)))
-            yield c
+        labels = ["model_name", "role", "replica"]
+
+        def families(table: dict[str, MetricDef], figures_of):
+            for key, definition in table.items():
+                family = _family(definition, labels)
+                for r in self.reports:
+                    value = figures_of(r).get(key, 0)
+                    if value is not None:
+                        family.add_metric([self.model_name, r["role"], r["replica"]], float(value))
+                yield family
+
+        yield from families(names.ENGINE_FIGURES, lambda r: r)
+        yield from families(KV_TRANSFER, lambda r: r.get("kv_transfer", {}))
+        yield from families(SCALING_SIGNALS, lambda r: {k: r.get(k) for k in SCALING_SIGNALS})
+        replicas = _family(REPLICAS, ["model_name", "role"])
+        for role, n in sorted(Tally(r["role"] for r in self.reports).items()):
+            replicas.add_metric([self.model_name, role], n)
+        yield replicas
 
 
 class AppMetrics:
-    def __init__(self, model_name: str, mode: str) -> None:
+    """The ingress's metrics. `max_model_len` bounds the token-count histograms (vLLM's
+    1-2-5 buckets up to the context length)."""
+
+    def __init__(self, model_name: str, mode: str, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name", "mode"]
         self._labels = {"model_name": model_name, "mode": mode}
 
-        def hist(name, doc, buckets):
-            return Histogram(name, doc, labels, registry=self.registry, buckets=buckets).labels(**self._labels)
+        def hist(definition: MetricDef):
+            return Histogram(definition.name, definition.doc, labels, registry=self.registry,
+                             buckets=definition.buckets).labels(**self._labels)
 
-        self.ttft = hist("pdserve_time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
-        self.itl = hist("pdserve_inter_token_latency_seconds", "Time between streamed tokens", _ITL_BUCKETS)
-        self.e2e = hist("pdserve_e2e_request_latency_seconds", "Request latency, arrival to last token",
-                        _LATENCY_BUCKETS)
-        self.queue = hist("pdserve_request_queue_time_seconds", "Time in the engine queue before first scheduled",
-                          _LATENCY_BUCKETS)
-        self._requests = Counter("pdserve_requests", "Requests answered, by status", labels + ["status"],
-                                 registry=self.registry)
-        self._prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", labels,
-                                      registry=self.registry).labels(**self._labels)
-        self._generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", labels,
-                                          registry=self.registry).labels(**self._labels)
-        self._replicas = _ReplicaFigures()
+        def counter(definition: MetricDef, extra: tuple[str, ...] = ()):
+            return Counter(definition.name, definition.doc, labels + list(extra), registry=self.registry)
+
+        self.ttft = hist(names.TIME_TO_FIRST_TOKEN)
+        self.itl = hist(names.INTER_TOKEN_LATENCY)
+        self.e2e = hist(names.E2E_REQUEST_LATENCY)
+        self.queue = hist(names.REQUEST_QUEUE_TIME)
+        self._prompt_len = hist(names.request_prompt_tokens(max_model_len))
+        self._generation_len = hist(names.request_generation_tokens(max_model_len))
+        self._prompt_tokens = counter(names.PROMPT_TOKENS).labels(**self._labels)
+        self._generation_tokens = counter(names.GENERATION_TOKENS).labels(**self._labels)
+        self._success = counter(names.REQUEST_SUCCESS, ("finished_reason",))
+        self._requests = counter(REQUESTS, ("status",))
+        self._replicas = _ReplicaFigures(model_name)
         self.registry.register(self._replicas)
 
-    def request_done(self, status: str, prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
+    def request_done(self, status: str, prompt_tokens: int, generated_tokens: int,
+                     finished_reason: str | None = None) -> None:
+        """One request answered: `status` ok / error / cancelled; `finished_reason` (stop,
+        length, ...) when the engine finished it, which is what vLLM counts as a success."""
         self._requests.labels(**self._labels, status=status).inc()
         self._prompt_tokens.inc(prompt_tokens)
         self._generation_tokens.inc(generated_tokens)
+        if finished_reason is not None:
+            self._success.labels(**self._labels, finished_reason=finished_reason).inc()
+            self._prompt_len.observe(prompt_tokens)
+            self._generation_len.observe(generated_tokens)
 
     def render(self, replica_reports: list[dict]) -> bytes:
         self._replicas.reports = replica_reports

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from engine.args import EngineArgs
 from engine.errors import ParameterError
 from engine.llm_engine import LLMEngine
+from engine.metrics import Metric
 from engine.outputs import RequestOutput
 from engine.processor import PromptType
 from engine.sampling_params import SamplingParams
@@ -82,6 +83,10 @@ class LLM:
                 self.engine.abort_request(list(pending))
                 raise
         return [finished[rid] for rid in ids]
+
+    def get_metrics(self) -> list[Metric]:
+        """Counters, gauges and histograms under vLLM's names, as vLLM's `LLM.get_metrics()`."""
+        return self.engine.get_metrics()
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.core.reset_prefix_cache()

@@ -9,6 +9,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore, resolve_max_model_len
 from engine.kv_connector import KVConnectorFactory
 from engine.kv_transfer_params import KVTransferParams
+from engine.metrics import Metric, StatsRecorder
 from engine.models.arch import load_arch
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -60,6 +61,7 @@ class LLMEngine:
             self.tokenizer, self.core.max_model_len, self.core.arch.vocab_size, self.eos_token_ids
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = StatsRecorder(model_dir, self.core.max_model_len)
 
     @property
     def max_model_len(self) -> int:
@@ -80,6 +82,7 @@ class LLMEngine:
         )
         self.core.add_request(request)
         self.output_processor.add_request(request, text)
+        self.stats.request_added(request.request_id, request.arrival_time)
         return request.request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -87,12 +90,14 @@ class LLMEngine:
         self.core.abort_requests(ids)
         for rid in ids:
             self.output_processor.remove(rid)
+            self.stats.request_aborted(rid)
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.stats.record(outputs)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -104,3 +109,8 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return self.core.scheduler.get_num_unfinished_requests()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's metrics (and pdserve's engine figures) for this engine, cumulative since it
+        started, labelled model_name (the model directory, as vLLM's default served name)."""
+        return self.stats.snapshot(self.core.load())

@@ -108,10 +108,10 @@ def test_queue_limit_is_503_with_retry_after(app):
 
 
 def test_disconnect_aborts_and_frees(app):
-    cancelled = metric_value(app, "pdserve_requests_total", status="cancelled")
+    cancelled = metric_value(app, "pdserve:requests_total", status="cancelled")
     _open_stream(app).close()
     assert_no_leaks(app, APP, {"colocated"})
-    assert metric_value(app, "pdserve_requests_total", status="cancelled") == cancelled + 1
+    assert metric_value(app, "pdserve:requests_total", status="cancelled") == cancelled + 1
 
 
 def test_stream_runs_to_completion_after_others_leave(app):

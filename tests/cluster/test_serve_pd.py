@@ -239,7 +239,7 @@ def test_unknown_model_is_404(app, client):
 
 
 def test_disconnect_mid_stream_aborts_both_sides(app):
-    cancelled = metric_value(app, "pdserve_requests_total", status="cancelled")
+    cancelled = metric_value(app, "pdserve:requests_total", status="cancelled")
     body = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 400, "ignore_eos": True, "stream": True}
     r = requests.post(f"{app}/v1/completions", json=body, stream=True, timeout=60)
     lines = r.iter_lines()
@@ -251,20 +251,20 @@ def test_disconnect_mid_stream_aborts_both_sides(app):
                 break
     r.close()  # the client goes away mid-stream
     assert_no_leaks(app, APP, {"prefill", "decode"})
-    assert metric_value(app, "pdserve_requests_total", status="cancelled") == cancelled + 1
+    assert metric_value(app, "pdserve:requests_total", status="cancelled") == cancelled + 1
 
 
 def test_metrics_exposes_latencies_and_replica_figures(app, client):
     client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0)
-    for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_e2e_request_latency_seconds_count",
-                 "pdserve_request_queue_time_seconds_count", "pdserve_inter_token_latency_seconds_count"):
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_queue_time_seconds_count", "vllm:inter_token_latency_seconds_count"):
         assert metric_value(app, name, model_name=NAME) > 0, name
     text = requests.get(f"{app}/metrics", timeout=10).text
     for role in ("prefill", "decode"):
-        assert f'pdserve_kv_cache_usage_ratio{{replica="{role}-' in text
-        assert f'pdserve_num_requests_waiting{{replica="{role}-' in text
-    assert metric_value(app, "pdserve_kv_transfer_exports_total", role="prefill") > 0
-    assert metric_value(app, "pdserve_kv_transfer_bytes_in_total", role="decode") > 0
+        assert f'vllm:kv_cache_usage_perc{{model_name="{NAME}",replica="{role}-' in text
+        assert f'vllm:num_requests_waiting{{model_name="{NAME}",replica="{role}-' in text
+    assert metric_value(app, "pdserve:kv_transfer_exports_total", role="prefill") > 0
+    assert metric_value(app, "pdserve:kv_transfer_bytes_in_total", role="decode") > 0
 
 
 def test_null_fields_reused_ids_and_a_prompt_filling_the_context(app, tokenizer, tiny_model):

@@ -122,10 +122,10 @@ def _exports_per_prefill(app) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "pdserve_kv_transfer_exports_total" and s.labels.get("role") == "prefill":
+            if s.name == "pdserve:kv_transfer_exports_total" and s.labels.get("role") == "prefill":
                 out[s.labels["replica"]] = s.value
     return out
 
 
 def test_metric_value_helper_sees_this_app(app):
-    assert metric_value(app, "pdserve_num_requests_running", role="decode") >= 0
+    assert metric_value(app, "vllm:num_requests_running", role="decode") >= 0

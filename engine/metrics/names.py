@@ -1,0 +1,89 @@
+"""Every metric the engine reports, defined once: name, kind, help text and buckets.
+
+The offline recorder (engine.metrics.stats) and the Prometheus exporter (cluster.metrics)
+both build their metrics from these definitions, so `LLM.get_metrics()` and `GET /metrics`
+cannot drift apart. Metrics vLLM also has keep vLLM's name (and bucket boundaries, so
+dashboards built for vLLM read ours); figures only pdserve has are prefixed `pdserve:`.
+Counter names carry no `_total`: exporters add it, as Prometheus clients do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MetricKind = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    kind: MetricKind
+    doc: str
+    buckets: tuple[float, ...] = ()  # histograms only: upper bounds, ascending, +Inf implied
+
+    def __post_init__(self) -> None:
+        if (self.kind == "histogram") != bool(self.buckets):
+            raise ValueError(f"{self.name}: buckets are required for a histogram and only for one")
+        if list(self.buckets) != sorted(set(self.buckets)):
+            raise ValueError(f"{self.name}: buckets must be strictly ascending")
+
+
+def token_count_buckets(max_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_len`: vLLM's bounds for token-count histograms."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > max_len:
+                return tuple(out)
+            out.append(float(step * scale))
+        scale *= 10
+
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# ---- per request, seen where the request is seen whole (ingress online, LLMEngine offline) ----
+TIME_TO_FIRST_TOKEN = MetricDef("vllm:time_to_first_token_seconds", "histogram",
+                                "Time to first token, arrival to first token out", TTFT_BUCKETS)
+INTER_TOKEN_LATENCY = MetricDef("vllm:inter_token_latency_seconds", "histogram",
+                                "Time between consecutive token outputs of a request", ITL_BUCKETS)
+E2E_REQUEST_LATENCY = MetricDef("vllm:e2e_request_latency_seconds", "histogram",
+                                "Request latency, arrival to last token", REQUEST_LATENCY_BUCKETS)
+REQUEST_QUEUE_TIME = MetricDef("vllm:request_queue_time_seconds", "histogram",
+                               "Time waiting in the engine queue before first scheduled", REQUEST_LATENCY_BUCKETS)
+PROMPT_TOKENS = MetricDef("vllm:prompt_tokens", "counter", "Prompt tokens processed")
+GENERATION_TOKENS = MetricDef("vllm:generation_tokens", "counter", "Tokens generated")
+REQUEST_SUCCESS = MetricDef("vllm:request_success", "counter",
+                            "Requests finished, by finish reason (label finished_reason)")
+
+
+def request_prompt_tokens(max_len: int) -> MetricDef:
+    return MetricDef("vllm:request_prompt_tokens", "histogram", "Prompt tokens of finished requests",
+                     token_count_buckets(max_len))
+
+
+def request_generation_tokens(max_len: int) -> MetricDef:
+    return MetricDef("vllm:request_generation_tokens", "histogram", "Generated tokens of finished requests",
+                     token_count_buckets(max_len))
+
+
+# ---- per engine, read from EngineCore.load() (key -> metric) -----------------------------------
+ENGINE_FIGURES: dict[str, MetricDef] = {
+    "running": MetricDef("vllm:num_requests_running", "gauge", "Requests in the engine's running set"),
+    "waiting": MetricDef("vllm:num_requests_waiting", "gauge", "Requests waiting in the engine's queue"),
+    "kv_usage": MetricDef("vllm:kv_cache_usage_perc", "gauge", "KV cache usage, 1 meaning every block in use"),
+    "prefix_cache_queries": MetricDef("vllm:prefix_cache_queries", "counter",
+                                      "Prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hits": MetricDef("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache"),
+    "num_preemptions": MetricDef("vllm:num_preemptions", "counter", "Requests preempted by the scheduler"),
+    "free_blocks": MetricDef("pdserve:kv_cache_free_blocks", "gauge", "Free KV cache blocks"),
+    "total_blocks": MetricDef("pdserve:kv_cache_total_blocks", "gauge", "KV cache blocks in all"),
+    "prefix_cache_hit_rate": MetricDef("pdserve:prefix_cache_hit_rate", "gauge",
+                                       "Prefix cache hit rate (tokens), since the engine started"),
+}
