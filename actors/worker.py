@@ -87,6 +87,12 @@ class EngineWorker:
         async for out in self.engine.generate(prompt, params, request_id, kv_transfer_params=kv_transfer_params):
             yield out
 
+    async def submit(self, prompt, params: SamplingParams, request_id: str, sink,
+                     kv_transfer_params: KVTransferParams | None = None) -> None:
+        """Add a request whose outputs go to `sink` (see AsyncLLM.submit): how a serving
+        replica gathers one message per step for its front end."""
+        await self.engine.submit(prompt, params, request_id, sink, kv_transfer_params=kv_transfer_params)
+
     async def prefill(self, prompt, params: SamplingParams, request_id: str,
                       transfer_id: str | None = None) -> RequestOutput:
         """Run the prompt with max_tokens=1; the output carries the first token and the

@@ -27,6 +27,7 @@ from engine.errors import ParameterError, check_choice, check_int
 
 MODES = ("pd", "colocated")
 POLICIES = ("fail", "recompute")
+STREAM_INTERVAL_MS = 0.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class AppConfig:
     max_pending_requests: int = 1024  # per ingress replica; beyond it: 503 + Retry-After
     max_ongoing_requests: int = 1024  # per engine replica (Serve's own cap)
     graceful_shutdown_timeout_s: float = 60.0
+    # Engine replicas send each ingress one message per step; > 0 waits at least this long
+    # between messages, so one carries several steps (Ray Serve LLM's stream_batching_interval_ms).
+    stream_interval_ms: float = STREAM_INTERVAL_MS
     prefix_affinity: bool = False
     routing_stats_period_s: float = 0.5
     replica_num_cpus: float = 1.0
@@ -60,6 +64,9 @@ class AppConfig:
             check_int(name, getattr(self, name))
         require_model_dir(self.engine_args.model)
         self.engine_args.create_engine_config()  # every engine field, checked before Ray starts
+        if not 0 <= self.stream_interval_ms <= 1000:
+            raise ParameterError("stream_interval_ms",
+                                 f"stream_interval_ms must be in [0, 1000], got {self.stream_interval_ms}")
         if self.replica_num_cpus < 0:
             raise ParameterError("replica_num_cpus", f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
         if self.replica_num_gpus is not None and self.replica_num_gpus < 0:
@@ -124,7 +131,7 @@ def build_app(cfg: AppConfig):
     def engine(name: str, role: str, replicas: int):
         return serve.deployment(EngineServer, name=name, num_replicas=replicas, **engine_options).bind(
             engine_args=cfg.engine_args, role=role, app_name=cfg.app_name,
-            load_failure_policy=cfg.load_failure_policy)
+            load_failure_policy=cfg.load_failure_policy, stream_interval_ms=cfg.stream_interval_ms)
 
     coordinator = serve.deployment(Coordinator, name="Coordinator", num_replicas=1,
                                    ray_actor_options={"num_cpus": 0}).bind(

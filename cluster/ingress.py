@@ -23,6 +23,7 @@ from ray import serve
 from cluster import openai_format as fmt
 from cluster.chat import create_chat_completion
 from cluster.completions import create_completion
+from cluster.front_streams import ReplicaStreams
 from cluster.http_errors import OpenAIError, install_error_handlers, overloaded, replica_error
 from cluster.metrics import AppMetrics
 from cluster.pd_serve import serve_colocated_generate, serve_pd_generate
@@ -52,6 +53,9 @@ class Ingress:
         self.tokenizer, self.processor = front_end(engine_args.create_engine_config())
         self.text_of = fmt.TokenText(self.tokenizer)
         self.store = app_store(settings["app_name"]) if self.mode == "pd" else None
+        # Decode (or colocated) outputs arrive as one message per engine step per replica.
+        ingress_id = f"ingress-{serve.get_replica_context().replica_id.unique_id}"
+        self.streams = ReplicaStreams(decode if self.mode == "pd" else prefill, ingress_id)
         self.metrics = AppMetrics(self.model_name, self.mode)
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
         self.created = int(time.time())
@@ -115,9 +119,9 @@ class Ingress:
 
     def _run(self, prompt: dict, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         if self.mode == "pd":
-            return serve_pd_generate(self.prefill, self.decode, self.store, prompt, params, request_id,
+            return serve_pd_generate(self.prefill, self.streams, self.store, prompt, params, request_id,
                                      self.load_failure_policy)
-        return serve_colocated_generate(self.engine_handle, prompt, params, request_id)
+        return serve_colocated_generate(self.streams, prompt, params, request_id)
 
     async def _sse(self, gens, chunks, token) -> AsyncIterator[str]:
         try:

@@ -17,6 +17,7 @@ from ray import serve
 
 from actors.worker import EngineWorker
 from cluster.latency import LatencyWindow
+from cluster.step_channel import StepHub
 from engine.args import EngineArgs
 from engine.kv_transfer_params import KVTransferParams
 from engine.sampling_params import SamplingParams
@@ -29,14 +30,19 @@ logger = logging.getLogger(__name__)
 _EXPORT_DRAIN_S = 30.0
 
 
+class ReplicaGone(RuntimeError):
+    """A call meant for a replica that no longer exists reached another one."""
+
+
 class EngineServer:
     def __init__(self, engine_args: EngineArgs, role: str, app_name: str = "pdserve",
                  load_failure_policy: str = "fail", coordinator: str | None = "Coordinator",
-                 store_kwargs: dict | None = None) -> None:
+                 store_kwargs: dict | None = None, stream_interval_ms: float = 0.0) -> None:
         ctx = serve.get_replica_context()
         self.role = role
         self.app_name = app_name
-        self.replica_id = f"{role}-{ctx.replica_id.unique_id}"
+        self.unique_id = ctx.replica_id.unique_id
+        self.replica_id = f"{role}-{self.unique_id}"
         store = None if role == "colocated" else app_store(app_name, **(store_kwargs or {}))
         self.store = store
         self.worker = EngineWorker(engine_args, role, self.replica_id, store, "object_store",
@@ -48,6 +54,8 @@ class EngineServer:
         # of a prefill (queue + compute) and gaps between streamed tokens.
         self.ttft = LatencyWindow()
         self.itl = LatencyWindow()
+        self._timing: dict[str, tuple[float, float | None]] = {}  # request id -> (start, last token)
+        self.hub = StepHub(stream_interval_ms / 1000.0, on_output=self._observe)
 
     # ---- requests (called through DeploymentHandles) -------------------------------------
     async def prefill(self, prompt: dict, params: SamplingParams, request_id: str, transfer_id: str | None = None):
@@ -72,7 +80,53 @@ class EngineServer:
                 first, last = False, now
             yield out
 
-    async def abort(self, request_id: str) -> None:
+    # ---- per-step messages (cluster.step_channel) ----------------------------------------
+    async def submit(self, prompt: dict, params: SamplingParams, request_id: str, ingress_id: str,
+                     kv_transfer_params: KVTransferParams | None = None) -> str:
+        """Queue a request whose outputs go to `ingress_id`'s subscription; returns this
+        replica's id, which the ingress names in `subscribe` and `abort`."""
+        sink = self.hub.sink(ingress_id, request_id)
+        self._timing[request_id] = (time.monotonic(), None)
+        try:
+            await self.worker.submit(prompt, params, request_id, sink, kv_transfer_params)
+        except BaseException:
+            self.hub.forget(request_id)
+            self._timing.pop(request_id, None)
+            raise
+        return self.unique_id
+
+    async def subscribe(self, ingress_id: str, replica: str):
+        """Stream of lists of RequestDeltas for `ingress_id` (a Serve streaming method)."""
+        self._check_target(replica)
+        async for batch in self.hub.subscribe(ingress_id, self.worker.abort):
+            yield batch
+
+    def _observe(self, out) -> None:
+        start, last = self._timing.get(out.request_id, (None, None))
+        if start is None:
+            return
+        if out.delta_token_ids:
+            now = time.monotonic()
+            if last is not None:
+                self.itl.add(now - last)
+            elif self.role == "colocated":
+                self.ttft.add(now - start)
+            last = now
+        if out.finished:
+            self._timing.pop(out.request_id, None)
+        else:
+            self._timing[out.request_id] = (start, last)
+
+    def _check_target(self, replica: str | None) -> None:
+        # The router sends a call naming a replica there; if that replica is gone it lands
+        # elsewhere, and must not act on another replica's requests.
+        if replica is not None and replica != self.unique_id:
+            raise ReplicaGone(f"replica {replica} is gone (this is {self.unique_id})")
+
+    async def abort(self, request_id: str, replica: str | None = None) -> None:
+        self._check_target(replica)
+        self.hub.forget(request_id)
+        self._timing.pop(request_id, None)
         await self.worker.abort(request_id)
 
     # ---- health, load and metrics -------------------------------------------------------

@@ -95,6 +95,11 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
+        target = (pending_request.kwargs or {}).get("replica") if pending_request is not None else None
+        if target is not None:
+            # A call for one replica (a subscription or an abort). If it is gone, any replica
+            # takes the call and refuses it, so the caller learns at once (never waits).
+            return [[by_key[target]]] if target in by_key else [candidate_replicas[:1]]
         affinity = None
         if self._prefix_affinity and pending_request is not None and pending_request.args:
             prompt = pending_request.args[0]
@@ -105,6 +110,8 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
         return [[by_key[k]] for k in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        if pending_request is not None and (pending_request.kwargs or {}).get("replica") is not None:
+            return  # a subscription or an abort adds no work
         key = replica_id.unique_id
         replica = self._replicas.get(replica_id)
         seq = (replica.routing_stats or {}).get("seq") if replica is not None else None

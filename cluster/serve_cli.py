@@ -24,6 +24,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--load-failure-policy", default="fail", choices=["fail", "recompute"])
     p.add_argument("--max-pending-requests", type=int, default=1024,
                    help="requests in flight per ingress before answering 503")
+    p.add_argument("--stream-interval-ms", type=float, default=None,
+                   help="least time between two streamed messages of an engine replica to an ingress "
+                        "(0: every engine step; default: AppConfig.stream_interval_ms)")
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica")
     p.add_argument("--replica-gpus", type=float, default=None,
@@ -87,7 +90,9 @@ def _config(args: argparse.Namespace):
     from cluster.app import AppConfig
     from cluster.default_model import ensure_default_model
 
+    extra = {} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}
     return AppConfig(
+        **extra,
         engine_args=EngineArgs.from_cli_args(args, model=args.model or ensure_default_model()),
         mode=args.mode, prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
         colocated_replicas=args.replicas, served_model_name=args.served_model_name, app_name=args.app_name,

@@ -39,8 +39,10 @@ class AsyncLLM:
         self.engine = engine or LLMEngine(config, kv_connector_factory)
         self._inputs: queue.Queue = queue.Queue()
         self.engine.core.set_kv_wakeup(lambda: self._inputs.put(_WAKE))
-        # request id -> (event loop, asyncio queue) of its stream
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (event loop, callable taking each of its outputs on that loop)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[object], None]]] = {}
+        # Requests added with `submit`: their entry goes when their last output is posted.
+        self._sinks: set[str] = set()
         self._errored: BaseException | None = None
         self._thread = threading.Thread(target=self._busy_loop, name="pdserve-engine", daemon=True)
         self._thread.start()
@@ -76,8 +78,7 @@ class AsyncLLM:
                 for rid in list(self._streams):
                     self._post(rid, e)
                 return
-            for out in outputs:
-                self._post(out.request_id, out)
+            self._post_step(outputs)
 
     def _handle(self, item: tuple[Callable, tuple, Future]) -> None:
         fn, args, fut = item
@@ -89,8 +90,23 @@ class AsyncLLM:
     def _post(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            loop, put = stream
+            loop.call_soon_threadsafe(put, item)
+
+    def _post_step(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over with one callback per event loop, not one per request:
+        the loop then sees the whole step at once (a per-step message can carry all of it)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            by_loop.setdefault(stream[0], []).append((stream[1], out))
+            if out.finished and out.request_id in self._sinks:
+                self._sinks.discard(out.request_id)
+                self._streams.pop(out.request_id, None)
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     # ---- callers ------------------------------------------------------------------------
     def call(self, fn: Callable, *args) -> Future:
@@ -117,7 +133,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._streams[request_id] = (asyncio.get_running_loop(), q.put_nowait)
         finished = False
         try:
             await asyncio.wrap_future(self.call(
@@ -147,9 +163,40 @@ class AsyncLLM:
                 except (asyncio.CancelledError, RuntimeError):
                     pass
 
+    async def submit(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        sink: Callable[[object], None],
+        priority: int = 0,
+        cache_salt: str | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
+    ) -> None:
+        """Add a request whose outputs go to `sink` instead of a stream: called on this event
+        loop with each RequestOutput (all of one step's in one loop callback), or with the
+        exception that killed the engine. Nothing is posted after the finished output, nor
+        after `abort`. Validation errors raise here (nothing was queued)."""
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._streams[request_id] = (asyncio.get_running_loop(), sink)
+        self._sinks.add(request_id)
+        try:
+            await asyncio.wrap_future(self.call(
+                self.engine.add_request, request_id, prompt, sampling_params, priority, cache_salt,
+                kv_transfer_params,
+            ))
+        except BaseException:
+            self._sinks.discard(request_id)
+            self._streams.pop(request_id, None)
+            raise
+
     async def abort(self, request_id: str) -> None:
         """Abort a request from outside its stream; the stream then ends without a final
         output (nothing is left waiting on it)."""
+        if request_id in self._sinks:
+            self._sinks.discard(request_id)
+            self._streams.pop(request_id, None)
         await asyncio.wrap_future(self.call(self.engine.abort_request, request_id))
         self._post(request_id, _ABORTED)
 
@@ -161,3 +208,8 @@ class AsyncLLM:
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self.engine.core.shutdown()
+
+
+def _deliver(items: list) -> None:
+    for put, item in items:
+        put(item)

@@ -36,3 +36,62 @@ class RequestOutput:
     delta_logprobs: list[PositionLogprobs] | None = None
     kv_transfer_params: KVTransferParams | None = None
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What one engine step added to one request: the unit of the per-step message a
+    serving replica sends its front end (ARCHITECTURE.md §7). Deltas only — never the prompt
+    or a cumulative list — so its size does not grow with the prompt or the output so far."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[PositionLogprobs] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: KVTransferParams | None = None
+    metrics: dict | None = None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> RequestDelta:
+        c = out.outputs[0]
+        return cls(out.request_id, list(out.delta_token_ids), out.delta_text, out.delta_logprobs, out.finished,
+                   c.finish_reason if out.finished else None, c.stop_reason if out.finished else None,
+                   out.num_cached_tokens, out.kv_transfer_params if out.finished else None, out.metrics or None)
+
+    def merge(self, later: RequestDelta) -> None:
+        """Fold a later delta of the same request into this one (coalescing)."""
+        self.token_ids += later.token_ids
+        self.text += later.text
+        if later.logprobs:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
+        self.num_cached_tokens = later.num_cached_tokens
+        self.kv_transfer_params = later.kv_transfer_params or self.kv_transfer_params
+        if later.metrics:
+            self.metrics = {**(self.metrics or {}), **later.metrics}
+
+
+class DeltaAccumulator:
+    """The front end's state of one request: rebuilds the cumulative RequestOutput the
+    engine would have produced from the stream of its RequestDeltas."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], logprobs: bool) -> None:
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[PositionLogprobs] | None = [] if logprobs else None
+
+    def add(self, d: RequestDelta) -> RequestOutput:
+        self.token_ids += d.token_ids
+        self.text += d.text
+        if self.logprobs is not None and d.logprobs:
+            self.logprobs += d.logprobs
+        # The growing lists themselves, as the engine's own outputs do (no copy per token).
+        c = CompletionOutput(0, self.text, self.token_ids, d.finish_reason, d.stop_reason, self.logprobs)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [c], d.finished,
+                             d.num_cached_tokens, d.text, d.token_ids, d.logprobs, d.kv_transfer_params,
+                             d.metrics or {})

@@ -1,0 +1,144 @@
+"""Ingress side of the per-step messages: submit requests to an engine deployment, keep one
+subscription per engine replica that holds some of them, and demultiplex its messages
+(lists of RequestDeltas, cluster.step_channel) into per-request streams of RequestOutputs.
+
+Request state (the cumulative text, token ids and logprobs) lives here, in
+`DeltaAccumulator`s, so the engine replicas send deltas only. Detokenization stays on the
+engine replica: stop strings are checked there, in the step that produced them, so a stopped
+request frees its KV blocks at once and no token past the stop is computed or sent.
+
+Failure: if a subscription breaks (the replica died, or its engine did), every request of
+this ingress on that replica fails with PDRequestError(replica_died=True) — the P/D flow then
+releases the transfer itself, as before. A request left early (client gone, error) is aborted
+on its replica by a call routed to that replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import ray
+
+from actors.orchestrate import PDRequestError
+from engine.kv_transfer_params import KVTransferParams
+from engine.outputs import DeltaAccumulator, RequestDelta, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+# How long a request left during its submit call waits for that call, to abort what it queued.
+_SUBMIT_WAIT_S = 30.0
+
+# Errors meaning the replica (not the request) failed: gone, unreachable, or its engine died
+# (the ingress validated the request, so an error raised inside a replica is the replica's).
+REPLICA_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                  ray.exceptions.RayTaskError)
+
+
+class ReplicaStreams:
+    def __init__(self, handle, ingress_id: str) -> None:
+        self.handle = handle
+        self.stream_handle = handle.options(stream=True)
+        self.ingress_id = ingress_id
+        self._queues: dict[str, asyncio.Queue] = {}  # request id -> its deltas (or an error)
+        self._where: dict[str, str] = {}  # request id -> replica holding it
+        self._subs: dict[str, asyncio.Task] = {}  # replica -> its subscription's pump
+        self.messages = 0  # received, for tests and benchmarks
+        self.deltas = 0
+
+    async def generate(self, prompt: dict, params: SamplingParams, request_id: str,
+                       kv_transfer_params: KVTransferParams | None = None) -> AsyncIterator[RequestOutput]:
+        """One request's cumulative outputs; leaving early aborts it on its replica."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        acc = DeltaAccumulator(request_id, prompt.get("prompt"), prompt["prompt_token_ids"],
+                               params.logprobs is not None)
+        finished = False
+        submitted = asyncio.ensure_future(self._submit(prompt, params, request_id, kv_transfer_params))
+        try:
+            try:
+                # Shielded: if this request is left while the call is on its way, the call still
+                # completes, and the finally below learns where to abort it.
+                replica = await asyncio.shield(submitted)
+            except REPLICA_ERRORS as e:
+                finished = True  # nothing was queued anywhere
+                raise PDRequestError(f"replica unavailable: {e}", replica_died=True) from e
+            self._where[request_id] = replica
+            self._ensure_subscribed(replica)
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True  # its replica is gone with it
+                    raise item
+                # Deltas that queued up while the consumer was busy go out as one output.
+                while not q.empty() and not item.finished:
+                    more = q.get_nowait()
+                    if isinstance(more, BaseException):
+                        finished = True
+                        raise more
+                    item.merge(more)
+                finished = item.finished
+                yield acc.add(item)
+        finally:
+            self._queues.pop(request_id, None)
+            replica = self._where.pop(request_id, None)
+            if not finished and replica is None:
+                try:  # left during the submit call: where did it go?
+                    replica = await asyncio.wait_for(asyncio.shield(submitted), _SUBMIT_WAIT_S)
+                except BaseException:
+                    replica = None  # refused or unreachable: nothing queued, or its replica is gone
+            if not finished and replica is not None:
+                try:
+                    await asyncio.shield(self.handle.abort.remote(request_id, replica=replica))
+                except Exception as e:  # a gone replica holds nothing any more
+                    logger.debug("abort of %s on %s: %s", request_id, replica, e)
+
+    async def _submit(self, prompt, params, request_id, kv_transfer_params) -> str:
+        return await self.handle.submit.remote(prompt, params, request_id, self.ingress_id, kv_transfer_params)
+
+    def _ensure_subscribed(self, replica: str, idle_closes: int = 0) -> None:
+        if replica not in self._subs:
+            self._subs[replica] = asyncio.ensure_future(self._pump(replica, idle_closes))
+
+    async def _pump(self, replica: str, idle_closes: int) -> None:
+        error: BaseException | None = None
+        got = 0
+        try:
+            stream = self.stream_handle.subscribe.remote(self.ingress_id, replica=replica)
+            async for batch in stream:
+                got += 1
+                self.messages += 1
+                self.deltas += len(batch)
+                self._dispatch(batch)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            error = e
+        finally:
+            self._subs.pop(replica, None)
+        mine = [rid for rid, r in self._where.items() if r == replica]
+        if error is None and mine and got == 0 and idle_closes >= 1:
+            # Closed idle twice in a row while we wait on it: it holds none of them any more.
+            error = RuntimeError("the replica no longer holds these requests")
+        if error is not None:
+            logger.warning("subscription to replica %s failed: %s", replica, error)
+            for rid in mine:
+                self._where.pop(rid, None)
+                q = self._queues.get(rid)
+                if q is not None:
+                    q.put_nowait(PDRequestError(f"replica unavailable: {error}", replica_died=True))
+        elif mine:
+            # It closed while idle just as new requests reached it: listen again.
+            self._ensure_subscribed(replica, idle_closes + 1 if got == 0 else 0)
+
+    def _dispatch(self, batch: list[RequestDelta]) -> None:
+        for delta in batch:
+            q = self._queues.get(delta.request_id)
+            if q is not None:
+                q.put_nowait(delta)
+
+    async def close(self) -> None:
+        for task in list(self._subs.values()):
+            task.cancel()
+        await asyncio.gather(*self._subs.values(), return_exceptions=True)

@@ -1,0 +1,144 @@
+"""Replica side of the per-step messages (ARCHITECTURE.md §7, engine -> front end).
+
+An engine replica keeps one `FrontEndChannel` per ingress replica that sent it requests. The
+engine hands over each step's outputs in one event-loop callback (AsyncLLM.submit); the
+channel turns them into RequestDeltas and wakes the ingress's subscription, which sends
+everything gathered since its last message as one list. So a step that advanced 30 requests
+of one ingress is one Ray message carrying 30 small deltas, not 30 messages each carrying the
+whole prompt and the cumulative output.
+
+With `stream_interval_s` > 0 the subscription waits that long after a message before sending
+the next, so a message may carry several steps (the model of Ray Serve LLM's
+stream_batching_interval_ms); 0 sends as soon as a step is posted.
+
+A subscription lives while its ingress has requests here: once none is left (and none comes
+within `linger_s`) it ends, and the ingress opens a new one with its next request. Serve thus
+sees no request in flight on an idle replica, and a draining replica stops as soon as its
+last request finished. If the ingress goes away (the subscription is cancelled), its requests
+are aborted here: nothing is left running for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from engine.outputs import RequestDelta, RequestOutput
+
+LINGER_S = 2.0
+
+
+class EngineFailed(RuntimeError):
+    """The replica's engine died: every request it held is lost (the ingress fails them)."""
+
+
+class FrontEndChannel:
+    def __init__(self) -> None:
+        self.active: set[str] = set()
+        self.pending: dict[str, RequestDelta] = {}  # request id -> delta since the last message
+        self.error: BaseException | None = None
+        self.wake = asyncio.Event()
+
+    def put(self, out) -> None:
+        if isinstance(out, BaseException):
+            self.error = out
+        elif out.request_id in self.active:
+            delta = RequestDelta.of(out)
+            held = self.pending.get(out.request_id)
+            if held is None:
+                self.pending[out.request_id] = delta
+            else:
+                held.merge(delta)
+            if out.finished:
+                self.active.discard(out.request_id)
+        else:
+            return  # aborted meanwhile: its late outputs are nobody's
+        self.wake.set()
+
+    def take(self) -> list[RequestDelta]:
+        batch = list(self.pending.values())
+        self.pending.clear()
+        return batch
+
+
+class StepHub:
+    """All front-end channels of one engine replica."""
+
+    def __init__(self, stream_interval_s: float = 0.0, linger_s: float = LINGER_S,
+                 on_output: Callable[[RequestOutput], None] | None = None) -> None:
+        self.stream_interval_s = stream_interval_s
+        self.linger_s = linger_s
+        self.on_output = on_output  # per-request figures (TTFT, ITL) of the replica
+        self.channels: dict[str, FrontEndChannel] = {}
+        self.owner: dict[str, str] = {}  # request id -> ingress id
+
+    def _channel(self, ingress_id: str) -> FrontEndChannel:
+        ch = self.channels.get(ingress_id)
+        if ch is None:
+            ch = self.channels[ingress_id] = FrontEndChannel()
+        return ch
+
+    def sink(self, ingress_id: str, request_id: str) -> Callable[[object], None]:
+        """Register a request of `ingress_id`; the callable goes to AsyncLLM.submit."""
+        ch = self._channel(ingress_id)
+        ch.active.add(request_id)
+        self.owner[request_id] = ingress_id
+        on_output = self.on_output
+
+        def put(out) -> None:
+            if on_output is not None and not isinstance(out, BaseException):
+                on_output(out)
+            ch.put(out)
+            if isinstance(out, BaseException) or out.finished:
+                self.owner.pop(request_id, None)
+        return put
+
+    def forget(self, request_id: str) -> None:
+        """The request was aborted (or never queued): no delta of it goes out any more."""
+        ingress_id = self.owner.pop(request_id, None)
+        ch = self.channels.get(ingress_id) if ingress_id is not None else None
+        if ch is not None:
+            ch.active.discard(request_id)
+            ch.pending.pop(request_id, None)
+
+    async def subscribe(self, ingress_id: str, abort: Callable[[str], Awaitable[None]]
+                        ) -> AsyncIterator[list[RequestDelta]]:
+        """The message stream of one ingress replica (a Serve streaming method's body)."""
+        ch = self._channel(ingress_id)
+        last_sent = 0.0
+        ended = False
+        try:
+            while True:
+                if not ch.pending and ch.error is None:
+                    if not ch.active:
+                        try:
+                            await asyncio.wait_for(ch.wake.wait(), self.linger_s)
+                        except asyncio.TimeoutError:
+                            pass
+                        if not ch.active and not ch.pending and ch.error is None:
+                            ended = True
+                            return  # idle: the ingress reopens with its next request
+                    else:
+                        await ch.wake.wait()
+                ch.wake.clear()
+                if ch.error is not None:
+                    ended = True
+                    raise EngineFailed(f"engine failed: {ch.error!r}")
+                wait = last_sent + self.stream_interval_s - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)  # coalescing interval (a rate, not a synchronisation)
+                batch = ch.take()
+                if batch:
+                    last_sent = time.monotonic()
+                    yield batch
+        finally:
+            if not ended:
+                # Cancelled: the ingress is gone (or gave up on this stream). Its requests here
+                # would run for nobody and hold KV blocks: abort them.
+                for rid in list(ch.active):
+                    self.forget(rid)
+                    # Not awaited: a closing generator must not wait on the engine thread.
+                    asyncio.ensure_future(abort(rid))
+            if not ch.active and not ch.pending and self.channels.get(ingress_id) is ch:
+                del self.channels[ingress_id]
