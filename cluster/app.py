@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from cluster.auth import digest, keys_from
 from cluster.autoscale import build_config
 from cluster.coordinator import Coordinator
 from cluster.default_model import ensure_default_model, require_model_dir
@@ -51,6 +52,8 @@ class AppConfig:
     replica_num_cpus: float = 1.0
     replica_num_gpus: float | None = None  # None: 1 when this machine has a CUDA GPU, else 0
     max_replicas: int = 8  # per role: the ceiling of POST /scale (and of autoscaling by default)
+    # Bearer keys guarding /v1/*, /scale, /status (cluster.auth); PDSERVE_API_KEY adds more.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     autoscale: dict | None = None  # cluster.autoscale.AutoscaleConfig fields; {"enabled": True} turns it on
 
     def __post_init__(self) -> None:
@@ -64,6 +67,8 @@ class AppConfig:
             check_int(name, getattr(self, name))
         require_model_dir(self.engine_args.model)
         self.engine_args.create_engine_config()  # every engine field, checked before Ray starts
+        if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ParameterError("api_keys", "api_keys must be a list of non-empty strings")
         if not 0 <= self.stream_interval_ms <= 1000:
             raise ParameterError("stream_interval_ms",
                                  f"stream_interval_ms must be in [0, 1000], got {self.stream_interval_ms}")
@@ -143,7 +148,9 @@ def build_app(cfg: AppConfig):
         first, second = engine("Colocated", "colocated", cfg.colocated_replicas), None
     settings = {"mode": cfg.mode, "engine_args": cfg.engine_args, "served_model_name": cfg.model_name,
                 "max_pending_requests": cfg.max_pending_requests, "load_failure_policy": cfg.load_failure_policy,
-                "app_name": cfg.app_name}
+                "app_name": cfg.app_name,
+                # Digests only: the keys themselves never enter the Serve config or its logs.
+                "api_key_digests": [digest(k) for k in keys_from(cfg.api_keys)]}
     return serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=cfg.max_pending_requests * 2,
                             graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                             ray_actor_options={"num_cpus": 0}).bind(first, second, coordinator, settings)

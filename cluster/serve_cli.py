@@ -27,6 +27,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--stream-interval-ms", type=float, default=None,
                    help="least time between two streamed messages of an engine replica to an ingress "
                         "(0: every engine step; default: AppConfig.stream_interval_ms)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1/*, /scale and /status "
+                        "(repeatable; PDSERVE_API_KEY, comma-separated, adds more)")
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica")
     p.add_argument("--replica-gpus", type=float, default=None,
@@ -56,8 +59,14 @@ def _http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
     import urllib.error
     import urllib.request
 
+    from cluster.auth import keys_from
+
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    keys = keys_from(None)  # PDSERVE_API_KEY, as the server reads it
+    if keys:
+        headers["Authorization"] = f"Bearer {keys[0]}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read() or b"{}")
@@ -88,9 +97,11 @@ def run_status(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace):
     from cluster.app import AppConfig
+    from cluster.auth import keys_from
     from cluster.default_model import ensure_default_model
 
     extra = {} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}
+    extra["api_keys"] = keys_from(args.api_key)
     return AppConfig(
         **extra,
         engine_args=EngineArgs.from_cli_args(args, model=args.model or ensure_default_model()),
