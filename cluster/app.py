@@ -18,7 +18,7 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.auth import digest, keys_from
 from cluster.autoscale import build_config
-from cluster.coordinator import Coordinator
+from cluster.coordinator import SCALE_TIMEOUT_S, Coordinator
 from cluster.default_model import ensure_default_model, require_model_dir
 from cluster.ingress import Ingress
 from cluster.replica import EngineServer
@@ -54,6 +54,10 @@ class AppConfig:
     max_replicas: int = 8  # per role: the ceiling of POST /scale (and of autoscaling by default)
     # Bearer keys guarding /v1/*, /scale, /status (cluster.auth); PDSERVE_API_KEY adds more.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # The cluster's autoscaler may add nodes: a scale target that does not fit the free
+    # resources now is accepted (and /status shows what it waits for) instead of a 409.
+    cluster_autoscaling: bool = False
+    scale_timeout_s: float = SCALE_TIMEOUT_S  # a target not reached by then is reported stuck
     autoscale: dict | None = None  # cluster.autoscale.AutoscaleConfig fields; {"enabled": True} turns it on
 
     def __post_init__(self) -> None:
@@ -69,6 +73,8 @@ class AppConfig:
         self.engine_args.create_engine_config()  # every engine field, checked before Ray starts
         if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
             raise ParameterError("api_keys", "api_keys must be a list of non-empty strings")
+        if not 0 < self.scale_timeout_s <= 3600:
+            raise ParameterError("scale_timeout_s", f"scale_timeout_s must be in (0, 3600], got {self.scale_timeout_s}")
         if not 0 <= self.stream_interval_ms <= 1000:
             raise ParameterError("stream_interval_ms",
                                  f"stream_interval_ms must be in [0, 1000], got {self.stream_interval_ms}")
@@ -140,7 +146,10 @@ def build_app(cfg: AppConfig):
 
     coordinator = serve.deployment(Coordinator, name="Coordinator", num_replicas=1,
                                    ray_actor_options={"num_cpus": 0}).bind(
-        cfg.mode, cfg.app_name, cfg.targets(), cfg.max_replica_map(), dict(cfg.autoscale or {}))
+        cfg.mode, cfg.app_name, cfg.targets(), cfg.max_replica_map(), dict(cfg.autoscale or {}),
+        scale_timeout_s=cfg.scale_timeout_s,
+        replica_resources={"CPU": cfg.replica_num_cpus, "GPU": cfg.num_gpus()},
+        cluster_autoscaling=cfg.cluster_autoscaling)
     if cfg.mode == "pd":
         first, second = engine("Prefill", "prefill", cfg.prefill_replicas), engine("Decode", "decode",
                                                                                    cfg.decode_replicas)
