@@ -4,7 +4,6 @@ cluster in RAY_ADDRESS)."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -36,10 +35,11 @@ def run_batch_cli(args: argparse.Namespace) -> int:
     sampling = sampling_params(args)  # bad flags fail here, before Ray starts
     engine_args = EngineArgs.from_cli_args(args, model=args.model or ensure_default_model())
     engine_args.create_engine_config()
-    address = os.environ.get("RAY_ADDRESS")
     started = not ray.is_initialized()  # a caller's Ray (tests, notebooks) is used as is
     if started:
-        ray.init(address=address or None, include_dashboard=False if not address else None, log_to_driver=False)
+        from cluster.ray_connect import connect
+
+        connect(log_to_driver=False)  # bounded; RAY_ADDRESS, token auth, dead recorded clusters
     try:
         start = time.perf_counter()
         rows = run_batch(args.input, args.output, engine_args, prompt_column=args.prompt_column,
