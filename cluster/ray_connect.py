@@ -86,7 +86,7 @@ def connect(namespace: str = "pdserve", environ=os.environ, **init_kwargs) -> st
 
     address = resolve_address(environ)
     if address != "local" and "RAY_AUTH_MODE" not in environ and token_available(environ):
-        environ["RAY_AUTH_MODE"] = "token"  # read by Ray when it connects, below
+        _enable_token_mode(environ)
     if address == "local":
         init_kwargs.setdefault("include_dashboard", False)
     try:
@@ -98,5 +98,26 @@ def connect(namespace: str = "pdserve", environ=os.environ, **init_kwargs) -> st
             raise RayConnectError(f"the Ray cluster at {address} refused this client's authentication: set "
                                   f"RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN or ~/.ray/auth_token "
                                   f"({text})") from None
-        raise RayConnectError(f"could not connect to Ray at {address}: {type(e).__name__}: {text}") from None
+        hint = ""
+        if environ.get("RAY_AUTH_MODE", "").lower() == "token" and address != "local" and reachable(address):
+            # A token-auth GCS that rejects the token is seen by the client as "failed to
+            # connect" after its retries: the port answers, so say what to check.
+            hint = ("; the address answers, so check that RAY_AUTH_TOKEN (or ~/.ray/auth_token) holds the "
+                    "cluster's token")
+        raise RayConnectError(f"could not connect to Ray at {address}: {type(e).__name__}: {text}{hint}") from None
     return address
+
+
+def _enable_token_mode(environ) -> None:
+    """RAY_AUTH_MODE=token for this process (and its children). Ray caches its config when it
+    is imported, so the cache is refreshed the way Ray's own `ray start` does it (an internal
+    call, confined here)."""
+    environ["RAY_AUTH_MODE"] = "token"
+    try:
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except Exception as e:  # a Ray without it reads the variable at connect time
+        import logging
+
+        logging.getLogger(__name__).debug("could not refresh Ray's config: %s", e)
