@@ -32,7 +32,8 @@ def _arg(default, help: str, choices: tuple | None = None):
 @dataclass(frozen=True)
 class EngineArgs:
     model: str = _arg("", "a Hugging Face model directory (config.json, safetensors, tokenizer), a "
-                       ".gguf file, or a directory holding one .gguf file")
+                       ".gguf file, or a directory holding one .gguf file (pdserve commands: "
+                       "SmolLM2-135M-Instruct by default)")
     # model
     dtype: str = _arg("auto", "weights and activations dtype (auto: the checkpoint's on CUDA, "
                       "float32 on CPU)", DTYPES)

@@ -31,6 +31,14 @@ def pdserve_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2() -> str:
+    """The default model's GGUF file (SmolLM2-135M-Instruct, Q4_1), from the installed package."""
+    from cluster.default_model import default_model
+
+    return default_model()
+
+
+@pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """make(family="llama", preset="tiny", **config_overrides) -> model dir, cached per session."""
     from engine.models.make_model import make_model
