@@ -10,7 +10,6 @@ config): the Coordinator changes replica counts through Serve's external-scaling
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 
 from ray import serve
@@ -19,7 +18,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster.auth import digest, keys_from
 from cluster.autoscale import build_config
 from cluster.coordinator import SCALE_TIMEOUT_S, Coordinator
-from cluster.default_model import ensure_default_model, require_model_dir
+from cluster.default_model import default_model, require_model_dir, served_name
 from cluster.ingress import Ingress
 from cluster.replica import EngineServer
 from cluster.router import LeastLoadRouter
@@ -114,7 +113,7 @@ class AppConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+        return served_name(self.model, self.served_model_name)
 
     def num_gpus(self) -> float:
         if self.replica_num_gpus is not None:
@@ -167,8 +166,8 @@ def build_app(cfg: AppConfig):
 
 def build(args: dict):
     """Serve config entry point: `args` are AppConfig and EngineArgs fields, flat; `model`
-    defaults to the tiny default model (made on first use)."""
+    defaults to the default model (SmolLM2-135M-Instruct, shipped as a package)."""
     args = dict(args or {})
     if not args.get("model"):
-        args["model"] = ensure_default_model("tiny")
+        args["model"] = default_model()
     return build_app(AppConfig.from_flat(args))

@@ -4,6 +4,7 @@ until SIGINT/SIGTERM, then take it down gracefully (in-flight requests finish fi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -20,7 +21,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--prefill-replicas", type=int, default=1)
     p.add_argument("--decode-replicas", type=int, default=1)
     p.add_argument("--replicas", type=int, default=1, help="engine replicas in colocated mode")
-    p.add_argument("--served-model-name", default=None, help="default: the model directory's name")
+    p.add_argument("--served-model-name", default=None,
+                   help="default: SmolLM2-135M-Instruct for the default model, else the model "
+                        "directory's name or the .gguf file's name without .gguf")
     p.add_argument("--load-failure-policy", default="fail", choices=["fail", "recompute"])
     p.add_argument("--max-pending-requests", type=int, default=1024,
                    help="requests in flight per ingress before answering 503")
@@ -39,7 +42,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--autoscale", action="store_true", help="scale prefill/decode on TTFT/ITL targets")
     p.add_argument("--ttft-p90-target-ms", type=float, default=1000.0)
     p.add_argument("--itl-p90-target-ms", type=float, default=100.0)
-    EngineArgs.add_cli_args(p)  # --model (default: the embedded tiny model) and every engine flag
+    EngineArgs.add_cli_args(p)  # --model (default: SmolLM2-135M-Instruct) and every engine flag
     p.set_defaults(fn=run_serve)
 
     sc = sub.add_parser("scale", help="set the replica counts of a running app (POST /scale)")
@@ -55,7 +58,6 @@ def add_serve_parser(sub) -> None:
 
 
 def _http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
-    import json
     import urllib.error
     import urllib.request
 
@@ -77,8 +79,6 @@ def _http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
 
 
 def run_scale(args: argparse.Namespace) -> int:
-    import json
-
     body = {role: n for role in ("prefill", "decode", "colocated") if (n := getattr(args, role)) is not None}
     if not body:
         raise ValueError("give at least one of --prefill, --decode, --colocated")
@@ -88,8 +88,6 @@ def run_scale(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    import json
-
     code, payload = _http("GET", f"{args.url.rstrip('/')}/status")
     print(json.dumps(payload, indent=2))
     return 0 if code == 200 else 1
@@ -98,13 +96,13 @@ def run_status(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace):
     from cluster.app import AppConfig
     from cluster.auth import keys_from
-    from cluster.default_model import ensure_default_model
+    from cluster.default_model import default_model
 
     extra = {} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}
     extra["api_keys"] = keys_from(args.api_key)
     return AppConfig(
         **extra,
-        engine_args=EngineArgs.from_cli_args(args, model=args.model or ensure_default_model()),
+        engine_args=EngineArgs.from_cli_args(args, model=args.model or default_model()),
         mode=args.mode, prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
         colocated_replicas=args.replicas, served_model_name=args.served_model_name, app_name=args.app_name,
         load_failure_policy=args.load_failure_policy, max_pending_requests=args.max_pending_requests,
@@ -115,6 +113,19 @@ def _config(args: argparse.Namespace):
     )
 
 
+def warm_tokenizer_cache(model: str) -> None:
+    """Convert a GGUF file's tokenizer once, here, before the replicas start: they (and the
+    ingress) on this node then read it from the cache instead of each converting it at the
+    same time. A Hugging Face directory needs nothing."""
+    from engine.models.gguf_file import find_gguf
+
+    gguf = find_gguf(model)
+    if gguf is not None:
+        from engine.models.gguf_tokenizer import load_gguf_tokenizer
+
+        load_gguf_tokenizer(gguf)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
@@ -123,6 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvstore.store_actor import remove_app_store
 
     cfg = _config(args)  # bad flags fail here, before Ray starts
+    warm_tokenizer_cache(cfg.model)
     address = os.environ.get("RAY_ADDRESS")
     ray.init(address=address or None, namespace="pdserve", include_dashboard=False if not address else None,
              log_to_driver=False)
@@ -134,9 +146,11 @@ def run_serve(args: argparse.Namespace) -> int:
         serve.run(build_app(cfg), name=cfg.app_name, route_prefix="/", blocking=False,
                   external_scaler_enabled=True)
         url = f"http://{args.host}:{args.port}"
+        chat = json.dumps({"model": cfg.model_name, "max_tokens": 64, "messages": [
+            {"role": "user", "content": "What is the capital of France?"}]})
         print(f"\npdserve is up ({cfg.mode}, model '{cfg.model_name}') at {url}\n"
-              f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
-              f"       -d '{{\"model\": \"{cfg.model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+              f"       -d '{chat}'\n"
               f"Ctrl-C stops it.", flush=True)
         stop.wait()
         print("shutting down (in-flight requests finish first) ...", file=sys.stderr, flush=True)
