@@ -1,14 +1,15 @@
 """`pdserve serve`: deploy the app on local Ray (or the cluster in RAY_ADDRESS) and keep it up
-until SIGINT/SIGTERM, then take it down gracefully (in-flight requests finish first)."""
+until SIGINT/SIGTERM/SIGHUP, then take it down within --shutdown-timeout-s: in-flight requests
+finish first, then whatever is left of what it started is killed (cluster/shutdown.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import signal
 import sys
-import threading
+import traceback
+from typing import NoReturn
 
 from engine.args import EngineArgs
 
@@ -42,6 +43,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--autoscale", action="store_true", help="scale prefill/decode on TTFT/ITL targets")
     p.add_argument("--ttft-p90-target-ms", type=float, default=1000.0)
     p.add_argument("--itl-p90-target-ms", type=float, default=100.0)
+    p.add_argument("--shutdown-timeout-s", type=float, default=30.0,
+                   help="from SIGINT/SIGTERM until every process this server started is gone; in-flight "
+                        "requests may finish until min(5, timeout/4) s before it, the rest is killed")
     EngineArgs.add_cli_args(p)  # --model (default: SmolLM2-135M-Instruct) and every engine flag
     p.set_defaults(fn=run_serve)
 
@@ -126,22 +130,47 @@ def warm_tokenizer_cache(model: str) -> None:
         load_gguf_tokenizer(gguf)
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace) -> NoReturn:
     import ray
     from ray import serve
 
     from cluster.app import build_app
+    from cluster.shutdown import BoundedShutdown, StopServing, become_subreaper
     from kvstore.store_actor import remove_app_store
 
     cfg = _config(args)  # bad flags fail here, before Ray starts
     warm_tokenizer_cache(cfg.model)
     address = os.environ.get("RAY_ADDRESS")
-    ray.init(address=address or None, namespace="pdserve", include_dashboard=False if not address else None,
-             log_to_driver=False)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stopper = BoundedShutdown(args.shutdown_timeout_s, owns_processes=not address, http_port=args.port)
+    if not address:
+        become_subreaper()
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    def drain() -> None:
+        # Serve stops routing to the app and waits for its in-flight requests (the stopper's
+        # deadline bounds that wait, whatever graceful_shutdown_timeout_s says).
+        if ray.is_initialized():
+            serve.delete(cfg.app_name)
+            remove_app_store(cfg.app_name)
+
+    def teardown() -> None:
+        if ray.is_initialized() and not address:
+            serve.shutdown()
+        ray.shutdown()
+
     try:
+        stopper.install()
+        # "local": a new Ray owned by this process, even when `ray start` left a cluster to attach to.
+        if address:
+            from cluster.ray_connect import connect
+
+            connect(log_to_driver=False)  # bounded; token auth picked up; one-line failures
+        else:
+            ray.init(address="local", namespace="pdserve", include_dashboard=False, log_to_driver=False)
+        stopper.install()  # ray.init replaced the SIGTERM handler
+        stopper.watch_ray_node()
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(cfg), name=cfg.app_name, route_prefix="/", blocking=False,
                   external_scaler_enabled=True)
@@ -152,14 +181,14 @@ def run_serve(args: argparse.Namespace) -> int:
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"       -d '{chat}'\n"
               f"Ctrl-C stops it.", flush=True)
-        stop.wait()
-        print("shutting down (in-flight requests finish first) ...", file=sys.stderr, flush=True)
-    finally:
-        try:
-            serve.delete(cfg.app_name)
-            remove_app_store(cfg.app_name)
-            if not address:
-                serve.shutdown()
-        finally:
-            ray.shutdown()
-    return 0
+        stopper.wait()
+    except StopServing:
+        log(f"{stopper.signal_name}: shutting down within {args.shutdown_timeout_s:g} s "
+            f"(in-flight requests finish first) ...")
+    except ValueError as e:  # e.g. Ray unreachable or refusing the token: one line, no traceback
+        log(f"error: {e}")
+        stopper.stop(drain, teardown, log, failed=True)
+    except BaseException:
+        log(traceback.format_exc())
+        stopper.stop(drain, teardown, log, failed=True)
+    stopper.stop(drain, teardown, log)

@@ -66,6 +66,7 @@ def test_every_engine_argument_is_a_serve_flag(tiny_model, capsys):
     (["--replica-gpus", "-1"], "replica_num_gpus"),
     (["--block-size", "0"], "block_size"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--shutdown-timeout-s", "0"], "shutdown_timeout_s"),
 ])
 def test_bad_values_exit_2_naming_the_field(tiny_model, capsys, argv, needle):
     assert main(["serve", "--model", tiny_model, *argv]) == 2

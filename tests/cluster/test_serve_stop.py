@@ -1,0 +1,205 @@
+"""`pdserve serve` as it is stopped in production: in its own session, with a streamed request
+in flight, by SIGINT (Ctrl-C), SIGTERM to the main process (docker, Kubernetes) or SIGTERM to
+the whole process group (systemd's default, `kill -- -PGID`). The stream finishes, then every
+process that was below the server is gone within --shutdown-timeout-s and the port is free."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import requests
+
+from tests.cluster.helpers import wait_for
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BOUND_S = 30.0  # --shutdown-timeout-s, the default
+STREAM_TOKENS = 192
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name: [state, ppid, pgrp, session, ...]."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2:].split()
+
+
+def process_tree(root: int) -> dict[int, str]:
+    """{pid: start time} of every live process below `root`; the start time tells a pid that
+    was reused from the process recorded here."""
+    parent_of = {int(p): st for p in os.listdir("/proc") if p.isdigit() and (st := _stat(int(p)))}
+    tree, todo = {}, [root]
+    while todo:
+        parent = todo.pop()
+        for pid, st in parent_of.items():
+            if int(st[1]) == parent and st[0] != "Z":
+                tree[pid] = st[19]
+                todo.append(pid)
+    return tree
+
+
+def running(pid: int, start: str) -> bool:
+    st = _stat(pid)
+    return st is not None and st[19] == start and st[0] != "Z"
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not a listener
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+class Stream(threading.Thread):
+    """A streamed completion of exactly STREAM_TOKENS tokens; `started` is set at its first token."""
+
+    def __init__(self, url: str, model: str):
+        super().__init__(daemon=True)
+        self.url, self.model = url, model
+        self.started = threading.Event()
+        self.tokens, self.finish_reason, self.done, self.error = 0, None, False, None
+
+    def run(self) -> None:
+        body = {"model": self.model, "prompt": "Once upon a time", "max_tokens": STREAM_TOKENS,
+                "ignore_eos": True, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        try:
+            with requests.post(f"{self.url}/v1/completions", json=body, stream=True, timeout=120) as r:
+                r.raise_for_status()
+                for line in r.iter_lines(decode_unicode=True):
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        chunk = json.loads(line[len("data: "):])
+                        self.tokens = chunk["usage"]["completion_tokens"]
+                        for choice in chunk["choices"]:
+                            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+                        self.started.set()
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            self.error = repr(e)
+        finally:
+            self.started.set()
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    port: int
+    log: str
+    tree: dict[int, str]  # the server itself and every process below it once it answered
+
+
+@pytest.fixture
+def server(tiny_model, tmp_path):
+    """start(mode) -> Server: `pdserve serve` in a session of its own, once /health answers;
+    anything of it still running at the end is killed."""
+    started: list[Server] = []
+
+    def start(mode: str) -> Server:
+        port = _free_port()
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env["PYTHONPATH"] = REPO
+        log = str(tmp_path / f"serve-{mode}.log")
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "cluster.cli", "serve", "--model", tiny_model, "--mode", mode,
+                 "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout-s", str(BOUND_S),
+                 "--max-model-len", "512", "--num-kv-blocks", "64"],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        srv = Server(proc, f"http://127.0.0.1:{port}", port, log, {proc.pid: _stat(proc.pid)[19]})
+        started.append(srv)
+
+        def healthy():
+            assert proc.poll() is None, f"the server exited early:\n{_tail(log)}"
+            try:
+                return requests.get(f"{srv.url}/health", timeout=5).status_code == 200
+            except requests.RequestException:
+                return False
+
+        wait_for(healthy, "the server to answer /health", 240, 0.5)
+        srv.tree.update(process_tree(proc.pid))
+        return srv
+
+    yield start
+    for srv in started:
+        for pid, start_time in {**srv.tree, **process_tree(srv.proc.pid)}.items():
+            if running(pid, start_time):
+                os.kill(pid, signal.SIGKILL)
+        srv.proc.wait(timeout=30)
+
+
+def _tail(path: str, n: int = 30) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-n:])
+
+
+@pytest.mark.parametrize("mode,stop", [
+    ("colocated", "SIGINT to the main process"),
+    ("colocated", "SIGTERM to the main process"),
+    ("pd", "SIGTERM to the process group"),
+])
+def test_stop_path_drains_the_stream_then_ends_every_process_within_the_bound(server, tiny_model, mode, stop):
+    srv = server(mode)
+    stream = Stream(srv.url, os.path.basename(tiny_model))
+    stream.start()
+    assert stream.started.wait(120) and stream.error is None, stream.error
+    srv.tree.update(process_tree(srv.proc.pid))
+    replicas = [pid for pid in srv.tree if "ServeReplica" in cmdline(pid)]
+    assert len(replicas) == (4 if mode == "pd" else 3), [cmdline(p) for p in srv.tree]
+    tokens_at_signal = stream.tokens
+
+    t0 = time.monotonic()
+    if stop == "SIGINT to the main process":
+        srv.proc.send_signal(signal.SIGINT)
+    elif stop == "SIGTERM to the main process":
+        srv.proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+
+    stream.join(BOUND_S)
+    assert tokens_at_signal < STREAM_TOKENS  # the signal came mid-stream ...
+    assert (stream.error, stream.done, stream.tokens, stream.finish_reason) == (None, True, STREAM_TOKENS, "length")
+    left = wait_for_gone(srv.tree, t0 + BOUND_S)
+    took = time.monotonic() - t0
+    assert not left, f"still running {took:.1f} s after {stop}: {[cmdline(p) for p in left]}\n{_tail(srv.log)}"
+    assert srv.proc.wait(timeout=5) == 0, _tail(srv.log)  # 0: the drain finished, nothing was cut short
+    assert port_is_free(srv.port)
+    print(f"{mode}, {stop}: {len(srv.tree)} processes, all gone {took:.1f} s after the signal")
+
+
+def wait_for_gone(tree: dict[int, str], deadline: float) -> list[int]:
+    """Poll (bounded by `deadline`) until no process of `tree` runs; returns those that still do."""
+    left = list(tree)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [pid for pid in left if running(pid, tree[pid])]
+    return left
