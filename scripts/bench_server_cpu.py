@@ -6,9 +6,10 @@ exactly --prompt-tokens tokens, --output-tokens tokens out, greedy, EOS ignored)
 process under it from /proc before and after the measured requests (start-up excluded) and
 group it by role: proxy, ingress, engines, KV store, control, Ray daemons
 (scripts/serve_bench/proc_cpu.py). The offline engine runs the same prompts in this process,
-`concurrency` requests at a time, and its process CPU time is the baseline. Each window is
-run --repeats times on fresh prompts, offline and served alike, and the one with the least
-CPU per token is kept: other processes on a shared machine only ever add CPU time.
+`concurrency` requests at a time, and its process CPU time is the baseline. Each served
+window is paired with an offline one run just before it on the same fresh prompts (so both
+see the same machine), each pair is run --repeats times, and the pair beside which other
+processes used the least CPU is kept: on a shared machine others only ever add CPU time.
 
 Also measured: the colocated server at each --intervals (`--stream-interval-ms`), to choose
 its default; and the bytes of the per-step messages an engine replica sends its ingress for
@@ -28,11 +29,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import os
 import shlex
-import signal
 import sys
 import tempfile
 import time
@@ -50,8 +51,19 @@ from scripts.serve_bench.cpu_report import (  # noqa: E402
     interval_table,
     role_table,
 )
-from scripts.serve_bench.offline import make_engine, measure_message_sizes, measure_offline  # noqa: E402
-from scripts.serve_bench.proc_cpu import cpu_by_role, live_since, snapshot, system_busy_s  # noqa: E402
+from scripts.serve_bench.offline import (  # noqa: E402
+    OfflineRun,
+    make_engine,
+    measure_message_sizes,
+    measure_offline,
+)
+from scripts.serve_bench.proc_cpu import (  # noqa: E402
+    cpu_by_role,
+    end_leftovers,
+    snapshot,
+    system_busy_s,
+    wait_quiet,
+)
 from scripts.serve_bench.records import summarise  # noqa: E402
 from scripts.serve_bench.server import ServerProcess, free_port, server_command  # noqa: E402
 from scripts.serve_bench.workload import WorkItem, exact_token_prompts  # noqa: E402
@@ -70,44 +82,15 @@ def ensure_model(path: str, preset: str, **overrides) -> str:
     return path
 
 
-def load_sets(prompts: list[str], concurrency: list[int], requests: list[int], repeats: int
-              ) -> tuple[list[str], dict]:
-    """(warm-up prompts, {(concurrency, repeat): its measured prompts}): disjoint slices, so no
-    measured window reuses another's prompts from the prefix cache."""
-    warm, rest = prompts[: max(concurrency)], prompts[max(concurrency):]
-    sets = {}
-    for c, n in zip(concurrency, requests):
-        for r in range(repeats):
-            sets[c, r], rest = rest[:n], rest[n:]
-    return warm, sets
-
-
-def best(runs: list, cost) -> object:
-    """The least disturbed of repeated runs: other processes on the machine only ever add
-    CPU time (cache and core sharing), so the lowest CPU per token is the closest to the truth."""
-    return min(runs, key=cost)
-
-
-def run_offline(args, model: str) -> tuple[list[str], dict, dict]:
-    """Prompts of exactly --prompt-tokens tokens, and the offline engine's runs on them."""
-    import torch
-
-    torch.set_num_threads(args.offline_threads)
-    engine = make_engine(model, max(args.concurrency))
-    total = max(args.concurrency) + sum(args.requests) * args.repeats
-    prompts = exact_token_prompts(engine.tokenizer, total, args.prompt_tokens, args.seed)
-    warm, sets = load_sets(prompts, args.concurrency, args.requests, args.repeats)
-    offline = {}
-    for c in [] if args.skip_offline else args.concurrency:
-        runs = []
-        for r in range(args.repeats):
-            runs.append(o := measure_offline(engine, sets[c, r], args.output_tokens, c, warm))
-            print(f"[offline c{c} #{r}] {o.output_tokens} tokens in {o.wall_s:.1f} s: {o.tok_s:.0f} tok/s, "
-                  f"{o.cpu_ms_per_token:.2f} CPU ms/token, {o.steps} steps", flush=True)
-        offline[c] = best(runs, lambda o: o.cpu_ms_per_token)
-    del engine
-    gc.collect()
-    return warm, sets, offline
+def split_prompts(prompts: list[str], counts: dict) -> dict:
+    """{key: its own slice of prompts} for {key: count}: disjoint, so no measured window finds
+    its prompts in a prefix cache (the offline engine's lives through every pair)."""
+    out, rest = {}, prompts
+    for key, n in counts.items():
+        out[key], rest = rest[:n], rest[n:]
+    if len(out) != len(counts) or any(len(out[k]) != n for k, n in counts.items()):
+        raise ValueError(f"{len(prompts)} prompts cannot fill {sum(counts.values())}")
+    return out
 
 
 def run_message_sizes(args) -> list:
@@ -125,69 +108,95 @@ def run_message_sizes(args) -> list:
     return sizes
 
 
-def _end_leftovers(seen: dict, wait_s: float = 15.0) -> None:
-    """Processes of the stopped server still running after wait_s: killed by pid (each was
-    seen under the server's pid, and its start time tells it from a reused pid)."""
-    deadline = time.monotonic() + wait_s
-    while (alive := live_since(seen)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    for pid in alive:
-        print(f"warning: server process {pid} ({seen[pid].cmdline[:60]}) outlived the server; killing it",
-              file=sys.stderr)
+class Bench:
+    """The offline engine (alive through the whole run) and the prompts of every window."""
+
+    def __init__(self, args, model: str, configs: list[tuple[str, float]]) -> None:
+        import torch
+
+        torch.set_num_threads(args.offline_threads)
+        self.args, self.model = args, model
+        self.engine = None if args.skip_offline else make_engine(model, max(args.concurrency))
+        tokenizer = self.engine.tokenizer if self.engine else make_engine(model, 1).tokenizer
+        counts = {"warm": max(args.concurrency)}
+        for config in configs:
+            for c, n in zip(args.concurrency, args.requests):
+                for r in range(args.repeats):
+                    counts[config, c, r] = n
+        prompts = exact_token_prompts(tokenizer, sum(counts.values()), args.prompt_tokens, args.seed)
+        self.prompts = split_prompts(prompts, counts)
+
+    def quiet(self, what: str) -> None:
+        rate = wait_quiet(self.args.quiet_wait_s, self.args.quiet_cores)
+        if rate >= self.args.quiet_cores:
+            print(f"  ({what}: machine still busy, {rate:.1f} cores, after {self.args.quiet_wait_s:g} s)",
+                  flush=True)
+
+    def offline(self, prompts: list[str], c: int) -> OfflineRun | None:
+        if self.engine is None:
+            return None
+        busy0 = system_busy_s()
+        o = measure_offline(self.engine, prompts, self.args.output_tokens, c, self.prompts["warm"])
+        o.others_cpu_s = max(system_busy_s() - busy0 - o.cpu_s, 0.0)
+        print(f"  offline c{c}: {o.tok_s:.0f} tok/s, {o.cpu_ms_per_token:.2f} CPU ms/token; "
+              f"other processes {o.others_cpu_s:.1f} CPU s", flush=True)
+        return o
+
+    def window(self, url: str, served: str, root: int, config, c: int, r: int, seen: dict) -> ServerRun:
+        """One pair: the offline engine, then the server, on the same fresh prompts."""
+        args, (mode, interval_ms) = self.args, config
+        prompts = self.prompts[config, c, r]
+        if r == 0:
+            warm = [WorkItem(p, WARM_OUTPUT_TOKENS) for p in self.prompts["warm"][:c]]
+            asyncio.run(run_load(url, served, warm, rate=None, concurrency=c, seed=args.seed,
+                                 timeout_s=args.timeout, warmup=2))
+        self.quiet(f"{mode} c{c}")
+        offline = self.offline(prompts, c)
+        items = [WorkItem(p, args.output_tokens) for p in prompts]
+        before, busy0, cpu0 = snapshot(root), system_busy_s(), time.process_time()
+        records, wall = asyncio.run(run_load(url, served, items, rate=None, concurrency=c, seed=args.seed,
+                                             timeout_s=args.timeout, warmup=0))
+        after, busy1, client = snapshot(root), system_busy_s(), time.process_time() - cpu0
+        seen.update(before)
+        seen.update(after)
+        cpu = cpu_by_role(before, after, root)
+        summary = summarise(records, float("inf"), float("inf"), wall)
+        if summary["failed"]:
+            raise BenchError(f"{summary['failed']} requests failed: {summary['errors']}")
+        others = max(busy1 - busy0 - sum(cpu.seconds.values()) - client, 0.0)
+        run = ServerRun(mode, c, interval_ms, summary, cpu.seconds, cpu.exited, client,
+                        sum(rec.chunks for rec in records), others, offline)
+        print(f"[{run.label} {interval_ms:g} ms #{r}] {run.tokens} tokens in {wall:.1f} s: "
+              f"{summary['output_throughput']:.0f} tok/s, server {run.ms(run.whole_s):.2f} CPU ms/token "
+              f"(outside engines {run.ms(run.outside_s):.2f}); other processes {others:.1f} CPU s", flush=True)
+        return run
+
+    def server(self, config, log_dir: str) -> list[ServerRun]:
+        """Start `pdserve serve` for config, measure each load --repeats times, stop it. Of the
+        repeats, the pair that ran beside the least CPU of other processes is kept."""
+        args, (mode, interval_ms) = self.args, config
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        extra = ["--stream-interval-ms", f"{interval_ms:g}"] + shlex.split(args.server_args)
+        cmd = server_command(mode, port, self.model, None, None, extra)
+        log_path = os.path.join(log_dir, f"server-{mode}-{interval_ms:g}ms.log")
+        print(f"\n[{mode} {interval_ms:g} ms] {shlex.join(cmd)}\n  log: {log_path}", flush=True)
+        server = ServerProcess(cmd, log_path)
+        seen: dict = {}
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def measure_window(args, url: str, served: str, root: int, mode: str, interval_ms: float, c: int,
-                   warm: list[str], prompts: list[str], seen: dict) -> ServerRun:
-    warm_items = [WorkItem(p, WARM_OUTPUT_TOKENS) for p in warm[:c]]
-    asyncio.run(run_load(url, served, warm_items, rate=None, concurrency=c, seed=args.seed,
-                         timeout_s=args.timeout, warmup=2))
-    items = [WorkItem(p, args.output_tokens) for p in prompts]
-    before, busy0, cpu0 = snapshot(root), system_busy_s(), time.process_time()
-    records, wall = asyncio.run(run_load(url, served, items, rate=None, concurrency=c, seed=args.seed,
-                                         timeout_s=args.timeout, warmup=0))
-    after, busy1, client = snapshot(root), system_busy_s(), time.process_time() - cpu0
-    seen.update(before)
-    seen.update(after)
-    cpu = cpu_by_role(before, after, root)
-    summary = summarise(records, float("inf"), float("inf"), wall)
-    if summary["failed"]:
-        raise BenchError(f"{summary['failed']} requests failed: {summary['errors']}")
-    chunks = sum(r.chunks for r in records)
-    others = max(busy1 - busy0 - sum(cpu.seconds.values()) - client, 0.0)
-    run = ServerRun(mode, c, interval_ms, summary, cpu.seconds, cpu.exited, client, chunks, others)
-    print(f"[{run.label} {interval_ms:g} ms] {run.tokens} tokens in {wall:.1f} s: "
-          f"{summary['output_throughput']:.0f} tok/s, server {run.ms(run.whole_s):.2f} CPU ms/token "
-          f"(outside engines {run.ms(run.outside_s):.2f}); other processes used {others:.1f} CPU s",
-          flush=True)
-    return run
-
-
-def bench_server(args, model: str, mode: str, interval_ms: float, warm: list[str], sets: dict,
-                 log_dir: str) -> list[ServerRun]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    extra = ["--stream-interval-ms", f"{interval_ms:g}"] + shlex.split(args.server_args)
-    cmd = server_command(mode, port, model, None, None, extra)
-    log_path = os.path.join(log_dir, f"server-{mode}-{interval_ms:g}ms.log")
-    print(f"\n[{mode} {interval_ms:g} ms] {shlex.join(cmd)}\n  log: {log_path}", flush=True)
-    server = ServerProcess(cmd, log_path)
-    seen: dict = {}
-    try:
-        server.wait_ready(url, args.startup_timeout)
-        served = first_model_id(url)
-        runs = []
-        for c in args.concurrency:
-            repeats = [measure_window(args, url, served, server.proc.pid, mode, interval_ms, c, warm,
-                                      sets[c, r], seen) for r in range(args.repeats)]
-            runs.append(best(repeats, lambda run: run.ms(run.whole_s)))
-        return runs
-    finally:
-        server.stop(args.stop_timeout)
-        _end_leftovers(seen)
+            server.wait_ready(url, args.startup_timeout)
+            served = first_model_id(url)
+            runs = []
+            for c in args.concurrency:
+                pairs = [self.window(url, served, server.proc.pid, config, c, r, seen) for r in range(args.repeats)]
+                runs.append(min(pairs, key=lambda run: run.others_cpu_s + (run.offline.others_cpu_s
+                                                                             if run.offline else 0.0)))
+            return runs
+        finally:
+            server.stop(args.stop_timeout)
+            for pid in end_leftovers(seen):
+                print(f"warning: server process {pid} ({seen[pid].cmdline[:60]}) outlived the server; "
+                      f"killed it", file=sys.stderr)
 
 
 def _ints(text: str) -> list[int]:
@@ -207,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=_ints, default=[64, 192], help="measured requests per --concurrency entry")
     ap.add_argument("--repeats", type=int, default=2, help="measured windows per load (fresh prompts each); "
                     "the report keeps the one with the least CPU per token, offline and served alike")
+    ap.add_argument("--quiet-wait-s", type=float, default=30.0,
+                    help="before each window, wait up to this long for the machine to be quiet")
+    ap.add_argument("--quiet-cores", type=float, default=0.3, help="'quiet': less CPU than this in use")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--interval-ms", type=float, default=STREAM_INTERVAL_MS,
@@ -246,37 +258,36 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or ensure_model(os.path.join(args.model_dir, args.preset), args.preset)
     print(f"model {model}; {args.prompt_tokens} prompt / {args.output_tokens} output tokens; concurrency "
           f"{args.concurrency} with {args.requests} requests; {os.cpu_count()} CPUs", flush=True)
-    warm, sets, offline = run_offline(args, model)
-    sizes = [] if args.skip_bytes else run_message_sizes(args)
-
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_server_cpu_")
     configs = [("colocated", iv) for iv in sorted({*args.intervals, args.interval_ms})] if "colocated" in args.modes else []
     configs += [("pd", args.interval_ms)] if "pd" in args.modes else []
+    sizes = [] if args.skip_bytes else run_message_sizes(args)
+    bench = Bench(args, model, configs)
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_server_cpu_")
     runs: list[ServerRun] = []
-    for mode, iv in configs:
+    for config in configs:
         try:
-            runs += bench_server(args, model, mode, iv, warm, sets, log_dir)
+            runs += bench.server(config, log_dir)
         except BenchError as e:
-            print(f"[{mode} {iv:g} ms] error: {e}", file=sys.stderr)
+            print(f"[{config[0]} {config[1]:g} ms] error: {e}", file=sys.stderr)
             return 2
 
     main_runs = [r for r in runs if r.interval_ms == args.interval_ms]
     sweep = [r for r in runs if r.mode == "colocated" and r.interval_ms in args.intervals]
-    print(f"\n## CPU by role, at --stream-interval-ms {args.interval_ms:g}\n\n{role_table(main_runs, offline)}")
-    print(f"\n## Per hop\n\n{hop_table(main_runs, offline)}")
+    print(f"\n## CPU by role, at --stream-interval-ms {args.interval_ms:g}\n\n{role_table(main_runs)}")
+    print(f"\n## Per hop\n\n{hop_table(main_runs)}")
     if sweep:
         print(f"\n## Colocated, by --stream-interval-ms\n\n{interval_table(sweep)}")
     if sizes:
         print(f"\n## Bytes per streamed message\n\n{bytes_table(sizes)}")
-    print("\n## Goals\n\n" + "\n".join(goal_lines(main_runs, offline, sizes)))
-    print("\nnotes: " + "; ".join(
-        f"{r.label} {r.interval_ms:g} ms: other processes {r.others_cpu_s:.1f} CPU s, client "
-        f"{r.client_cpu_s:.1f} CPU s, {r.exited} server processes exited" for r in runs))
+    print("\n## Goals\n\n" + "\n".join(goal_lines(main_runs, sizes)))
+    print("\nCPU of other processes during the kept windows (server / offline), the load generator's, and "
+          "server processes that exited in the window:\n" + "\n".join(
+              f"  {r.label} {r.interval_ms:g} ms: {r.others_cpu_s:.1f} / "
+              f"{r.offline.others_cpu_s if r.offline else 0.0:.1f} s, client {r.client_cpu_s:.1f} s, "
+              f"{r.exited} exited" for r in runs))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": {k: v for k, v in vars(args).items()}, "model": model,
-                       "offline": {c: vars(o) for c, o in offline.items()},
-                       "runs": [vars(r) for r in runs],
+            json.dump({"config": vars(args), "model": model, "runs": [dataclasses.asdict(r) for r in runs],
                        "message_sizes": [{"prompt_tokens": s.prompt_tokens, "mean_bytes": s.mean_bytes,
                                           "steady_bytes": s.steady_bytes,
                                           "request_output_bytes": s.mean_request_output_bytes} for s in sizes]},

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.bench_server_cpu import load_sets
+from scripts.bench_server_cpu import split_prompts
 from scripts.serve_bench.cpu_report import ServerRun, goal_lines
 from scripts.serve_bench.offline import Message, MessageSizes, OfflineRun, run_closed_loop
 from scripts.serve_bench.proc_cpu import (
@@ -110,12 +110,17 @@ def test_exact_token_prompts_encode_to_exactly_the_count_with_special_tokens():
     assert prompts == exact_token_prompts(tok, 5, 33, seed=1)
 
 
-def test_load_sets_are_disjoint_so_no_window_hits_another_windows_prefix_cache():
-    prompts = [f"p{i}" for i in range(8 + 2 * (10 + 20))]
-    warm, sets = load_sets(prompts, [4, 8], [10, 20], repeats=2)
-    assert len(warm) == 8
-    assert [len(sets[k]) for k in ((4, 0), (4, 1), (8, 0), (8, 1))] == [10, 10, 20, 20]
-    assert len(set(warm).union(*sets.values())) == 68
+def test_every_window_gets_its_own_prompts_so_none_hits_a_prefix_cache():
+    prompts = [f"p{i}" for i in range(40)]
+    counts = {"warm": 8, ("colocated", 4, 0): 10, ("colocated", 4, 1): 10, ("pd", 4, 0): 12}
+    sets = split_prompts(prompts, counts)
+    assert {k: len(v) for k, v in sets.items()} == counts
+    assert len(set().union(*sets.values())) == 40
+
+
+def test_too_few_prompts_for_the_windows_is_an_error():
+    with pytest.raises(ValueError, match="cannot fill"):
+        split_prompts(["a", "b"], {"warm": 1, ("colocated", 8, 0): 2})
 
 
 class _Out:
@@ -160,14 +165,14 @@ def test_steady_messages_are_full_batch_decode_messages_only():
 
 def _run(mode: str, c: int, engine_s: float, outside_s: float, tokens: int = 1000) -> ServerRun:
     engine_role = "engine:colocated" if mode == "colocated" else "engine:decode"
+    offline = OfflineRun(c, 10, 1000, 1.0, 1.0, 100)  # 1 CPU ms per token
     return ServerRun(mode, c, 0.0, {"output_tokens": tokens, "output_throughput": 100.0},
-                     {engine_role: engine_s, "ingress": outside_s}, 0, 0.0, tokens)
+                     {engine_role: engine_s, "ingress": outside_s}, 0, 0.0, tokens, 0.0, offline)
 
 
 def test_goal_lines_hold_each_run_to_its_mode_and_concurrency_bounds():
-    offline = {8: OfflineRun(8, 10, 1000, 1.0, 1.0, 100), 64: OfflineRun(64, 10, 1000, 1.0, 1.0, 20)}
     sizes = [MessageSizes(256, 2, [Message(300, 2, False)], [1]),
              MessageSizes(8192, 2, [Message(320, 2, False)], [1])]
-    lines = goal_lines([_run("colocated", 8, 0.9, 0.3), _run("pd", 64, 1.0, 0.35)], offline, sizes)
+    lines = goal_lines([_run("colocated", 8, 0.9, 0.3), _run("pd", 64, 1.0, 0.35)], sizes)
     # colocated c8: 1.2x <= 1.25x, 0.3 ms <= 0.5; P/D c64: 1.35x <= 1.4x, 0.35 ms > 0.2; bytes +6.7%
     assert [line.split(":")[0] for line in lines] == ["PASS", "PASS", "PASS", "FAIL", "PASS"]

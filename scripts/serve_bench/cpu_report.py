@@ -27,6 +27,7 @@ class ServerRun:
     client_cpu_s: float  # this process (the load generator): not the server's
     sse_chunks: int  # text chunks the clients received
     others_cpu_s: float = 0.0  # every other process on the machine in the window (noise)
+    offline: OfflineRun | None = None  # the offline engine on the same prompts, just before
 
     @property
     def label(self) -> str:
@@ -65,7 +66,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def role_table(runs: list[ServerRun], offline: dict[int, OfflineRun]) -> str:
+def role_table(runs: list[ServerRun]) -> str:
     """CPU ms per output token of each role (CPU seconds in brackets), one column per run,
     and the offline engine's on the same requests below."""
     roles = [r for r in ROLE_GROUPS if any(r in run.role_seconds for run in runs)]
@@ -76,8 +77,7 @@ def role_table(runs: list[ServerRun], offline: dict[int, OfflineRun]) -> str:
         rows.append([f"**{name}**"] + [_f(v, spec) for v in values])
 
     def off(run, attr):
-        o = offline.get(run.concurrency)
-        return getattr(o, attr) if o is not None else None
+        return getattr(run.offline, attr) if run.offline is not None else None
 
     row("whole server", [run.ms(run.whole_s) for run in runs])
     row("outside the engines", [run.ms(run.outside_s) for run in runs])
@@ -90,14 +90,14 @@ def role_table(runs: list[ServerRun], offline: dict[int, OfflineRun]) -> str:
     return _table(["CPU ms / output token"] + [run.label for run in runs], rows)
 
 
-def hop_table(runs: list[ServerRun], offline: dict[int, OfflineRun]) -> str:
+def hop_table(runs: list[ServerRun]) -> str:
     """What each hop costs per output token. proxy -> ingress: one SSE chunk per token and
     request (Serve ships it as at least one streamed item, the proxy's CPU pays for it);
     ingress -> replica: one message per engine step (the offline engine's steps on the same
     requests), the engine replica's CPU beyond the offline engine's pays for it."""
     rows = []
     for run in runs:
-        o = offline.get(run.concurrency)
+        o = run.offline
         proxy = run.role_seconds.get("proxy", 0.0)
         ingress = run.role_seconds.get("ingress", 0.0)
         excess_ms = run.ms(run.engine_s) - o.cpu_ms_per_token if o else math.nan
@@ -132,11 +132,11 @@ def bytes_table(sizes: list[MessageSizes]) -> str:
                    "largest message", "RequestOutput bytes (old per-token unit)"], rows)
 
 
-def goal_lines(runs: list[ServerRun], offline: dict[int, OfflineRun], sizes: list[MessageSizes]) -> list[str]:
+def goal_lines(runs: list[ServerRun], sizes: list[MessageSizes]) -> list[str]:
     """One PASS/FAIL line per goal and run (a run without a baseline or a goal is skipped)."""
     out = []
     for run in runs:
-        o = offline.get(run.concurrency)
+        o = run.offline
         bound = WHOLE_OVER_OFFLINE.get(run.mode)
         if o is not None and bound is not None:
             ratio = _ratio(run.ms(run.whole_s), o.cpu_ms_per_token)

@@ -20,6 +20,7 @@ class OfflineRun:
     cpu_s: float  # process CPU time (every thread) over the run
     wall_s: float
     steps: int  # engine steps that produced at least one output
+    others_cpu_s: float = 0.0  # every other process on the machine in the window (noise)
 
     @property
     def cpu_ms_per_token(self) -> float:

@@ -12,8 +12,11 @@ collects it when it reaps it); `cpu_by_role` counts such processes so a report c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import time
 from dataclasses import dataclass
 
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -176,3 +179,28 @@ def system_busy_s() -> float:
     # cpu user nice system idle iowait irq softirq steal ...: busy = all but idle and iowait.
     ticks = [int(x) for x in fields[1:9]]
     return (sum(ticks) - ticks[3] - ticks[4]) / CLK_TCK
+
+
+def wait_quiet(max_wait_s: float, cores: float, sample_s: float = 2.0) -> float:
+    """Wait (at most max_wait_s) until the whole machine uses less than `cores` of CPU over
+    sample_s; returns the last rate seen. On a shared machine others' bursts inflate the CPU
+    time of whatever runs beside them."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        busy0 = system_busy_s()
+        time.sleep(sample_s)
+        rate = (system_busy_s() - busy0) / sample_s
+        if rate < cores or time.monotonic() >= deadline:
+            return rate
+
+
+def end_leftovers(seen: dict[int, ProcSample], wait_s: float = 15.0) -> list[int]:
+    """Processes of a stopped server still running after wait_s, killed by pid (each was seen
+    under the server's pid; its start time tells it from a reused pid). Returns their pids."""
+    deadline = time.monotonic() + wait_s
+    while (alive := live_since(seen)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return alive
