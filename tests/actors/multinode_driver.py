@@ -22,6 +22,13 @@ def main(model: str, prompt_ids: list[int]) -> dict:
         connect(log_to_driver=False)
     except RayConnectError as e:
         return {"error": str(e)}
+    import time
+
+    deadline = time.monotonic() + 180
+    while not {"node_a", "node_b"} <= set(ray.cluster_resources()):
+        if time.monotonic() > deadline:  # the second node never joined: say so, do not hang
+            return {"error": f"nodes missing after 180 s: {sorted(ray.cluster_resources())}"}
+        time.sleep(0.5)  # polling the cluster's membership, bounded
     args = EngineArgs(model, max_model_len=256, num_kv_blocks=64)
     store = create_store()
 
@@ -30,6 +37,7 @@ def main(model: str, prompt_ids: list[int]) -> dict:
             args, role, store=store)
 
     prefill, decode = worker("prefill", "node_a"), worker("decode", "node_b")
+    ray.get([prefill.ping.remote(), decode.ping.remote()], timeout=240)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     async def run():

@@ -111,7 +111,7 @@ def _drive(address: str, env_extra: dict, model: str, prompt: list[int]) -> dict
     # Both nodes must have joined before the request needs node_b: the driver's actors wait
     # for their resources, bounded by this timeout.
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "actors", "multinode_driver.py"), model,
-                        json.dumps(prompt)], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        json.dumps(prompt)], env=env, capture_output=True, text=True, timeout=540, cwd=ROOT)
     lines = [line for line in r.stdout.splitlines() if line.startswith("REPORT ")]
     assert lines, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
     return json.loads(lines[-1][len("REPORT "):])
