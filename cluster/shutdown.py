@@ -199,7 +199,7 @@ class BoundedShutdown:
         dashboard, monitors). One of them dying while the app drains means they got the stop
         signal too; Serve can then no longer stop the app and waiting for it is pointless."""
         if self.owns_processes:
-            self._ray_node = _children(os.getpid())
+            self._ray_node = {pid for pid in _children(os.getpid()) if (_stat(pid) or (0, "Z"))[1] != "Z"}
 
     def wait(self) -> NoReturn:
         """Serve until the first stop signal, which raises StopServing here."""

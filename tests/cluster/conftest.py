@@ -3,24 +3,16 @@ app per test module (deployed by `deploy`, deleted with its KV store afterwards)
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
-from tests.cluster.helpers import wait_http_ok
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.cluster.helpers import free_port, wait_http_ok
 
 
 @pytest.fixture(scope="session")
 def serve_url(ray_local):
     from ray import serve
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()

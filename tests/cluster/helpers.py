@@ -1,8 +1,11 @@
-"""Helpers for the HTTP tests: polling with a deadline, SSE parsing, leak checks."""
+"""Helpers for the HTTP tests: polling with a deadline, SSE parsing, leak checks, free ports,
+processes and listeners read from /proc."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 
 import requests
@@ -82,3 +85,66 @@ def metric_value(url: str, name: str, **labels) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name: [state, ppid, pgrp, session, ...]."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2:].split()
+
+
+def process_tree(root: int) -> dict[int, str]:
+    """{pid: start time} of every live process below `root`; the start time tells a pid that
+    was reused from the process recorded here."""
+    parent_of = {int(p): st for p in os.listdir("/proc") if p.isdigit() and (st := proc_stat(int(p)))}
+    tree, todo = {}, [root]
+    while todo:
+        parent = todo.pop()
+        for pid, st in parent_of.items():
+            if int(st[1]) == parent and st[0] != "Z":
+                tree[pid] = st[19]
+                todo.append(pid)
+    return tree
+
+
+def running(pid: int, start: str | None = None) -> bool:
+    """`pid` is alive (not a zombie) and, given its start time, still the same process."""
+    st = proc_stat(pid)
+    return st is not None and st[0] != "Z" and start in (None, st[19])
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
+def listeners(port: int) -> list[str]:
+    """Who listens on TCP `port` (any address): the command lines owning such sockets."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{cols[9]}]")
+    owners = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if inodes & {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}:
+                owners.append(f"{pid}: {cmdline(int(pid))}")
+        except OSError:
+            continue
+    return owners or sorted(inodes)

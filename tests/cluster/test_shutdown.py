@@ -15,7 +15,7 @@ import pytest
 
 from cluster.shutdown import BoundedShutdown, http_connections
 from engine.errors import ParameterError
-from tests.cluster.helpers import wait_for
+from tests.cluster.helpers import free_port, proc_stat, running, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,25 +51,10 @@ stopper.stop(drain, lambda: None, lambda msg: print(msg, file=sys.stderr, flush=
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
-
-
 class StandIn:
     def __init__(self, timeout_s: float, drain: str, port: int | None = None):
         env = {**os.environ, "PYTHONPATH": REPO}
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, str(timeout_s), drain, str(port or _free_port())],
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, str(timeout_s), drain, str(port or free_port())],
                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
         words = self.proc.stdout.readline().split()
@@ -93,7 +78,7 @@ class StandIn:
 
     def cleanup(self) -> None:
         for pid in (self.proc.pid, self.daemon, self.worker):
-            if _running(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
 
@@ -113,9 +98,7 @@ def stand_in():
 
 def test_the_orphaned_worker_is_adopted_so_it_stays_a_descendant(stand_in):
     s = stand_in(30, "return")
-    with open(f"/proc/{s.worker}/stat") as f:
-        stat = f.read()
-    parent, pgid, sid = (int(x) for x in stat[stat.rfind(")") + 2:].split()[1:4])
+    parent, pgid, sid = (int(x) for x in proc_stat(s.worker)[1:4])
     assert parent == s.proc.pid and pgid == sid == s.worker
 
 
@@ -125,7 +108,7 @@ def test_a_drain_that_finishes_exits_0_with_every_descendant_killed(stand_in):
     s.wait_draining()
     code, took = s.exit_within(30)
     assert code == 0 and took < 30
-    assert not _running(s.daemon) and not _running(s.worker)
+    assert not running(s.daemon) and not running(s.worker)
 
 
 def test_a_drain_that_hangs_is_cut_at_the_deadline_and_exits_1(stand_in):
@@ -135,7 +118,7 @@ def test_a_drain_that_hangs_is_cut_at_the_deadline_and_exits_1(stand_in):
     s.wait_draining()
     code = s.proc.wait(timeout=15)
     assert code == 1 and time.monotonic() - t0 < 4
-    assert not _running(s.daemon) and not _running(s.worker)
+    assert not running(s.daemon) and not running(s.worker)
 
 
 def test_a_second_signal_skips_the_rest_of_the_drain(stand_in):
@@ -145,7 +128,7 @@ def test_a_second_signal_skips_the_rest_of_the_drain(stand_in):
     s.proc.send_signal(signal.SIGINT)
     code, took = s.exit_within(10)
     assert code == 1 and took < 10
-    assert not _running(s.daemon) and not _running(s.worker)
+    assert not running(s.daemon) and not running(s.worker)
 
 
 def test_signal_to_the_group_ends_the_drain_once_no_http_client_is_connected(stand_in):
@@ -155,7 +138,7 @@ def test_signal_to_the_group_ends_the_drain_once_no_http_client_is_connected(sta
     os.killpg(s.proc.pid, signal.SIGTERM)
     code, took = s.exit_within(10)
     assert code == 0 and took < 10
-    assert not _running(s.worker)
+    assert not running(s.worker)
 
 
 def test_signal_to_the_group_waits_for_open_http_connections(stand_in):
@@ -171,7 +154,7 @@ def test_signal_to_the_group_waits_for_open_http_connections(stand_in):
         conn.close()
         code, took = s.exit_within(10)  # ... and closing it ends it
         assert code == 0 and took < 10
-        assert not _running(s.worker)
+        assert not running(s.worker)
 
 
 def test_processes_outside_the_tree_are_left_alone(stand_in):
