@@ -65,6 +65,8 @@ def ray_local():
     """One local Ray for the session: fixed small CPU count, no dashboard, shut down after."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # address="local": always a fresh instance, never a cluster another process recorded in
+    # /tmp/ray/ray_current_cluster (bare ray.init() would join it, or wait on it if it is gone).
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()

@@ -70,7 +70,9 @@ def _wait_port(host: str, port: int, what: str, timeout_s: float = 60.0) -> None
 def cluster():
     temp_dir = tempfile.mkdtemp(prefix="pdmn-", dir="/tmp")
     token = secrets.token_hex(16)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    # RAY_TMPDIR too: a non-head node takes no --temp-dir, and would otherwise record the
+    # head's address in /tmp/ray/ray_current_cluster for every later bare ray.init() to join.
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_TMPDIR": temp_dir}
     env.pop("RAY_ADDRESS", None)
     # Ray turns a loopback address into this machine's node IP when it connects, so the nodes
     # are addressed by that IP.
