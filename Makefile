@@ -2,7 +2,6 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-MODEL  ?= $(HOME)/.cache/pdserve/models/tiny
 
 .PHONY: run test lint clean
 

@@ -136,6 +136,10 @@ class EngineWorker:
     def ping(self) -> str:
         return self.replica_id
 
+    def node_id(self) -> str:
+        """The Ray node this worker runs on (where a replica landed)."""
+        return ray.get_runtime_context().get_node_id()
+
     def kv_transfer_stats(self) -> dict:
         """Counters of the KV connector (exports, loads, bytes, load seconds), if any."""
         worker_side = self.connectors.get(KVConnectorRole.WORKER)

@@ -10,15 +10,15 @@ config): the Coordinator changes replica counts through Serve's external-scaling
 from __future__ import annotations
 
 import dataclasses
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from cluster.auth import digest, keys_from
 from cluster.autoscale import build_config
-from cluster.coordinator import Coordinator
-from cluster.default_model import ensure_default_model, require_model_dir
+from cluster.coordinator import SCALE_TIMEOUT_S, Coordinator
+from cluster.default_model import default_model, require_model_dir, served_name
 from cluster.ingress import Ingress
 from cluster.replica import EngineServer
 from cluster.router import LeastLoadRouter
@@ -51,6 +51,12 @@ class AppConfig:
     replica_num_cpus: float = 1.0
     replica_num_gpus: float | None = None  # None: 1 when this machine has a CUDA GPU, else 0
     max_replicas: int = 8  # per role: the ceiling of POST /scale (and of autoscaling by default)
+    # Bearer keys guarding /v1/*, /scale, /status (cluster.auth); PDSERVE_API_KEY adds more.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # The cluster's autoscaler may add nodes: a scale target that does not fit the free
+    # resources now is accepted (and /status shows what it waits for) instead of a 409.
+    cluster_autoscaling: bool = False
+    scale_timeout_s: float = SCALE_TIMEOUT_S  # a target not reached by then is reported stuck
     autoscale: dict | None = None  # cluster.autoscale.AutoscaleConfig fields; {"enabled": True} turns it on
 
     def __post_init__(self) -> None:
@@ -64,6 +70,10 @@ class AppConfig:
             check_int(name, getattr(self, name))
         require_model_dir(self.engine_args.model)
         self.engine_args.create_engine_config()  # every engine field, checked before Ray starts
+        if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ParameterError("api_keys", "api_keys must be a list of non-empty strings")
+        if not 0 < self.scale_timeout_s <= 3600:
+            raise ParameterError("scale_timeout_s", f"scale_timeout_s must be in (0, 3600], got {self.scale_timeout_s}")
         if not 0 <= self.stream_interval_ms <= 1000:
             raise ParameterError("stream_interval_ms",
                                  f"stream_interval_ms must be in [0, 1000], got {self.stream_interval_ms}")
@@ -103,7 +113,7 @@ class AppConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+        return served_name(self.model, self.served_model_name)
 
     def num_gpus(self) -> float:
         if self.replica_num_gpus is not None:
@@ -135,7 +145,10 @@ def build_app(cfg: AppConfig):
 
     coordinator = serve.deployment(Coordinator, name="Coordinator", num_replicas=1,
                                    ray_actor_options={"num_cpus": 0}).bind(
-        cfg.mode, cfg.app_name, cfg.targets(), cfg.max_replica_map(), dict(cfg.autoscale or {}))
+        cfg.mode, cfg.app_name, cfg.targets(), cfg.max_replica_map(), dict(cfg.autoscale or {}),
+        scale_timeout_s=cfg.scale_timeout_s,
+        replica_resources={"CPU": cfg.replica_num_cpus, "GPU": cfg.num_gpus()},
+        cluster_autoscaling=cfg.cluster_autoscaling)
     if cfg.mode == "pd":
         first, second = engine("Prefill", "prefill", cfg.prefill_replicas), engine("Decode", "decode",
                                                                                    cfg.decode_replicas)
@@ -143,7 +156,9 @@ def build_app(cfg: AppConfig):
         first, second = engine("Colocated", "colocated", cfg.colocated_replicas), None
     settings = {"mode": cfg.mode, "engine_args": cfg.engine_args, "served_model_name": cfg.model_name,
                 "max_pending_requests": cfg.max_pending_requests, "load_failure_policy": cfg.load_failure_policy,
-                "app_name": cfg.app_name}
+                "app_name": cfg.app_name,
+                # Digests only: the keys themselves never enter the Serve config or its logs.
+                "api_key_digests": [digest(k) for k in keys_from(cfg.api_keys)]}
     return serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=cfg.max_pending_requests * 2,
                             graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                             ray_actor_options={"num_cpus": 0}).bind(first, second, coordinator, settings)
@@ -151,8 +166,8 @@ def build_app(cfg: AppConfig):
 
 def build(args: dict):
     """Serve config entry point: `args` are AppConfig and EngineArgs fields, flat; `model`
-    defaults to the tiny default model (made on first use)."""
+    defaults to the default model (SmolLM2-135M-Instruct, shipped as a package)."""
     args = dict(args or {})
     if not args.get("model"):
-        args["model"] = ensure_default_model("tiny")
+        args["model"] = default_model()
     return build_app(AppConfig.from_flat(args))

@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from cluster.default_model import require_model_dir
 from engine.args import EngineArgs
-from engine.errors import check_int
+from engine.errors import ParameterError, check_int
 from engine.sampling_params import SamplingParams
 
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens", "num_generated_tokens",
@@ -107,13 +107,44 @@ class EnginePredictor:
         return batch
 
 
+# CPUs left to Ray Data's read and write tasks (one task takes one CPU): with none left, the
+# engine actors would hold every CPU and the job would wait forever for its first block.
+DATA_TASK_CPUS = 1.0
+
+
+def fit_actors(concurrency: int, num_cpus: float | None, num_gpus: float, cluster: dict) -> float:
+    """Each engine actor's CPU reservation, checked against the cluster so the job can run:
+    unset, a CPU actor gets an equal share of the CPUs that Ray Data's tasks leave (at most 1);
+    a request that cannot fit is refused at once with the numbers, never left to wait."""
+    total_cpus, total_gpus = float(cluster.get("CPU", 0.0)), float(cluster.get("GPU", 0.0))
+    if num_gpus and concurrency * num_gpus > total_gpus:
+        raise ParameterError("concurrency", f"concurrency {concurrency} x {num_gpus:g} GPU per actor needs "
+                             f"{concurrency * num_gpus:g} GPUs; the cluster has {total_gpus:g}")
+    room = total_cpus - DATA_TASK_CPUS
+    if num_cpus is None:
+        if num_gpus:
+            return 0.0
+        if room <= 0:
+            raise ParameterError("concurrency", f"the cluster has {total_cpus:g} CPUs: none left for engine actors "
+                                 f"beside Ray Data's read/write tasks ({DATA_TASK_CPUS:g} CPU)")
+        return min(1.0, room / concurrency)
+    if num_cpus < 0:
+        raise ParameterError("num_cpus", f"num_cpus per actor must be >= 0, got {num_cpus}")
+    if concurrency * num_cpus > room:
+        raise ParameterError("concurrency", f"concurrency {concurrency} x {num_cpus:g} CPU per actor = "
+                             f"{concurrency * num_cpus:g} CPUs, but the cluster has {total_cpus:g} and Ray Data's "
+                             f"read/write tasks need {DATA_TASK_CPUS:g}: lower the concurrency or the CPUs per "
+                             f"actor (at most {max(room, 0) / concurrency:.2f} each)")
+    return num_cpus
+
+
 def build_pipeline(ds, engine_args: EngineArgs, *, prompt_column: str = "prompt", concurrency: int = 1,
                    batch_size: int = 256, sampling: SamplingParams | None = None,
                    num_cpus: float | None = None, num_gpus: float | None = None,
                    torch_threads: int | None = None):
     """`ds.map_batches` with one engine per actor. `sampling` holds the job's defaults (rows
     may override them). Resources per actor default to one GPU when this machine has CUDA,
-    else one CPU."""
+    else a share of the CPUs (`fit_actors`)."""
     check_int("concurrency", concurrency)
     check_int("batch_size", batch_size)
     from ray.data import ActorPoolStrategy
@@ -122,8 +153,9 @@ def build_pipeline(ds, engine_args: EngineArgs, *, prompt_column: str = "prompt"
         import torch
 
         num_gpus = 1 if torch.cuda.is_available() else 0
-    if num_cpus is None:
-        num_cpus = 0 if num_gpus else 1
+    import ray
+
+    num_cpus = fit_actors(concurrency, num_cpus, num_gpus, ray.cluster_resources())
     return ds.map_batches(
         EnginePredictor,
         fn_constructor_kwargs={"engine_args": engine_args, "prompt_column": prompt_column,

@@ -4,7 +4,6 @@ cluster in RAY_ADDRESS)."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -23,7 +22,7 @@ def add_batch_parser(sub) -> None:
     p.add_argument("--cpus-per-actor", type=float, default=None)
     p.add_argument("--gpus-per-actor", type=float, default=None)
     add_sampling_args(p, max_tokens=64)
-    EngineArgs.add_cli_args(p)  # --model (default: the embedded tiny model) and every engine flag
+    EngineArgs.add_cli_args(p)  # --model (default: SmolLM2-135M-Instruct) and every engine flag
     p.set_defaults(fn=run_batch_cli)
 
 
@@ -31,15 +30,16 @@ def run_batch_cli(args: argparse.Namespace) -> int:
     import ray
 
     from cluster.batch import run_batch
-    from cluster.default_model import ensure_default_model
+    from cluster.default_model import default_model
 
     sampling = sampling_params(args)  # bad flags fail here, before Ray starts
-    engine_args = EngineArgs.from_cli_args(args, model=args.model or ensure_default_model())
+    engine_args = EngineArgs.from_cli_args(args, model=args.model or default_model())
     engine_args.create_engine_config()
-    address = os.environ.get("RAY_ADDRESS")
     started = not ray.is_initialized()  # a caller's Ray (tests, notebooks) is used as is
     if started:
-        ray.init(address=address or None, include_dashboard=False if not address else None, log_to_driver=False)
+        from cluster.ray_connect import connect
+
+        connect(log_to_driver=False)  # bounded; RAY_ADDRESS, token auth, dead recorded clusters
     try:
         start = time.perf_counter()
         rows = run_batch(args.input, args.output, engine_args, prompt_column=args.prompt_column,

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from cluster.batch_cli import add_batch_parser
-from cluster.default_model import ensure_default_model
+from cluster.default_model import default_model
 from cluster.sampling_flags import add_sampling_args, sampling_params
 from cluster.serve_cli import add_serve_parser
 from engine.args import EngineArgs
@@ -25,7 +25,7 @@ def _cmd_generate(args) -> int:
     from engine import LLM
 
     params = sampling_params(args)
-    engine_args = EngineArgs.from_cli_args(args, model=args.model or ensure_default_model())
+    engine_args = EngineArgs.from_cli_args(args, model=args.model or default_model())
     llm = LLM.from_engine_args(engine_args)
     outs = llm.generate(args.prompts, params, use_tqdm=not args.quiet)
     for out in outs:

@@ -17,9 +17,12 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.autoscale import PolicyState, RoleSignal, build_config, decide
+from cluster.capacity import describe, free_resources, needed_for, shortfall
 
 logger = logging.getLogger(__name__)
 
+# A scale target not reached in this long is reported as stuck (and new targets accepted).
+SCALE_TIMEOUT_S = 120.0
 # A replica that has not reported for this long is gone (reports come every ~0.5 s).
 STALE_AFTER_S = 10.0
 DEPLOYMENTS = {"prefill": "Prefill", "decode": "Decode", "colocated": "Colocated"}
@@ -90,7 +93,8 @@ class Coordinator:
 
     def __init__(self, mode: str = "pd", app_name: str = "pdserve", targets: dict | None = None,
                  max_replicas: dict | None = None, autoscale: dict | None = None, control=None,
-                 scale_timeout_s: float = 600.0) -> None:
+                 scale_timeout_s: float = SCALE_TIMEOUT_S, replica_resources: dict | None = None,
+                 cluster_autoscaling: bool = False, resources=None) -> None:
         self.mode = mode
         self.app_name = app_name
         self.roles = ("prefill", "decode") if mode == "pd" else ("colocated",)
@@ -107,6 +111,11 @@ class Coordinator:
         self._synced = False
         self.stuck: str | None = None
         self.scale_timeout_s = scale_timeout_s
+        # What one engine replica reserves, whether an autoscaler may add nodes, and where free
+        # resources are read (injected in tests).
+        self.replica_resources = dict(replica_resources or {})
+        self.cluster_autoscaling = cluster_autoscaling
+        self._free = resources or free_resources
         self._scaling_since = 0.0
         self._scale_lock = asyncio.Lock()
         self._policy = PolicyState()
@@ -188,6 +197,15 @@ class Coordinator:
             if await self._refresh_scaling():
                 return 409, _conflict(f"a scale to {self.targets} is still in progress; retry when "
                                       f"GET /status says scaling is false")
+            added = {r: n - self.targets[r] for r, n in targets.items()}
+            needed = needed_for(added, self.replica_resources)
+            if needed and not self.cluster_autoscaling:
+                free = await asyncio.to_thread(self._free)
+                if shortfall(needed, free):
+                    body = _conflict(f"target {({**self.targets, **targets})} does not fit the cluster: the added "
+                                     f"replicas {describe(needed, free)} (and no autoscaler adds nodes)")
+                    body["error"].update(needed=needed, free=free)
+                    return 409, body
             try:
                 await self.apply(targets, "manual")
             except Exception as e:  # e.g. the app was deployed without external scaling
@@ -224,8 +242,27 @@ class Coordinator:
         out = {role: [{k: f.get(k) for k in _STATUS_FIELDS} for f in live if f["role"] == role]
                for role in self.roles}
         out.update(mode=self.mode, store=await self._store_stats(), scaling=self.scaling,
-                   target=dict(self.targets), autoscaling=self.autoscale.enabled, stuck=self.stuck)
+                   target=dict(self.targets), autoscaling=self.autoscale.enabled, stuck=self.stuck,
+                   pending=await self._pending() if self.scaling else None)
         return out
+
+    async def _pending(self) -> dict | None:
+        """While scaling: the replicas not running yet, and the resources they wait for."""
+        try:
+            states = await self.control.replica_states()
+            free = await asyncio.to_thread(self._free) if self.replica_resources else {}
+        except Exception as e:  # Serve or Ray busy: say so rather than fail /status
+            return {"reason": f"unknown ({type(e).__name__}: {e})"}
+        missing = {r: max(0, n - states.get(DEPLOYMENTS[r], {}).get("RUNNING", 0)) for r, n in self.targets.items()}
+        if not any(missing.values()):
+            return {"reason": "replicas stopping", "replicas": missing}
+        needed = needed_for(missing, self.replica_resources)
+        short = shortfall(needed, free)
+        if short:
+            who = "the cluster autoscaler to add nodes" if self.cluster_autoscaling else "resources to free up"
+            return {"reason": f"waiting for {who}: {describe(needed, free)}", "replicas": missing,
+                    "needed": needed, "free": free, "short": short}
+        return {"reason": "replicas starting", "replicas": missing}
 
     async def __del__(self) -> None:
         """When the whole app is being deleted (however: `pdserve serve` exiting, `serve

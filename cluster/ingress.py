@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from cluster import openai_format as fmt
+from cluster.auth import ApiKeyCheck, install_api_key_check
 from cluster.chat import create_chat_completion
 from cluster.completions import create_completion
 from cluster.front_streams import ReplicaStreams
@@ -37,11 +38,16 @@ from kvstore.store_actor import app_store
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 install_error_handlers(app)
+# The check of this process's ingress replica (one per process), set when it starts.
+_api_keys: ApiKeyCheck | None = None
+install_api_key_check(app, lambda: _api_keys)
 
 
 @serve.ingress(app)
 class Ingress:
     def __init__(self, prefill, decode, coordinator, settings: dict) -> None:
+        global _api_keys
+        _api_keys = ApiKeyCheck(settings.get("api_key_digests", ()))
         self.mode = settings["mode"]
         self.engine_handle = prefill  # the colocated deployment in colocated mode
         self.prefill, self.decode, self.coordinator = prefill, decode, coordinator

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 # How long a draining prefill replica waits for decode replicas to fetch its exports (they
 # live in its process's object store and go with it).
 _EXPORT_DRAIN_S = 30.0
+# Unchanged figures still reach the coordinator this often (it forgets a replica silent for
+# cluster.coordinator.STALE_AFTER_S = 10 s).
+_HEARTBEAT_S = 3.0
 
 
 class ReplicaGone(RuntimeError):
@@ -50,6 +53,8 @@ class EngineServer:
         self._coordinator = (serve.get_deployment_handle(coordinator, app_name)
                              if coordinator else None)
         self._seq = 0
+        self._forwarded: dict | None = None  # the figures last sent to the coordinator, and when
+        self._forwarded_at = 0.0
         # Latency as this replica sees it (the autoscaler's signals): time to the first token
         # of a prefill (queue + compute) and gaps between streamed tokens.
         self.ttft = LatencyWindow()
@@ -145,7 +150,13 @@ class EngineServer:
         figures = await self.figures()
         figures["seq"] = self._seq
         figures["time"] = time.time()
-        if self._coordinator is not None:
+        now = time.monotonic()
+        same = {k: v for k, v in figures.items() if k not in ("seq", "time")}
+        # Serve asks every routing_stats_period_s; an idle replica's figures do not change, so
+        # the coordinator hears of them only when they do, or as a heartbeat (it drops a
+        # replica silent for STALE_AFTER_S).
+        if self._coordinator is not None and (same != self._forwarded or now - self._forwarded_at >= _HEARTBEAT_S):
+            self._forwarded, self._forwarded_at = same, now
             # Fire and forget: a slow or restarting coordinator must not stall routing stats.
             self._coordinator.report.remote(figures)
         return figures

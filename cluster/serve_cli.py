@@ -5,6 +5,7 @@ finish first, then whatever is left of what it started is killed (cluster/shutdo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -21,13 +22,18 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--prefill-replicas", type=int, default=1)
     p.add_argument("--decode-replicas", type=int, default=1)
     p.add_argument("--replicas", type=int, default=1, help="engine replicas in colocated mode")
-    p.add_argument("--served-model-name", default=None, help="default: the model directory's name")
+    p.add_argument("--served-model-name", default=None,
+                   help="default: SmolLM2-135M-Instruct for the default model, else the model "
+                        "directory's name or the .gguf file's name without .gguf")
     p.add_argument("--load-failure-policy", default="fail", choices=["fail", "recompute"])
     p.add_argument("--max-pending-requests", type=int, default=1024,
                    help="requests in flight per ingress before answering 503")
     p.add_argument("--stream-interval-ms", type=float, default=None,
                    help="least time between two streamed messages of an engine replica to an ingress "
                         "(0: every engine step; default: AppConfig.stream_interval_ms)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1/*, /scale and /status "
+                        "(repeatable; PDSERVE_API_KEY, comma-separated, adds more)")
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica")
     p.add_argument("--replica-gpus", type=float, default=None,
@@ -40,7 +46,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--shutdown-timeout-s", type=float, default=30.0,
                    help="from SIGINT/SIGTERM until every process this server started is gone; in-flight "
                         "requests may finish until min(5, timeout/4) s before it, the rest is killed")
-    EngineArgs.add_cli_args(p)  # --model (default: the embedded tiny model) and every engine flag
+    EngineArgs.add_cli_args(p)  # --model (default: SmolLM2-135M-Instruct) and every engine flag
     p.set_defaults(fn=run_serve)
 
     sc = sub.add_parser("scale", help="set the replica counts of a running app (POST /scale)")
@@ -56,12 +62,17 @@ def add_serve_parser(sub) -> None:
 
 
 def _http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
-    import json
     import urllib.error
     import urllib.request
 
+    from cluster.auth import keys_from
+
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    keys = keys_from(None)  # PDSERVE_API_KEY, as the server reads it
+    if keys:
+        headers["Authorization"] = f"Bearer {keys[0]}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read() or b"{}")
@@ -72,8 +83,6 @@ def _http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
 
 
 def run_scale(args: argparse.Namespace) -> int:
-    import json
-
     body = {role: n for role in ("prefill", "decode", "colocated") if (n := getattr(args, role)) is not None}
     if not body:
         raise ValueError("give at least one of --prefill, --decode, --colocated")
@@ -83,8 +92,6 @@ def run_scale(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    import json
-
     code, payload = _http("GET", f"{args.url.rstrip('/')}/status")
     print(json.dumps(payload, indent=2))
     return 0 if code == 200 else 1
@@ -92,12 +99,14 @@ def run_status(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace):
     from cluster.app import AppConfig
-    from cluster.default_model import ensure_default_model
+    from cluster.auth import keys_from
+    from cluster.default_model import default_model
 
     extra = {} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}
+    extra["api_keys"] = keys_from(args.api_key)
     return AppConfig(
         **extra,
-        engine_args=EngineArgs.from_cli_args(args, model=args.model or ensure_default_model()),
+        engine_args=EngineArgs.from_cli_args(args, model=args.model or default_model()),
         mode=args.mode, prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
         colocated_replicas=args.replicas, served_model_name=args.served_model_name, app_name=args.app_name,
         load_failure_policy=args.load_failure_policy, max_pending_requests=args.max_pending_requests,
@@ -106,6 +115,19 @@ def _config(args: argparse.Namespace):
         autoscale={"enabled": args.autoscale, "ttft_p90_target_s": args.ttft_p90_target_ms / 1000,
                    "itl_p90_target_s": args.itl_p90_target_ms / 1000},
     )
+
+
+def warm_tokenizer_cache(model: str) -> None:
+    """Convert a GGUF file's tokenizer once, here, before the replicas start: they (and the
+    ingress) on this node then read it from the cache instead of each converting it at the
+    same time. A Hugging Face directory needs nothing."""
+    from engine.models.gguf_file import find_gguf
+
+    gguf = find_gguf(model)
+    if gguf is not None:
+        from engine.models.gguf_tokenizer import load_gguf_tokenizer
+
+        load_gguf_tokenizer(gguf)
 
 
 def run_serve(args: argparse.Namespace) -> NoReturn:
@@ -117,6 +139,7 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
     from kvstore.store_actor import remove_app_store
 
     cfg = _config(args)  # bad flags fail here, before Ray starts
+    warm_tokenizer_cache(cfg.model)
     address = os.environ.get("RAY_ADDRESS")
     stopper = BoundedShutdown(args.shutdown_timeout_s, owns_processes=not address, http_port=args.port)
     if not address:
@@ -140,22 +163,31 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
     try:
         stopper.install()
         # "local": a new Ray owned by this process, even when `ray start` left a cluster to attach to.
-        ray.init(address=address or "local", namespace="pdserve", include_dashboard=False if not address else None,
-                 log_to_driver=False)
+        if address:
+            from cluster.ray_connect import connect
+
+            connect(log_to_driver=False)  # bounded; token auth picked up; one-line failures
+        else:
+            ray.init(address="local", namespace="pdserve", include_dashboard=False, log_to_driver=False)
         stopper.install()  # ray.init replaced the SIGTERM handler
         stopper.watch_ray_node()
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(cfg), name=cfg.app_name, route_prefix="/", blocking=False,
                   external_scaler_enabled=True)
         url = f"http://{args.host}:{args.port}"
+        chat = json.dumps({"model": cfg.model_name, "max_tokens": 64, "messages": [
+            {"role": "user", "content": "What is the capital of France?"}]})
         print(f"\npdserve is up ({cfg.mode}, model '{cfg.model_name}') at {url}\n"
-              f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
-              f"       -d '{{\"model\": \"{cfg.model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+              f"       -d '{chat}'\n"
               f"Ctrl-C stops it.", flush=True)
         stopper.wait()
     except StopServing:
         log(f"{stopper.signal_name}: shutting down within {args.shutdown_timeout_s:g} s "
             f"(in-flight requests finish first) ...")
+    except ValueError as e:  # e.g. Ray unreachable or refusing the token: one line, no traceback
+        log(f"error: {e}")
+        stopper.stop(drain, teardown, log, failed=True)
     except BaseException:
         log(traceback.format_exc())
         stopper.stop(drain, teardown, log, failed=True)

@@ -31,7 +31,9 @@ def _arg(default, help: str, choices: tuple | None = None):
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str = _arg("", "model directory (Hugging Face layout: config.json, safetensors, tokenizer)")
+    model: str = _arg("", "a Hugging Face model directory (config.json, safetensors, tokenizer), a "
+                       ".gguf file, or a directory holding one .gguf file (pdserve commands: "
+                       "SmolLM2-135M-Instruct by default)")
     # model
     dtype: str = _arg("auto", "weights and activations dtype (auto: the checkpoint's on CUDA, "
                       "float32 on CPU)", DTYPES)
@@ -109,7 +111,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The frozen per-layer configs; every value is validated there (ParameterError)."""
         if not isinstance(self.model, str) or not self.model:
-            raise ParameterError("model", f"model must be a model directory, got {self.model!r}")
+            raise ParameterError("model", f"model must be a model directory or .gguf file, got {self.model!r}")
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                               seed=self.seed, device=self.device),

@@ -11,6 +11,7 @@ from engine.kv_connector import KVConnectorFactory
 from engine.kv_transfer_params import KVTransferParams
 from engine.metrics import Metric, StatsRecorder
 from engine.models.arch import load_arch
+from engine.models.gguf_file import find_gguf, gguf_eos_token_ids
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.processor import InputProcessor, PromptType
@@ -19,13 +20,22 @@ from engine.sampling_params import SamplingParams
 
 
 def load_tokenizer(model_dir: str):
+    gguf = find_gguf(model_dir)
+    if gguf is not None:
+        from engine.models.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(gguf)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
-    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    """EOS ids from the GGUF metadata, or generation_config.json, else config.json, else the
+    tokenizer."""
+    gguf = find_gguf(model_dir)
+    if gguf is not None:
+        return gguf_eos_token_ids(gguf)
     for name in ("generation_config.json", "config.json"):
         path = os.path.join(model_dir, name)
         if os.path.isfile(path):
@@ -40,10 +50,8 @@ def front_end(config: EngineConfig) -> tuple[object, InputProcessor]:
     """(tokenizer, InputProcessor) of a model without loading its weights: what a front end
     (the HTTP ingress) needs to tokenize and validate requests exactly as the engine will."""
     model_dir = config.model.model
-    if not os.path.isdir(model_dir):
-        raise ValueError(f"model must be a model directory; {model_dir!r} does not exist")
+    arch = load_arch(model_dir)  # first: its errors name what is wrong with the path
     tokenizer = load_tokenizer(model_dir)
-    arch = load_arch(model_dir)
     max_len = resolve_max_model_len(config.model.max_model_len, arch)
     return tokenizer, InputProcessor(tokenizer, max_len, arch.vocab_size, eos_token_ids(model_dir, tokenizer))
 
@@ -52,10 +60,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, kv_connector_factory: KVConnectorFactory | None = None) -> None:
         self.config = config
         model_dir = config.model.model
-        if not os.path.isdir(model_dir):
-            raise ValueError(f"model must be a model directory; {model_dir!r} does not exist")
+        self.core = EngineCore(config, kv_connector_factory)  # first: it validates the model path
         self.tokenizer = load_tokenizer(model_dir)
-        self.core = EngineCore(config, kv_connector_factory)
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
         self.processor = InputProcessor(
             self.tokenizer, self.core.max_model_len, self.core.arch.vocab_size, self.eos_token_ids

@@ -38,7 +38,7 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,2", help="comma list of engine-actor counts")
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--workload-seed", type=int, default=0)
-    EngineArgs.add_cli_args(ap)  # --model (default: the embedded tiny model) and every engine flag
+    EngineArgs.add_cli_args(ap)  # --model (default: the tiny preset) and every engine flag
     args = ap.parse_args()
 
     import pyarrow as pa
@@ -46,10 +46,10 @@ def main() -> int:
     import ray
 
     from cluster.batch import run_batch
-    from cluster.default_model import ensure_default_model
+    from cluster.default_model import ensure_preset_model
     from engine import LLM, SamplingParams
 
-    engine_args = EngineArgs.from_cli_args(args, model=args.model or ensure_default_model())
+    engine_args = EngineArgs.from_cli_args(args, model=args.model or ensure_preset_model("tiny"))
     rows = prompts(args.rows, args.workload_seed)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     total = args.rows * args.max_tokens

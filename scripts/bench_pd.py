@@ -141,10 +141,10 @@ def main() -> None:
 
     import ray
 
-    from cluster.default_model import ensure_default_model
+    from cluster.default_model import ensure_preset_model
     from engine.models.arch import load_arch
 
-    engine_args = EngineArgs.from_cli_args(args, model=args.model or ensure_default_model("small"))
+    engine_args = EngineArgs.from_cli_args(args, model=args.model or ensure_preset_model("small"))
     vocab = load_arch(engine_args.model).vocab_size - 64
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

@@ -11,6 +11,7 @@ and HF `generate` on the same GPU and requests beside it.
 
     python scripts/bench_throughput.py                 # CPU, bench preset, made on first use
     python scripts/bench_throughput.py --model DIR --num-requests 128
+    python scripts/bench_throughput.py --default-model   # SmolLM2-135M-Instruct (GGUF Q4_1)
     python scripts/bench_throughput.py --gpu [--model DIR] [--peak-gbps 4800]
 """
 
@@ -54,10 +55,13 @@ def run_engine(model: str, reqs, dtype: str, max_num_seqs: int, max_num_batched_
 def run_hf(model: str, reqs, dtype: str, batch_size: int) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
 
+    from engine.models.gguf_file import hf_pretrained_args
+
     torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
                    "float16": torch.float16}[dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device).eval()
+    path, kwargs = hf_pretrained_args(model)  # a GGUF file: transformers dequantizes it too
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs).to(device).eval()
     pad = hf.generation_config.pad_token_id or 0
 
     def generate(batch):
@@ -116,7 +120,7 @@ def gpu_decode_run(model: str, batch: int, prompt_len: int, output_len: int, voc
 
 
 def gpu_main(args) -> None:
-    from cluster.cli import ensure_default_model
+    from cluster.default_model import ensure_preset_model
     from engine.models.arch import load_arch
     from scripts.gpu_roofline import (
         decode_step_bytes,
@@ -126,7 +130,7 @@ def gpu_main(args) -> None:
 
     if not torch.cuda.is_available():
         sys.exit("--gpu needs a CUDA GPU")
-    model = args.model or ensure_default_model("1b")
+    model = args.model or ensure_preset_model("1b")
     arch = load_arch(model)
     name = torch.cuda.get_device_name()
     peak = peak_bandwidth_gbps(name, args.peak_gbps)
@@ -156,7 +160,10 @@ def gpu_main(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="model dir (default: bench preset, made on first use)")
+    ap.add_argument("--model", default=None, help="model dir or .gguf file (default: bench preset, made on "
+                    "first use)")
+    ap.add_argument("--default-model", action="store_true",
+                    help="the default model of pdserve (SmolLM2-135M-Instruct, GGUF), dequantized by both")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256))
     ap.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
@@ -174,10 +181,10 @@ def main() -> None:
         gpu_main(args)
         return
 
-    from cluster.cli import ensure_default_model
+    from cluster.default_model import default_model, ensure_preset_model
     from engine.models.arch import load_arch
 
-    model = args.model or ensure_default_model("bench")
+    model = default_model() if args.default_model else args.model or ensure_preset_model("bench")
     vocab = load_arch(model).vocab_size - 64
     reqs = make_requests(args.num_requests, vocab, args.seed, args.prompt_len, args.output_len)
     print(f"model={model} requests={len(reqs)} prompt_tokens={sum(len(p) for p, _ in reqs)} "

@@ -16,6 +16,28 @@ os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def pdserve_cache(tmp_path_factory):
+    """A private pdserve cache for the session (GGUF tokenizers converted by the tests land
+    here, not in the user's ~/.cache). Set before Ray starts, so replicas inherit it."""
+    path = str(tmp_path_factory.mktemp("pdserve-cache"))
+    old = os.environ.get("PDSERVE_CACHE")
+    os.environ["PDSERVE_CACHE"] = path
+    yield path
+    if old is None:
+        os.environ.pop("PDSERVE_CACHE", None)
+    else:
+        os.environ["PDSERVE_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """The default model's GGUF file (SmolLM2-135M-Instruct, Q4_1), from the installed package."""
+    from cluster.default_model import default_model
+
+    return default_model()
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """make(family="llama", preset="tiny", **config_overrides) -> model dir, cached per session."""

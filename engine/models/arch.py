@@ -1,10 +1,14 @@
-"""Reading a Hugging Face config.json into the one architecture description our model uses."""
+"""Reading a Hugging Face config.json (or a GGUF file's metadata) into the one architecture
+description our model uses."""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass
+
+from engine.errors import ParameterError
+from engine.models.gguf_file import find_gguf, gguf_config
 
 # HF architecture name -> family flags. Llama and Mistral share a layout; Qwen2 adds a qkv
 # bias; Qwen3 adds per-head q/k RMSNorm (and keeps an explicit head_dim).
@@ -45,9 +49,13 @@ class ModelArch:
 
 
 def load_arch(model_dir: str) -> ModelArch:
+    """`model_dir`: a Hugging Face directory, a .gguf file, or a directory holding one."""
+    gguf = find_gguf(model_dir)
+    if gguf is not None:
+        return arch_from_dict(gguf_config(gguf))
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
-        raise ValueError(f"model: no config.json in {model_dir!r}")
+        raise ParameterError("model", f"model: no config.json and no .gguf file in {model_dir!r}")
     with open(path) as f:
         cfg = json.load(f)
     return arch_from_dict(cfg)

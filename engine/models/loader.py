@@ -1,8 +1,8 @@
-"""Load a Hugging Face checkpoint directory into our CausalLM.
+"""Load a checkpoint (Hugging Face safetensors directory or GGUF file) into our CausalLM.
 
 The model is built on the meta device and materialised once on the target device; each
-checkpoint tensor is read from safetensors and copied straight into its (possibly fused)
-destination slice, so no full second copy of the weights ever exists.
+checkpoint tensor is read (from safetensors, or dequantized from GGUF) and copied straight
+into its (possibly fused) destination slice, so no full second copy of the weights ever exists.
 """
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ import json
 import logging
 import os
 import re
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
 
 from engine.models.arch import ModelArch
+from engine.models.gguf_file import find_gguf
+from engine.models.gguf_weights import gguf_tensors
 from engine.models.llama import CausalLM
 from engine.models.rotary import cos_sin_cache
 
@@ -68,29 +71,39 @@ def load_model(
 
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                target = _destination(name, arch, params)
-                if target is None:
-                    continue
-                param_name, rows = target
-                dst = params[param_name].data
-                if rows is not None:
-                    dst = dst[rows[0] : rows[1]]
-                tensor = f.get_tensor(name)
-                if tensor.shape != dst.shape:
-                    raise ValueError(
-                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(dst.shape)}"
-                    )
-                dst.copy_(tensor)
-                loaded.add(f"{param_name}:{rows}")
+    for name, read in _checkpoint_tensors(model_dir, arch):
+        target = _destination(name, arch, params)
+        if target is None:
+            continue
+        param_name, rows = target
+        dst = params[param_name].data
+        if rows is not None:
+            dst = dst[rows[0] : rows[1]]
+        tensor = read()
+        if tensor.shape != dst.shape:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(dst.shape)}"
+            )
+        dst.copy_(tensor)
+        loaded.add(f"{param_name}:{rows}")
     expected = _expected_pieces(arch, params)
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} is missing weights: {missing[:8]}")
     return model.eval()
+
+
+def _checkpoint_tensors(model: str, arch: ModelArch) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(HF tensor name, read) pairs; reading is deferred so skipped tensors cost nothing."""
+    gguf = find_gguf(model)
+    if gguf is not None:
+        yield from gguf_tensors(gguf, arch)
+        return
+    for path in checkpoint_files(model):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, lambda f=f, name=name: f.get_tensor(name)
 
 
 def _destination(name: str, arch: ModelArch, params: dict) -> tuple[str, tuple[int, int] | None] | None:

@@ -44,6 +44,7 @@ class _StreamState:
 
     def __init__(self) -> None:
         self.text_stamps: list[float] = []
+        self.chunks = 0  # payloads carrying choices (a token may have no text yet: split UTF-8)
         self.first_chunk_t: float | None = None
         self.usage: dict | None = None
         self.done = False
@@ -64,8 +65,10 @@ class _StreamState:
             return True
         if chunk.get("usage"):
             self.usage = chunk["usage"]
-        if chunk.get("choices") and self.first_chunk_t is None:
-            self.first_chunk_t = now
+        if chunk.get("choices"):
+            self.chunks += 1
+            if self.first_chunk_t is None:
+                self.first_chunk_t = now
         if chunk_text(chunk):
             self.text_stamps.append(now)
         return False
@@ -116,6 +119,7 @@ async def send_request(session, url: str, model: str, item: WorkItem, timeout_s:
     start = stamps[0] if stamps else st.first_chunk_t
     rec.ttft_s = start - t0 if start is not None else None
     rec.itl_s = [b - a for a, b in zip(stamps, stamps[1:])]
+    rec.chunks = st.chunks
     if st.usage:
         rec.prompt_tokens = int(st.usage.get("prompt_tokens") or 0)
         rec.completion_tokens = int(st.usage.get("completion_tokens") or 0)

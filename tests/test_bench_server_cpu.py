@@ -1,0 +1,178 @@
+"""The pure parts of scripts/bench_server_cpu.py: /proc parsing, roles from process titles,
+CPU deltas between snapshots, exact-length prompts, the closed loop, message sizes and the
+goal lines. No server is started and nothing is timed."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.bench_server_cpu import split_prompts
+from scripts.serve_bench.cpu_report import ServerRun, goal_lines
+from scripts.serve_bench.offline import Message, MessageSizes, OfflineRun, run_closed_loop
+from scripts.serve_bench.proc_cpu import (
+    ProcSample,
+    classify,
+    cpu_by_role,
+    descendants,
+    group_seconds,
+    parse_stat,
+)
+from scripts.serve_bench.workload import exact_token_prompts
+
+
+def test_parse_stat_reads_fields_after_a_command_name_with_spaces_and_parens():
+    # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime ... starttime
+    text = "42 (ray::Foo (x) y) S 7 42 42 0 -1 0 0 0 0 0 150 25 0 0 20 0 3 0 98765 0 0"
+    assert parse_stat(text) == (7, 175, 98765)
+
+
+@pytest.mark.parametrize("cmdline,role", [
+    ("ray::ServeReplica:pdserve:Ingress", "ingress"),
+    ("ray::SERVE_REPLICA::pdserve#Ingress#oim764rd:ServeReplica:pdserve:Ingress.__init__", "ingress"),
+    ("ray::ServeReplica:pdserve:Decode.handle_request_with_rejection   ", "engine:decode"),
+    ("ray::ServeReplica:myapp:Prefill", "engine:prefill"),
+    ("ray::ServeReplica:pdserve:Colocated", "engine:colocated"),
+    ("ray::ServeReplica:pdserve:Coordinator", "coordinator"),
+    ("ray::ServeController.get_serve_status", "serve controller"),
+    ("ray::ProxyActor", "proxy"),
+    ("ray::KVStore.lookup", "store"),
+    ("ray::IDLE", "ray idle workers"),
+    ("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --raylet_socket_name=x", "ray daemons"),
+    ("/venv/lib/python3.11/site-packages/ray/core/src/ray/gcs/gcs_server --log_dir=x", "ray daemons"),
+    ("ray::DashboardAgent", "ray daemons"),
+    ("/usr/bin/something-else", "other"),
+])
+def test_roles_come_from_ray_process_titles(cmdline, role):
+    assert classify(cmdline) == role
+
+
+def test_the_server_process_itself_is_the_driver():
+    assert classify("python -m cluster.cli serve --mode pd", is_root=True) == "driver"
+
+
+def test_descendants_follow_parent_links_and_leave_other_trees_out():
+    parent_of = {10: 1, 11: 10, 12: 11, 13: 10, 20: 1, 21: 20}
+    assert descendants(10, parent_of) == {10, 11, 12, 13}
+
+
+def _sample(pid: int, cpu: float, cmd: str, start: int = 100, ppid: int = 1) -> ProcSample:
+    return ProcSample(pid, ppid, start, cpu, cmd)
+
+
+def test_cpu_by_role_counts_a_process_born_in_the_window_from_zero():
+    before = {1: _sample(1, 5.0, "serve", ppid=0), 2: _sample(2, 10.0, "ray::ProxyActor")}
+    after = {1: _sample(1, 5.5, "serve", ppid=0), 2: _sample(2, 12.0, "ray::ProxyActor"),
+             3: _sample(3, 0.75, "ray::ServeReplica:pdserve:Ingress")}
+    cpu = cpu_by_role(before, after, root=1)
+    assert cpu.seconds == pytest.approx({"driver": 0.5, "proxy": 2.0, "ingress": 0.75})
+    assert cpu.exited == 0
+
+
+def test_a_reused_pid_counts_as_a_new_process_and_the_old_one_as_exited():
+    before = {1: _sample(1, 1.0, "serve", ppid=0), 2: _sample(2, 10.0, "ray::IDLE", start=100)}
+    after = {1: _sample(1, 1.0, "serve", ppid=0), 2: _sample(2, 0.25, "ray::KVStore", start=200)}
+    cpu = cpu_by_role(before, after, root=1)
+    assert cpu.seconds["store"] == pytest.approx(0.25)
+    assert cpu.exited == 1
+
+
+def test_roles_group_into_proxy_ingress_engine_store_control_ray():
+    groups = group_seconds({"engine:prefill": 1.0, "engine:decode": 2.0, "serve controller": 0.5,
+                            "coordinator": 0.25, "ray daemons": 0.5, "ray idle workers": 0.5, "proxy": 1.0})
+    assert groups == {"engine": 3.0, "control": 0.75, "ray": 1.0, "proxy": 1.0}
+
+
+class _WordTokenizer:
+    """One token per word, plus a BOS when asked for special tokens."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.words: dict[int, str] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        out = [0] if add_special_tokens else []
+        for w in text.split():
+            if w not in self.ids:
+                self.ids[w] = len(self.ids) + 1
+                self.words[self.ids[w]] = w
+            out.append(self.ids[w])
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self.words[i] for i in ids if i)
+
+
+def test_exact_token_prompts_encode_to_exactly_the_count_with_special_tokens():
+    tok = _WordTokenizer()
+    prompts = exact_token_prompts(tok, 5, 33, seed=1)
+    assert len(prompts) == 5
+    assert all(len(tok.encode(p, add_special_tokens=True)) == 33 for p in prompts)
+    assert prompts == exact_token_prompts(tok, 5, 33, seed=1)
+
+
+def test_every_window_gets_its_own_prompts_so_none_hits_a_prefix_cache():
+    prompts = [f"p{i}" for i in range(40)]
+    counts = {"warm": 8, ("colocated", 4, 0): 10, ("colocated", 4, 1): 10, ("pd", 4, 0): 12}
+    sets = split_prompts(prompts, counts)
+    assert {k: len(v) for k, v in sets.items()} == counts
+    assert len(set().union(*sets.values())) == 40
+
+
+def test_too_few_prompts_for_the_windows_is_an_error():
+    with pytest.raises(ValueError, match="cannot fill"):
+        split_prompts(["a", "b"], {"warm": 1, ("colocated", 8, 0): 2})
+
+
+class _Out:
+    def __init__(self, rid: str, finished: bool) -> None:
+        self.request_id, self.finished, self.delta_token_ids = rid, finished, [1]
+
+
+class _FakeEngine:
+    """Each request produces `length` tokens, one per step; tracks the most it held at once."""
+
+    def __init__(self, length: int) -> None:
+        self.length, self.left, self.most = length, {}, 0
+
+    def add_request(self, rid, prompt, params) -> None:
+        self.left[rid] = self.length
+        self.most = max(self.most, len(self.left))
+
+    def step(self):
+        outs = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            outs.append(_Out(rid, self.left[rid] == 0))
+            if self.left[rid] == 0:
+                del self.left[rid]
+        return outs
+
+
+def test_closed_loop_keeps_at_most_concurrency_requests_and_counts_every_token():
+    engine = _FakeEngine(length=3)
+    tokens, steps = run_closed_loop(engine, [f"p{i}" for i in range(10)], 3, concurrency=4, tag="t")
+    assert engine.most == 4
+    assert tokens == 30
+    assert steps == 9  # waves of 4, 4 and 2 requests, 3 steps each
+
+
+def test_steady_messages_are_full_batch_decode_messages_only():
+    sizes = MessageSizes(256, 2, [Message(300, 2, False), Message(200, 1, False), Message(500, 2, True),
+                                  Message(310, 2, False)], [1000])
+    assert sizes.steady_bytes == 305
+    assert sizes.mean_bytes == pytest.approx(327.5)
+
+
+def _run(mode: str, c: int, engine_s: float, outside_s: float, tokens: int = 1000) -> ServerRun:
+    engine_role = "engine:colocated" if mode == "colocated" else "engine:decode"
+    offline = OfflineRun(c, 10, 1000, 1.0, 1.0, 100)  # 1 CPU ms per token
+    return ServerRun(mode, c, 0.0, {"output_tokens": tokens, "output_throughput": 100.0},
+                     {engine_role: engine_s, "ingress": outside_s}, 0, 0.0, tokens, 0.0, offline)
+
+
+def test_goal_lines_hold_each_run_to_its_mode_and_concurrency_bounds():
+    sizes = [MessageSizes(256, 2, [Message(300, 2, False)], [1]),
+             MessageSizes(8192, 2, [Message(320, 2, False)], [1])]
+    lines = goal_lines([_run("colocated", 8, 0.9, 0.3), _run("pd", 64, 1.0, 0.35)], sizes)
+    # colocated c8: 1.2x <= 1.25x, 0.3 ms <= 0.5; P/D c64: 1.35x <= 1.4x, 0.35 ms > 0.2; bytes +6.7%
+    assert [line.split(":")[0] for line in lines] == ["PASS", "PASS", "PASS", "FAIL", "PASS"]
