@@ -162,12 +162,11 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
 
     try:
         stopper.install()
-        # "local": a new Ray owned by this process, even when `ray start` left a cluster to attach to.
         if address:
             from cluster.ray_connect import connect
 
             connect(log_to_driver=False)  # bounded; token auth picked up; one-line failures
-        else:
+        else:  # "local": a Ray of our own, even when `ray start` left a cluster to attach to
             ray.init(address="local", namespace="pdserve", include_dashboard=False, log_to_driver=False)
         stopper.install()  # ray.init replaced the SIGTERM handler
         stopper.watch_ray_node()

@@ -102,9 +102,10 @@ def test_the_orphaned_worker_is_adopted_so_it_stays_a_descendant(stand_in):
     assert parent == s.proc.pid and pgid == sid == s.worker
 
 
-def test_a_drain_that_finishes_exits_0_with_every_descendant_killed(stand_in):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_drain_that_finishes_exits_0_with_every_descendant_killed(stand_in, sig):
     s = stand_in(30, "return")
-    s.proc.send_signal(signal.SIGTERM)
+    s.proc.send_signal(sig)
     s.wait_draining()
     code, took = s.exit_within(30)
     assert code == 0 and took < 30
