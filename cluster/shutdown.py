@@ -74,6 +74,8 @@ def descendants(root: int | None = None) -> dict[int, tuple[int, str]]:
     """{pid: (parent pid, state)} of every process below `root` (default: this one), zombies
     ("Z") included."""
     root = os.getpid() if root is None else root
+    if not os.path.isdir("/proc"):  # not Linux: nothing to walk, the stop keeps only its deadline
+        return {}
     children: dict[int, list[int]] = {}
     stats: dict[int, tuple[int, str]] = {}
     for name in os.listdir("/proc"):
