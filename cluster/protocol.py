@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.errors import ParameterError
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
+
+# vLLM's legacy guided-decoding fields and the StructuredOutputsParams field each maps to.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class StreamOptions(BaseModel):
@@ -60,6 +64,13 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     repetition_penalty: float | None = None
     request_id: str | None = None
+    # Structured outputs: vLLM's field, OpenAI's response_format, and the legacy guided_*.
+    structured_outputs: dict | None = None
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         """Raise a ParameterError on the first field set to something pdserve cannot do."""
@@ -91,10 +102,38 @@ class _Sampling(BaseModel):
             logprobs=self.num_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params(),
         )
+
+    def _structured_sources(self) -> list[str]:
+        """The request fields that ask for structured output (response_format "text" does not)."""
+        rf = self.response_format
+        text = rf is None or rf.get("type", "text") == "text"
+        return [f for f in ("structured_outputs", "response_format", *_GUIDED)
+                if getattr(self, f) is not None and not (f == "response_format" and text)]
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint this request asks for; ParameterError when it asks for more than
+        one or the one is malformed (the field is `structured_outputs`, mapped by `param`)."""
+        sources = self._structured_sources()
+        if not sources:
+            return None
+        if len(sources) > 1:
+            raise ParameterError(sources[1], f"at most one of {', '.join(sources)} may be set")
+        source = sources[0]
+        if source in _GUIDED:
+            return StructuredOutputsParams(**{_GUIDED[source]: getattr(self, source)})
+        if source == "response_format":
+            return _response_format_params(self.response_format)
+        unknown = set(self.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object"}
+        if unknown:
+            raise ParameterError("structured_outputs", f"structured_outputs has unknown fields {sorted(unknown)}")
+        return StructuredOutputsParams(**self.structured_outputs)
 
     def param(self, field: str) -> str:
         """The request field (OpenAI's `param`) that a ParameterError's `field` came from."""
+        if field == "structured_outputs":
+            return (self._structured_sources() or [field])[0]
         return field
 
     @property
@@ -171,13 +210,10 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list | None = None
-    response_format: dict | None = None
 
     def check_supported(self) -> None:
         if self.tools:
             raise ParameterError("tools", "tools (function calling) are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ParameterError("response_format", "only response_format {'type': 'text'} is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParameterError("top_logprobs", "top_logprobs requires logprobs=true")
         super().check_supported()
@@ -191,7 +227,7 @@ class ChatCompletionRequest(_Sampling):
             return "top_logprobs"
         if field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return field
+        return super().param(field)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -203,3 +239,18 @@ class ChatCompletionRequest(_Sampling):
 
     def conversation(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def _response_format_params(rf: dict) -> StructuredOutputsParams:
+    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}."""
+    kind = rf.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise ParameterError("response_format", "response_format.type must be 'text', 'json_object' or "
+                             f"'json_schema', got {kind!r}")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ParameterError("response_format", "response_format.json_schema.schema must be a JSON schema object")
+    return StructuredOutputsParams(json=spec["schema"])

@@ -7,6 +7,7 @@ from engine.errors import ParameterError
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -20,4 +21,5 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "StructuredOutputsParams",
 ]

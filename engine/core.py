@@ -20,6 +20,8 @@ from engine.models.loader import resolve_dtype
 from engine.request import Request, RequestStatus
 from engine.sched_output import EngineCoreOutput
 from engine.scheduler import Scheduler
+from engine.structured_output import BACKENDS, DEFAULT_BACKEND, StructuredOutputManager
+from engine.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +86,11 @@ class EngineCore:
         self.connector = (kv_connector_factory(KVConnectorRole.SCHEDULER)
                           if kv_connector_factory is not None else None)
         self.idle = True
-        self.scheduler = Scheduler(sc, cc, self.kv_cache_manager, self.max_model_len, self.connector)
+        self.structured_output_manager = StructuredOutputManager(
+            self._structured_output_backend, self.arch.vocab_size, sc.max_num_seqs)
+        self._wakeup = None
+        self.scheduler = Scheduler(sc, cc, self.kv_cache_manager, self.max_model_len, self.connector,
+                                   self.structured_output_manager)
         tokens = num_blocks * cc.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens; max concurrency %.2fx at %d tokens/request",
@@ -113,16 +119,37 @@ class EngineCore:
             )
         return n
 
+    def _structured_output_backend(self):
+        """Built on the first structured request, on a compile thread (see the manager)."""
+        tokenizer = load_tokenizer(self.config.model.model)
+        eos = eos_token_ids(self.config.model.model, tokenizer)
+        return BACKENDS[DEFAULT_BACKEND](tokenizer, self.arch.vocab_size, eos)
+
     def set_kv_wakeup(self, callback) -> None:
         """`callback` (any thread) wakes a driver loop blocked while every request waits for
-        remote KV: the worker side calls it when a load completes."""
+        remote KV (the worker side calls it when a load completes) or for its grammar."""
+        self._wakeup = callback
         self.executor.collective_rpc("set_kv_wakeup", (callback,))
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        params = request.sampling_params.structured_outputs
+        if params is not None:
+            # NOTE: a P/D decode request's prompt ends with output tokens sampled elsewhere;
+            # its matcher replays them, so it continues where the prefill's left off.
+            kv = request.kv_transfer_params
+            prior = kv.num_prior_output_tokens if kv is not None else 0
+            so_request = self.structured_output_manager.grammar_init(
+                params, request.prompt_token_ids[len(request.prompt_token_ids) - prior:])
+            request.structured_output_request = so_request
+            request.status = RequestStatus.WAITING_FOR_FSM
+            if self._wakeup is not None:
+                wakeup = self._wakeup
+                so_request.grammar_future.add_done_callback(lambda _: wakeup())
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str], status=RequestStatus.FINISHED_ABORTED) -> None:

@@ -2,48 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import os
-
 from engine.config import EngineConfig
 from engine.core import EngineCore, resolve_max_model_len
 from engine.kv_connector import KVConnectorFactory
 from engine.kv_transfer_params import KVTransferParams
 from engine.metrics import Metric, StatsRecorder
 from engine.models.arch import load_arch
-from engine.models.gguf_file import find_gguf, gguf_eos_token_ids
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.processor import InputProcessor, PromptType
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
-
-
-def load_tokenizer(model_dir: str):
-    gguf = find_gguf(model_dir)
-    if gguf is not None:
-        from engine.models.gguf_tokenizer import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(gguf)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
-    """EOS ids from the GGUF metadata, or generation_config.json, else config.json, else the
-    tokenizer."""
-    gguf = find_gguf(model_dir)
-    if gguf is not None:
-        return gguf_eos_token_ids(gguf)
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(model_dir, name)
-        if os.path.isfile(path):
-            with open(path) as f:
-                eos = json.load(f).get("eos_token_id")
-            if eos is not None:
-                return list(eos) if isinstance(eos, list) else [eos]
-    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+from engine.tokenizer import eos_token_ids, load_tokenizer
 
 
 def front_end(config: EngineConfig) -> tuple[object, InputProcessor]:

@@ -9,6 +9,7 @@ from engine.errors import ParameterError
 from engine.kv_transfer_params import KVTransferParams
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.structured_output import validate as validate_structured_outputs
 
 PromptType = str | dict
 
@@ -77,6 +78,8 @@ class InputProcessor:
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ParameterError("stop_token_ids", f"stop_token_ids must be in [0, {self.vocab_size}), got {bad_stop}")
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)  # a bad spec fails here, not in a step
         params = dataclasses.replace(params, _eos_token_ids=self.eos_token_ids)
         request = Request(
             request_id=request_id or uuid.uuid4().hex,

@@ -8,12 +8,15 @@ from dataclasses import dataclass, field
 
 from engine.kv_transfer_params import KVTransferParams
 from engine.sampling_params import SamplingParams
+from engine.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     """Life of a request. Everything above PREEMPTED is finished."""
 
     WAITING = enum.auto()
+    # Its grammar is still compiling (structured outputs); it is skipped until that is done.
+    WAITING_FOR_FSM = enum.auto()
     # The connector said the prompt's KV lives elsewhere; blocks are allocated and the
     # request sits here until the load completes (P/D consumer side).
     WAITING_FOR_REMOTE_KVS = enum.auto()
@@ -60,6 +63,8 @@ class Request:
     cache_salt: str | None = None
     # P/D state (engine.kv_connector); None for a plain request.
     kv_transfer_params: KVTransferParams | None = None
+    # Structured outputs: the constraint and its matcher (set by the engine on add).
+    structured_output_request: StructuredOutputRequest | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

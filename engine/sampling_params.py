@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import ParameterError, check_number
+from engine.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 _INT32_MAX = 2**31 - 1
@@ -33,6 +34,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrain the output to a JSON schema / regex / choice / grammar (engine.structured_output).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the model's generation config; not a user field.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -82,6 +85,9 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
         ):
             raise ParameterError("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ParameterError("structured_outputs", "structured_outputs must be StructuredOutputsParams, "
+                                 f"got {type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.kv_transfer_params import KVTransferParams
 from engine.sampling_params import SamplingParams
 
@@ -45,6 +47,10 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # The KV connector's instructions for the worker side (engine.kv_connector).
     kv_connector_metadata: object | None = None
+    # Structured outputs: the bitmask row of each request that samples under a grammar, and
+    # the rows ([rows, ceil(vocab/32)] int32, bit b of word w allows token 32*w + b).
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

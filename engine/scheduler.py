@@ -35,6 +35,7 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
         connector=None,
+        structured_output_manager=None,
     ) -> None:
         if scheduler_config.max_num_batched_tokens is None:
             raise ValueError("max_num_batched_tokens must be resolved (resolved_token_budget) first")
@@ -54,6 +55,8 @@ class Scheduler:
         # Requests whose remote KV load has completed (reported by the worker side).
         self.finished_recving_kv_req_ids: set[str] = set()
         self.num_preemptions = 0  # cumulative, for metrics
+        self.structured_output_manager = structured_output_manager  # fills the grammar bitmask
+        self._pending_outputs: list[EngineCoreOutput] = []  # grammar compile failures, to report
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -148,6 +151,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
+            if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request, skipped):
+                continue
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 if not self._finish_remote_kv_load(request):
                     skipped.append(self.waiting.pop())
@@ -238,9 +243,28 @@ class Scheduler:
             finished_req_ids=set(self.finished_req_ids),
             preempted_req_ids={r.request_id for r in preempted},
         )
+        if self.structured_output_manager is not None:
+            out.structured_output_request_ids, out.grammar_bitmask = (
+                self.structured_output_manager.grammar_bitmask(new_reqs + running_reqs, num_scheduled))
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _grammar_ready(self, request: Request, skipped: list[Request]) -> bool:
+        """Pops the request unless its grammar compiled (then it is WAITING); if compiling
+        failed it finishes with an error (the front end validated it, so this is rare)."""
+        if not request.structured_output_request.ready:
+            skipped.append(self.waiting.pop())
+            return False
+        error = request.structured_output_request.compile_error
+        if error is not None:
+            self.waiting.pop()
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free_request(request)
+            self._pending_outputs.append(EngineCoreOutput(request.request_id, [], "error", f"grammar: {error}"))
+            return False
+        request.status = RequestStatus.WAITING
+        return True
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
@@ -271,7 +295,7 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         if runner_output.kv_connector_output is not None:
             outputs += self._update_from_kv_transfers(runner_output.kv_connector_output)
         for idx, req_id in enumerate(runner_output.req_ids):
@@ -287,6 +311,11 @@ class Scheduler:
                 kept.append(token)
                 if self._check_stop(request):
                     break
+            so_request = request.structured_output_request
+            if so_request is not None and not request.is_finished and not so_request.grammar.accept_tokens(kept):
+                # A token outside the mask (min_tokens banned the only allowed EOS): no way on.
+                request.status = RequestStatus.FINISHED_ERROR
+                request.stop_reason = f"grammar: {so_request.grammar.error}"
             logprobs = None
             if runner_output.logprobs is not None and runner_output.logprobs[idx] is not None:
                 logprobs = runner_output.logprobs[idx][: len(kept)]

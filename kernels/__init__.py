@@ -33,3 +33,14 @@ def get_ops(backend: str = "torch", device_type: str = "cpu") -> SimpleNamespace
     from kernels import triton_kernels
 
     return SimpleNamespace(**{name: getattr(triton_kernels, name) for name in _OPS})
+
+
+def apply_token_bitmask(logits, bitmask, rows) -> None:
+    """Structured outputs' mask (contract in kernels.reference.apply_token_bitmask): the Triton
+    kernel on CUDA, the torch reference elsewhere."""
+    if logits.is_cuda:
+        from kernels import triton_kernels
+
+        triton_kernels.apply_token_bitmask(logits, bitmask, rows)
+    else:
+        reference.apply_token_bitmask(logits, bitmask, rows)

@@ -169,3 +169,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     # silu on a contiguous copy is several times faster on CPU than on the strided half.
     gate = x[..., :d].contiguous()
     return F.silu(gate, inplace=True).mul_(x[..., d:])
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf unless bit t % 32 of bitmask[i, t // 32] is set.
+
+    logits [N, V] float; bitmask [M, W] int32 (structured outputs' layout); rows [M] int64,
+    the logits row of each mask row. Tokens past 32 * W are masked."""
+    M, W = bitmask.shape
+    V = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(M, W * 32)  # [M, 32W]
+    if W * 32 >= V:
+        allowed = allowed[:, :V]
+    else:
+        allowed = torch.cat([allowed, allowed.new_zeros(M, V - W * 32)], dim=1)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

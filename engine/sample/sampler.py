@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kernels
+
 _NEG_INF = float("-inf")
 
 
@@ -25,6 +27,10 @@ class SamplingMetadata:
     num_logprobs: list[int | None] = field(default_factory=list)  # per row
     # (row, token ids) whose logits are masked out: EOS/stop tokens before min_tokens.
     banned_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
+    # Structured outputs: grammar_bitmask[i] ([M, ceil(V/32)] int32) says which tokens row
+    # grammar_rows[i] ([M] int64) may sample; rows not listed are unconstrained.
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: torch.Tensor | None = None
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -43,8 +49,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()  # [N, V]
         max_lp = meta.max_num_logprobs
-        # Logprobs describe the model's own distribution: taken before any processing.
+        # Logprobs describe the model's own distribution: taken before any processing (the
+        # grammar mask included, as vLLM's default logprobs_mode="raw_logprobs").
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max_lp is not None else None
+        if meta.grammar_bitmask is not None:
+            # First: temperature, top-k/top-p and min-p then only see tokens the grammar allows.
+            logits = logits.clone()  # the caller's logits stay as they were
+            kernels.apply_token_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
         if meta.banned_tokens:
             logits = logits.clone()
             for row, token_ids in meta.banned_tokens:

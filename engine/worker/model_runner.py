@@ -14,6 +14,7 @@ from engine.models.attention_metadata import AttentionMetadata
 from engine.models.loader import load_model
 from engine.sample import Sampler, SamplingMetadata
 from engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from engine.structured_output.bitmask import bitmask_for_sampled_rows
 from engine.worker.buffers import StagedBuffer
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from engine.worker.input_batch import InputBatch
@@ -115,7 +116,11 @@ class ModelRunner:
         sample_idx = np.flatnonzero(sample_mask)
         if len(sample_idx):
             logits = self.model.compute_logits(hidden[logits_indices])  # [N, vocab]
-            out = self.sampler(logits, self._sampling_metadata(rows[sample_idx]))
+            meta = self._sampling_metadata(rows[sample_idx])
+            if so.grammar_bitmask is not None:
+                meta.grammar_bitmask, meta.grammar_rows = bitmask_for_sampled_rows(
+                    so.structured_output_request_ids, so.grammar_bitmask, [req_ids[i] for i in sample_idx], self.device)
+            out = self.sampler(logits, meta)
             tokens = out.sampled_token_ids.tolist()
             for j, i in enumerate(sample_idx):
                 ib.append_token(int(rows[i]), tokens[j])

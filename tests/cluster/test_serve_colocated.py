@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import requests
 
+from tests.cluster import structured_checks
 from tests.cluster.helpers import ENGINE, assert_no_leaks, metric_value, sse_events
 from tests.engine.hf_reference import hf_greedy
 
@@ -144,3 +145,12 @@ def test_deleting_the_app_lets_in_flight_requests_finish(app):
     assert not deleter.is_alive()
     assert events[-1] == b"data: [DONE]"
     assert b'"completion_tokens":480' in events[-2]
+
+
+def test_structured_outputs_colocated_valid_and_equal_to_offline(app, tiny_model):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
+    structured_checks.check_every_spelling_constrains_sampled_completions(client, NAME)
+    structured_checks.check_equals_offline(client, NAME, tiny_model, ENGINE)
+    assert_no_leaks(app, APP, {"colocated"})

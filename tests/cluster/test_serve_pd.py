@@ -13,6 +13,7 @@ import pytest
 import requests
 import torch
 
+from tests.cluster import structured_checks
 from tests.cluster.helpers import ENGINE, assert_no_leaks, metric_value, sse_events
 from tests.engine.hf_reference import _hf_model, hf_greedy
 
@@ -310,3 +311,20 @@ def test_null_fields_reused_ids_and_a_prompt_filling_the_context(app, tokenizer,
                                                      "ignore_eos": True}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 1 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_structured_outputs_every_spelling_is_valid(client):
+    structured_checks.check_every_spelling_constrains_sampled_completions(client, NAME)
+
+
+def test_structured_outputs_chat_response_format(client):
+    structured_checks.check_chat_response_format_plain_and_streamed(client, NAME)
+
+
+def test_structured_outputs_bad_specs_are_400s(client, app):
+    structured_checks.check_bad_specs_are_openai_400s_and_the_server_keeps_serving(client, app, NAME)
+
+
+def test_structured_outputs_pd_equals_offline(client, tiny_model, app):
+    structured_checks.check_equals_offline(client, NAME, tiny_model, ENGINE)
+    assert_no_leaks(app, APP, {"prefill", "decode"})
