@@ -130,6 +130,8 @@ def test_stop_path_drains_the_stream_then_ends_every_process_within_the_bound(se
     srv.tree.update(process_tree(srv.proc.pid))
     replicas = [pid for pid in srv.tree if "ServeReplica" in cmdline(pid)]
     assert len(replicas) == (4 if mode == "pd" else 3), [cmdline(p) for p in srv.tree]
+    # The HTTP port is HAProxy's (cluster/http_front.py): the stream reached us through it.
+    assert any("haproxy" in owner for owner in listeners(srv.port)), listeners(srv.port)
     tokens_at_signal = stream.tokens
 
     t0 = time.monotonic()

