@@ -29,7 +29,9 @@ class WorkerConfig:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        return self.device.type == "cuda" and self.kernel_backend == "triton" and not self.engine.enforce_eager
+        # Collectives are not captured into graphs: a sharded model decodes eagerly.
+        return (self.device.type == "cuda" and self.kernel_backend == "triton" and not self.engine.enforce_eager
+                and self.engine.parallel.tensor_parallel_size == 1)
 
 
 class Executor(ABC):
