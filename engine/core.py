@@ -150,6 +150,10 @@ class EngineCore:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
 
+    def check_health(self) -> None:
+        """Raise EngineDeadError if a worker rank is gone (callable from any thread)."""
+        self.executor.check_health()
+
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         params = request.sampling_params.structured_outputs

@@ -66,6 +66,11 @@ class Executor(ABC):
     def profile_run(self, num_tokens: int) -> None:
         self.collective_rpc("profile_run", (num_tokens,))
 
+    def check_health(self) -> None:
+        """Raise if a worker is known to be gone (a health check between steps); the
+        in-process worker cannot be."""
+        return None
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release the workers (processes, actors, device memory). Idempotent."""

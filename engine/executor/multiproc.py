@@ -91,6 +91,16 @@ class MultiprocExecutor(Executor):
                 self._fail(f"tensor-parallel rank {rank} (pid {self.procs[rank].pid}) is gone: {e}")
         return self._replies(_CALL_TIMEOUT_S, method)
 
+    def check_health(self) -> None:
+        """Between steps (any thread): a rank that died while the engine was idle fails the
+        health check now rather than the next request."""
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+        dead = [(rank, p) for rank, p in enumerate(self.procs) if not p.is_alive()]
+        if dead:
+            rank, proc = dead[0]
+            raise EngineDeadError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+
     def _replies(self, timeout_s: float, what: str) -> list[Any]:
         """One reply per rank, in rank order; any death, error or timeout fails the engine."""
         results: dict[int, Any] = {}

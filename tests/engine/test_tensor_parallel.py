@@ -70,6 +70,9 @@ def test_a_killed_rank_fails_the_engine_fast_and_leaves_no_process(tiny_model):
     llm = LLM(tiny_model, max_model_len=128, tensor_parallel_size=2)
     pids = llm.engine.core.executor.pids
     os.kill(pids[1], signal.SIGKILL)
+    llm.engine.core.executor.procs[1].join(10)
+    with pytest.raises(EngineDeadError, match="rank 1"):  # seen while idle (health check)
+        llm.engine.core.check_health()
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match="rank 1"):
         _generate(llm, random_prompts([20], 900))
