@@ -128,6 +128,8 @@ class EngineWorker:
     async def check_health(self) -> None:
         if getattr(self.engine, "_errored", None) is not None:
             raise RuntimeError(f"engine of {self.replica_id} failed: {self.engine._errored!r}")
+        if isinstance(self.engine, AsyncLLM):  # injected test engines have no workers
+            self.engine.check_health()
 
     async def load(self) -> dict:
         figures = await self.engine.load()

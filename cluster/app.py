@@ -54,7 +54,7 @@ class AppConfig:
     prefix_affinity: bool = False
     routing_stats_period_s: float = 0.5
     replica_num_cpus: float = 1.0
-    replica_num_gpus: float | None = None  # None: 1 when this machine has a CUDA GPU, else 0
+    replica_num_gpus: float | None = None  # None: tensor_parallel_size when this machine has a CUDA GPU, else 0
     max_replicas: int = 8  # per role: the ceiling of POST /scale (and of autoscaling by default)
     # Bearer keys guarding /v1/*, /scale, /status (cluster.auth); PDSERVE_API_KEY adds more.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -91,6 +91,13 @@ class AppConfig:
                 raise ParameterError(f"{role}_replicas",
                                      f"{role}_replicas must be <= max_replicas ({self.max_replicas})")
         build_config(self.autoscale, self.max_replica_map())  # validates, as the Coordinator will build it
+        if self.mode == "pd" and self.engine_args.tensor_parallel_size > 1:
+            # KV moves between whole engines today; moving it rank by rank is not built yet.
+            raise ParameterError(
+                "tensor_parallel_size",
+                f"mode='pd' needs tensor_parallel_size=1 on both roles (got "
+                f"{self.engine_args.tensor_parallel_size}); tensor parallel runs in mode='colocated'",
+            )
 
     @classmethod
     def from_flat(cls, args: dict) -> AppConfig:
@@ -121,11 +128,13 @@ class AppConfig:
         return served_name(self.model, self.served_model_name)
 
     def num_gpus(self) -> float:
+        """GPUs one replica reserves: one per tensor-parallel rank (the ranks are the
+        replica's child processes, so they share its reservation)."""
         if self.replica_num_gpus is not None:
             return self.replica_num_gpus
         import torch
 
-        return 1.0 if torch.cuda.is_available() else 0.0
+        return float(self.engine_args.tensor_parallel_size) if torch.cuda.is_available() else 0.0
 
 
 def build_app(cfg: AppConfig):

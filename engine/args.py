@@ -16,10 +16,12 @@ from engine.config import (
     BACKENDS,
     DEVICES,
     DTYPES,
+    EXECUTOR_BACKENDS,
     POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from engine.errors import ParameterError
@@ -58,6 +60,12 @@ class EngineArgs:
     kernel_backend: str = _arg("auto", "kernel implementation (auto: Triton on CUDA, torch on CPU)",
                                BACKENDS)
     enforce_eager: bool = _arg(False, "never replay CUDA graphs for decode")
+    # parallelism
+    tensor_parallel_size: int = _arg(1, "ranks the model is sharded over (heads, MLP and vocabulary "
+                                     "split; one GPU per rank on CUDA, gloo on CPU)")
+    distributed_executor_backend: str | None = _arg(
+        None, "how ranks run: mp (processes on this node), ray (one actor per rank) or uni (one "
+        "rank in the engine's process); default: uni for one rank, mp for more", EXECUTOR_BACKENDS)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -128,6 +136,10 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 scheduling_policy=self.scheduling_policy,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
             ),
             kernel_backend=self.kernel_backend,
             enforce_eager=self.enforce_eager,

@@ -203,6 +203,10 @@ class AsyncLLM:
     async def load(self) -> dict:
         return await asyncio.wrap_future(self.call(self.engine.core.load))
 
+    def check_health(self) -> None:
+        """Raise if a worker is gone (a tensor-parallel rank that died, even while idle)."""
+        self.engine.core.check_health()
+
     def shutdown(self) -> None:
         self._inputs.put(_STOP)
         self._thread.join(timeout=30)

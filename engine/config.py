@@ -11,6 +11,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "triton", "torch")
+# vLLM's names. "uni": one worker in the engine's process; "mp": one process per rank on this
+# node; "ray": one Ray actor per rank (registered from outside the engine, which never imports
+# Ray). None picks "uni" for one rank and "mp" for more.
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -88,10 +92,34 @@ def resolved_token_budget(config: SchedulerConfig, device_type: str) -> Schedule
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.distributed_executor_backend is not None:
+            check_choice("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ParameterError(
+                "distributed_executor_backend",
+                f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size="
+                f"{self.tensor_parallel_size}; use 'mp' or 'ray' (or tensor_parallel_size=1)",
+            )
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # Which implementation of the kernel contract to run: "auto" is Triton on CUDA and the
     # torch references on CPU; "triton" / "torch" force one.
     kernel_backend: str = "auto"

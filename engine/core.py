@@ -12,11 +12,13 @@ import torch
 
 import kernels
 from engine.config import EngineConfig, resolved_token_budget
-from engine.executor import Executor, UniProcExecutor, WorkerConfig
+from engine.errors import ParameterError
+from engine.executor import Executor, WorkerConfig, executor_class
 from engine.kv_cache import KVCacheManager
 from engine.kv_connector import KVConnectorFactory, KVConnectorRole
 from engine.models.arch import ModelArch, load_arch
 from engine.models.loader import resolve_dtype
+from engine.models.parallel import check_tp_size
 from engine.request import Request, RequestStatus
 from engine.sched_output import EngineCoreOutput
 from engine.scheduler import Scheduler
@@ -51,6 +53,16 @@ def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
     return requested
 
 
+def check_parallel(arch: ModelArch, device: torch.device, tp: int) -> None:
+    """ParameterError unless `tp` ranks can shard this model on this machine."""
+    check_tp_size(arch, tp)
+    if device.type == "cuda" and tp > torch.cuda.device_count():
+        raise ParameterError(
+            "tensor_parallel_size",
+            f"tensor_parallel_size={tp} needs one GPU per rank; {torch.cuda.device_count()} visible",
+        )
+
+
 def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
     return int(memory_bytes // bytes_per_block)
 
@@ -61,11 +73,12 @@ class EngineCore:
     on each worker."""
 
     def __init__(self, config: EngineConfig, kv_connector_factory: KVConnectorFactory | None = None,
-                 executor_cls: type[Executor] = UniProcExecutor) -> None:
+                 executor_cls: type[Executor] | None = None) -> None:
         self.config = config
         mc, cc = config.model, config.cache
         self.arch = load_arch(mc.model)
         self.device = resolve_device(mc.device)
+        check_parallel(self.arch, self.device, config.parallel.tensor_parallel_size)
         self.scheduler_config = sc = resolved_token_budget(config.scheduler, self.device.type)
         self.dtype = resolve_dtype(mc.dtype, self.arch, self.device)
         self.max_model_len = resolve_max_model_len(mc.max_model_len, self.arch)
@@ -74,6 +87,8 @@ class EngineCore:
             backend = kernels.default_backend(self.device.type)
         self.kernel_backend = backend
         worker_config = WorkerConfig(config, self.arch, self.device, self.dtype, self.max_model_len, sc, backend)
+        if executor_cls is None:
+            executor_cls = executor_class(config.parallel.executor_backend)
         self.executor = executor_cls(worker_config, kv_connector_factory)
         num_blocks = self._determine_num_blocks()
         if self.device.type == "cpu":
@@ -134,6 +149,10 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if a worker rank is gone (callable from any thread)."""
+        self.executor.check_health()
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

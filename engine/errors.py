@@ -36,3 +36,8 @@ def check_number(field: str, value: object) -> None:
 def check_choice(field: str, value: object, choices: tuple) -> None:
     if value not in choices:
         raise ParameterError(field, f"{field} must be one of {choices}, got {value!r}")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot step any more (a worker rank died or stopped answering); the message
+    says which rank and why. Every later call fails the same way; shut the engine down."""

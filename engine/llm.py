@@ -28,6 +28,10 @@ class LLM:
     def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
         return cls(**{f: getattr(engine_args, f) for f in EngineArgs.field_names()})
 
+    def shutdown(self) -> None:
+        """Stop the engine's workers (tensor-parallel rank processes); idempotent."""
+        self.engine.core.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

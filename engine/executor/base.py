@@ -29,7 +29,9 @@ class WorkerConfig:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        return self.device.type == "cuda" and self.kernel_backend == "triton" and not self.engine.enforce_eager
+        # Collectives are not captured into graphs: a sharded model decodes eagerly.
+        return (self.device.type == "cuda" and self.kernel_backend == "triton" and not self.engine.enforce_eager
+                and self.engine.parallel.tensor_parallel_size == 1)
 
 
 class Executor(ABC):
@@ -63,6 +65,11 @@ class Executor(ABC):
 
     def profile_run(self, num_tokens: int) -> None:
         self.collective_rpc("profile_run", (num_tokens,))
+
+    def check_health(self) -> None:
+        """Raise if a worker is known to be gone (a health check between steps); the
+        in-process worker cannot be."""
+        return None
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -1,7 +1,8 @@
 """One decoder-only transformer for the Llama family: Llama, Mistral, Qwen2, Qwen3.
 
 Our own layers with fused qkv and gate_up projections; attention runs through the paged
-kernel contract, so a layer reads and writes its KV in the paged cache.
+kernel contract, so a layer reads and writes its KV in the paged cache. Under tensor
+parallelism (engine.models.parallel) each rank builds the same modules at its shard's sizes.
 """
 
 from __future__ import annotations
@@ -11,8 +12,16 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from engine.distributed import SINGLE_RANK, TPGroup
 from engine.models.arch import ModelArch
 from engine.models.attention_metadata import AttentionMetadata
+from engine.models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardLayout,
+    VocabParallelEmbedding,
+    parallel_logits,
+)
 from engine.models.rotary import cos_sin_cache
 
 
@@ -28,11 +37,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, ops: SimpleNamespace) -> None:
+    def __init__(self, layout: ShardLayout, ops: SimpleNamespace, tp: TPGroup) -> None:
         super().__init__()
-        self.h, self.hkv, self.d = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.h * self.d, arch.hidden_size, bias=arch.o_bias)
+        arch = layout.arch
+        # This rank's heads (all of them on one rank).
+        self.h, self.hkv, self.d = layout.num_heads, layout.num_kv_heads, arch.head_dim
+        self.qkv_proj = ColumnParallelLinear(arch.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=arch.qkv_bias)
+        self.o_proj = RowParallelLinear(self.h * self.d, arch.hidden_size, arch.o_bias, tp)
         self.q_norm = RMSNorm(self.d, arch.rms_norm_eps, ops) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.d, arch.rms_norm_eps, ops) if arch.qk_norm else None
         self.scale = self.d**-0.5
@@ -57,10 +68,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, ops: SimpleNamespace) -> None:
+    def __init__(self, layout: ShardLayout, ops: SimpleNamespace, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        arch, inter = layout.arch, layout.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, 2 * inter, bias=arch.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, arch.mlp_bias, tp)
         self.ops = ops
 
     def forward(self, x):
@@ -68,12 +80,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, ops: SimpleNamespace) -> None:
+    def __init__(self, layout: ShardLayout, ops: SimpleNamespace, tp: TPGroup) -> None:
         super().__init__()
+        arch = layout.arch
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = Attention(arch, ops)
+        self.self_attn = Attention(layout, ops, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp = MLP(arch, ops)
+        self.mlp = MLP(layout, ops, tp)
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
         # The residual add is fused into the norms: rms_norm(x, w, eps, residual) returns
@@ -89,13 +102,18 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, ops: SimpleNamespace, max_positions: int) -> None:
+    def __init__(self, arch: ModelArch, ops: SimpleNamespace, max_positions: int,
+                 tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, ops) for _ in range(arch.num_layers))
+        self.tp = tp
+        self.layout = layout = ShardLayout(arch, tp.rank, tp.size)
+        self.embed_tokens = VocabParallelEmbedding(layout, arch.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(layout, ops, tp) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        # The LM head splits the vocabulary like the embedding (same rows when tied).
+        self.lm_head = (None if arch.tie_word_embeddings
+                        else nn.Linear(arch.hidden_size, self.embed_tokens.num_embeddings, bias=False))
         # fp32 table, kept out of the state dict (it is derived, not loaded).
         self.register_buffer(
             "cos_sin", cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling_dict),
@@ -116,6 +134,7 @@ class CausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, vocab] fp32 logits; under tensor parallelism on rank 0 only (None elsewhere)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()  # [N, vocab]
+        return parallel_logits(hidden, weight, self.arch.vocab_size, self.tp)

@@ -3,6 +3,9 @@
 The model is built on the meta device and materialised once on the target device; each
 checkpoint tensor is read (from safetensors, or dequantized from GGUF) and copied straight
 into its (possibly fused) destination slice, so no full second copy of the weights ever exists.
+Under tensor parallelism each rank reads only its own slice of each safetensors tensor
+(`get_slice`); a GGUF tensor is dequantized whole and then narrowed (its quantized blocks do
+not split on shard boundaries in general).
 """
 
 from __future__ import annotations
@@ -17,16 +20,22 @@ from types import SimpleNamespace
 import torch
 from safetensors import safe_open
 
+from engine.distributed import SINGLE_RANK, TPGroup
 from engine.models.arch import ModelArch
 from engine.models.gguf_file import find_gguf
 from engine.models.gguf_weights import gguf_tensors
 from engine.models.llama import CausalLM
+from engine.models.parallel import ShardLayout
 from engine.models.rotary import cos_sin_cache
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
+
+# (dim, start, stop): the part of a checkpoint tensor one rank reads; None: all of it.
+Slice = tuple[int, int, int] | None
 
 
 def resolve_dtype(dtype: str, arch: ModelArch, device: torch.device) -> torch.dtype:
@@ -60,9 +69,10 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     max_positions: int,
+    tp: TPGroup = SINGLE_RANK,
 ) -> CausalLM:
     with torch.device("meta"):
-        model = CausalLM(arch, ops, max_positions).to(dtype)
+        model = CausalLM(arch, ops, max_positions, tp).to(dtype)
     model = model.to_empty(device=device)
     # The rope table is derived, not loaded: rebuild it in fp32 (to_empty left it empty).
     model.cos_sin = cos_sin_cache(
@@ -70,16 +80,17 @@ def load_model(
     ).to(device)
 
     params = dict(model.named_parameters())
+    layout = model.layout
     loaded: set[str] = set()
     for name, read in _checkpoint_tensors(model_dir, arch):
-        target = _destination(name, arch, params)
+        target = _destination(name, layout, params)
         if target is None:
             continue
-        param_name, rows = target
+        param_name, rows, src = target
         dst = params[param_name].data
         if rows is not None:
             dst = dst[rows[0] : rows[1]]
-        tensor = read()
+        tensor = read(src)
         if tensor.shape != dst.shape:
             raise ValueError(
                 f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
@@ -87,56 +98,92 @@ def load_model(
             )
         dst.copy_(tensor)
         loaded.add(f"{param_name}:{rows}")
-    expected = _expected_pieces(arch, params)
+    expected = _expected_pieces(layout, params)
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} is missing weights: {missing[:8]}")
+    if layout.vocab_rows < layout.vocab_per_rank:
+        for name in _VOCAB_PARAMS:
+            if name in params:
+                params[name].data[layout.vocab_rows :].zero_()  # padding: zero embeddings and logits
     return model.eval()
 
 
-def _checkpoint_tensors(model: str, arch: ModelArch) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """(HF tensor name, read) pairs; reading is deferred so skipped tensors cost nothing."""
+def _checkpoint_tensors(model: str, arch: ModelArch) -> Iterator[tuple[str, Callable[[Slice], torch.Tensor]]]:
+    """(HF tensor name, read(slice)) pairs; reading is deferred so skipped tensors cost
+    nothing."""
     gguf = find_gguf(model)
     if gguf is not None:
-        yield from gguf_tensors(gguf, arch)
+        for name, read in gguf_tensors(gguf, arch):
+            yield name, lambda src, read=read: _narrow(read(), src)
         return
     for path in checkpoint_files(model):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, lambda f=f, name=name: f.get_tensor(name)
+                yield name, lambda src, f=f, name=name: _read_safetensors(f, name, src)
 
 
-def _destination(name: str, arch: ModelArch, params: dict) -> tuple[str, tuple[int, int] | None] | None:
-    """Map a HF tensor name to (our parameter, row range inside a fused parameter)."""
-    if name == "lm_head.weight":
-        return None if arch.tie_word_embeddings else ("lm_head.weight", None)
-    if name in ("model.embed_tokens.weight", "model.norm.weight"):
-        return name.removeprefix("model."), None
+def _read_safetensors(f, name: str, src: Slice) -> torch.Tensor:
+    if src is None:
+        return f.get_tensor(name)
+    dim, start, stop = src
+    part = f.get_slice(name)  # reads only the requested rows/columns from the file
+    return part[start:stop] if dim == 0 else part[:, start:stop]
+
+
+def _narrow(tensor: torch.Tensor, src: Slice) -> torch.Tensor:
+    return tensor if src is None else tensor.narrow(src[0], src[1], src[2] - src[1])
+
+
+def _destination(name: str, layout: ShardLayout, params: dict) -> tuple[str, tuple[int, int] | None, Slice] | None:
+    """Map a HF tensor name to (our parameter, row range inside a fused parameter, the slice
+    of the checkpoint tensor this rank reads)."""
+    arch, one_rank = layout.arch, layout.size == 1
+    if name in ("lm_head.weight", "model.embed_tokens.weight"):
+        if name == "lm_head.weight" and arch.tie_word_embeddings:
+            return None
+        src = None if one_rank else (0, layout.vocab_start, layout.vocab_start + layout.vocab_rows)
+        return name.removeprefix("model."), _vocab_rows(layout), src
+    if name == "model.norm.weight":
+        return "norm.weight", None, None
     m = _LAYER.match(name)
     if m is None:
         return None
     layer, rest = m.group(1), m.group(2)
     prefix = f"layers.{layer}."
-    h, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
-    inter = arch.intermediate_size
+    h, hkv, d, inter = layout.num_heads, layout.num_kv_heads, arch.head_dim, layout.intermediate_size
+    q0, kv0, i0 = layout.rank * h * d, layout.kv_head_start * d, layout.rank * inter
+    # module -> (fused parameter, its rows, rows of the checkpoint tensor this rank reads)
     fused = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0, h * d),
-        "self_attn.k_proj": ("self_attn.qkv_proj", h * d, (h + hkv) * d),
-        "self_attn.v_proj": ("self_attn.qkv_proj", (h + hkv) * d, (h + 2 * hkv) * d),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
-        "mlp.up_proj": ("mlp.gate_up_proj", inter, 2 * inter),
+        "self_attn.q_proj": ("self_attn.qkv_proj", (0, h * d), (q0, q0 + h * d)),
+        "self_attn.k_proj": ("self_attn.qkv_proj", (h * d, (h + hkv) * d), (kv0, kv0 + hkv * d)),
+        "self_attn.v_proj": ("self_attn.qkv_proj", ((h + hkv) * d, (h + 2 * hkv) * d), (kv0, kv0 + hkv * d)),
+        "mlp.gate_proj": ("mlp.gate_up_proj", (0, inter), (i0, i0 + inter)),
+        "mlp.up_proj": ("mlp.gate_up_proj", (inter, 2 * inter), (i0, i0 + inter)),
     }
+    # Row-parallel weights split their input columns; their biases are whole on every rank.
+    row_parallel = {"self_attn.o_proj": (q0, q0 + h * d), "mlp.down_proj": (i0, i0 + inter)}
     module, _, kind = rest.rpartition(".")
     if module in fused:
-        ours, start, end = fused[module]
-        return f"{prefix}{ours}.{kind}", (start, end)
+        ours, rows, (start, stop) = fused[module]
+        return f"{prefix}{ours}.{kind}", rows, None if one_rank else (0, start, stop)
     full = prefix + rest
-    return (full, None) if full in params else None
+    if full not in params:
+        return None
+    if module in row_parallel and kind == "weight" and not one_rank:
+        return full, None, (1, *row_parallel[module])
+    return full, None, None
 
 
-def _expected_pieces(arch: ModelArch, params: dict) -> set[str]:
+def _vocab_rows(layout: ShardLayout) -> tuple[int, int] | None:
+    """Rows of the local embedding/LM head the checkpoint fills (None: all; the rest is
+    padding past the vocabulary on the last rank)."""
+    return None if layout.vocab_rows == layout.vocab_per_rank or layout.size == 1 else (0, layout.vocab_rows)
+
+
+def _expected_pieces(layout: ShardLayout, params: dict) -> set[str]:
     pieces = set()
-    h, hkv, d, inter = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size
+    h, hkv, d, inter = layout.num_heads, layout.num_kv_heads, layout.arch.head_dim, layout.intermediate_size
     for name in params:
         if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             for rows in ((0, h * d), (h * d, (h + hkv) * d), ((h + hkv) * d, (h + 2 * hkv) * d)):
@@ -144,6 +191,8 @@ def _expected_pieces(arch: ModelArch, params: dict) -> set[str]:
         elif "gate_up_proj" in name:
             for rows in ((0, inter), (inter, 2 * inter)):
                 pieces.add(f"{name}:{rows}")
+        elif name in _VOCAB_PARAMS:
+            pieces.add(f"{name}:{_vocab_rows(layout)}")
         else:
             pieces.add(f"{name}:None")
     return pieces

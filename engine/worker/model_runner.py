@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from engine.distributed import SINGLE_RANK, TPGroup
 from engine.models.arch import ModelArch
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.loader import load_model
@@ -36,14 +37,18 @@ class ModelRunner:
         block_size: int,
         kernel_block_size: int,
         use_cuda_graphs: bool = False,
+        tp: TPGroup = SINGLE_RANK,
     ) -> None:
         self.arch = arch
+        self.tp = tp
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.kernel_block_size = kernel_block_size
         self.max_model_len = max_model_len
-        self.model = load_model(model_dir, arch, ops, device, dtype, max_model_len)
+        self.model = load_model(model_dir, arch, ops, device, dtype, max_model_len, tp)
+        # KV heads this rank caches (all of them on one rank).
+        self.num_kv_heads = self.model.layout.num_kv_heads
         self.sampler = Sampler()
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size, kernel_block_size, device)
         # A prefill chunk is capped by the token budget; a step never exceeds it.
@@ -65,12 +70,12 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         a = self.arch
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * itemsize
+        return 2 * a.num_layers * self.block_size * self.num_kv_heads * a.head_dim * itemsize
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate [num_kernel_blocks, kernel_block_size, Hkv, D] K and V per layer."""
         k = self.block_size // self.kernel_block_size
-        shape = (num_blocks * k, self.kernel_block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        shape = (num_blocks * k, self.kernel_block_size, self.num_kv_heads, self.arch.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -115,17 +120,24 @@ class ModelRunner:
         logprob_lists: list[list[dict[int, float]] | None] = [None] * len(req_ids)
         sample_idx = np.flatnonzero(sample_mask)
         if len(sample_idx):
-            logits = self.model.compute_logits(hidden[logits_indices])  # [N, vocab]
-            meta = self._sampling_metadata(rows[sample_idx])
-            if so.grammar_bitmask is not None:
-                meta.grammar_bitmask, meta.grammar_rows = bitmask_for_sampled_rows(
-                    so.structured_output_request_ids, so.grammar_bitmask, [req_ids[i] for i in sample_idx], self.device)
-            out = self.sampler(logits, meta)
-            tokens = out.sampled_token_ids.tolist()
+            logits = self.model.compute_logits(hidden[logits_indices])  # [N, vocab] on rank 0
+            out = None
+            if self.tp.is_driver:
+                meta = self._sampling_metadata(rows[sample_idx])
+                if so.grammar_bitmask is not None:
+                    meta.grammar_bitmask, meta.grammar_rows = bitmask_for_sampled_rows(
+                        so.structured_output_request_ids, so.grammar_bitmask, [req_ids[i] for i in sample_idx],
+                        self.device)
+                out = self.sampler(logits, meta)
+                tokens = out.sampled_token_ids
+            else:
+                tokens = torch.empty(len(sample_idx), dtype=torch.int64, device=self.device)
+            # Every rank appends the sampled tokens: the next step's inputs come from them.
+            tokens = self.tp.broadcast_from_driver(tokens).tolist()
             for j, i in enumerate(sample_idx):
                 ib.append_token(int(rows[i]), tokens[j])
                 sampled_lists[i] = [tokens[j]]
-                if out.logprobs is not None and out.logprobs[j] is not None:
+                if out is not None and out.logprobs is not None and out.logprobs[j] is not None:
                     logprob_lists[i] = [out.logprobs[j]]
         has_logprobs = any(lp is not None for lp in logprob_lists)
         return ModelRunnerOutput(req_ids, sampled_lists, logprob_lists if has_logprobs else None)
@@ -226,7 +238,7 @@ class ModelRunner:
         sequences) against a throwaway KV cache, to measure peak activation memory."""
         a = self.arch
         nb = -(-num_tokens // self.kernel_block_size)
-        shape = (nb, self.kernel_block_size, a.num_kv_heads, a.head_dim)
+        shape = (nb, self.kernel_block_size, self.num_kv_heads, a.head_dim)
         caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 import kernels
+from engine.distributed import SINGLE_RANK, TPGroup
 from engine.executor.base import WorkerConfig
 from engine.kv_connector import KVConnectorFactory, KVConnectorRole, run_worker_step
 from engine.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -32,9 +33,10 @@ def kv_budget_bytes(total: int, free: int, reserved: int, peak: int, utilization
 
 class Worker:
     def __init__(self, config: WorkerConfig, rank: int = 0,
-                 kv_connector_factory: KVConnectorFactory | None = None) -> None:
+                 kv_connector_factory: KVConnectorFactory | None = None, tp: TPGroup = SINGLE_RANK) -> None:
         self.config = config
         self.rank = rank
+        self.tp = tp
         ec, sc = config.engine, config.scheduler
         if config.device.type == "cpu":
             keep_freed_memory_in_heap()
@@ -51,6 +53,7 @@ class Worker:
             ec.cache.block_size,
             ec.cache.effective_kernel_block_size,
             use_cuda_graphs=config.use_cuda_graphs,
+            tp=tp,
         )
         self.kv_connector = (kv_connector_factory(KVConnectorRole.WORKER)
                              if kv_connector_factory is not None else None)

@@ -115,7 +115,8 @@ def test_from_flat_splits_every_engine_argument_from_the_app_fields(tiny_model):
                      "block_size": 8, "enable_prefix_caching": False, "seed": 7, "kv_cache_memory_gb": 0.5,
                      "max_num_batched_tokens": 256, "gpu_memory_utilization": 0.5, "enforce_eager": True,
                      "long_prefill_token_threshold": 64, "scheduling_policy": "priority",
-                     "kernel_block_size": 4, "kernel_backend": "torch", "device": "cpu"}
+                     "kernel_block_size": 4, "kernel_backend": "torch", "device": "cpu",
+                     "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
     assert set(engine_values) | {"model"} == set(EngineArgs.field_names())  # the test covers them all
     cfg = AppConfig.from_flat({"model": tiny_model, "mode": "colocated", "max_replicas": 3, **engine_values})
     assert cfg.engine_args == EngineArgs(model=tiny_model, **engine_values)
@@ -248,3 +249,17 @@ def test_error_body():
     assert error_body("bad", "invalid_request_error", "n", 400) == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": 400}}
     assert error_body("oops", "server_error")["error"]["param"] is None
+
+
+def test_pd_with_tensor_parallel_is_refused_at_start_naming_the_field(tiny_model):
+    with pytest.raises(ParameterError, match="mode='pd' needs tensor_parallel_size=1") as exc:
+        AppConfig.from_flat({"model": tiny_model, "mode": "pd", "tensor_parallel_size": 2})
+    assert exc.value.field == "tensor_parallel_size"
+
+
+def test_a_tensor_parallel_replica_reserves_one_gpu_per_rank(tiny_model, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = AppConfig.from_flat({"model": tiny_model, "mode": "colocated", "tensor_parallel_size": 2})
+    assert cfg.num_gpus() == 2.0

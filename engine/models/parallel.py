@@ -1,0 +1,127 @@
+"""Tensor-parallel layers and the shard layout of one rank (Megatron-style split, our code).
+
+Column-parallel layers (fused QKV, fused gate/up) keep a slice of the output features, so each
+rank computes its own heads and its own part of the MLP with no communication; row-parallel
+layers (o_proj, down_proj) take that slice as input and all-reduce their partial sums. The
+embedding and the LM head split the vocabulary.
+
+With one rank every layer is the plain torch layer it was before: same parameter shapes,
+names and arithmetic, and no collective call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.distributed import TPGroup
+from engine.errors import ParameterError
+from engine.models.arch import ModelArch
+
+
+def check_tp_size(arch: ModelArch, tp: int) -> None:
+    """Raise ParameterError unless `arch` splits evenly over `tp` ranks."""
+    field = "tensor_parallel_size"
+    if arch.num_heads % tp:
+        raise ParameterError(field, f"{field}={tp} must divide num_attention_heads={arch.num_heads}")
+    hkv = arch.num_kv_heads
+    if hkv % tp and tp % hkv:
+        raise ParameterError(
+            field, f"{field}={tp} must divide num_key_value_heads={hkv} or be a multiple of it "
+            "(fewer kv heads than ranks are replicated)")
+    if arch.intermediate_size % tp:
+        raise ParameterError(field, f"{field}={tp} must divide intermediate_size={arch.intermediate_size}")
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What rank `rank` of `size` holds. KV heads are split when there are at least as many
+    as ranks, otherwise each is replicated on size / num_kv_heads consecutive ranks (the ranks
+    whose query heads read it)."""
+
+    arch: ModelArch
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def num_heads(self) -> int:
+        return self.arch.num_heads // self.size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return max(1, self.arch.num_kv_heads // self.size)
+
+    @property
+    def kv_head_start(self) -> int:
+        return self.rank * self.arch.num_kv_heads // self.size
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.arch.intermediate_size // self.size
+
+    @property
+    def vocab_per_rank(self) -> int:
+        """Rows of the embedding on every rank; the last rank's tail past the vocabulary is
+        padding (zero rows, logits dropped after the gather)."""
+        return -(-self.arch.vocab_size // self.size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_per_rank
+
+    @property
+    def vocab_rows(self) -> int:
+        """Real (not padding) vocabulary rows on this rank."""
+        return max(0, min(self.vocab_per_rank, self.arch.vocab_size - self.vocab_start))
+
+
+class ColumnParallelLinear(nn.Linear):
+    """y[:, local outputs] = x @ W_local^T + b_local. The caller sizes `out_features` for one
+    rank (fused QKV or gate/up: the local slice of each part, concatenated)."""
+
+
+class RowParallelLinear(nn.Linear):
+    """y = all_reduce(x_local @ W_local^T) + b: each rank holds the input-feature columns
+    that match its column-parallel producer; the bias (replicated) is added once, after the
+    sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Each rank holds rows [vocab_start, vocab_start + vocab_per_rank); a token outside them
+    embeds to zeros here and the all-reduce takes the owning rank's row."""
+
+    def __init__(self, layout: ShardLayout, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__(layout.vocab_per_rank if tp.size > 1 else layout.arch.vocab_size, hidden_size)
+        self.tp = tp
+        self.vocab_start = layout.vocab_start
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.num_embeddings)  # [T]
+        x = nn.functional.embedding(local.masked_fill(~mine, 0), self.weight)  # [T, hidden]
+        return self.tp.all_reduce(x.masked_fill(~mine.unsqueeze(-1), 0.0))
+
+
+def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
+                    tp: TPGroup) -> torch.Tensor | None:
+    """hidden [N, hidden] @ the local vocab rows -> full fp32 logits [N, vocab] on rank 0
+    (None on the others), gathered so rank 0 samples over the whole vocabulary."""
+    logits = nn.functional.linear(hidden, weight).float()  # [N, vocab / tp]
+    if tp.size == 1:
+        return logits
+    full = tp.gather_to_driver(logits)
+    return None if full is None else full[:, :vocab_size]
