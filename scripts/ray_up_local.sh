@@ -54,14 +54,14 @@ node_procs() {
     ns=$(ns_of "${SSHD_PID[$1]}") || return 0
     for pid in $(ls /proc | grep -E '^[0-9]+$'); do
         [ "$(ns_of "$pid")" = "$ns" ] || continue
-        case "$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null)" in
+        case "$(tr '\0' ' ' 2>/dev/null < "/proc/$pid/cmdline")" in
             ""|*sshd*|unshare*|*"$WORK/node-init"*) ;;
             *) echo "$pid" ;;
         esac
     done
 }
 count_titles() { local n=0 pid; for pid in $(node_procs "$1"); do
-    tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -q "$2" && n=$((n + 1)); done; echo $n; }
+    tr '\0' ' ' 2>/dev/null < "/proc/$pid/cmdline" | grep -q "$2" && n=$((n + 1)); done; echo $n; }
 
 cleanup() {
     local node pid
@@ -115,6 +115,7 @@ for node in head worker; do
     ip=$HEAD_IP; [ $node = worker ] && ip=$WORKER_IP
     setsid unshare --pid --fork --kill-child --mount-proc --mount "$WORK/node-init" "$ip" >"$WORK/sshd-$node.log" 2>&1 &
     INIT_PID[$node]=$!
+    disown  # its end (killed at clean-up) is expected: no job-control report
 done
 for node in head worker; do
     ip=$HEAD_IP; [ $node = worker ] && ip=$WORKER_IP
@@ -156,6 +157,7 @@ head_start_ray_commands:
   - $STARTENV RAY_DASHBOARD_ADDRESS=http://$HEAD_IP:$DASH_PORT PATH=~/pdserve-venv/bin:\$PATH; bash ~/pdserve/manifests/deploy_serve.sh ~/serve.yaml
 worker_start_ray_commands:
   - $STARTENV; ulimit -n 65536; ~/pdserve-venv/bin/ray start --address=$HEAD_IP:$GCS_PORT --node-ip-address=$WORKER_IP --num-cpus=3
+  - setsid nohup bash -c 'while pgrep -f "[r]aylet/raylet" >/dev/null; do sleep 5; done; ~/pdserve-venv/bin/ray stop --force' >/dev/null 2>&1 &
 EOF
 say "ray up (log $WORK/ray-up.log) ..."
 export RAY_UP_enable_autoscaler_v2=0
@@ -200,8 +202,9 @@ say "8 concurrent chats after scale: $ok answered"
 timeout 300 "$VENV/bin/ray" down -y "$WORK/cluster.yaml" >"$WORK/ray-down.log" 2>&1 || fail "ray down exited non-zero"
 DOWN_DONE=1
 down_t=$(date +%s)
-for _ in $(seq 300); do [ -z "$(node_procs head)$(node_procs worker)" ] && break; sleep 0.1; done
-left=$(for n in head worker; do for pid in $(node_procs $n); do echo "$n: $(tr '\0' ' ' < /proc/$pid/cmdline | cut -c1-80)"; done; done)
+deadline=$((SECONDS + 30))
+while [ $SECONDS -lt $deadline ] && [ -n "$(node_procs head)$(node_procs worker)" ]; do sleep 0.5; done
+left=$(for n in head worker; do for pid in $(node_procs $n); do echo "$n: $(tr '\0' ' ' 2>/dev/null < /proc/$pid/cmdline | cut -c1-80)"; done; done)
 [ -z "$left" ] || fail "still running $(($(date +%s) - down_t)) s after ray down: $left"
 say "ray down: every process of both nodes gone after $(($(date +%s) - down_t)) s"
 RESULT=pass
