@@ -106,6 +106,9 @@ class EngineCore:
         self._wakeup = None
         self.scheduler = Scheduler(sc, cc, self.kv_cache_manager, self.max_model_len, self.connector,
                                    self.structured_output_manager)
+        # Last, so that the build does not compete with the profile run above (vLLM also
+        # builds its grammar backend's tokenizer data at start-up).
+        self.structured_output_backend_built = self.structured_output_manager.prebuild()
         tokens = num_blocks * cc.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens; max concurrency %.2fx at %d tokens/request",
@@ -135,7 +138,7 @@ class EngineCore:
         return n
 
     def _structured_output_backend(self):
-        """Built on the first structured request, on a compile thread (see the manager)."""
+        """Built on a compile thread when the engine starts (see the manager's prebuild)."""
         tokenizer = load_tokenizer(self.config.model.model)
         eos = eos_token_ids(self.config.model.model, tokenizer)
         return BACKENDS[DEFAULT_BACKEND](tokenizer, self.arch.vocab_size, eos)

@@ -98,6 +98,24 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def check_stop(self, max_model_len: int) -> bool:
+        """Whether the token just appended ends the request (EOS, a stop token, a length
+        cap); sets the finished status. Stop strings are the output processor's business."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in params._eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
     def sort_key(self) -> tuple[int, float]:
         """Lower sorts first; the largest key is the first to be preempted."""
         return (self.priority, self.arrival_time)

@@ -18,42 +18,35 @@ from engine.request_queue import make_queue
 from engine.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
-    KVConnectorOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from engine.sched_remote_kv import RemoteKVTracker
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(
-        self,
-        scheduler_config: SchedulerConfig,
-        cache_config: CacheConfig,
-        kv_cache_manager: KVCacheManager,
-        max_model_len: int,
-        connector=None,
-        structured_output_manager=None,
-    ) -> None:
+    """Owns the queues and decides each step; the KV connector's bookkeeping lives in
+    engine.sched_remote_kv, the per-token stop check in Request.check_stop."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 kv_cache_manager: KVCacheManager, max_model_len: int, connector=None,
+                 structured_output_manager=None) -> None:
         if scheduler_config.max_num_batched_tokens is None:
             raise ValueError("max_num_batched_tokens must be resolved (resolved_token_budget) first")
         self.config = scheduler_config
         self.cache_config = cache_config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
-        # Optional KV connector, its scheduler side (engine.kv_connector.KVConnectorBase).
-        self.connector = connector
-        # Finished requests whose blocks the connector holds until their KV is exported.
-        self.sending: set[str] = set()
         self.requests: dict[str, Request] = {}
+        # The optional KV connector's scheduler side (engine.kv_connector) and its bookkeeping.
+        self.remote_kv = None if connector is None else RemoteKVTracker(connector, kv_cache_manager, self.requests)
         self.waiting = make_queue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
         # Finished since the last schedule(); the runner drops their state.
         self.finished_req_ids: set[str] = set()
-        # Requests whose remote KV load has completed (reported by the worker side).
-        self.finished_recving_kv_req_ids: set[str] = set()
         self.num_preemptions = 0  # cumulative, for metrics
         self.structured_output_manager = structured_output_manager  # fills the grammar bitmask
         self._pending_outputs: list[EngineCoreOutput] = []  # grammar compile failures, to report
@@ -81,16 +74,14 @@ class Scheduler:
             request.status = status
             self._free_request(request)
 
+    @property
+    def connector(self):
+        return None if self.remote_kv is None else self.remote_kv.connector
+
     def _free_request(self, request: Request) -> KVTransferParams | None:
         kv_params = None
-        delay_free = False
-        if self.connector is not None:
-            delay_free, kv_params = self.connector.request_finished(
-                request, self.kv_cache_manager.get_block_ids(request.request_id)
-            )
-        if delay_free:
-            # NOTE: freed when the worker side reports the export in finished_sending.
-            self.sending.add(request.request_id)
+        if self.remote_kv is not None:
+            kv_params = self.remote_kv.release(request)  # may hold the blocks for an export
         else:
             self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
@@ -154,17 +145,15 @@ class Scheduler:
             if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request, skipped):
                 continue
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if not self._finish_remote_kv_load(request):
+                if not self.remote_kv.load_finished(request):
                     skipped.append(self.waiting.pop())
                     continue
             load_async = False
             num_external = 0
             if request.num_computed_tokens == 0:
                 hit_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
-                if self.connector is not None:
-                    num_external, load_async = self.connector.get_num_new_matched_tokens(
-                        request, num_local
-                    )
+                if self.remote_kv is not None:
+                    num_external, load_async = self.remote_kv.num_external_tokens(request, num_local)
             else:
                 hit_blocks, num_local = KVCacheBlocks(), 0
             num_computed = request.num_computed_tokens + num_local + num_external
@@ -176,19 +165,12 @@ class Scheduler:
                     n = min(n, threshold)
                 n = min(n, budget)
             blocks = self.kv_cache_manager.allocate_slots(
-                request,
-                n,
-                num_new_computed_tokens=num_local,
-                new_computed_blocks=hit_blocks,
-                num_external_computed_tokens=num_external,
-                delay_cache_blocks=load_async,
-            )
+                request, n, num_new_computed_tokens=num_local, new_computed_blocks=hit_blocks,
+                num_external_computed_tokens=num_external, delay_cache_blocks=load_async)
             if blocks is None:
                 break  # admission control: do not preempt running work for a newcomer
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(
-                    request, self.kv_cache_manager.get_block_ids(request.request_id), num_external
-                )
+            if self.remote_kv is not None:
+                self.remote_kv.allocated(request, num_external)
             self.waiting.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_local + num_external
@@ -246,8 +228,8 @@ class Scheduler:
         if self.structured_output_manager is not None:
             out.structured_output_request_ids, out.grammar_bitmask = (
                 self.structured_output_manager.grammar_bitmask(new_reqs + running_reqs, num_scheduled))
-        if self.connector is not None:
-            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        if self.remote_kv is not None:
+            out.kv_connector_metadata = self.remote_kv.connector.build_connector_meta(out)
         return out
 
     def _grammar_ready(self, request: Request, skipped: list[Request]) -> bool:
@@ -281,23 +263,12 @@ class Scheduler:
         self.waiting.prepend(request)
         logger.debug("preempted %s (%d preemptions)", request.request_id, request.num_preemptions)
 
-    def _finish_remote_kv_load(self, request: Request) -> bool:
-        """A request waiting for remote KV becomes schedulable once its load completed."""
-        if request.request_id not in self.finished_recving_kv_req_ids:
-            return False
-        self.finished_recving_kv_req_ids.discard(request.request_id)
-        # The loaded blocks now hold valid KV: register them for prefix caching.
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        request.status = RequestStatus.WAITING
-        return True
-
     # ---- update -------------------------------------------------------------------------
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         if runner_output.kv_connector_output is not None:
-            outputs += self._update_from_kv_transfers(runner_output.kv_connector_output)
+            outputs += self.remote_kv.apply(runner_output.kv_connector_output, self._fail_request)
         for idx, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -309,7 +280,7 @@ class Scheduler:
             for token in new_ids:
                 request.append_output_token(token)
                 kept.append(token)
-                if self._check_stop(request):
+                if request.check_stop(self.max_model_len):
                     break
             so_request = request.structured_output_request
             if so_request is not None and not request.is_finished and not so_request.grammar.accept_tokens(kept):
@@ -338,54 +309,8 @@ class Scheduler:
             )
         return outputs
 
-    def _check_stop(self, request: Request) -> bool:
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last in params._eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return True
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
-
-    def _update_from_kv_transfers(self, kv_output: KVConnectorOutput) -> list[EngineCoreOutput]:
-        """Free the blocks of exported requests, make loaded ones schedulable, and fail (or
-        recompute) the ones whose load failed. Returns the error outputs to emit."""
-        for request_id in kv_output.finished_sending:
-            if request_id in self.sending:
-                self.sending.discard(request_id)
-                self.kv_cache_manager.free_by_id(request_id)
-        self.finished_recving_kv_req_ids |= kv_output.finished_recving
-        recompute = self.connector.kv_load_failure_policy == "recompute"
-        errors = []
-        for request_id, reason in kv_output.failed_recving.items():
-            if self._fail_remote_kv_load(request_id, recompute):
-                errors.append(EngineCoreOutput(request_id, [], finish_reason="error", stop_reason=reason))
-        self.connector.update_connector_output(kv_output)
-        return errors
-
-    def _fail_remote_kv_load(self, request_id: str, recompute: bool) -> bool:
-        """A request's external KV could not be loaded. With `recompute` it forgets the
-        remote KV and will compute its whole prompt here; otherwise it finishes with an
-        error. Returns whether the request was finished."""
-        request = self.requests.get(request_id)
-        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return False
-        if not recompute:
-            self.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
-            return True
-        # NOTE: the connector remembers the failed load and matches no external tokens for
-        # this request again; its params stay (they still say what its prompt continues).
-        self.kv_cache_manager.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        return False
+    def _fail_request(self, request_id: str) -> None:
+        self.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
 
     # ---- introspection ------------------------------------------------------------------
     def get_num_unfinished_requests(self) -> int:
@@ -397,4 +322,5 @@ class Scheduler:
     def has_work(self) -> bool:
         """Whether a step is needed: requests to run, finished ones the workers (and their
         KV connector) have not heard of yet, or blocks held for an export in progress."""
-        return self.has_unfinished_requests() or bool(self.finished_req_ids) or bool(self.sending)
+        return self.has_unfinished_requests() or bool(self.finished_req_ids) or (
+            self.remote_kv is not None and bool(self.remote_kv.sending))

@@ -1,5 +1,6 @@
 """The default real model over HTTP: SmolLM2-135M-Instruct (GGUF) under its served name,
-answering a chat question with a known fact. Colocated, the cheaper mode on two cores (P/D
+answering a chat question with a known fact, and a `response_format` JSON schema with JSON that
+validates. Colocated, the cheaper mode on two cores (P/D
 with the same engine is covered with the tiny models in test_serve_pd)."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.cluster.helpers import ENGINE, assert_no_leaks
+from tests.engine.so_oracles import COUNTRY_SCHEMA, FRANCE_QUESTION, assert_valid_json
 
 APP = "smoltest"
 NAME = "SmolLM2-135M-Instruct"
@@ -35,4 +37,17 @@ def test_chat_over_http_answers_the_capital_of_france(app):
         max_tokens=24, temperature=0)
     assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"  # the model ended its answer (EOS), not the limit
+    assert_no_leaks(app, APP, {"colocated"})
+
+
+def test_chat_response_format_json_schema_validates(app):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
+    rf = {"type": "json_schema", "json_schema": {"name": "country", "schema": COUNTRY_SCHEMA, "strict": True}}
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": FRANCE_QUESTION}],
+                                       max_tokens=64, temperature=0, response_format=rf)
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop", text
+    assert_valid_json(text, COUNTRY_SCHEMA)
     assert_no_leaks(app, APP, {"colocated"})

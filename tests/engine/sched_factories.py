@@ -44,6 +44,7 @@ def create_scheduler(
     policy: str = "fcfs",
     max_model_len: int = 4096,
     enable_prefix_caching: bool = False,
+    connector=None,
 ) -> Scheduler:
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -53,7 +54,7 @@ def create_scheduler(
     )
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-    return Scheduler(scheduler_config, cache_config, kv_cache_manager, max_model_len)
+    return Scheduler(scheduler_config, cache_config, kv_cache_manager, max_model_len, connector)
 
 
 def create_request(

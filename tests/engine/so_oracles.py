@@ -32,3 +32,19 @@ def assert_valid_json(text: str, schema: dict) -> None:
 
 def assert_fullmatch(text: str, pattern: str) -> None:
     assert re.fullmatch(pattern, text), f"{text!r} does not match {pattern!r}"
+
+# The real default model (SmolLM2-135M) asked about France. Its greedy numbers run on ("1111…",
+# "314.7888…") until max_tokens when asked plainly, and the grammar allows any number of digits,
+# so the question shows one example object: the model copies its shape and stops.
+COUNTRY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "capital": {"type": "string", "maxLength": 20},
+        "population_millions": {"type": "number"},
+    },
+    "required": ["name", "capital", "population_millions"],
+    "additionalProperties": False,
+}
+FRANCE_QUESTION = ('Answer with JSON like {"name": "Spain", "capital": "Madrid", "population_millions": 48.6}. '
+                   "What about France?")

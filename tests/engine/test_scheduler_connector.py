@@ -49,9 +49,7 @@ class FakeConnector(KVConnectorBase):
 
 
 def _scheduler(connector, **kw):
-    scheduler = create_scheduler(block_size=4, **kw)
-    scheduler.connector = connector
-    return scheduler
+    return create_scheduler(block_size=4, connector=connector, **kw)
 
 
 def test_remote_kv_request_waits_with_blocks_allocated_and_nothing_scheduled():
