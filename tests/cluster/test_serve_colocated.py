@@ -126,6 +126,15 @@ def test_stream_runs_to_completion_after_others_leave(app):
     assert all("usage" in e for e in events[1:-1])  # continuous usage stats on every content chunk
 
 
+def test_structured_outputs_colocated_valid_and_equal_to_offline(app, tiny_model):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
+    structured_checks.check_every_spelling_constrains_sampled_completions(client, NAME)
+    structured_checks.check_equals_offline(client, NAME, tiny_model, ENGINE)
+    assert_no_leaks(app, APP, {"colocated"})
+
+
 def test_deleting_the_app_lets_in_flight_requests_finish(app):
     """Graceful shutdown: a stream in flight when the app is deleted still runs to its end.
     (Last in this module: it removes the app.)"""
@@ -145,12 +154,3 @@ def test_deleting_the_app_lets_in_flight_requests_finish(app):
     assert not deleter.is_alive()
     assert events[-1] == b"data: [DONE]"
     assert b'"completion_tokens":480' in events[-2]
-
-
-def test_structured_outputs_colocated_valid_and_equal_to_offline(app, tiny_model):
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
-    structured_checks.check_every_spelling_constrains_sampled_completions(client, NAME)
-    structured_checks.check_equals_offline(client, NAME, tiny_model, ENGINE)
-    assert_no_leaks(app, APP, {"colocated"})
