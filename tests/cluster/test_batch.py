@@ -4,6 +4,8 @@ order, with its other columns kept."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -95,7 +97,10 @@ def test_missing_prompt_column_is_a_clear_error(tiny_model):
 
     predictor = EnginePredictor(EngineArgs(model=tiny_model, **ENGINE), "prompt")
     with pytest.raises(ValueError, match="no 'prompt' column"):
-        predictor(pa.table({"text": ["x"]}))
+        asyncio.run(predictor(pa.table({"text": ["x"]})))
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        predictor.generate_batch(pa.table({"text": ["x"]}))
+    predictor.feeder.close(timeout=30)
 
 
 def test_actor_resources_fit_the_cluster_or_are_refused_with_the_numbers():
