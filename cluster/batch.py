@@ -167,14 +167,23 @@ def fit_actors(concurrency: int, num_cpus: float | None, num_gpus: float, cluste
     return num_cpus
 
 
+# Ray runs its workers at niceness +15 so its own daemons stay responsive; for a batch job the
+# engine actor *is* the work, and at +15 it gets a fraction of a shared machine's CPU that the
+# same engine run directly (`LLM.generate`) would get. `pdserve batch` starts its own local Ray
+# with workers at the caller's niceness (a variable the raylet reads; joining a running
+# cluster, it changes nothing).
+LOCAL_RAY_ENV = {"RAY_worker_niceness": "0"}
+
+
 def build_pipeline(ds, engine_args: EngineArgs, *, prompt_column: str = "prompt", concurrency: int = 1,
                    batch_size: int = 256, sampling: SamplingParams | None = None,
                    num_cpus: float | None = None, num_gpus: float | None = None,
-                   torch_threads: int | None = None):
+                   torch_threads: int | None = None, predictor: type = EnginePredictor):
     """`ds.map_batches` with one engine per actor. `sampling` holds the job's defaults (rows
     may override them). Resources per actor default to one GPU when this machine has CUDA,
     else a share of the CPUs (`fit_actors`); a CPU actor's torch threads default to its CPU
-    reservation (at least one)."""
+    reservation (at least one). `predictor` may be a subclass of EnginePredictor (the bench
+    times the engine's start-up with one)."""
     check_int("concurrency", concurrency)
     check_int("batch_size", batch_size)
     from ray.data import ActorPoolStrategy
@@ -189,7 +198,7 @@ def build_pipeline(ds, engine_args: EngineArgs, *, prompt_column: str = "prompt"
     if torch_threads is None and not num_gpus:
         torch_threads = max(1, int(num_cpus))  # a CPU engine computes on the CPUs it reserved
     return ds.map_batches(
-        EnginePredictor,
+        predictor,
         fn_constructor_kwargs={"engine_args": engine_args, "prompt_column": prompt_column,
                                "sampling": sampling, "torch_threads": torch_threads},
         batch_format="pyarrow", batch_size=batch_size,

@@ -33,6 +33,7 @@ class EngineFeeder:
         self._running: dict[str, Future] = {}  # feeder thread only
         self._error: BaseException | None = None
         self._closed = False
+        self.peak_in_flight = 0  # most rows in the engine at once (how full it was kept)
         self._thread = threading.Thread(target=self._loop, name=f"{name}-engine-feeder", daemon=True)
         self._thread.start()
 
@@ -81,6 +82,7 @@ class EngineFeeder:
                         future.set_exception(e)
                         continue
                     self._running[rid] = future
+                self.peak_in_flight = max(self.peak_in_flight, len(self._running))
                 for out in self.engine.step():
                     if out.finished and out.request_id in self._running:
                         self._running.pop(out.request_id).set_result(out)
