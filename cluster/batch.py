@@ -1,12 +1,14 @@
 """Batch inference over Ray Datasets (ARCHITECTURE §3 "Batch").
 
 `EnginePredictor` is the callable class for `Dataset.map_batches`: one offline engine per
-actor (`concurrency=N` actors), each batch generated together so the engine's continuous
-batching fills its steps. Every input row comes out exactly once with its columns kept, plus
-`generated_text`, `generated_token_ids`, `num_prompt_tokens`, `num_generated_tokens`,
-`finish_reason` and `error`: a row whose prompt or parameters are invalid gets the message in
-`error` (and empty outputs) while the rest of the job goes on. Optional per-row columns named
-like SamplingParams fields (`max_tokens`, `temperature`, ...) override the job's defaults.
+actor (`concurrency=N` actors), fed from several batches at once (async `__call__`, rows handed
+to `cluster.batch_feeder.EngineFeeder`) so the engine's continuous batching stays full across
+batch boundaries, as the offline engine's does over all rows. Every input row comes out exactly
+once with its columns kept, plus `generated_text`, `generated_token_ids`, `num_prompt_tokens`,
+`num_generated_tokens`, `finish_reason` and `error`: a row whose prompt or parameters are
+invalid gets the message in `error` (and empty outputs) while the rest of the job goes on.
+Optional per-row columns named like SamplingParams fields (`max_tokens`, `temperature`, ...)
+override the job's defaults.
 
 `run_batch` builds the whole pipeline: Parquet in (file or directory) -> map_batches -> Parquet
 out (a `.parquet` path is one file, anything else a directory), in input order.
@@ -44,10 +46,16 @@ def row_params(defaults: SamplingParams, row: dict) -> SamplingParams:
 
 
 class EnginePredictor:
-    """`map_batches` callable class (batch_format="pyarrow"): one engine per actor."""
+    """`map_batches` callable class (batch_format="pyarrow"): one engine per actor.
+
+    `__call__` is async: Ray Data keeps several batches of a block in flight on the actor (and
+    the next block's call starts before the last one ends); their rows all go to the one engine
+    (`EngineFeeder`), so it keeps a full running batch instead of draining at every batch's end.
+    `generate_batch` is the same for a caller without an event loop."""
 
     def __init__(self, engine_args: EngineArgs, prompt_column: str = "prompt",
                  sampling: SamplingParams | None = None, torch_threads: int | None = None) -> None:
+        from cluster.batch_feeder import EngineFeeder
         from engine import LLM
 
         if torch_threads:
@@ -57,20 +65,14 @@ class EnginePredictor:
 
             torch.set_num_threads(torch_threads)
         self.llm = LLM.from_engine_args(engine_args)
-        self.processor = self.llm.engine.processor
+        self.feeder = EngineFeeder(self.llm.engine)
         self.prompt_column = prompt_column
         self.defaults = sampling or SamplingParams()
 
-    def _check(self, prompt, params: SamplingParams) -> str | None:
-        if not isinstance(prompt, str) and not isinstance(prompt, list):
-            return f"{self.prompt_column} must be a string or a list of token ids, got {type(prompt).__name__}"
-        try:
-            self.processor.process(prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}, params)
-        except ValueError as e:
-            return str(e)
-        return None
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def _prepare(self, batch: pa.Table):
+        """(outputs to fill, row indexes sent, their futures): rows that fail here (bad type,
+        bad parameters) get their error now; the engine's input processing (tokenizing,
+        length checks) reports the rest through the futures, once per row."""
         if self.prompt_column not in batch.column_names:
             raise ValueError(f"input has no {self.prompt_column!r} column (columns: {batch.column_names})")
         rows = batch.to_pylist()
@@ -78,26 +80,36 @@ class EnginePredictor:
         todo, prompts, params = [], [], []
         for i, row in enumerate(rows):
             prompt = row[self.prompt_column]
+            if not isinstance(prompt, (str, list)):
+                out["error"][i] = (f"{self.prompt_column} must be a string or a list of token ids, "
+                                   f"got {type(prompt).__name__}")
+                continue
             try:
                 p = row_params(self.defaults, row)
             except (ValueError, TypeError) as e:
                 out["error"][i] = str(e)
                 continue
-            error = self._check(prompt, p)
-            if error is not None:
-                out["error"][i] = error
-                continue
             todo.append(i)
             prompts.append(prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt})
             params.append(p)
-        if prompts:
-            for i, res in zip(todo, self.llm.generate(prompts, params, use_tqdm=False)):
-                c = res.outputs[0]
-                out["generated_text"][i] = c.text
-                out["generated_token_ids"][i] = list(c.token_ids)
-                out["num_prompt_tokens"][i] = len(res.prompt_token_ids)
-                out["num_generated_tokens"][i] = len(c.token_ids)
-                out["finish_reason"][i] = c.finish_reason
+        return out, todo, self.feeder.submit(prompts, params) if prompts else []
+
+    @staticmethod
+    def _fill(out: dict, i: int, future) -> None:
+        try:
+            res = future.result()
+        except ValueError as e:  # the row's prompt or parameters (ParameterError included)
+            out["error"][i] = str(e)
+            return
+        c = res.outputs[0]
+        out["generated_text"][i] = c.text
+        out["generated_token_ids"][i] = list(c.token_ids)
+        out["num_prompt_tokens"][i] = len(res.prompt_token_ids)
+        out["num_generated_tokens"][i] = len(c.token_ids)
+        out["finish_reason"][i] = c.finish_reason
+
+    @staticmethod
+    def _table(batch: pa.Table, out: dict) -> pa.Table:
         for name in OUTPUT_COLUMNS:
             column = pa.array(out[name], type=_OUTPUT_SCHEMA[name])
             if name in batch.column_names:  # re-running over an earlier output replaces it
@@ -105,6 +117,23 @@ class EnginePredictor:
             else:
                 batch = batch.append_column(name, column)
         return batch
+
+    async def __call__(self, batch: pa.Table) -> pa.Table:
+        import asyncio
+
+        out, todo, futures = self._prepare(batch)
+        if futures:
+            await asyncio.wait([asyncio.wrap_future(f) for f in futures])
+        for i, future in zip(todo, futures):
+            self._fill(out, i, future)
+        return self._table(batch, out)
+
+    def generate_batch(self, batch: pa.Table) -> pa.Table:
+        """`__call__` without an event loop (blocks until the batch is done)."""
+        out, todo, futures = self._prepare(batch)
+        for i, future in zip(todo, futures):
+            self._fill(out, i, future)
+        return self._table(batch, out)
 
 
 # CPUs left to Ray Data's read and write tasks (one task takes one CPU): with none left, the
@@ -138,13 +167,23 @@ def fit_actors(concurrency: int, num_cpus: float | None, num_gpus: float, cluste
     return num_cpus
 
 
+# Ray runs its workers at niceness +15 so its own daemons stay responsive; for a batch job the
+# engine actor *is* the work, and at +15 it gets a fraction of a shared machine's CPU that the
+# same engine run directly (`LLM.generate`) would get. `pdserve batch` starts its own local Ray
+# with workers at the caller's niceness (a variable the raylet reads; joining a running
+# cluster, it changes nothing).
+LOCAL_RAY_ENV = {"RAY_worker_niceness": "0"}
+
+
 def build_pipeline(ds, engine_args: EngineArgs, *, prompt_column: str = "prompt", concurrency: int = 1,
                    batch_size: int = 256, sampling: SamplingParams | None = None,
                    num_cpus: float | None = None, num_gpus: float | None = None,
-                   torch_threads: int | None = None):
+                   torch_threads: int | None = None, predictor: type = EnginePredictor):
     """`ds.map_batches` with one engine per actor. `sampling` holds the job's defaults (rows
     may override them). Resources per actor default to one GPU when this machine has CUDA,
-    else a share of the CPUs (`fit_actors`)."""
+    else a share of the CPUs (`fit_actors`); a CPU actor's torch threads default to its CPU
+    reservation (at least one). `predictor` may be a subclass of EnginePredictor (the bench
+    times the engine's start-up with one)."""
     check_int("concurrency", concurrency)
     check_int("batch_size", batch_size)
     from ray.data import ActorPoolStrategy
@@ -156,11 +195,16 @@ def build_pipeline(ds, engine_args: EngineArgs, *, prompt_column: str = "prompt"
     import ray
 
     num_cpus = fit_actors(concurrency, num_cpus, num_gpus, ray.cluster_resources())
+    if torch_threads is None and not num_gpus:
+        torch_threads = max(1, int(num_cpus))  # a CPU engine computes on the CPUs it reserved
     return ds.map_batches(
-        EnginePredictor,
+        predictor,
         fn_constructor_kwargs={"engine_args": engine_args, "prompt_column": prompt_column,
                                "sampling": sampling, "torch_threads": torch_threads},
-        batch_format="pyarrow", batch_size=batch_size, compute=ActorPoolStrategy(size=concurrency),
+        batch_format="pyarrow", batch_size=batch_size,
+        # Two calls (blocks) at once per actor, each with up to Ray Data's async batch
+        # concurrency in flight: the next block's rows reach the engine before the last drains.
+        compute=ActorPoolStrategy(size=concurrency, max_concurrent_calls_per_actor=2),
         num_cpus=num_cpus, num_gpus=num_gpus,
     )
 

@@ -37,8 +37,13 @@ def run_batch_cli(args: argparse.Namespace) -> int:
     engine_args.create_engine_config()
     started = not ray.is_initialized()  # a caller's Ray (tests, notebooks) is used as is
     if started:
+        import os
+
+        from cluster.batch import LOCAL_RAY_ENV
         from cluster.ray_connect import connect
 
+        for k, v in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(k, v)
         connect(log_to_driver=False)  # bounded; RAY_ADDRESS, token auth, dead recorded clusters
     try:
         start = time.perf_counter()

@@ -4,10 +4,13 @@ order, with its other columns kept."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from cluster.batch import EnginePredictor
 from engine import LLM, EngineArgs, SamplingParams
 
 ENGINE = {"max_model_len": 128, "num_kv_blocks": 96}
@@ -91,11 +94,12 @@ def test_bad_flags_exit_2_before_ray(tiny_model, tmp_path, capsys, argv, needle)
 
 
 def test_missing_prompt_column_is_a_clear_error(tiny_model):
-    from cluster.batch import EnginePredictor
-
     predictor = EnginePredictor(EngineArgs(model=tiny_model, **ENGINE), "prompt")
     with pytest.raises(ValueError, match="no 'prompt' column"):
-        predictor(pa.table({"text": ["x"]}))
+        asyncio.run(predictor(pa.table({"text": ["x"]})))
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        predictor.generate_batch(pa.table({"text": ["x"]}))
+    predictor.feeder.close(timeout=30)
 
 
 def test_actor_resources_fit_the_cluster_or_are_refused_with_the_numbers():
@@ -123,3 +127,36 @@ def test_a_job_that_cannot_fit_is_refused_at_once_not_left_waiting(ray_local, ti
                "--concurrency", "2", "--cpus-per-actor", "1", "--max-model-len", "128"])
     assert rc == 2
     assert "concurrency 2 x 1 CPU per actor" in capsys.readouterr().err
+
+
+class PeakPredictor(EnginePredictor):
+    """EnginePredictor that adds, per row, the most rows its engine has held at once so far."""
+
+    async def __call__(self, batch):
+        out = await super().__call__(batch)
+        return out.append_column("peak", pa.array([self.feeder.peak_in_flight] * out.num_rows, pa.int64()))
+
+
+@pytest.mark.timeout(420)
+def test_one_actor_keeps_rows_of_several_batches_in_its_engine(ray_local, tiny_model, tmp_path):
+    """One block, batches of 10: the engine holds rows of several batches at once (not one
+    batch, drained, then the next); outputs are still exactly the offline engine's, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster.batch import run_batch
+
+    prompts = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + i % 9)) for i in range(60)]
+    pq.write_table(pa.table({"id": list(range(60)), "prompt": prompts}), tmp_path / "in.parquet")
+    sampling = SamplingParams(max_tokens=12, temperature=0.0)
+    with ThreadPoolExecutor(1) as pool:  # bounded: a job that hangs fails here
+        n = pool.submit(run_batch, str(tmp_path / "in.parquet"), str(tmp_path / "out.parquet"),
+                        EngineArgs(model=tiny_model, **ENGINE), concurrency=1, batch_size=10, sampling=sampling,
+                        num_cpus=0.25, predictor=PeakPredictor).result(timeout=360)
+    result = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert n == 60 and [r["id"] for r in result] == list(range(60))
+    assert max(r["peak"] for r in result) > 10
+    ref = LLM(tiny_model, **ENGINE).generate(prompts, sampling, use_tqdm=False)
+    for r, o in zip(result, ref):
+        assert r["error"] is None
+        assert r["generated_token_ids"] == list(o.outputs[0].token_ids)
+        assert r["generated_text"] == o.outputs[0].text

@@ -1,0 +1,101 @@
+"""EngineFeeder (the batch actor's engine, fed from several batches at once): rows handed over
+by concurrent callers come back exactly as the offline engine generates them (greedy), in each
+caller's order; rows of several callers share the engine; a bad row fails alone; an engine
+that fails fails every waiting row and every later call, within a bound (nothing hangs)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+ENGINE = {"max_model_len": 128, "num_kv_blocks": 96}
+WORDS = "river engineer village quietly measures before once upon time small sea help there".split()
+WAIT_S = 120
+
+
+def _prompts(n: int) -> list[str]:
+    return [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + (i * 5) % 9)) for i in range(n)]
+
+
+@pytest.mark.timeout(300)
+def test_concurrent_callers_get_the_offline_engines_outputs_in_order(tiny_model):
+    from cluster.batch_feeder import EngineFeeder
+
+    prompts = _prompts(48)
+    params = [SamplingParams(max_tokens=16 + i % 7, temperature=0.0) for i in range(48)]
+    ref = LLM(tiny_model, **ENGINE).generate(prompts, params, use_tqdm=False)
+
+    feeder = EngineFeeder(LLM(tiny_model, **ENGINE).engine)
+    slices = [range(k, k + 12) for k in range(0, 48, 12)]
+    # Every caller's rows are handed over before any is awaited, as Ray Data's async batches are.
+    futures = [feeder.submit([prompts[i] for i in s], [params[i] for i in s]) for s in slices]
+    results: dict[int, list] = {}
+
+    def wait(k: int) -> None:
+        results[k] = [f.result(timeout=WAIT_S) for f in futures[k]]
+
+    threads = [threading.Thread(target=wait, args=(k,)) for k in range(len(slices))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert sorted(results) == [0, 1, 2, 3]
+    got = [out for k in range(4) for out in results[k]]
+    for o, r in zip(got, ref):
+        assert o.prompt_token_ids == r.prompt_token_ids  # row order kept
+        assert list(o.outputs[0].token_ids) == list(r.outputs[0].token_ids)
+        assert o.outputs[0].text == r.outputs[0].text
+        assert o.outputs[0].finish_reason == r.outputs[0].finish_reason
+    assert feeder.peak_in_flight > 12  # rows of several callers were in the engine at once
+    feeder.close(timeout=WAIT_S)
+    assert not feeder._thread.is_alive()
+
+
+@pytest.mark.timeout(300)
+def test_a_bad_row_fails_alone(tiny_model):
+    from cluster.batch_feeder import EngineFeeder
+
+    feeder = EngineFeeder(LLM(tiny_model, **ENGINE).engine)
+    good, bad, long = feeder.submit(["once upon", "", "word " * 400], [SamplingParams(max_tokens=4)] * 3)
+    assert good.result(timeout=WAIT_S).outputs[0].finish_reason in ("length", "stop")
+    with pytest.raises(ValueError, match="prompt"):
+        bad.result(timeout=WAIT_S)
+    with pytest.raises(ValueError, match="max_model_len"):
+        long.result(timeout=WAIT_S)
+    assert len(feeder.generate(["small sea"], [SamplingParams(max_tokens=3, ignore_eos=True)])[0]
+               .outputs[0].token_ids) == 3
+    feeder.close(timeout=WAIT_S)
+
+
+class _FailingEngine:
+    """Accepts requests; its third step raises."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def add_request(self, request_id, prompt, params):
+        return request_id
+
+    def step(self):
+        self.steps += 1
+        if self.steps == 3:
+            raise RuntimeError("device lost")
+        return []
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_engine_fails_every_waiting_row_and_later_calls():
+    from cluster.batch_feeder import EngineFeeder
+
+    feeder = EngineFeeder(_FailingEngine())
+    futures = feeder.submit(["a", "b", "c"], [None] * 3)
+    for f in futures:
+        with pytest.raises(RuntimeError, match="device lost"):
+            f.result(timeout=30)
+    with pytest.raises(RuntimeError, match="device lost"):
+        feeder.submit(["d"], [None])
+    feeder.close(timeout=30)
+    assert not feeder._thread.is_alive()
