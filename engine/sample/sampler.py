@@ -52,12 +52,12 @@ class Sampler:
         # Logprobs describe the model's own distribution: taken before any processing (the
         # grammar mask included, as vLLM's default logprobs_mode="raw_logprobs").
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max_lp is not None else None
+        if meta.grammar_bitmask is not None or meta.banned_tokens:
+            logits = logits.clone()  # masked in place below; the caller's logits stay as they were
         if meta.grammar_bitmask is not None:
             # First: temperature, top-k/top-p and min-p then only see tokens the grammar allows.
-            logits = logits.clone()  # the caller's logits stay as they were
             kernels.apply_token_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
         if meta.banned_tokens:
-            logits = logits.clone()
             for row, token_ids in meta.banned_tokens:
                 logits[row, token_ids] = _NEG_INF
         greedy = logits.argmax(dim=-1)

@@ -31,10 +31,6 @@ class StructuredOutputGrammar(ABC):
         """Write the allowed next tokens into row `index` of `bitmask` [rows, words] int32."""
 
     @abstractmethod
-    def is_terminated(self) -> bool:
-        """The grammar is complete: only EOS may follow."""
-
-    @abstractmethod
     def copy(self) -> StructuredOutputGrammar:
         """An independent matcher in the same state (a compiled template -> a request's)."""
 
@@ -48,8 +44,6 @@ class StructuredOutputBackend(ABC):
     """Compiles constraints against one tokenizer and fills batch bitmasks."""
 
     name: str
-    # Capability flag: fill_bitmasks computes the rows on several threads.
-    parallel_fill: bool = False
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         """`vocab_size` is the model's (the logits' width); it may exceed the tokenizer's,

@@ -47,9 +47,6 @@ class GuidanceGrammar(StructuredOutputGrammar):
         row = bitmask[index]
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
-    def is_terminated(self) -> bool:
-        return self.matcher.is_stopped()
-
     def copy(self) -> GuidanceGrammar:
         return GuidanceGrammar(self.matcher.deep_copy())
 
@@ -60,7 +57,6 @@ class GuidanceGrammar(StructuredOutputGrammar):
 
 class GuidanceBackend(StructuredOutputBackend):
     name = "guidance"
-    parallel_fill = True
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         super().__init__(tokenizer, vocab_size, eos_token_ids)

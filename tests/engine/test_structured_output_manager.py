@@ -16,7 +16,6 @@ REGEX = StructuredOutputsParams(regex="a+")
 class _Grammar(StructuredOutputGrammar):
     def accept_tokens(self, tokens): return True
     def fill_bitmask(self, bitmask, index): bitmask[index] = -1
-    def is_terminated(self): return False
     def copy(self): return _Grammar()
 
     @property
