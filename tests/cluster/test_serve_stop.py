@@ -130,8 +130,13 @@ def test_stop_path_drains_the_stream_then_ends_every_process_within_the_bound(se
     srv.tree.update(process_tree(srv.proc.pid))
     replicas = [pid for pid in srv.tree if "ServeReplica" in cmdline(pid)]
     assert len(replicas) == (4 if mode == "pd" else 3), [cmdline(p) for p in srv.tree]
-    # The HTTP port is HAProxy's (cluster/http_front.py): the stream reached us through it.
-    assert any("haproxy" in owner for owner in listeners(srv.port)), listeners(srv.port)
+    # The HTTP port is HAProxy's (cluster/http_front.py): the stream reached us through it. Serve
+    # reloads HAProxy when its targets change (a new process takes the socket over, `-sf OLD`), so
+    # one look can fall between the two owners: look again, bounded.
+    deadline = time.monotonic() + 10
+    while not any("haproxy" in owner for owner in (owners := listeners(srv.port))):
+        assert time.monotonic() < deadline, f"port {srv.port} is not HAProxy's: {owners}"
+        time.sleep(0.1)
     tokens_at_signal = stream.tokens
 
     t0 = time.monotonic()
