@@ -170,6 +170,11 @@ class EngineWorker:
         figures = await self.engine.load()
         return {"replica": self.replica_id, "role": self.role, **figures}
 
+    def tensor_parallel_ranks(self) -> list:
+        """Handles of this engine's rank actors (empty with one rank): operators and tests
+        reach a rank's own state (its KV outbox, its liveness) through them."""
+        return self._ranks()
+
     def ping(self) -> str:
         return self.replica_id
 
