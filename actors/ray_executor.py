@@ -20,6 +20,7 @@ collectives inside the ranks time out on their own after _COLLECTIVE_TIMEOUT_S.
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from typing import Any
@@ -41,6 +42,8 @@ from engine.executor.base import Executor, WorkerConfig, merge_step_replies
 from engine.executor.kv_aggregate import KVOutputAggregator
 from engine.kv_connector import KVConnectorFactory
 from engine.sched_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 600.0  # placement, actor start, model shard load
 _CALL_TIMEOUT_S = 600.0  # the longest step (a full-budget prefill on CPU)
@@ -99,6 +102,7 @@ class RayExecutor(Executor):
     def _placement_group(self, device_type: str) -> PlacementGroup:
         current = get_current_placement_group()
         if current is not None and len(current.bundle_specs) == self.size:
+            logger.info("tensor-parallel ranks placed in this replica's placement group %s", current.id.hex())
             return current  # a Serve replica's group (cluster.app): its bundle r is rank r's
         pg = placement_group([rank_bundle(device_type) for _ in range(self.size)], strategy=PLACEMENT_STRATEGY)
         self._owned.append(pg)
