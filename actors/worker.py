@@ -175,6 +175,12 @@ class EngineWorker:
         reach a rank's own state (its KV outbox, its liveness) through them."""
         return self._ranks()
 
+    async def shutdown(self) -> None:
+        """Stop the engine and release its workers. Call before killing the actor when its
+        engine has rank actors: their placement group belongs to the job, not to this actor,
+        and would otherwise outlive it."""
+        await asyncio.to_thread(self.engine.shutdown)
+
     def ping(self) -> str:
         return self.replica_id
 

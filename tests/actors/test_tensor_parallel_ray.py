@@ -27,9 +27,12 @@ def tp_pd(ray_local, tiny_model):
     prefill = create_worker(EngineArgs(tiny_model, **ENGINE), "prefill", store=store)
     decode = create_worker(EngineArgs(tiny_model, **ENGINE), "decode", store=store)
     ray.get([prefill.ping.remote(), decode.ping.remote()])
+    groups = _live_placement_groups(ray)
     yield ray, store, prefill, decode
+    ray.get([prefill.shutdown.remote(), decode.shutdown.remote()])
     for actor in (prefill, decode, store):
         ray.kill(actor)
+    assert _live_placement_groups(ray) == groups - 2  # each engine removed its own group
 
 
 def _live_placement_groups(ray) -> int:
