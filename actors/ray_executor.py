@@ -2,7 +2,7 @@
 
 Importing this module registers it (`engine.executor.register_executor`); the engine itself
 never imports Ray. The contract is the "mp" executor's: the EngineCore's process is the
-driver and holds no rank; each call is serialized once (`ray.put`) and handed to every rank;
+driver and holds no rank; each call is pickled once and sent inline to every rank;
 rank 0 answers with the sampled tokens, every rank with its KV-connector report.
 
 Placement: inside a Serve replica whose deployment asked for `placement_group_bundles` of
@@ -21,6 +21,7 @@ collectives inside the ranks time out on their own after _COLLECTIVE_TIMEOUT_S.
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 import weakref
 from typing import Any
@@ -126,7 +127,9 @@ class RayExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         if self.failure is not None:
             raise EngineDeadError(self.failure)
-        payload = ray.put((args, kwargs or {}))  # serialized once for all ranks
+        # Pickled once for all ranks and sent inline with each call: a step is a few KB, and a
+        # reference to the object store would cost every rank a fetch from this process.
+        payload = pickle.dumps((args, kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
         refs = [a.call.remote(method, payload) for a in self.actors]
         return self._gather(refs, _CALL_TIMEOUT_S, method)
 

@@ -6,6 +6,7 @@ rank's shard from the rank that holds it."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import socket
 from datetime import timedelta
 from typing import Any
@@ -54,10 +55,9 @@ class TPRank:
         if connector is not None:
             connector.transport.warm_up(producer=connector.pd_role == "producer")
 
-    def call(self, method: str, packed: tuple[tuple, dict]) -> Any:
-        """`packed` is (args, kwargs), put in the object store once by the executor for
-        every rank."""
-        args, kwargs = packed
+    def call(self, method: str, payload: bytes) -> Any:
+        """`payload` is (args, kwargs), pickled once by the executor for every rank."""
+        args, kwargs = pickle.loads(payload)
         return rank_reply(self.rank == 0, method, getattr(self.worker, method)(*args, **kwargs))
 
     def ping(self) -> int:
