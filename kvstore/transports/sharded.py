@@ -23,6 +23,10 @@ class ShardTransport(KVTransport):
         self.name = inner.name
 
     def _shard(self, params: KVTransferParams) -> KVTransferParams:
+        if params.tensor_parallel_size == 1:
+            # A one-rank producer's transfer is not sharded (this consumer refuses to load
+            # it, kvstore.connector, but releases it by its own name).
+            return params
         return dataclasses.replace(params, transfer_id=shard_transfer_id(params.transfer_id, self.rank))
 
     def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None:
