@@ -9,21 +9,25 @@ so tests can run the actor with a fake.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 import ray
 import torch
 
+from actors.ray_executor import RayExecutor  # registers distributed_executor_backend="ray"
 from engine import AsyncLLM, EngineArgs, SamplingParams
 from engine.kv_connector import KVConnectorRole
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
+from kvstore.connector_factory import PDConnectorFactory
 from kvstore.pd import prefill_kv_params, prefill_params
 from kvstore.transports.object_store import ObjectStoreTransport
 from kvstore.transports.torch_dist import TorchDistTransport
 
 ROLES = ("colocated", "prefill", "decode")
+_RANK_CALL_TIMEOUT_S = 30.0
 TRANSPORTS = ("object_store", "torch_dist")
 
 
@@ -50,6 +54,11 @@ class EngineWorker:
         self.store_pulls = store_pulls
         self.role = role
         self.replica_id = replica_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        tp = engine_args.tensor_parallel_size
+        if tp > 1 and engine_args.distributed_executor_backend is None:
+            # Inside the cluster a rank is a Ray actor (placed with the replica), not a child
+            # process Ray does not know about.
+            engine_args = dataclasses.replace(engine_args, distributed_executor_backend="ray")
         config = engine_args.create_engine_config()
         self.transport = None
         factory = None
@@ -58,17 +67,40 @@ class EngineWorker:
         if role != "colocated":
             if store is None:
                 raise ValueError(f"a {role} worker needs the KV store actor (store=...)")
-            self.transport = self._make_transport(transport, store, transport_timeout_s)
             pd_role = "producer" if role == "prefill" else "consumer"
+            if tp > 1:
+                factory = self._sharded_factory(transport, pd_role, store, config.cache.block_size,
+                                                load_failure_policy, tp, transport_timeout_s)
+            else:
+                self.transport = self._make_transport(transport, store, transport_timeout_s)
 
-            def factory(side: KVConnectorRole) -> PDConnector:
-                self.connectors[side] = PDConnector(side, pd_role, self.transport, self.replica_id,
-                                                    config.cache.block_size, load_failure_policy)
-                return self.connectors[side]
+                def factory(side: KVConnectorRole) -> PDConnector:
+                    self.connectors[side] = PDConnector(side, pd_role, self.transport, self.replica_id,
+                                                        config.cache.block_size, load_failure_policy)
+                    return self.connectors[side]
 
         self.engine = engine_cls(config, factory)
         if self.transport is not None:
             self.transport.warm_up(producer=role == "prefill")
+
+    def _sharded_factory(self, transport: str, pd_role: str, store, block_size: int, load_failure_policy: str,
+                         tp: int, timeout_s: float) -> PDConnectorFactory:
+        """Tensor parallel: each rank moves its own heads, so each rank actor builds its own
+        worker side of the connector (and transport) from this recipe."""
+        if transport != "object_store":
+            raise ValueError(f"tensor_parallel_size={tp} with P/D moves KV through the 'object_store' "
+                             f"transport; got {transport!r}")
+        return PDConnectorFactory(pd_role, store, self.replica_id, block_size, load_failure_policy, tp,
+                                  timeout_s, store_pulls=self.store_pulls)
+
+    async def _ask_ranks(self, method: str) -> list:
+        calls = [getattr(r, method).remote() for r in self._ranks()]
+        return list(await asyncio.wait_for(asyncio.gather(*calls), _RANK_CALL_TIMEOUT_S))
+
+    def _ranks(self) -> list:
+        """The tensor-parallel rank actors ("ray" executor), or [] (one rank, in process)."""
+        executor = getattr(getattr(getattr(self.engine, "engine", None), "core", None), "executor", None)
+        return executor.ranks if isinstance(executor, RayExecutor) else []
 
     def _make_transport(self, name: str, store, timeout_s: float):
         def self_handle():
@@ -121,19 +153,33 @@ class EngineWorker:
         if self.transport is not None:
             self.transport.drop_export(transfer_id)
 
-    def outbox_size(self) -> int:
-        return self.transport.outbox_size if self.transport is not None else 0
+    async def outbox_size(self) -> int:
+        if self.transport is not None:
+            return self.transport.outbox_size
+        return sum(await self._ask_ranks("outbox_size"))
 
     # ---- health and load ----------------------------------------------------------------
     async def check_health(self) -> None:
         if getattr(self.engine, "_errored", None) is not None:
             raise RuntimeError(f"engine of {self.replica_id} failed: {self.engine._errored!r}")
         if isinstance(self.engine, AsyncLLM):  # injected test engines have no workers
-            self.engine.check_health()
+            # Off the event loop: with rank actors this pings them (bounded).
+            await asyncio.to_thread(self.engine.check_health)
 
     async def load(self) -> dict:
         figures = await self.engine.load()
         return {"replica": self.replica_id, "role": self.role, **figures}
+
+    def tensor_parallel_ranks(self) -> list:
+        """Handles of this engine's rank actors (empty with one rank): operators and tests
+        reach a rank's own state (its KV outbox, its liveness) through them."""
+        return self._ranks()
+
+    async def shutdown(self) -> None:
+        """Stop the engine and release its workers. Call before killing the actor when its
+        engine has rank actors: their placement group belongs to the job, not to this actor,
+        and would otherwise outlive it."""
+        await asyncio.to_thread(self.engine.shutdown)
 
     def ping(self) -> str:
         return self.replica_id
@@ -142,10 +188,13 @@ class EngineWorker:
         """The Ray node this worker runs on (where a replica landed)."""
         return ray.get_runtime_context().get_node_id()
 
-    def kv_transfer_stats(self) -> dict:
+    async def kv_transfer_stats(self) -> dict:
         """Counters of the KV connector (exports, loads, bytes, load seconds), if any."""
         worker_side = self.connectors.get(KVConnectorRole.WORKER)
-        return dict(worker_side.stats) if worker_side is not None else {}
+        if worker_side is not None:
+            return dict(worker_side.stats)
+        per_rank = await self._ask_ranks("kv_transfer_stats")  # summed: each rank moved its own heads
+        return {k: sum(stats[k] for stats in per_rank) for k in per_rank[0]} if per_rank and per_rank[0] else {}
 
 
 def create_worker(engine_args: EngineArgs, role: str = "colocated", num_cpus: float = 0, name: str | None = None,

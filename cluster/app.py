@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from actors.ray_executor import PLACEMENT_STRATEGY, replica_bundles
 from cluster.auth import digest, keys_from
 from cluster.autoscale import build_config
 from cluster.coordinator import SCALE_TIMEOUT_S, Coordinator
@@ -54,7 +55,11 @@ class AppConfig:
     prefix_affinity: bool = False
     routing_stats_period_s: float = 0.5
     replica_num_cpus: float = 1.0
-    replica_num_gpus: float | None = None  # None: tensor_parallel_size when this machine has a CUDA GPU, else 0
+    replica_num_gpus: float | None = None  # None: see num_gpus
+    # Tensor-parallel size of each P/D role (None: engine_args.tensor_parallel_size). Each rank
+    # moves its own heads of the prompt KV, so the two must be equal (refused otherwise).
+    prefill_tensor_parallel_size: int | None = None
+    decode_tensor_parallel_size: int | None = None
     max_replicas: int = 8  # per role: the ceiling of POST /scale (and of autoscaling by default)
     # Bearer keys guarding /v1/*, /scale, /status (cluster.auth); PDSERVE_API_KEY adds more.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -91,12 +96,15 @@ class AppConfig:
                 raise ParameterError(f"{role}_replicas",
                                      f"{role}_replicas must be <= max_replicas ({self.max_replicas})")
         build_config(self.autoscale, self.max_replica_map())  # validates, as the Coordinator will build it
-        if self.mode == "pd" and self.engine_args.tensor_parallel_size > 1:
-            # KV moves between whole engines today; moving it rank by rank is not built yet.
+        for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name))
+        if self.mode == "pd" and self.tensor_parallel_size("prefill") != self.tensor_parallel_size("decode"):
             raise ParameterError(
-                "tensor_parallel_size",
-                f"mode='pd' needs tensor_parallel_size=1 on both roles (got "
-                f"{self.engine_args.tensor_parallel_size}); tensor parallel runs in mode='colocated'",
+                "decode_tensor_parallel_size",
+                f"decode_tensor_parallel_size={self.tensor_parallel_size('decode')} must equal "
+                f"prefill_tensor_parallel_size={self.tensor_parallel_size('prefill')}: each rank moves its "
+                "own shard of the KV heads, which only a decode replica split the same way can load",
             )
 
     @classmethod
@@ -127,14 +135,57 @@ class AppConfig:
     def model_name(self) -> str:
         return served_name(self.model, self.served_model_name)
 
-    def num_gpus(self) -> float:
-        """GPUs one replica reserves: one per tensor-parallel rank (the ranks are the
-        replica's child processes, so they share its reservation)."""
-        if self.replica_num_gpus is not None:
-            return self.replica_num_gpus
+    def tensor_parallel_size(self, role: str) -> int:
+        own = {"prefill": self.prefill_tensor_parallel_size, "decode": self.decode_tensor_parallel_size}.get(role)
+        return own if own is not None else self.engine_args.tensor_parallel_size
+
+    def role_engine_args(self, role: str) -> EngineArgs:
+        """The engine of `role`'s replicas; with tp > 1 its ranks are Ray actors ("ray"
+        executor) unless the config names another backend."""
+        tp = self.tensor_parallel_size(role)
+        backend = self.engine_args.distributed_executor_backend
+        if tp > 1 and backend is None:
+            backend = "ray"
+        return dataclasses.replace(self.engine_args, tensor_parallel_size=tp, distributed_executor_backend=backend)
+
+    def uses_gpus(self) -> bool:
+        if self.engine_args.device != "auto":
+            return self.engine_args.device == "cuda"
         import torch
 
-        return float(self.engine_args.tensor_parallel_size) if torch.cuda.is_available() else 0.0
+        return torch.cuda.is_available()
+
+    def num_gpus(self, role: str | None = None) -> float:
+        """GPUs the replica actor itself reserves: one on a GPU machine; one per rank with the
+        "mp" executor (its ranks are child processes sharing its reservation); none with the
+        "ray" executor (each rank actor holds its own, in the replica's placement group)."""
+        if self.replica_num_gpus is not None:
+            return self.replica_num_gpus
+        if not self.uses_gpus():
+            return 0.0
+        args = self.role_engine_args(role or next(iter(self.targets())))
+        if args.tensor_parallel_size == 1:
+            return 1.0
+        return 0.0 if args.distributed_executor_backend == "ray" else float(args.tensor_parallel_size)
+
+    def placement_bundles(self, role: str) -> list[dict[str, float]] | None:
+        """Serve's placement_group_bundles for a replica of `role` whose ranks are Ray actors:
+        tensor_parallel_size bundles, the replica actor in bundle 0 with rank 0 (the "ray"
+        executor places rank r in bundle r of its replica's group); None otherwise."""
+        args = self.role_engine_args(role)
+        if args.tensor_parallel_size == 1 or args.distributed_executor_backend != "ray":
+            return None
+        return replica_bundles("cuda" if self.uses_gpus() else "cpu", args.tensor_parallel_size,
+                               {"CPU": self.replica_num_cpus, "GPU": self.num_gpus(role)})
+
+    def replica_resources(self) -> dict[str, float]:
+        """What the largest replica of any role reserves in all, its ranks' bundles included
+        (the Coordinator's capacity checks before scaling)."""
+        totals = []
+        for role in self.targets():
+            bundles = self.placement_bundles(role) or [{"CPU": self.replica_num_cpus, "GPU": self.num_gpus(role)}]
+            totals.append({name: sum(b.get(name, 0.0) for b in bundles) for name in ("CPU", "GPU")})
+        return {name: max(t[name] for t in totals) for name in ("CPU", "GPU")}
 
 
 def build_app(cfg: AppConfig):
@@ -149,19 +200,24 @@ def build_app(cfg: AppConfig):
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
         health_check_period_s=5.0,
         request_router_config=router,
-        ray_actor_options={"num_cpus": cfg.replica_num_cpus, "num_gpus": cfg.num_gpus()},
     )
 
     def engine(name: str, role: str, replicas: int):
-        return serve.deployment(EngineServer, name=name, num_replicas=replicas, **engine_options).bind(
-            engine_args=cfg.engine_args, role=role, app_name=cfg.app_name,
+        options = dict(engine_options, ray_actor_options={"num_cpus": cfg.replica_num_cpus,
+                                                          "num_gpus": cfg.num_gpus(role)})
+        bundles = cfg.placement_bundles(role)
+        if bundles is not None:
+            # Serve reserves the replica and its rank actors together, and replaces them together.
+            options.update(placement_group_bundles=bundles, placement_group_strategy=PLACEMENT_STRATEGY)
+        return serve.deployment(EngineServer, name=name, num_replicas=replicas, **options).bind(
+            engine_args=cfg.role_engine_args(role), role=role, app_name=cfg.app_name,
             load_failure_policy=cfg.load_failure_policy, stream_interval_ms=cfg.stream_interval_ms)
 
     coordinator = serve.deployment(Coordinator, name="Coordinator", num_replicas=1,
                                    ray_actor_options={"num_cpus": 0}).bind(
         cfg.mode, cfg.app_name, cfg.targets(), cfg.max_replica_map(), dict(cfg.autoscale or {}),
         scale_timeout_s=cfg.scale_timeout_s,
-        replica_resources={"CPU": cfg.replica_num_cpus, "GPU": cfg.num_gpus()},
+        replica_resources=cfg.replica_resources(),
         cluster_autoscaling=cfg.cluster_autoscaling)
     if cfg.mode == "pd":
         first, second = engine("Prefill", "prefill", cfg.prefill_replicas), engine("Decode", "decode",

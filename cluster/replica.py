@@ -140,7 +140,7 @@ class EngineServer:
 
     async def figures(self) -> dict:
         figures = await self.worker.load()
-        figures["kv_transfer"] = self.worker.kv_transfer_stats()
+        figures["kv_transfer"] = await self.worker.kv_transfer_stats()
         figures["ttft_p90_s"] = self.ttft.percentile(0.9)
         figures["itl_p90_s"] = self.itl.percentile(0.9)
         return figures

@@ -37,7 +37,12 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica")
     p.add_argument("--replica-gpus", type=float, default=None,
-                   help="GPUs per engine replica (default: 1 if this machine has a CUDA GPU, else 0)")
+                   help="GPUs the engine replica actor itself reserves (default on a CUDA machine: 1; with "
+                        "tensor parallel over Ray actors 0, each rank actor reserves its own GPU)")
+    p.add_argument("--prefill-tensor-parallel-size", type=int, default=None,
+                   help="ranks of each prefill replica (default: --tensor-parallel-size); must equal the decode's")
+    p.add_argument("--decode-tensor-parallel-size", type=int, default=None,
+                   help="ranks of each decode replica (default: --tensor-parallel-size)")
     p.add_argument("--app-name", default="pdserve")
     p.add_argument("--max-replicas", type=int, default=8, help="per-role ceiling of scaling")
     p.add_argument("--autoscale", action="store_true", help="scale prefill/decode on TTFT/ITL targets")
@@ -112,6 +117,8 @@ def _config(args: argparse.Namespace):
         load_failure_policy=args.load_failure_policy, max_pending_requests=args.max_pending_requests,
         prefix_affinity=args.prefix_affinity, replica_num_cpus=args.replica_cpus,
         replica_num_gpus=args.replica_gpus, max_replicas=args.max_replicas,
+        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+        decode_tensor_parallel_size=args.decode_tensor_parallel_size,
         autoscale={"enabled": args.autoscale, "ttft_p90_target_s": args.ttft_p90_target_ms / 1000,
                    "itl_p90_target_s": args.itl_p90_target_ms / 1000},
     )

@@ -77,6 +77,7 @@ class AsyncLLM:
                 self._errored = e
                 for rid in list(self._streams):
                     self._post(rid, e)
+                self._fail_pending()
                 return
             self._post_step(outputs)
 
@@ -116,7 +117,20 @@ class AsyncLLM:
             fut.set_exception(RuntimeError(f"engine is dead: {self._errored!r}"))
         else:
             self._inputs.put((fn, args, fut))
+            if self._errored is not None:  # the thread died meanwhile and may have drained before the put
+                self._fail_pending()
         return fut
+
+    def _fail_pending(self) -> None:
+        """The engine thread is gone: fail every call still queued for it, so no caller (a
+        request that arrived while the failing step ran) waits forever."""
+        while True:
+            try:
+                item = self._inputs.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, tuple) and not item[2].done():
+                item[2].set_exception(RuntimeError(f"engine is dead: {self._errored!r}"))
 
     async def generate(
         self,

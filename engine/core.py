@@ -150,7 +150,7 @@ class EngineCore:
         """`callback` (any thread) wakes a driver loop blocked while every request waits for
         remote KV (the worker side calls it when a load completes) or for its grammar."""
         self._wakeup = callback
-        self.executor.collective_rpc("set_kv_wakeup", (callback,))
+        self.executor.set_kv_wakeup(callback)
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()

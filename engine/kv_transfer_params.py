@@ -11,7 +11,8 @@ class KVTransferParams:
 
     A prefill (producer) request is submitted with `do_remote_decode=True` (and, when the
     requester wants to release it itself, a `transfer_id` of its choosing); its final output
-    carries the params of the export: transfer_id, num_tokens, block_size, source, transport.
+    carries the params of the export: transfer_id, num_tokens, block_size, source, transport,
+    tensor_parallel_size.
     A decode (consumer) request is submitted with those params plus
     `num_prior_output_tokens`: its prompt ends with that many tokens already generated on the
     producer, so detokenization and seeded sampling continue from them.
@@ -27,6 +28,9 @@ class KVTransferParams:
     source: str | None = None
     transport: str | None = None
     num_prior_output_tokens: int = 0
+    # Ranks of the producer: each exported the shard of its own heads (kvstore.shards), which
+    # only a consumer of as many ranks can load.
+    tensor_parallel_size: int = 1
 
     @property
     def loads_remote_kv(self) -> bool:

@@ -37,7 +37,7 @@ from engine.kv_transfer_params import KVTransferParams
 from engine.request import Request, RequestStatus
 from engine.sched_output import KVConnectorOutput, SchedulerOutput
 from kvstore.kv_io import gather_kv, scatter_kv
-from kvstore.transports.base import KVTransport
+from kvstore.transports.base import KVTransport, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class PDConnector(KVConnectorBase):
     """One side (`side`) of the P/D connector of a replica whose P/D role is `pd_role`."""
 
     def __init__(self, side: KVConnectorRole, pd_role: str, transport: KVTransport, replica_id: str,
-                 block_size: int, load_failure_policy: str = "fail") -> None:
+                 block_size: int, load_failure_policy: str = "fail", tensor_parallel_size: int = 1) -> None:
         super().__init__(side)
         if pd_role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {pd_role!r}")
@@ -93,6 +93,7 @@ class PDConnector(KVConnectorBase):
         self.transport = transport
         self.replica_id = replica_id
         self.block_size = block_size
+        self.tensor_parallel_size = tensor_parallel_size
         self.kv_load_failure_policy = load_failure_policy
         # scheduler side
         self._meta = PDConnectorMetadata()
@@ -159,6 +160,7 @@ class PDConnector(KVConnectorBase):
                 block_size=self.block_size,
                 source=self.replica_id,
                 transport=self.transport.name,
+                tensor_parallel_size=self.tensor_parallel_size,
             )
             self._exported[rid] = transfer
             self._meta.saves.append(SaveSpec(rid, transfer, tuple(block_ids)))
@@ -221,6 +223,12 @@ class PDConnector(KVConnectorBase):
         load = _Load(spec, time.monotonic())
         with self._lock:
             self._loads[spec.request_id] = load
+        if spec.params.tensor_parallel_size != self.tensor_parallel_size:
+            # Each producer rank exported its own heads: the shards fit only as many ranks.
+            load.result = TransferError(
+                f"the prefill ran with tensor_parallel_size={spec.params.tensor_parallel_size} and this "
+                f"decode replica with {self.tensor_parallel_size}; P/D needs the same size on both roles")
+            return
 
         def on_done(result, rid=spec.request_id):
             with self._lock:

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvstore.shards import base_transfer_id, is_shard_of
+
 
 class StoreFullError(RuntimeError):
     """Raised when a transfer would exceed the store's capacity."""
@@ -72,6 +74,9 @@ class TransferDirectory:
             raise ValueError(f"transfer_id {transfer_id!r} is already registered")
         if self._tombstones.pop(transfer_id, None) is not None:
             raise ValueError(f"transfer_id {transfer_id!r} was released before it was registered")
+        base = base_transfer_id(transfer_id)
+        if base != transfer_id and base in self._tombstones:
+            raise ValueError(f"transfer {base!r} was released before its shard {transfer_id!r} was registered")
         if self.max_transfers is not None and len(self._entries) >= self.max_transfers:
             self._counts["rejected_full"] += 1
             raise StoreFullError(
@@ -104,8 +109,10 @@ class TransferDirectory:
         return entry[1] if entry is not None else None
 
     def is_closed(self, transfer_id: str) -> bool:
-        """Released or rejected: no registration of it will ever be accepted."""
-        return transfer_id in self._tombstones or transfer_id in self._rejected
+        """Released or rejected (or, for a tensor-parallel shard, its whole transfer was
+        released): no registration of it will ever be accepted."""
+        base = base_transfer_id(transfer_id)
+        return transfer_id in self._tombstones or transfer_id in self._rejected or base in self._tombstones
 
     def release(self, transfer_id: str) -> TransferEntry | None:
         """Forget a transfer (its consumer has the bytes, or nobody will take them)."""
@@ -119,12 +126,21 @@ class TransferDirectory:
                 del self._tombstones[next(iter(self._tombstones))]
         return entry
 
+    def release_with_shards(self, transfer_id: str) -> list[TransferEntry]:
+        """Release a transfer and every live shard of it (kvstore.shards): whoever releases a
+        whole transfer does not know how many ranks exported it."""
+        shards = [tid for tid in self._entries if is_shard_of(tid, transfer_id)]
+        released = [self.release(transfer_id), *(self.release(tid) for tid in shards)]
+        return [e for e in released if e is not None]
+
     def release_owner(self, owner: str) -> list[TransferEntry]:
         """Forget every transfer of a producer (e.g. when its bytes died with it)."""
         return [self.release(tid) for tid, e in list(self._entries.items()) if e.owner == owner]
 
     def count_owned(self, owner: str) -> int:
-        return sum(1 for e in self._entries.values() if e.owner == owner)
+        """Live transfers of `owner`, its tensor-parallel ranks' shards included (a rank
+        registers as "<owner>.rank<r>", kvstore.connector_factory)."""
+        return sum(1 for e in self._entries.values() if e.owner == owner or e.owner.startswith(owner + ".rank"))
 
     def sweep(self, advance_s: float = 0.0) -> list[TransferEntry]:
         """Drop every transfer whose lease has passed (as of `advance_s` seconds from now,

@@ -16,6 +16,7 @@ import ray
 from ray.util import metrics
 
 from kvstore.directory import StoreFullError, TransferDirectory
+from kvstore.shards import is_shard_of
 
 logger = logging.getLogger(__name__)
 
@@ -124,14 +125,17 @@ class KVStore:
         await asyncio.gather(*drops, return_exceptions=True)
 
     async def release(self, transfer_id: str) -> bool:
-        entry = self.directory.release(transfer_id)
-        self._settle(transfer_id)
-        if entry is not None:
-            await self._forget([entry])
-            self._latency.observe(time.monotonic() - entry.created)
-            self._transfer_bytes.inc(entry.nbytes)
+        """Release a transfer, and every shard of it (tensor-parallel P/D, kvstore.shards)."""
+        entries = self.directory.release_with_shards(transfer_id)
+        for tid in [t for t in self._waiters if t == transfer_id or is_shard_of(t, transfer_id)]:
+            self._settle(tid)
+        if entries:
+            await self._forget(entries)
+            for entry in entries:
+                self._latency.observe(time.monotonic() - entry.created)
+                self._transfer_bytes.inc(entry.nbytes)
             self._update_gauges()
-        return entry is not None
+        return bool(entries)
 
     async def sweep(self, advance_s: float = 0.0) -> list[str]:
         entries = self.directory.sweep(advance_s)

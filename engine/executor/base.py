@@ -9,8 +9,27 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, SchedulerConfig
+from engine.executor.kv_aggregate import KVOutputAggregator
 from engine.models.arch import ModelArch
 from engine.sched_output import ModelRunnerOutput, SchedulerOutput
+
+
+def rank_reply(is_driver: bool, method: str, result: Any) -> Any:
+    """What a rank sends back for one call. For a step only the driver's sampled tokens
+    matter, but every rank's KV-connector report does (each moves its own heads)."""
+    if method == "execute_model" and not is_driver:
+        return result.kv_connector_output
+    return result
+
+
+def merge_step_replies(replies: list[Any], aggregator: KVOutputAggregator,
+                       scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    """Rank 0's ModelRunnerOutput carrying the group's KV-connector report (see
+    kv_aggregate): replies[0] is rank 0's output, the others their connector reports."""
+    output: ModelRunnerOutput = replies[0]
+    aggregator.forget(scheduler_output.finished_req_ids)
+    output.kv_connector_output = aggregator.merge([output.kv_connector_output, *replies[1:]])
+    return output
 
 
 @dataclass(frozen=True)
@@ -65,6 +84,11 @@ class Executor(ABC):
 
     def profile_run(self, num_tokens: int) -> None:
         self.collective_rpc("profile_run", (num_tokens,))
+
+    def set_kv_wakeup(self, callback) -> None:
+        """Give the KV connector's worker side the engine loop's wake-up (in-process
+        workers only: executors whose ranks live elsewhere leave the loop to poll)."""
+        self.collective_rpc("set_kv_wakeup", (callback,))
 
     def check_health(self) -> None:
         """Raise if a worker is known to be gone (a health check between steps); the

@@ -13,7 +13,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from engine.distributed import destroy_tp_group, init_tp_group
-from engine.executor.base import WorkerConfig
+from engine.executor.base import WorkerConfig, rank_reply
 from engine.worker.worker import Worker
 
 SHUTDOWN = "__shutdown__"
@@ -49,10 +49,7 @@ def _serve(worker: Worker, conn: Connection) -> None:
         if method == SHUTDOWN:
             return
         try:
-            result = getattr(worker, method)(*args, **kwargs)
-            if method == "execute_model" and not worker.tp.is_driver:
-                result = None  # rank 0 answers for the group; the others only acknowledge
-            reply = ("ok", result)
+            reply = ("ok", rank_reply(worker.tp.is_driver, method, getattr(worker, method)(*args, **kwargs)))
         except Exception:
             reply = ("error", traceback.format_exc())
         conn.send(reply)

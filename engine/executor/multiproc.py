@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from engine.errors import EngineDeadError, ParameterError
-from engine.executor.base import Executor, WorkerConfig
+from engine.executor.base import Executor, WorkerConfig, merge_step_replies
+from engine.executor.kv_aggregate import KVOutputAggregator
 from engine.executor.mp_worker import SHUTDOWN, run_worker
 from engine.kv_connector import KVConnectorFactory
 from engine.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -48,6 +49,7 @@ class MultiprocExecutor(Executor):
             )
         size = config.engine.parallel.tensor_parallel_size
         self.size = size
+        self.kv_outputs = KVOutputAggregator(size)
         self.failure: str | None = None
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
@@ -78,7 +80,8 @@ class MultiprocExecutor(Executor):
         return [p.pid for p in self.procs]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+        replies = self.collective_rpc("execute_model", (scheduler_output,))
+        return merge_step_replies(replies, self.kv_outputs, scheduler_output)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         if self.failure is not None:
@@ -90,6 +93,10 @@ class MultiprocExecutor(Executor):
             except OSError as e:
                 self._fail(f"tensor-parallel rank {rank} (pid {self.procs[rank].pid}) is gone: {e}")
         return self._replies(_CALL_TIMEOUT_S, method)
+
+    def set_kv_wakeup(self, callback) -> None:
+        """Not forwarded: the callback lives in this process, and this executor takes no KV
+        connector."""
 
     def check_health(self) -> None:
         """Between steps (any thread): a rank that died while the engine was idle fails the

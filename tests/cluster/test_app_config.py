@@ -251,10 +251,26 @@ def test_error_body():
     assert error_body("oops", "server_error")["error"]["param"] is None
 
 
-def test_pd_with_tensor_parallel_is_refused_at_start_naming_the_field(tiny_model):
-    with pytest.raises(ParameterError, match="mode='pd' needs tensor_parallel_size=1") as exc:
-        AppConfig.from_flat({"model": tiny_model, "mode": "pd", "tensor_parallel_size": 2})
-    assert exc.value.field == "tensor_parallel_size"
+@pytest.mark.parametrize("flat", [
+    {"prefill_tensor_parallel_size": 2},  # decode falls back to tensor_parallel_size=1
+    {"tensor_parallel_size": 2, "decode_tensor_parallel_size": 1},
+])
+def test_pd_with_unequal_tensor_parallel_sizes_is_refused_at_start_naming_both(tiny_model, flat):
+    with pytest.raises(ParameterError, match="decode_tensor_parallel_size=1 must equal "
+                                             "prefill_tensor_parallel_size=2") as exc:
+        AppConfig.from_flat({"model": tiny_model, "mode": "pd", **flat})
+    assert exc.value.field == "decode_tensor_parallel_size"
+
+
+def test_pd_roles_take_their_tensor_parallel_size_and_rank_actors_by_default(tiny_model):
+    cfg = AppConfig.from_flat({"model": tiny_model, "mode": "pd", "prefill_tensor_parallel_size": 2,
+                               "decode_tensor_parallel_size": 2, "replica_num_cpus": 1})
+    for role in ("prefill", "decode"):
+        args = cfg.role_engine_args(role)
+        assert (args.tensor_parallel_size, args.distributed_executor_backend) == (2, "ray")
+        assert cfg.placement_bundles(role) == [{"CPU": 1.01}, {"CPU": 0.01}]  # replica + rank 0, rank 1
+    assert cfg.engine_args.tensor_parallel_size == 1  # the ingress's copy is untouched
+    assert AppConfig.from_flat({"model": tiny_model, "mode": "pd"}).placement_bundles("decode") is None
 
 
 def test_a_tensor_parallel_replica_reserves_one_gpu_per_rank(tiny_model, monkeypatch):
@@ -262,4 +278,11 @@ def test_a_tensor_parallel_replica_reserves_one_gpu_per_rank(tiny_model, monkeyp
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = AppConfig.from_flat({"model": tiny_model, "mode": "colocated", "tensor_parallel_size": 2})
-    assert cfg.num_gpus() == 2.0
+    # Rank actors hold the GPUs, in the replica's placement group; the replica actor none.
+    assert cfg.num_gpus("colocated") == 0.0
+    assert cfg.placement_bundles("colocated") == [{"GPU": 1.0, "CPU": 1.0}, {"GPU": 1.0}]
+    assert cfg.replica_resources() == {"CPU": 1.0, "GPU": 2.0}
+    # "mp" ranks are child processes of the replica: it reserves their GPUs itself.
+    mp = AppConfig.from_flat({"model": tiny_model, "mode": "colocated", "tensor_parallel_size": 2,
+                              "distributed_executor_backend": "mp"})
+    assert mp.num_gpus("colocated") == 2.0 and mp.placement_bundles("colocated") is None

@@ -109,6 +109,19 @@ def test_serve_config_args_split_into_app_and_engine_arguments(tiny_model):
     assert (cfg.mode, cfg.max_replicas, cfg.replica_num_gpus) == (args["mode"], args["max_replicas"], 1)
 
 
+def test_tensor_parallel_serve_config_gives_each_role_a_placement_group_of_one_gpu_per_rank(tiny_model):
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.app import AppConfig
+
+    schema = ServeDeploySchema.model_validate(_load("serve-tp.yaml"))
+    cfg = AppConfig.from_flat({**schema.applications[0].args, "model": tiny_model})
+    for role in ("prefill", "decode"):
+        assert cfg.role_engine_args(role).tensor_parallel_size == 2
+        assert cfg.placement_bundles(role) == [{"GPU": 1.0, "CPU": 1.0}, {"GPU": 1.0}]
+        assert cfg.num_gpus(role) == 0.0
+
+
 def test_serve_config_passes_schema_and_serves_on_local_ray(deploy, tiny_model):
     from ray.serve.schema import ServeDeploySchema
 

@@ -43,6 +43,15 @@ def test_flags_reach_the_app_config(tiny_model):
     assert cfg.prefix_affinity and cfg.num_gpus() == 1
 
 
+def test_tensor_parallel_flags_reach_each_role(tiny_model):
+    args = build_parser().parse_args([
+        "serve", "--model", tiny_model, "--tensor-parallel-size", "2", "--prefill-tensor-parallel-size", "2",
+        "--decode-tensor-parallel-size", "2"])
+    cfg = _config(args)
+    assert cfg.engine_args.tensor_parallel_size == 2
+    assert [cfg.role_engine_args(r).tensor_parallel_size for r in ("prefill", "decode")] == [2, 2]
+
+
 def test_every_engine_argument_is_a_serve_flag(tiny_model, capsys):
     args = build_parser().parse_args([
         "serve", "--model", tiny_model, "--block-size", "8", "--no-enable-prefix-caching",
@@ -67,6 +76,7 @@ def test_every_engine_argument_is_a_serve_flag(tiny_model, capsys):
     (["--block-size", "0"], "block_size"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--shutdown-timeout-s", "0"], "shutdown_timeout_s"),
+    (["--decode-tensor-parallel-size", "2"], "decode_tensor_parallel_size"),  # prefill's is 1
 ])
 def test_bad_values_exit_2_naming_the_field(tiny_model, capsys, argv, needle):
     assert main(["serve", "--model", tiny_model, *argv]) == 2

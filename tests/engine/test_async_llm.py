@@ -104,3 +104,30 @@ def test_abort_from_outside_ends_the_stream(engine):
     assert len(outs) >= 2 and not outs[-1].finished
     assert not core.has_unfinished_requests()
     assert core.kv_cache_manager.get_num_free_blocks() == core.num_kv_blocks
+
+
+def test_a_call_queued_while_the_engine_step_fails_is_failed_not_left_waiting():
+    import threading
+    from types import SimpleNamespace
+
+    in_step, fail_now = threading.Event(), threading.Event()
+
+    class FailingEngine:
+        core = SimpleNamespace(set_kv_wakeup=lambda cb: None, idle=False)
+
+        def has_work(self):
+            return True
+
+        def step(self):
+            in_step.set()
+            fail_now.wait(60)
+            raise RuntimeError("tensor-parallel rank 1 died")
+
+    eng = AsyncLLM(engine=FailingEngine())
+    assert in_step.wait(60)
+    queued = eng.call(lambda: "never runs")  # arrives while the failing step runs
+    fail_now.set()
+    with pytest.raises(RuntimeError, match="engine is dead: .*rank 1 died"):
+        queued.result(timeout=60)
+    with pytest.raises(RuntimeError, match="engine is dead"):  # and every later call at once
+        eng.call(lambda: None).result(timeout=0)

@@ -106,3 +106,18 @@ def test_tombstones_expire():
     d.sweep()
     d.put("gone", "p", 1, 1, None)  # an old tombstone no longer refuses anything
     assert d.lookup("gone") is not None
+
+
+def test_releasing_a_transfer_releases_its_rank_shards_and_closes_late_ones():
+    from kvstore.shards import shard_transfer_id
+
+    d, _ = _dir()
+    d.put(shard_transfer_id("t", 0), "prefill-0.rank0", 10, 4, location="r0")
+    d.put("t2", "prefill-0", 10, 4, location="other")
+    assert d.count_owned("prefill-0") == 2  # a rank's shards count for its replica
+    released = d.release_with_shards("t")
+    assert [e.transfer_id for e in released] == [shard_transfer_id("t", 0)]
+    assert d.lookup("t2") is not None  # not a shard of "t"
+    with pytest.raises(ValueError, match="was released before its shard"):
+        d.put(shard_transfer_id("t", 1), "prefill-0.rank1", 10, 4, location="r1")
+    assert d.is_closed(shard_transfer_id("t", 1))

@@ -1,0 +1,55 @@
+"""Rank r's view of a transport under tensor-parallel P/D (see kvstore.shards)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from engine.kv_transfer_params import KVTransferParams
+from kvstore.shards import shard_transfer_id
+from kvstore.transports.base import KVTransport
+
+
+class ShardTransport(KVTransport):
+    """Rank `rank`'s view of a transport: the connector names whole transfers, this maps
+    them to the rank's shard. The store's calls back into the rank (take_export,
+    drop_export) already carry shard ids and go to `inner` unchanged."""
+
+    def __init__(self, inner: KVTransport, rank: int) -> None:
+        self.inner = inner
+        self.rank = rank
+        self.name = inner.name
+
+    def _shard(self, params: KVTransferParams) -> KVTransferParams:
+        if params.tensor_parallel_size == 1:
+            # A one-rank producer's transfer is not sharded (this consumer refuses to load
+            # it, kvstore.connector, but releases it by its own name).
+            return params
+        return dataclasses.replace(params, transfer_id=shard_transfer_id(params.transfer_id, self.rank))
+
+    def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None:
+        self.inner.publish(shard_transfer_id(transfer_id, self.rank), kv, num_tokens)
+
+    def abandon(self, transfer_id: str, reason: str) -> None:
+        self.inner.abandon(shard_transfer_id(transfer_id, self.rank), reason)
+
+    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None]) -> None:
+        self.inner.fetch_async(self._shard(params), on_done)
+
+    def release(self, params: KVTransferParams) -> None:
+        self.inner.release(self._shard(params))
+
+    def warm_up(self, producer: bool) -> None:
+        self.inner.warm_up(producer)
+
+    def take_export(self, transfer_id: str):
+        return self.inner.take_export(transfer_id)
+
+    def drop_export(self, transfer_id: str) -> None:
+        self.inner.drop_export(transfer_id)
+
+    @property
+    def outbox_size(self) -> int:
+        return self.inner.outbox_size
