@@ -10,7 +10,7 @@ import pytest
 
 from actors import PDRequestError, pd_generate
 from actors.orchestrate import pd_flow
-from engine import SamplingParams
+from engine import EngineArgs, SamplingParams
 from kvstore.store_actor import create_store
 from tests.actors.helpers import (
     ENGINE,
@@ -24,6 +24,23 @@ from tests.actors.helpers import (
 from tests.engine.hf_reference import hf_greedy
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def shared(ray_local, tiny_model):
+    """(store, prefill, decode): default workers for the tests that neither kill them nor need
+    other settings. Each worker start imports torch and loads an engine (seconds of CPU), so
+    the module shares one pair; a test that kills a worker or changes one makes its own with
+    `pd`'s factory, on this store. Every test checks the shared pair is left clean."""
+    from actors import create_worker
+
+    store = create_store()
+    prefill, decode = (create_worker(EngineArgs(tiny_model, **ENGINE), role, store=store)
+                       for role in ("prefill", "decode"))
+    ray_local.get([prefill.ping.remote(), decode.ping.remote()])
+    yield store, prefill, decode
+    for actor in (prefill, decode, store):
+        ray_local.kill(actor)
 
 
 class HangingEngine:
@@ -70,18 +87,17 @@ class SilentStore:
         pass
 
 
-def test_kv_load_failure_with_fail_policy_is_an_error(pd):
-    ray, store, make = pd
-    prefill = make("prefill", store)
-    decode = make("decode", store)
+def test_kv_load_failure_with_fail_policy_is_an_error(pd, shared):
+    ray = pd[0]
+    store, prefill, decode = shared
     with pytest.raises(PDRequestError, match="KV load failed"):
         asyncio.run(collect(pd_flow(transfer_lost_peers(prefill, decode, store), make_prompt(), PARAMS, "f1")))
     assert_no_leaks(ray, store, prefill, decode)
 
 
-def test_kv_load_failure_with_recompute_policy_gives_correct_tokens(pd, tiny_model):
-    ray, store, make = pd
-    prefill = make("prefill", store)
+def test_kv_load_failure_with_recompute_policy_gives_correct_tokens(pd, shared, tiny_model):
+    ray, _, make = pd
+    store, prefill, _ = shared
     decode = make("decode", store, load_failure_policy="recompute")
     prompt = make_prompt(seed=42)
     out = asyncio.run(collect(pd_flow(transfer_lost_peers(prefill, decode, store), prompt, PARAMS, "f2")))
@@ -89,10 +105,10 @@ def test_kv_load_failure_with_recompute_policy_gives_correct_tokens(pd, tiny_mod
     assert_no_leaks(ray, store, prefill, decode)
 
 
-def test_prefill_death_during_prefill_is_an_error(pd):
-    ray, store, make = pd
+def test_prefill_death_during_prefill_is_an_error(pd, shared):
+    ray, _, make = pd
+    store, _, decode = shared
     prefill = make("prefill", store, engine_cls=HangingEngine)
-    decode = make("decode", store)
 
     async def main():
         task = asyncio.ensure_future(collect(pd_generate(prefill, decode, store, make_prompt(), PARAMS, "f3")))
@@ -109,10 +125,10 @@ async def _running(actor) -> bool:
     return (await actor.load.remote())["running"] > 0
 
 
-def test_prefill_death_after_prefill_does_not_lose_the_kv(pd, tiny_model):
-    ray, store, make = pd
+def test_prefill_death_after_prefill_does_not_lose_the_kv(pd, shared, tiny_model):
+    ray, _, make = pd
+    store, _, decode = shared
     prefill = make("prefill", store)
-    decode = make("decode", store)
     prompt = make_prompt(seed=43)
     first = ray.get(prefill.prefill.remote(prompt, PARAMS, "f4"))
     entry = ray.get(store.lookup.remote(first.kv_transfer_params.transfer_id, 10.0))
@@ -125,9 +141,9 @@ def test_prefill_death_after_prefill_does_not_lose_the_kv(pd, tiny_model):
     assert_no_leaks(ray, store, decode)
 
 
-def test_decode_death_mid_decode_is_an_error(pd):
-    ray, store, make = pd
-    prefill = make("prefill", store)
+def test_decode_death_mid_decode_is_an_error(pd, shared):
+    ray, _, make = pd
+    store, prefill, _ = shared
     decode = make("decode", store)
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
@@ -157,26 +173,27 @@ def _abort_after(stream_factory, n_outputs: int):
     return asyncio.run(main())
 
 
-def test_abort_after_prefill_before_decode_releases_the_transfer(pd):
-    ray, store, make = pd
-    prefill, decode = make("prefill", store), make("decode", store)
+def test_abort_after_prefill_before_decode_releases_the_transfer(pd, shared):
+    ray = pd[0]
+    store, prefill, decode = shared
     seen = _abort_after(lambda: pd_generate(prefill, decode, store, make_prompt(seed=45), PARAMS, "a1"), 1)
     assert seen == 1
     assert_no_leaks(ray, store, prefill, decode)
 
 
-def test_abort_mid_decode_frees_decode_blocks(pd):
-    ray, store, make = pd
-    prefill, decode = make("prefill", store), make("decode", store)
+def test_abort_mid_decode_frees_decode_blocks(pd, shared):
+    ray = pd[0]
+    store, prefill, decode = shared
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     _abort_after(lambda: pd_generate(prefill, decode, store, make_prompt(seed=46), params, "a2"), 4)
     assert_no_leaks(ray, store, prefill, decode)
 
 
-def test_abort_during_transfer_frees_blocks_on_decode(pd, ray_local):
-    ray, store, make = pd
+def test_abort_during_transfer_frees_blocks_on_decode(pd, shared, ray_local):
+    ray, _, make = pd
+    store, prefill, _ = shared
     silent = ray_local.remote(SilentStore).options(num_cpus=0, max_concurrency=100).remote(store)
-    prefill, decode = make("prefill", store), make("decode", silent)
+    decode = make("decode", silent)
 
     async def main():
         task = asyncio.ensure_future(collect(pd_generate(prefill, decode, store, make_prompt(seed=47), PARAMS, "a3")))
@@ -194,12 +211,12 @@ async def _waiting(actor) -> bool:
     return (await actor.load.remote())["waiting"] > 0
 
 
-def test_abort_while_queued_for_prefill(pd):
-    ray, store, make = pd
+def test_abort_while_queued_for_prefill(pd, shared):
+    ray, _, make = pd
+    store, _, decode = shared
     # One sequence at a time and a tiny token budget: a long prompt occupies the prefill
     # replica for many steps while the next request waits in its queue.
     prefill = make("prefill", store, engine_kwargs={**ENGINE, "max_num_seqs": 1, "max_num_batched_tokens": 2})
-    decode = make("decode", store)
 
     async def main():
         long = asyncio.ensure_future(collect(pd_generate(prefill, decode, store, make_prompt(seed=48, n=200),
@@ -216,9 +233,9 @@ def test_abort_while_queued_for_prefill(pd):
     assert_no_leaks(ray, store, prefill, decode)
 
 
-def test_lease_expiry_frees_unclaimed_transfers(pd):
-    ray, store, make = pd
-    prefill = make("prefill", store)
+def test_lease_expiry_frees_unclaimed_transfers(pd, shared):
+    ray = pd[0]
+    store, prefill, _ = shared
     first = ray.get(prefill.prefill.remote(make_prompt(seed=50), PARAMS, "l1"))
     ray.get(store.lookup.remote(first.kv_transfer_params.transfer_id, 10.0))  # registered by now
     assert ray.get(store.stats.remote())["live_transfers"] == 1
