@@ -23,9 +23,27 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 TD = {"transport": "torch_dist", "transport_timeout_s": 20.0}
 
 
-def test_one_pair_group_serves_many_transfers(pd, tiny_model):
-    ray, store, make = pd
-    prefill, decode = make("prefill", store, **TD), make("decode", store, **TD)
+@pytest.fixture(scope="module")
+def shared(ray_local, tiny_model):
+    """(store, prefill, decode) on the torch_dist transport, shared by the tests that neither
+    kill nor reconfigure them (a worker start costs seconds of CPU); each test checks it
+    leaves them clean."""
+    from actors import create_worker
+    from engine import EngineArgs
+    from kvstore.store_actor import create_store
+
+    store = create_store()
+    prefill, decode = (create_worker(EngineArgs(tiny_model, **ENGINE), role, store=store, **TD)
+                       for role in ("prefill", "decode"))
+    ray_local.get([prefill.ping.remote(), decode.ping.remote()])
+    yield store, prefill, decode
+    for actor in (prefill, decode, store):
+        ray_local.kill(actor)
+
+
+def test_one_pair_group_serves_many_transfers(pd, shared, tiny_model):
+    ray = pd[0]
+    store, prefill, decode = shared
     prompts = [make_prompt(seed=s) for s in (61, 62, 63)]
 
     async def main():
@@ -39,10 +57,11 @@ def test_one_pair_group_serves_many_transfers(pd, tiny_model):
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_producer_death_before_send_is_a_load_failure(pd, tiny_model, policy):
-    ray, store, make = pd
-    prefill = make("prefill", store, **TD)
-    decode = make("decode", store, load_failure_policy=policy, **TD)
+def test_producer_death_before_send_is_a_load_failure(pd, shared, tiny_model, policy):
+    ray, _, make = pd
+    store, _, shared_decode = shared
+    prefill = make("prefill", store, **TD)  # killed below
+    decode = shared_decode if policy == "fail" else make("decode", store, load_failure_policy=policy, **TD)
     prompt = make_prompt(seed=64)
     first = ray.get(prefill.prefill.remote(prompt, PARAMS, "d1"))
     ray.kill(prefill)  # the bytes lived only in the producer's outbox
@@ -57,9 +76,9 @@ def test_producer_death_before_send_is_a_load_failure(pd, tiny_model, policy):
     assert_no_leaks(ray, store, decode)
 
 
-def test_released_or_expired_transfer_is_dropped_by_its_producer(pd):
-    ray, store, make = pd
-    prefill = make("prefill", store, **TD)
+def test_released_or_expired_transfer_is_dropped_by_its_producer(pd, shared):
+    ray = pd[0]
+    store, prefill, _ = shared
     a = ray.get(prefill.prefill.remote(make_prompt(seed=65), PARAMS, "x1"))
     ray.get(prefill.prefill.remote(make_prompt(seed=66), PARAMS, "x2"))
     assert ray.get(prefill.outbox_size.remote()) == 2
@@ -68,10 +87,9 @@ def test_released_or_expired_transfer_is_dropped_by_its_producer(pd):
     assert_no_leaks(ray, store, prefill)
 
 
-def test_orchestrated_failure_with_fail_policy_is_an_error(pd):
-    ray, store, make = pd
-    prefill = make("prefill", store, **TD)
-    decode = make("decode", store, engine_kwargs={**ENGINE}, **TD)
+def test_orchestrated_failure_with_fail_policy_is_an_error(pd, shared):
+    ray = pd[0]
+    store, prefill, decode = shared
     # The transfer is gone from the store before the decode replica loads it: the load fails.
     with pytest.raises(PDRequestError, match="KV load failed"):
         asyncio.run(collect(pd_flow(transfer_lost_peers(prefill, decode, store), make_prompt(seed=67), PARAMS, "w")))
