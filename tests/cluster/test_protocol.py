@@ -66,7 +66,7 @@ def test_defaults_are_supported():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("n", 2),
+    ("n", 0),  # n > 1 is supported (engine.parallel_sampling); 0 is out of range
     ("presence_penalty", 0.5),
     ("frequency_penalty", -0.3),
     ("logit_bias", {"50256": -100.0}),
