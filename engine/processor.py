@@ -7,6 +7,7 @@ import uuid
 
 from engine.errors import ParameterError
 from engine.kv_transfer_params import KVTransferParams
+from engine.multimodal.processor import FIELD as MM_FIELD
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.structured_output import validate as validate_structured_outputs
@@ -15,8 +16,11 @@ PromptType = str | dict
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int],
+                 mm_processor=None) -> None:
         self.tokenizer = tokenizer
+        # engine.multimodal.processor.MultiModalProcessor for an image model, else None.
+        self.mm_processor = mm_processor
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -49,7 +53,7 @@ class InputProcessor:
     ) -> tuple[Request, str | None]:
         if not isinstance(params, SamplingParams):
             raise ParameterError("sampling_params", f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self.tokenize(prompt)
+        text, ids, mm_features = self._tokenize_with_media(prompt)
         n = len(ids)
         if n == 0:
             raise ParameterError("prompt", "prompt must not be empty")
@@ -89,5 +93,20 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
+            mm_features=mm_features,
         )
         return request, text
+
+    def _tokenize_with_media(self, prompt: PromptType):
+        """(text, token ids, MultiModalFeatures or None). An image model runs every prompt
+        through its processor, so stray placeholders without images are caught too."""
+        has_media = isinstance(prompt, dict) and prompt.get(MM_FIELD) is not None
+        if self.mm_processor is None:
+            if has_media:
+                raise ParameterError(MM_FIELD, f"{MM_FIELD}: this model is text-only and takes no images")
+            return (*self.tokenize(prompt), None)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            self.tokenize({"prompt_token_ids": prompt["prompt_token_ids"]})  # validates the ids
+        elif not (isinstance(prompt, str) or (isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str))):
+            self.tokenize(prompt)  # raises the usual error
+        return self.mm_processor.process(prompt if isinstance(prompt, dict) else {"prompt": prompt})
