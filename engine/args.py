@@ -65,6 +65,9 @@ class EngineArgs:
                                           "max_num_batched_tokens)")
     max_num_encoder_input_tokens: int | None = _arg(None, "image embeddings encoded per step at most "
                                                     "(default: max_num_batched_tokens)")
+    allowed_local_media_path: str | None = _arg(
+        None, "a directory whose files chat requests may name as file:// image URLs (default: none; "
+        "remote URLs are never fetched)")
     # execution
     kernel_backend: str = _arg("auto", "kernel implementation (auto: Triton on CUDA, torch on CPU)",
                                BACKENDS)
