@@ -7,12 +7,15 @@ import uuid
 
 from engine.errors import ParameterError
 from engine.kv_transfer_params import KVTransferParams
+from engine.multimodal.features import MultiModalFeatures
 from engine.multimodal.processor import FIELD as MM_FIELD
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.structured_output import validate as validate_structured_outputs
 
 PromptType = str | dict
+# A P/D decode prompt's image placeholders and hashes (kvstore.pd.decode_prompt).
+FEATURES_FIELD = "multi_modal_features"
 
 
 class InputProcessor:
@@ -53,7 +56,7 @@ class InputProcessor:
     ) -> tuple[Request, str | None]:
         if not isinstance(params, SamplingParams):
             raise ParameterError("sampling_params", f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        text, ids, mm_features = self._tokenize_with_media(prompt)
+        text, ids, mm_features = self._tokenize_with_media(prompt, kv_transfer_params)
         n = len(ids)
         if n == 0:
             raise ParameterError("prompt", "prompt must not be empty")
@@ -97,9 +100,11 @@ class InputProcessor:
         )
         return request, text
 
-    def _tokenize_with_media(self, prompt: PromptType):
+    def _tokenize_with_media(self, prompt: PromptType, kv_transfer_params: KVTransferParams | None):
         """(text, token ids, MultiModalFeatures or None). An image model runs every prompt
         through its processor, so stray placeholders without images are caught too."""
+        if isinstance(prompt, dict) and prompt.get(FEATURES_FIELD) is not None:
+            return self._decode_side_features(prompt, kv_transfer_params)
         has_media = isinstance(prompt, dict) and prompt.get(MM_FIELD) is not None
         if self.mm_processor is None:
             if has_media:
@@ -110,3 +115,21 @@ class InputProcessor:
         elif not (isinstance(prompt, str) or (isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str))):
             self.tokenize(prompt)  # raises the usual error
         return self.mm_processor.process(prompt if isinstance(prompt, dict) else {"prompt": prompt})
+
+    def _decode_side_features(self, prompt: dict, kv_transfer_params: KVTransferParams | None):
+        """A P/D decode prompt: token ids with placeholders already expanded and the features
+        the prefill side computed (no pixels: the prompt's KV is loaded, not recomputed)."""
+        features = prompt[FEATURES_FIELD]
+        if kv_transfer_params is None or self.mm_processor is None:
+            raise ParameterError(FEATURES_FIELD, f"{FEATURES_FIELD} is only for a P/D decode request of an "
+                                 "image model (it comes with kv_transfer_params)")
+        if not isinstance(features, MultiModalFeatures):
+            raise ParameterError(FEATURES_FIELD, f"{FEATURES_FIELD} must be MultiModalFeatures, "
+                                 f"got {type(features).__name__}")
+        text, ids = self.tokenize({"prompt_token_ids": prompt.get("prompt_token_ids"), "prompt": prompt.get("prompt")})
+        image_id = self.mm_processor.image_token_id
+        for item in features.items:
+            if item.end > len(ids) or any(t != image_id for t in ids[item.offset:item.end]):
+                raise ParameterError(FEATURES_FIELD, f"{FEATURES_FIELD}: an image's placeholders "
+                                     f"[{item.offset}, {item.end}) are not image tokens of the prompt")
+        return text, ids, features

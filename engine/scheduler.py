@@ -117,6 +117,7 @@ class Scheduler:
         preempted: list[Request] = []
         encoder_budget = self.encoder_budget
         to_encode: dict = {}  # mm_hash -> pixel values, for the runner
+        unencodable: list[Request] = []
 
         # Phase 1: RUNNING requests, in order; preempt from the back when blocks run out.
         i = 0
@@ -132,6 +133,8 @@ class Scheduler:
                 plan = plan_encoder_inputs(self.encoder_cache, request, request.num_computed_tokens, n,
                                            encoder_budget)
                 n = plan.num_new_tokens
+                if n <= 0 and plan.missing_pixels:
+                    unencodable.append(request)
             if n <= 0:
                 i += 1
                 continue
@@ -196,6 +199,10 @@ class Scheduler:
             plan = None
             if not load_async and self._uses_encoder(request):
                 plan = plan_encoder_inputs(self.encoder_cache, request, num_computed, n, encoder_budget)
+                if plan.num_new_tokens <= 0 and plan.missing_pixels:
+                    self.waiting.pop()
+                    unencodable.append(request)
+                    continue
                 if plan.num_new_tokens <= 0:
                     break  # its next image does not fit this step's encoder budget or cache
                 n = plan.num_new_tokens
@@ -229,6 +236,8 @@ class Scheduler:
             budget -= n
         for request in reversed(skipped):
             self.waiting.prepend(request)
+        for request in unencodable:
+            self._fail_unencodable(request)
 
         out = self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted)
         if self.encoder_cache is not None:
@@ -292,6 +301,17 @@ class Scheduler:
             return False
         request.status = RequestStatus.WAITING
         return True
+
+    def _fail_unencodable(self, request: Request) -> None:
+        """A P/D decode request that must compute image placeholders (its KV load failed and
+        the policy recomputes): it has no pixels, so it fails instead of waiting forever."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free_request(request)
+        self._pending_outputs.append(EngineCoreOutput(
+            request.request_id, [], "error", "the prompt's image KV must be recomputed but this side "
+            "has no pixels (P/D decode)"))
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":

@@ -20,6 +20,9 @@ class EncoderPlan:
     hits: list[int] = field(default_factory=list)  # items found in the cache (or planned earlier)
     misses: list[int] = field(default_factory=list)  # items to encode this step
     cost: int = 0  # embeddings encoded
+    # The next image has no pixels (a P/D decode side that must recompute the prompt): it
+    # can never run here.
+    missing_pixels: bool = False
 
 
 def plan_encoder_inputs(cache: EncoderCacheManager, request: Request, start: int, num_new_tokens: int,
@@ -39,7 +42,8 @@ def plan_encoder_inputs(cache: EncoderCacheManager, request: Request, start: int
             hit_hashes.add(item.mm_hash)
             continue
         room = cache.num_free_slots + sum(cache.sizes[h] for h in cache.freeable if h not in hit_hashes)
-        if item.pixel_values is None or plan.cost + item.length > min(budget, room):
+        plan.missing_pixels = item.pixel_values is None
+        if plan.missing_pixels or plan.cost + item.length > min(budget, room):
             # Not this step: prefill up to the image; it runs whole in a later step. (No pixels:
             # a P/D decode side, which never encodes; the scheduler fails such a request.)
             plan.num_new_tokens = item.offset - start

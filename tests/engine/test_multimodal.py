@@ -140,3 +140,25 @@ def test_an_image_to_a_text_only_model_is_rejected(tiny_model):
     with pytest.raises(ValueError, match="text-only") as info:
         _run(llm, "hello", [image(0)])
     assert info.value.field == "multi_modal_data"
+
+
+def test_outputs_carry_placeholders_and_hashes_without_pixels(llm):
+    from kvstore.pd import decode_prompt
+
+    out = _run(llm, TWO, [image(14), image(15)])
+    features = out.multi_modal_features
+    assert [item.offset for item in features.items] == [
+        i for i, t in enumerate(out.prompt_token_ids)
+        if t == hf_llava(llm.engine_args.model)[1].config.image_token_index
+        and (i == 0 or out.prompt_token_ids[i - 1] != t)]
+    assert features.items[0].mm_hash != features.items[1].mm_hash
+    prompt = decode_prompt(out.prompt_token_ids, out.outputs[0].token_ids[0], features)
+    assert all(item.pixel_values is None for item in prompt["multi_modal_features"].items)
+
+
+def test_precomputed_features_are_only_for_a_pd_decode_request(llm):
+    out = _run(llm, ONE, [image(16)])
+    prompt = {"prompt_token_ids": out.prompt_token_ids, "multi_modal_features": out.multi_modal_features}
+    with pytest.raises(ValueError, match="only for a P/D decode request") as info:
+        llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert info.value.field == "multi_modal_features"
