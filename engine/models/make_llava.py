@@ -30,12 +30,18 @@ LLAVA_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-# A tiny CLIP: 32x32 images in 8x8 patches -> 16 patches + CLS.
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-              image_size=32, patch_size=8, projection_dim=32, layer_norm_eps=1e-5)
+# CLIP shapes. tiny: 32x32 images in 8x8 patches -> 16 image tokens (tests). bench: CLIP
+# ViT-B/16's image geometry (224 px, 14 px patches -> 256 image tokens) at a third of its
+# width, so the encoder costs about as much as a small LM prefill (benchmarks).
+VISION_PRESETS = {
+    "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                 image_size=32, patch_size=8, projection_dim=32, layer_norm_eps=1e-5),
+    "bench": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4,
+                  image_size=224, patch_size=14, projection_dim=256, layer_norm_eps=1e-5),
+}
 
 
-def make_llava(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
+def make_llava(out_dir: str, preset: str = "tiny", seed: int = 0, vision_preset: str = "tiny") -> str:
     """Write a random-weight LLaVA directory (weights, tokenizer, processor) and return it."""
     from transformers import (
         CLIPImageProcessorPil,
@@ -49,6 +55,9 @@ def make_llava(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
 
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    if vision_preset not in VISION_PRESETS:
+        raise ValueError(f"vision_preset must be one of {sorted(VISION_PRESETS)}, got {vision_preset!r}")
+    vision = VISION_PRESETS[vision_preset]
     os.makedirs(out_dir, exist_ok=True)
     tokenizer = train_tokenizer(PRESETS[preset]["vocab_target"])
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
@@ -61,7 +70,7 @@ def make_llava(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
     text.pop("architectures")
     text.pop("model_type")
     config = LlavaConfig(
-        vision_config=CLIPVisionConfig(**VISION),
+        vision_config=CLIPVisionConfig(**vision),
         text_config=LlamaConfig(**text),
         image_token_index=image_id,
         vision_feature_layer=-2,
@@ -83,16 +92,16 @@ def make_llava(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
             elif "embeddings" in name and "vision" in name:
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(out_dir, safe_serialization=True)
-    side = VISION["image_size"]
+    side = vision["image_size"]
     image_processor = CLIPImageProcessorPil(
         size={"shortest_edge": side}, crop_size={"height": side, "width": side})
     processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=VISION["patch_size"],
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=vision["patch_size"],
         num_additional_image_tokens=1, vision_feature_select_strategy="default",
         image_token=IMAGE_TOKEN, chat_template=LLAVA_CHAT_TEMPLATE,
     )
     processor.save_pretrained(out_dir)
     GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id, bos_token_id=None).save_pretrained(out_dir)
     with open(os.path.join(out_dir, "pdserve_model.json"), "w") as f:
-        json.dump({"preset": preset, "family": "llava", "seed": seed}, f)
+        json.dump({"preset": preset, "family": "llava", "vision_preset": vision_preset, "seed": seed}, f)
     return out_dir
