@@ -117,7 +117,7 @@ class Scheduler:
         preempted: list[Request] = []
         encoder_budget = self.encoder_budget
         to_encode: dict = {}  # mm_hash -> pixel values, for the runner
-        unencodable: list[Request] = []
+        unencodable: list[tuple[Request, bool]] = []  # (request, already out of its queue)
 
         # Phase 1: RUNNING requests, in order; preempt from the back when blocks run out.
         i = 0
@@ -134,7 +134,7 @@ class Scheduler:
                                            encoder_budget)
                 n = plan.num_new_tokens
                 if n <= 0 and plan.missing_pixels:
-                    unencodable.append(request)
+                    unencodable.append((request, False))
             if n <= 0:
                 i += 1
                 continue
@@ -200,8 +200,7 @@ class Scheduler:
             if not load_async and self._uses_encoder(request):
                 plan = plan_encoder_inputs(self.encoder_cache, request, num_computed, n, encoder_budget)
                 if plan.num_new_tokens <= 0 and plan.missing_pixels:
-                    self.waiting.pop()
-                    unencodable.append(request)
+                    unencodable.append((self.waiting.pop(), True))
                     continue
                 if plan.num_new_tokens <= 0:
                     break  # its next image does not fit this step's encoder budget or cache
@@ -236,8 +235,8 @@ class Scheduler:
             budget -= n
         for request in reversed(skipped):
             self.waiting.prepend(request)
-        for request in unencodable:
-            self._fail_unencodable(request)
+        for request, dequeued in unencodable:
+            self._fail_unencodable(request, dequeued)
 
         out = self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted)
         if self.encoder_cache is not None:
@@ -302,11 +301,13 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         return True
 
-    def _fail_unencodable(self, request: Request) -> None:
+    def _fail_unencodable(self, request: Request, dequeued: bool) -> None:
         """A P/D decode request that must compute image placeholders (its KV load failed and
         the policy recomputes): it has no pixels, so it fails instead of waiting forever."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif not dequeued:
+            self.waiting.remove(request)  # preempted later in the same step
         request.status = RequestStatus.FINISHED_ERROR
         self._free_request(request)
         self._pending_outputs.append(EngineCoreOutput(

@@ -162,3 +162,26 @@ def test_precomputed_features_are_only_for_a_pd_decode_request(llm):
     with pytest.raises(ValueError, match="only for a P/D decode request") as info:
         llm.generate(prompt, GREEDY, use_tqdm=False)
     assert info.value.field == "multi_modal_features"
+
+
+def test_a_decode_request_that_must_recompute_an_image_fails_and_frees_everything(llava_model):
+    # A fresh engine with no connector and no prefix cache: the "decode" request must compute
+    # its prompt, image placeholders included, and the image is in no encoder cache, but the
+    # request has no pixels. It fails; it must not wait forever.
+    from engine.kv_transfer_params import KVTransferParams
+    from kvstore.pd import decode_prompt
+
+    prefill = _llm(llava_model)
+    first = _run(prefill, ONE, [image(17)])
+    prompt = decode_prompt(first.prompt_token_ids, first.outputs[0].token_ids[0], first.multi_modal_features)
+    engine = _llm(llava_model, enable_prefix_caching=False).engine
+    engine.add_request("decode-1", prompt, GREEDY, kv_transfer_params=KVTransferParams(num_prior_output_tokens=1))
+    finals = []
+    for _ in range(10):  # bounded: a stuck request would leave this loop with no output
+        finals += [o for o in engine.step() if o.finished]
+        if finals:
+            break
+    assert [o.outputs[0].finish_reason for o in finals] == ["error"]
+    assert "no pixels" in finals[0].outputs[0].stop_reason
+    assert engine.get_num_unfinished_requests() == 0
+    assert engine.core.kv_cache_manager.get_num_free_blocks() == engine.core.num_kv_blocks
