@@ -230,8 +230,8 @@ class EngineCore:
         }
 
     def _encoder_figures(self) -> dict:
-        if self.encoder_cache is None:
-            return {}
-        stats = self.encoder_cache.stats
-        return {"encoder_cache_queries": stats.queries, "encoder_cache_hits": stats.hits,
+        """Zeros for a text-only model: every engine reports the same metric set."""
+        stats = self.encoder_cache.stats if self.encoder_cache is not None else None
+        return {"encoder_cache_queries": stats.queries if stats else 0,
+                "encoder_cache_hits": stats.hits if stats else 0,
                 "encoder_seconds": self.scheduler.encoder_seconds}
