@@ -185,3 +185,20 @@ def test_a_decode_request_that_must_recompute_an_image_fails_and_frees_everythin
     assert "no pixels" in finals[0].outputs[0].stop_reason
     assert engine.get_num_unfinished_requests() == 0
     assert engine.core.kv_cache_manager.get_num_free_blocks() == engine.core.num_kv_blocks
+
+
+@pytest.mark.parametrize("value,expected", [(None, 4), ({"image": 2}, 2), ('{"image": 0}', 0)])
+def test_limit_mm_per_prompt_takes_vllm_forms(value, expected):
+    from engine.args import EngineArgs
+
+    config = EngineArgs(model="unused", limit_mm_per_prompt=value).create_engine_config()
+    assert config.multimodal.limit_mm_per_prompt == expected
+
+
+@pytest.mark.parametrize("value", [{"video": 1}, "image=2", {"image": -1}])
+def test_bad_limit_mm_per_prompt_names_the_field(value):
+    from engine.args import EngineArgs
+
+    with pytest.raises(ValueError) as info:
+        EngineArgs(model="unused", limit_mm_per_prompt=value).create_engine_config()
+    assert info.value.field == "limit_mm_per_prompt"
