@@ -12,6 +12,7 @@ from cluster.http_errors import OpenAIError, rejecting
 from cluster.protocol import ChatCompletionRequest
 from engine.errors import ParameterError
 from engine.multimodal.media import load_image
+from engine.parallel_sampling import child_params
 
 
 def load_images(ingress, body: ChatCompletionRequest) -> list:
@@ -62,34 +63,35 @@ async def create_chat_completion(ingress, body: ChatCompletionRequest) -> Respon
         return fmt.chat_logprobs(ingress.text_of, token_ids, positions or [], n_logprobs)
 
     def whole(finals):
-        out = finals[0]
-        c = out.outputs[0]
-        choices = [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}]
+        choices = [{"index": j, "message": {"role": "assistant", "content": out.outputs[0].text},
+                    "logprobs": logprobs(out.outputs[0].token_ids, out.outputs[0].logprobs),
+                    "finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason}
+                   for j, out in enumerate(finals)]
         return fmt.response_object("chat.completion", request_id, model, choices,
-                                   fmt.usage(len(out.prompt_token_ids), len(c.token_ids)))
+                                   fmt.usage(len(ids), sum(len(out.outputs[0].token_ids) for out in finals)))
 
     async def chunks(merged):
-        n_gen = 0
+        n_gen = [0] * n
         yield fmt.response_object("chat.completion", request_id, model, [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-             "finish_reason": None}], None, True)
-        async for _, out in merged:
+            {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+             "finish_reason": None} for j in range(n)], None, True)
+        async for j, out in merged:
             c = out.outputs[0]
-            n_gen = len(c.token_ids)
+            n_gen[j] = len(c.token_ids)
             finish = c.finish_reason if out.finished else None
             if not out.delta_text and not out.delta_token_ids and finish is None:
                 continue
             delta = {"content": out.delta_text} if out.delta_text or finish is None else {}
-            u = fmt.usage(len(ids), n_gen) if body.continuous_usage else None
+            u = fmt.usage(len(ids), n_gen[j]) if body.continuous_usage else None
             yield fmt.response_object("chat.completion", request_id, model, [
-                {"index": 0, "delta": delta, "logprobs": logprobs(out.delta_token_ids, out.delta_logprobs),
+                {"index": j, "delta": delta, "logprobs": logprobs(out.delta_token_ids, out.delta_logprobs),
                  "finish_reason": finish}], u, True)
         if body.include_usage:
-            yield fmt.response_object("chat.completion", request_id, model, [], fmt.usage(len(ids), n_gen), True)
+            yield fmt.response_object("chat.completion", request_id, model, [], fmt.usage(len(ids), sum(n_gen)), True)
 
+    # `n` > 1: n requests of the same prompt (engine.parallel_sampling); choice j is sample j.
+    n = params.n
     prompt = {"prompt": text, "prompt_token_ids": ids}
     if images:
         prompt["multi_modal_data"] = {"image": images}
-    return await ingress.respond([prompt], [params], request_id, body.stream, chunks, whole)
+    return await ingress.respond([prompt] * n, child_params(params), request_id, body.stream, chunks, whole, n)

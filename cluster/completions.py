@@ -11,6 +11,7 @@ from cluster import openai_format as fmt
 from cluster.http_errors import rejecting
 from cluster.protocol import CompletionRequest
 from engine.outputs import RequestOutput
+from engine.parallel_sampling import child_params
 
 
 async def create_completion(ingress, body: CompletionRequest) -> Response:
@@ -26,6 +27,10 @@ async def create_completion(ingress, body: CompletionRequest) -> Response:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
     request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
     model, n_logprobs, echo = ingress.model_name, body.logprobs, body.echo
+    # `n` > 1: each prompt's n samples run as n requests; choice index = prompt index * n + j.
+    n = params.n
+    prompts = [p for p in prompts for _ in range(n)]
+    per_prompt = [c for p in per_prompt for c in child_params(p)]
 
     def choice(i, out: RequestOutput, text: str, ids: list[int], positions, offset: int, finish) -> dict:
         lp = (fmt.completion_logprobs(ingress.text_of, ids, positions or [], n_logprobs, offset)
@@ -39,7 +44,7 @@ async def create_completion(ingress, body: CompletionRequest) -> Response:
             c = out.outputs[0]
             prefix = prompts[i]["prompt"] if echo else ""
             choices.append(choice(i, out, prefix + c.text, c.token_ids, c.logprobs, len(prefix), c.finish_reason))
-            n_prompt += len(out.prompt_token_ids)
+            n_prompt += len(out.prompt_token_ids) if i % n == 0 else 0  # once per prompt, as OpenAI
             n_gen += len(c.token_ids)
         return fmt.response_object("text_completion", request_id, model, choices, fmt.usage(n_prompt, n_gen))
 
@@ -63,6 +68,6 @@ async def create_completion(ingress, body: CompletionRequest) -> Response:
             yield fmt.response_object("text_completion", request_id, model, [ch], u, True)
         if body.include_usage:
             yield fmt.response_object("text_completion", request_id, model, [], fmt.usage(
-                sum(c[0] for c in counts), sum(c[1] for c in counts)), True)
+                sum(c[0] for c in counts[::n]), sum(c[1] for c in counts)), True)
 
-    return await ingress.respond(prompts, per_prompt, request_id, body.stream, chunks, whole)
+    return await ingress.respond(prompts, per_prompt, request_id, body.stream, chunks, whole, n)

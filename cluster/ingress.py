@@ -95,11 +95,14 @@ class Ingress:
         return ids, params
 
     async def respond(self, prompts: list[dict], params: list, request_id: str, stream: bool, chunks,
-                      whole) -> Response:
-        """Run every prompt; stream `chunks(merged outputs)` as SSE or return `whole(finals)`."""
+                      whole, n: int = 1) -> Response:
+        """Run every prompt; stream `chunks(merged outputs)` as SSE or return `whole(finals)`.
+        With `n` > 1 the lists hold each prompt n times in a row (its parallel samples, with
+        their own params: engine.parallel_sampling), so output g is choice `index` g."""
         if len(prompts) > self.max_pending:
-            raise OpenAIError(400, f"prompt holds {len(prompts)} prompts; at most {self.max_pending} per request",
-                              param="prompt")
+            what = f"{len(prompts) // n} prompts x n={n}" if n > 1 else f"{len(prompts)} prompts"
+            raise OpenAIError(400, f"the request holds {what} = {len(prompts)} sequences; at most "
+                              f"{self.max_pending} per request", param="n" if n > 1 else "prompt")
         token = self._admit(len(prompts))
         # Engine ids are unique even when a client reuses its request_id (it stays the response id).
         suffix = uuid.uuid4().hex[:8]

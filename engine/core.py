@@ -98,7 +98,10 @@ class EngineCore:
             # One throwaway forward, so the first real request does not pay for first-touch
             # allocations and kernel set-up (measured ~1.7 s on the small model). On CUDA the
             # memory profile run above already did this.
-            self.executor.profile_run(min(sc.max_num_batched_tokens, _WARMUP_TOKENS))
+            # Under the Triton interpreter (tests of the kernel path) a 512-token forward costs
+            # about a minute and warms nothing worth having: a few tokens exercise the same code.
+            warmup = _WARMUP_TOKENS if backend == "torch" else 8
+            self.executor.profile_run(min(sc.max_num_batched_tokens, warmup))
         self.executor.initialize_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.connector = (kv_connector_factory(KVConnectorRole.SCHEDULER)

@@ -11,6 +11,7 @@ from engine.errors import ParameterError
 from engine.llm_engine import LLMEngine
 from engine.metrics import Metric
 from engine.outputs import RequestOutput
+from engine.parallel_sampling import child_params, child_request_id, merge_children
 from engine.processor import PromptType
 from engine.sampling_params import SamplingParams
 
@@ -59,20 +60,25 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ParameterError("priority", f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}")
 
-        ids: list[str] = []
+        # One entry per prompt: (request id, the ids of its n children; [id] when n == 1).
+        requests: list[tuple[str, list[str]]] = []
+        queued: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 self._counter += 1
-                rid = self.engine.add_request(
-                    f"offline-{self._counter}", prompt, p, priority=priority[i] if priority else 0
-                )
-                ids.append(rid)
+                rid = f"offline-{self._counter}"
+                children = [rid] if p.n == 1 else [child_request_id(rid, j) for j in range(p.n)]
+                requests.append((rid, children))
+                for cid, cp in zip(children, child_params(p)):
+                    queued.append(self.engine.add_request(cid, prompt, cp, priority=priority[i] if priority else 0))
         except ValueError:
-            self.engine.abort_request(ids)  # nothing of a rejected batch stays queued
+            self.engine.abort_request(queued)  # nothing of a rejected batch stays queued
             raise
-        return self._run(ids, use_tqdm)
+        finished = self._run(queued, use_tqdm)
+        return [finished[rid] if children == [rid] else merge_children(rid, [finished[c] for c in children])
+                for rid, children in requests]
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         pending = set(ids)
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
@@ -86,7 +92,7 @@ class LLM:
             except BaseException:
                 self.engine.abort_request(list(pending))
                 raise
-        return [finished[rid] for rid in ids]
+        return finished
 
     def get_metrics(self) -> list[Metric]:
         """Counters, gauges and histograms under vLLM's names, as vLLM's `LLM.get_metrics()`."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, resolve_max_model_len
+from engine.errors import ParameterError
 from engine.kv_connector import KVConnectorFactory
 from engine.kv_transfer_params import KVTransferParams
 from engine.metrics import Metric, StatsRecorder
@@ -61,7 +62,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
     ) -> str:
-        """Validate, tokenize and queue a request; raises ParameterError on bad input."""
+        """Validate, tokenize and queue a request; raises ParameterError on bad input. The
+        engine runs n=1 requests: LLM.generate and the HTTP ingress fan `n` > 1 out
+        (engine.parallel_sampling)."""
+        if params.n != 1:
+            raise ParameterError("n", f"n={params.n}: this engine API takes n=1 requests; LLM.generate and the "
+                                 "HTTP server fan n > 1 out into n requests (engine.parallel_sampling)")
         request, text = self.processor.process(
             prompt, params, request_id, priority, cache_salt, kv_transfer_params
         )

@@ -9,6 +9,8 @@ from engine.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 _INT32_MAX = 2**31 - 1
+# Parallel samples per request (engine.parallel_sampling fans them out as separate requests).
+MAX_N = 128
 
 
 @dataclass
@@ -49,8 +51,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not isinstance(self.n, int) or self.n != 1:
-            raise ParameterError("n", f"n must be 1 (parallel sampling is not supported), got {self.n!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise ParameterError("n", f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ParameterError("temperature", f"temperature must be >= 0, got {self.temperature}")

@@ -50,13 +50,51 @@ def test_colocated_greedy_equals_hf(app, tiny_model):
     assert status["target"] == {"colocated": 1} and len(status["colocated"]) == 1
 
 
+def test_n_choices_stream_and_whole_agree_and_equal_the_seeded_singles(app, tiny_model):
+    """`n`=2 through the official client: greedy choices both equal HF; sampled choice j is the
+    n=1 request with seed+j (engine.parallel_sampling); the stream reassembles, per index, to
+    the non-streamed response; usage counts the prompt once."""
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    client = OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
+    prompt = "The river ran quietly past"
+    greedy = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, n=2)
+    expected = tok.decode(hf_greedy(tiny_model, [tok.encode(prompt)], 10)[0], skip_special_tokens=True)
+    assert [(c.index, c.text) for c in greedy.choices] == [(0, expected), (1, expected)]
+    single = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0)
+    assert greedy.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt once, as OpenAI
+    assert greedy.usage.completion_tokens == 2 * single.usage.completion_tokens
+
+    sampled = dict(model=NAME, max_tokens=12, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    whole = client.chat.completions.create(messages=messages, n=2, **sampled)
+    singles = [client.chat.completions.create(messages=messages, **{**sampled, "seed": 11 + j})
+               for j in range(2)]
+    assert [c.message.content for c in whole.choices] == [s.choices[0].message.content for s in singles]
+    assert len({c.message.content for c in whole.choices}) == 2  # seeds 11 and 12 differ
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert whole.usage.prompt_tokens == singles[0].usage.prompt_tokens and whole.usage.completion_tokens == 24
+    streamed = ["", ""]
+    finish = [None, None]
+    for chunk in client.chat.completions.create(messages=messages, n=2, stream=True, **sampled):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert streamed == [c.message.content for c in whole.choices]
+    assert finish == ["length", "length"]
+    assert_no_leaks(app, APP, {"colocated"})
+
+
 CHAT_BAD = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),  # the field the client sent
     ({"max_completion_tokens": ENGINE["max_model_len"]}, "max_completion_tokens"),  # beyond the context
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "word " * 600}]}, "messages"),  # over the context
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 3}, "n"),  # 3 sequences > this app's max_pending_requests of 2
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"temperature": -1}, "temperature"),
 ]

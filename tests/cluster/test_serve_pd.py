@@ -157,6 +157,11 @@ def test_batched_prompts_and_token_prompts(client, tiny_model, tokenizer):
         assert c.text == _hf_text(tiny_model, tokenizer, tokenizer.encode(p), 8)[0]
     r = client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0)
     assert r.choices[0].text == _hf_text(tiny_model, tokenizer, ids, 8)[0]
+    # n=2 over two prompts: choice index = prompt index * n + sample (vLLM's order), each greedy.
+    r = client.completions.create(model=NAME, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [_hf_text(tiny_model, tokenizer, tokenizer.encode(p), 8)[0]
+                                           for p in PROMPTS[1:3] for _ in range(2)]
 
 
 def test_logprobs_match_hf(client, tiny_model, tokenizer):
@@ -211,7 +216,8 @@ BAD = [
     ({"top_k": -3}, "top_k"),
     ({"min_p": 2}, "min_p"),
     ({"logprobs": 50}, "logprobs"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 200}, "n"),
     ({"max_tokens": "ten"}, "max_tokens"),
     ({"prompt": None}, "prompt"),
     ({"stop_token_ids": [10**9]}, "stop_token_ids"),

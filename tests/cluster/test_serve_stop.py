@@ -134,8 +134,8 @@ def test_stop_path_drains_the_stream_then_ends_every_process_within_the_bound(se
     # reloads HAProxy when its targets change (a new process takes the socket over, `-sf OLD`), so
     # one look can fall between the two owners: look again, bounded.
     deadline = time.monotonic() + 10
-    while not any("haproxy" in owner for owner in (owners := listeners(srv.port))):
-        assert time.monotonic() < deadline, f"port {srv.port} is not HAProxy's: {owners}"
+    while not any("haproxy" in owner for owner in listeners(srv.port)):
+        assert time.monotonic() < deadline, f"port {srv.port} is not HAProxy's: {listeners(srv.port)}"
         time.sleep(0.1)
     tokens_at_signal = stream.tokens
 

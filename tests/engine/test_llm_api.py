@@ -37,7 +37,9 @@ def _assert_idle(llm):
         (dict(min_tokens=-1), "min_tokens"),
         (dict(min_tokens=5, max_tokens=2), "min_tokens"),
         (dict(logprobs=21), "logprobs"),
-        (dict(n=2), "n"),
+        (dict(n=0), "n"),
+        (dict(n=129), "n"),
+        (dict(n=True), "n"),
         (dict(stop=[""]), "stop"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
         (dict(seed="x"), "seed"),
@@ -180,3 +182,34 @@ def test_prefix_cache_reports_cached_tokens(llm):
     again = llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert again.num_cached_tokens == 32
     assert llm.engine.core.kv_cache_manager.stats.hits >= 32
+
+
+def test_n_samples_are_n_requests_with_seeds_seed_plus_j(llm, tiny_model):
+    """`n` > 1 (engine.parallel_sampling): greedy samples all equal HF's greedy tokens; sampled
+    ones are exactly the n=1 requests with seed+j, in index order, and nothing stays queued."""
+    from tests.engine.hf_reference import hf_greedy
+
+    prompt = random_prompts([11], 200, seed=5)[0]
+    greedy = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=3, temperature=0, max_tokens=8),
+                          use_tqdm=False)[0]
+    expected = hf_greedy(tiny_model, [prompt], 8)[0]
+    assert [c.index for c in greedy.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in greedy.outputs] == [expected] * 3
+    assert greedy.finished and greedy.prompt_token_ids == prompt
+
+    params = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+    both = llm.generate([{"prompt_token_ids": prompt}] * 2,
+                        [SamplingParams(n=4, seed=7, **params), SamplingParams(n=1, seed=9, **params)],
+                        use_tqdm=False)
+    singles = llm.generate([{"prompt_token_ids": prompt}] * 4,
+                           [SamplingParams(seed=7 + j, **params) for j in range(4)], use_tqdm=False)
+    assert [c.token_ids for c in both[0].outputs] == [o.outputs[0].token_ids for o in singles]
+    assert len({tuple(c.token_ids) for c in both[0].outputs}) > 1  # the samples differ
+    assert len(both[1].outputs) == 1
+    _assert_idle(llm)
+
+
+def test_the_engine_api_takes_n_1_only(llm):
+    with pytest.raises(ValueError, match="n=2"):
+        llm.engine.add_request("direct", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=2))
+    _assert_idle(llm)
