@@ -202,3 +202,20 @@ def test_bad_limit_mm_per_prompt_names_the_field(value):
     with pytest.raises(ValueError) as info:
         EngineArgs(model="unused", limit_mm_per_prompt=value).create_engine_config()
     assert info.value.field == "limit_mm_per_prompt"
+
+
+def test_preempted_image_requests_resume_with_the_same_tokens(llava_model):
+    # 16 blocks of 8 tokens for four ~40-token requests: decode runs out of blocks and
+    # preempts; a resumed request re-plans its image (cached, or encoded again).
+    llm = LLM(llava_model, num_kv_blocks=16, block_size=8, max_model_len=128, max_num_batched_tokens=64,
+              long_prefill_token_threshold=8)
+    cases = [(TWO, [image(50), image(51)]), (ONE, [image(52)]), (TWO, [image(51), image(53)]), (ONE, [image(50)])]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": ims}} for t, ims in cases], params,
+                        use_tqdm=False)
+    assert _metric(llm, "vllm:num_preemptions") > 0
+    for out, (text, ims) in zip(outs, cases):
+        assert out.outputs[0].token_ids == hf_llava_greedy(llava_model, text, ims, 24)
+    core = llm.engine.core
+    assert core.kv_cache_manager.get_num_free_blocks() == core.num_kv_blocks
+    assert core.encoder_cache.num_referenced == 0
