@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 import torch
 
 
-@dataclass(frozen=True)
+# eq=False: items hold tensors, whose == is elementwise; an item is equal only to itself.
+@dataclass(frozen=True, eq=False)
 class MultiModalItem:
     """One image: where its placeholder tokens sit and what the encoder needs.
 
