@@ -138,7 +138,8 @@ async def pd_flow(peers, prompt, params: SamplingParams, request_id: str,
         owns_release = exported is None
         decode_error = None
         try:
-            async for out in peers.decode(decode_prompt(first.prompt_token_ids, c.token_ids[0]),
+            async for out in peers.decode(decode_prompt(first.prompt_token_ids, c.token_ids[0],
+                                                        first.multi_modal_features),
                                           decode_params(params), request_id, kv_params):
                 if out.finished and out.outputs[0].finish_reason == "error":
                     decode_error = out.outputs[0].stop_reason  # its connector released the transfer

@@ -10,7 +10,25 @@ from fastapi.responses import Response
 from cluster import openai_format as fmt
 from cluster.http_errors import OpenAIError, rejecting
 from cluster.protocol import ChatCompletionRequest
+from engine.errors import ParameterError
+from engine.multimodal.media import load_image
 from engine.parallel_sampling import child_params
+
+
+def load_images(ingress, body: ChatCompletionRequest) -> list:
+    """The request's images, decoded here (the front end) so a bad one is a 400 naming its
+    part; nothing is fetched from the network."""
+    urls = body.image_urls()
+    if urls and ingress.processor.mm_processor is None:
+        raise OpenAIError(400, "this model is text-only: image_url content parts are not accepted",
+                          param=urls[0][0])
+    images = []
+    for param, url in urls:
+        try:
+            images.append(load_image(url, ingress.allowed_local_media_path))
+        except ParameterError as e:
+            raise OpenAIError(400, str(e), param=param) from e
+    return images
 
 
 def render(tokenizer, body: ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -32,9 +50,10 @@ async def create_chat_completion(ingress, body: ChatCompletionRequest) -> Respon
     ingress.check_model(body.model)
     with rejecting(body):
         params = body.sampling_params()
+    images = load_images(ingress, body)
     text, ids = render(ingress.tokenizer, body)
     with rejecting(body):
-        params = ingress.validate(ids, params)
+        ids, params = ingress.validate_with_images(ids, images, params)
     request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     model, n_logprobs = ingress.model_name, body.num_logprobs
 
@@ -73,4 +92,6 @@ async def create_chat_completion(ingress, body: ChatCompletionRequest) -> Respon
     # `n` > 1: n requests of the same prompt (engine.parallel_sampling); choice j is sample j.
     n = params.n
     prompt = {"prompt": text, "prompt_token_ids": ids}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
     return await ingress.respond([prompt] * n, child_params(params), request_id, body.stream, chunks, whole, n)

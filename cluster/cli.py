@@ -14,9 +14,13 @@ from engine.args import EngineArgs
 
 
 def _cmd_make_model(args) -> int:
+    from engine.models.make_llava import make_llava
     from engine.models.make_model import make_model
 
-    make_model(args.dir, args.preset, args.family, seed=args.seed)
+    if args.family == "llava":  # CLIP + projector + a Llama LM, with its image processor
+        make_llava(args.dir, args.preset, seed=args.seed, vision_preset=args.vision_preset)
+    else:
+        make_model(args.dir, args.preset, args.family, seed=args.seed)
     print(f"wrote {args.preset} {args.family} model to {args.dir}")
     return 0
 
@@ -61,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     mm = sub.add_parser("make-model", help="write a random-weight HF model with a local tokenizer")
     mm.add_argument("dir")
     mm.add_argument("--preset", default="tiny", choices=["tiny", "small", "bench", "1b"])
-    mm.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
+    mm.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2", "qwen3", "llava"])
     mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--vision-preset", default="tiny", choices=["tiny", "bench"],
+                    help="CLIP shape of a llava model (tiny: 16 image tokens; bench: 256)")
     mm.set_defaults(fn=_cmd_make_model)
 
     gen = sub.add_parser("generate", help="complete prompts with the offline engine")

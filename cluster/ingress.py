@@ -53,6 +53,7 @@ class Ingress:
         self.prefill, self.decode, self.coordinator = prefill, decode, coordinator
         engine_args: EngineArgs = settings["engine_args"]
         self.model_dir = engine_args.model
+        self.allowed_local_media_path = engine_args.allowed_local_media_path
         self.model_name = settings["served_model_name"]
         self.max_pending = settings["max_pending_requests"]
         self.load_failure_policy = settings["load_failure_policy"]
@@ -80,6 +81,18 @@ class Ingress:
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=self.processor.max_model_len - len(ids))
         return params
+
+    def validate_with_images(self, ids: list[int], images: list, params: SamplingParams):
+        """`validate` for a prompt that may carry images: (the ids with their image
+        placeholders expanded, the params)."""
+        if not images:
+            return ids, self.validate(ids, params)
+        request, _ = self.processor.process({"prompt_token_ids": ids, "multi_modal_data": {"image": images}},
+                                            params)
+        ids = request.prompt_token_ids
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=self.processor.max_model_len - len(ids))
+        return ids, params
 
     async def respond(self, prompts: list[dict], params: list, request_id: str, stream: bool, chunks,
                       whole, n: int = 1) -> Response:

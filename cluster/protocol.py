@@ -186,11 +186,21 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    url: str
+    detail: str | None = None  # accepted and ignored: the model's processor fixes the size
+
+
+class ImageURLPart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageURLPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -198,7 +208,21 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def template_content(self) -> str | list[dict]:
+        """What the chat template sees: the text, or (with images) the parts in order, an
+        image as {"type": "image"} for the template to place the model's image token."""
+        if not isinstance(self.content, list) or not any(isinstance(p, ImageURLPart) for p in self.content):
+            return self.text()
+        return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                for p in self.content]
+
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(content index, url) of each image part."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, p.image_url.url) for j, p in enumerate(self.content) if isinstance(p, ImageURLPart)]
 
 
 class ChatCompletionRequest(_Sampling):
@@ -221,7 +245,7 @@ class ChatCompletionRequest(_Sampling):
     def param(self, field: str) -> str:
         """The engine's prompt is the rendered `messages`, its logprobs count `top_logprobs`,
         its max_tokens whichever of max_tokens / max_completion_tokens the client sent."""
-        if field == "prompt":
+        if field in ("prompt", "multi_modal_data"):
             return "messages"
         if field == "logprobs":
             return "top_logprobs"
@@ -238,7 +262,12 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [{"role": m.role, "content": m.template_content()} for m in self.messages]
+
+    def image_urls(self) -> list[tuple[str, str]]:
+        """(OpenAI `param` path, url) of every image part, in conversation order."""
+        return [(f"messages[{i}].content[{j}].image_url.url", url)
+                for i, m in enumerate(self.messages) for j, url in m.image_urls()]
 
 
 def _response_format_params(rf: dict) -> StructuredOutputsParams:

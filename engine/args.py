@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from engine.config import (
@@ -21,6 +22,7 @@ from engine.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    MultiModalConfig,
     ParallelConfig,
     SchedulerConfig,
 )
@@ -56,6 +58,16 @@ class EngineArgs:
                                               "CUDA, 2048 on CPU)")
     long_prefill_token_threshold: int = _arg(0, "chunk prompts longer than this per step (0: off)")
     scheduling_policy: str = _arg("fcfs", "order of the waiting queue", POLICIES)
+    # multimodal
+    limit_mm_per_prompt: dict | str | None = _arg(
+        None, 'images per prompt, as {"image": N} (a JSON string on the command line; default 4)')
+    encoder_cache_size: int | None = _arg(None, "encoder cache capacity in image embeddings (default: "
+                                          "max_num_batched_tokens)")
+    max_num_encoder_input_tokens: int | None = _arg(None, "image embeddings encoded per step at most "
+                                                    "(default: max_num_batched_tokens)")
+    allowed_local_media_path: str | None = _arg(
+        None, "a directory whose files chat requests may name as file:// image URLs (default: none; "
+        "remote URLs are never fetched)")
     # execution
     kernel_backend: str = _arg("auto", "kernel implementation (auto: Triton on CUDA, torch on CPU)",
                                BACKENDS)
@@ -141,9 +153,29 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
+            multimodal=MultiModalConfig(
+                limit_mm_per_prompt=_image_limit(self.limit_mm_per_prompt),
+                encoder_cache_size=self.encoder_cache_size,
+                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+            ),
             kernel_backend=self.kernel_backend,
             enforce_eager=self.enforce_eager,
         )
+
+
+def _image_limit(value) -> int:
+    """limit_mm_per_prompt as vLLM takes it ({"image": N}, or that as JSON) -> N."""
+    if value is None:
+        return MultiModalConfig.limit_mm_per_prompt
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            value = None
+    if not isinstance(value, dict) or set(value) - {"image"}:
+        raise ParameterError("limit_mm_per_prompt", 'limit_mm_per_prompt must be {"image": N} with N >= 0, '
+                             f"got {value!r}")
+    return value.get("image", MultiModalConfig.limit_mm_per_prompt)
 
 
 def _cli_type(annotation: str):

@@ -92,6 +92,32 @@ def resolved_token_budget(config: SchedulerConfig, device_type: str) -> Schedule
 
 
 @dataclass(frozen=True)
+class MultiModalConfig:
+    """Multimodal limits (vLLM's names). Ignored for a text-only model."""
+
+    # Images one prompt may carry.
+    limit_mm_per_prompt: int = 4
+    # Encoder cache capacity and per-step encoder budget, in encoder output embeddings
+    # (placeholder tokens). None: the step's token budget. Both are raised to at least one
+    # image's worth, since one image's encoder run is never split.
+    encoder_cache_size: int | None = None
+    max_num_encoder_input_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("limit_mm_per_prompt", self.limit_mm_per_prompt, 0)
+        if self.encoder_cache_size is not None:
+            check_int("encoder_cache_size", self.encoder_cache_size)
+        if self.max_num_encoder_input_tokens is not None:
+            check_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens)
+
+    def budgets(self, step_tokens: int, tokens_per_item: int) -> tuple[int, int]:
+        """(encoder cache size, per-step encoder budget) resolved for a model and device."""
+        size = self.encoder_cache_size or step_tokens
+        budget = self.max_num_encoder_input_tokens or step_tokens
+        return max(size, tokens_per_item), max(budget, tokens_per_item)
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -120,6 +146,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     # Which implementation of the kernel contract to run: "auto" is Triton on CUDA and the
     # torch references on CPU; "triton" / "torch" force one.
     kernel_backend: str = "auto"

@@ -17,8 +17,11 @@ from engine.executor import Executor, WorkerConfig, executor_class
 from engine.kv_cache import KVCacheManager
 from engine.kv_connector import KVConnectorFactory, KVConnectorRole
 from engine.models.arch import ModelArch, load_arch
+from engine.models.gguf_file import find_gguf
+from engine.models.llava import load_vision_arch
 from engine.models.loader import resolve_dtype
 from engine.models.parallel import check_tp_size
+from engine.multimodal.encoder_cache import EncoderCacheManager
 from engine.request import Request, RequestStatus
 from engine.sched_output import EngineCoreOutput
 from engine.scheduler import Scheduler
@@ -107,8 +110,9 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(
             self._structured_output_backend, self.arch.vocab_size, sc.max_num_seqs)
         self._wakeup = None
+        self.encoder_cache, encoder_budget = self._encoder_cache(sc.max_num_batched_tokens)
         self.scheduler = Scheduler(sc, cc, self.kv_cache_manager, self.max_model_len, self.connector,
-                                   self.structured_output_manager)
+                                   self.structured_output_manager, self.encoder_cache, encoder_budget)
         # Last, so that the build does not compete with the profile run above (vLLM also
         # builds its grammar backend's tokenizer data at start-up).
         self.structured_output_backend_built = self.structured_output_manager.prebuild()
@@ -139,6 +143,15 @@ class EngineCore:
                 f"least {blocks_per_seq} blocks or lower max_model_len"
             )
         return n
+
+    def _encoder_cache(self, step_tokens: int) -> tuple[EncoderCacheManager | None, int]:
+        """(encoder cache bookkeeping, per-step encoder budget); (None, 0) for a text model."""
+        model_dir = self.config.model.model
+        vision = None if find_gguf(model_dir) is not None else load_vision_arch(model_dir)
+        if vision is None:
+            return None, 0
+        size, budget = self.config.multimodal.budgets(step_tokens, vision.tokens_per_image)
+        return EncoderCacheManager(size), budget
 
     def _structured_output_backend(self):
         """Built on a compile thread when the engine starts (see the manager's prebuild)."""
@@ -216,4 +229,12 @@ class EngineCore:
             "prefix_cache_queries": self.kv_cache_manager.stats.queries,
             "prefix_cache_hits": self.kv_cache_manager.stats.hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            **self._encoder_figures(),
         }
+
+    def _encoder_figures(self) -> dict:
+        """Zeros for a text-only model: every engine reports the same metric set."""
+        stats = self.encoder_cache.stats if self.encoder_cache is not None else None
+        return {"encoder_cache_queries": stats.queries if stats else 0,
+                "encoder_cache_hits": stats.hits if stats else 0,
+                "encoder_seconds": self.scheduler.encoder_seconds}

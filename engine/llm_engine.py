@@ -9,6 +9,9 @@ from engine.kv_connector import KVConnectorFactory
 from engine.kv_transfer_params import KVTransferParams
 from engine.metrics import Metric, StatsRecorder
 from engine.models.arch import load_arch
+from engine.models.gguf_file import find_gguf
+from engine.models.llava import load_vision_arch
+from engine.multimodal.processor import MultiModalProcessor
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.processor import InputProcessor, PromptType
@@ -24,7 +27,15 @@ def front_end(config: EngineConfig) -> tuple[object, InputProcessor]:
     arch = load_arch(model_dir)  # first: its errors name what is wrong with the path
     tokenizer = load_tokenizer(model_dir)
     max_len = resolve_max_model_len(config.model.max_model_len, arch)
-    return tokenizer, InputProcessor(tokenizer, max_len, arch.vocab_size, eos_token_ids(model_dir, tokenizer))
+    return tokenizer, input_processor(config, tokenizer, max_len, arch.vocab_size)
+
+
+def input_processor(config: EngineConfig, tokenizer, max_model_len: int, vocab_size: int) -> InputProcessor:
+    model_dir = config.model.model
+    vision = None if find_gguf(model_dir) is not None else load_vision_arch(model_dir)
+    mm = None if vision is None else MultiModalProcessor(
+        model_dir, vision, tokenizer, config.multimodal.limit_mm_per_prompt)
+    return InputProcessor(tokenizer, max_model_len, vocab_size, eos_token_ids(model_dir, tokenizer), mm)
 
 
 class LLMEngine:
@@ -34,9 +45,7 @@ class LLMEngine:
         self.core = EngineCore(config, kv_connector_factory)  # first: it validates the model path
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
-        self.processor = InputProcessor(
-            self.tokenizer, self.core.max_model_len, self.core.arch.vocab_size, self.eos_token_ids
-        )
+        self.processor = input_processor(config, self.tokenizer, self.core.max_model_len, self.core.arch.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = StatsRecorder(model_dir, self.core.max_model_len)
 

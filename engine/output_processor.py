@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from engine.multimodal.features import MultiModalFeatures
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
 from engine.sched_output import EngineCoreOutput
@@ -19,6 +20,7 @@ class _RequestState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     sent_chars: int = 0  # how much of `text` streaming has handed out
+    mm_features: MultiModalFeatures | None = None  # without pixels, for the RequestOutputs
 
 
 class OutputProcessor:
@@ -39,6 +41,7 @@ class OutputProcessor:
             text=prior_text,
             sent_chars=max(len(prior_text) - _stop_hold(params), 0),
             logprobs=[] if params.logprobs is not None else None,
+            mm_features=None if request.mm_features is None else request.mm_features.without_pixels(),
         )
 
     def remove(self, request_id: str) -> None:
@@ -87,6 +90,7 @@ class OutputProcessor:
                     request_id=co.request_id,
                     prompt=state.prompt,
                     prompt_token_ids=state.request.prompt_token_ids,
+                    multi_modal_features=state.mm_features,
                     outputs=[
                         CompletionOutput(
                             index=0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.kv_transfer_params import KVTransferParams
+from engine.multimodal.features import MultiModalFeatures
 
 # {token_id: logprob} for the sampled token plus the top-N alternatives at one position.
 PositionLogprobs = dict[int, float]
@@ -36,6 +37,9 @@ class RequestOutput:
     delta_logprobs: list[PositionLogprobs] | None = None
     kv_transfer_params: KVTransferParams | None = None
     metrics: dict = field(default_factory=dict)
+    # The prompt's image placeholders and hashes, never pixels: what a P/D decode side needs
+    # to hash its prompt blocks as the prefill side did (vLLM reports placeholders here too).
+    multi_modal_features: MultiModalFeatures | None = None
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ def merge_children(parent_id: str, children: list[RequestOutput]) -> RequestOutp
     outputs = [dataclasses.replace(child.outputs[0], index=j) for j, child in enumerate(children)]
     return RequestOutput(parent_id, first.prompt, first.prompt_token_ids, outputs,
                          all(c.finished for c in children), first.num_cached_tokens,
-                         metrics=first.metrics)
+                         metrics=first.metrics, multi_modal_features=first.multi_modal_features)
 
 
 def _wrap_seed(seed: int) -> int:

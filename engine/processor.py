@@ -7,16 +7,23 @@ import uuid
 
 from engine.errors import ParameterError
 from engine.kv_transfer_params import KVTransferParams
+from engine.multimodal.features import MultiModalFeatures
+from engine.multimodal.processor import FIELD as MM_FIELD
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.structured_output import validate as validate_structured_outputs
 
 PromptType = str | dict
+# A P/D decode prompt's image placeholders and hashes (kvstore.pd.decode_prompt).
+FEATURES_FIELD = "multi_modal_features"
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int],
+                 mm_processor=None) -> None:
         self.tokenizer = tokenizer
+        # engine.multimodal.processor.MultiModalProcessor for an image model, else None.
+        self.mm_processor = mm_processor
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -49,7 +56,7 @@ class InputProcessor:
     ) -> tuple[Request, str | None]:
         if not isinstance(params, SamplingParams):
             raise ParameterError("sampling_params", f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self.tokenize(prompt)
+        text, ids, mm_features = self._tokenize_with_media(prompt, kv_transfer_params)
         n = len(ids)
         if n == 0:
             raise ParameterError("prompt", "prompt must not be empty")
@@ -89,5 +96,40 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
+            mm_features=mm_features,
         )
         return request, text
+
+    def _tokenize_with_media(self, prompt: PromptType, kv_transfer_params: KVTransferParams | None):
+        """(text, token ids, MultiModalFeatures or None). An image model runs every prompt
+        through its processor, so stray placeholders without images are caught too."""
+        if isinstance(prompt, dict) and prompt.get(FEATURES_FIELD) is not None:
+            return self._decode_side_features(prompt, kv_transfer_params)
+        has_media = isinstance(prompt, dict) and prompt.get(MM_FIELD) is not None
+        if self.mm_processor is None:
+            if has_media:
+                raise ParameterError(MM_FIELD, f"{MM_FIELD}: this model is text-only and takes no images")
+            return (*self.tokenize(prompt), None)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            self.tokenize({"prompt_token_ids": prompt["prompt_token_ids"]})  # validates the ids
+        elif not (isinstance(prompt, str) or (isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str))):
+            self.tokenize(prompt)  # raises the usual error
+        return self.mm_processor.process(prompt if isinstance(prompt, dict) else {"prompt": prompt})
+
+    def _decode_side_features(self, prompt: dict, kv_transfer_params: KVTransferParams | None):
+        """A P/D decode prompt: token ids with placeholders already expanded and the features
+        the prefill side computed (no pixels: the prompt's KV is loaded, not recomputed)."""
+        features = prompt[FEATURES_FIELD]
+        if kv_transfer_params is None or self.mm_processor is None:
+            raise ParameterError(FEATURES_FIELD, f"{FEATURES_FIELD} is only for a P/D decode request of an "
+                                 "image model (it comes with kv_transfer_params)")
+        if not isinstance(features, MultiModalFeatures):
+            raise ParameterError(FEATURES_FIELD, f"{FEATURES_FIELD} must be MultiModalFeatures, "
+                                 f"got {type(features).__name__}")
+        text, ids = self.tokenize({"prompt_token_ids": prompt.get("prompt_token_ids"), "prompt": prompt.get("prompt")})
+        image_id = self.mm_processor.image_token_id
+        for item in features.items:
+            if item.end > len(ids) or any(t != image_id for t in ids[item.offset:item.end]):
+                raise ParameterError(FEATURES_FIELD, f"{FEATURES_FIELD}: an image's placeholders "
+                                     f"[{item.offset}, {item.end}) are not image tokens of the prompt")
+        return text, ids, features

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.kv_transfer_params import KVTransferParams
+from engine.multimodal.features import MultiModalFeatures
 from engine.sampling_params import SamplingParams
 from engine.structured_output.request import StructuredOutputRequest
 
@@ -65,6 +66,8 @@ class Request:
     kv_transfer_params: KVTransferParams | None = None
     # Structured outputs: the constraint and its matcher (set by the engine on add).
     structured_output_request: StructuredOutputRequest | None = None
+    # Images: placeholder ranges, hashes, pixels (engine.multimodal); None for text only.
+    mm_features: MultiModalFeatures | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

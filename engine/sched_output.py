@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from engine.kv_transfer_params import KVTransferParams
+from engine.multimodal.features import MultiModalFeatures
 from engine.sampling_params import SamplingParams
 
 
@@ -24,6 +26,9 @@ class NewRequestData:
     # P/D state; a consumer's prior output tokens were sampled elsewhere, so its seeded random
     # stream continues past them.
     kv_transfer_params: KVTransferParams | None = None
+    # Placeholder ranges and hashes (no pixels: images to encode come in the step's
+    # scheduled_encoder_inputs, once per image, not once per request).
+    mm_features: MultiModalFeatures | None = None
 
 
 @dataclass
@@ -51,6 +56,10 @@ class SchedulerOutput:
     # the rows ([rows, ceil(vocab/32)] int32, bit b of word w allows token 32*w + b).
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: np.ndarray | None = None
+    # Images to encode before this step's forward (mm_hash -> pixel values [3, H, W]), and
+    # encoder outputs the runner may drop (evicted from the encoder cache).
+    scheduled_encoder_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -82,6 +91,7 @@ class ModelRunnerOutput:
     # Per request: for each sampled token, {token_id: logprob} (sampled + top-N), or None.
     logprobs: list[list[dict[int, float]] | None] | None = None
     kv_connector_output: KVConnectorOutput | None = None
+    encoder_seconds: float = 0.0  # time spent in the vision encoder this step
 
 
 @dataclass(frozen=True)

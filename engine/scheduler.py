@@ -13,6 +13,13 @@ import time
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import KVCacheBlocks, KVCacheManager
 from engine.kv_transfer_params import KVTransferParams
+from engine.multimodal.encoder_cache import EncoderCacheManager
+from engine.multimodal.sched_encoder import (
+    commit_encoder_inputs,
+    plan_encoder_inputs,
+    release_all,
+    release_computed,
+)
 from engine.request import Request, RequestStatus
 from engine.request_queue import make_queue
 from engine.sched_output import (
@@ -33,7 +40,8 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int, connector=None,
-                 structured_output_manager=None) -> None:
+                 structured_output_manager=None, encoder_cache: EncoderCacheManager | None = None,
+                 encoder_budget: int = 0) -> None:
         if scheduler_config.max_num_batched_tokens is None:
             raise ValueError("max_num_batched_tokens must be resolved (resolved_token_budget) first")
         self.config = scheduler_config
@@ -50,6 +58,11 @@ class Scheduler:
         self.num_preemptions = 0  # cumulative, for metrics
         self.structured_output_manager = structured_output_manager  # fills the grammar bitmask
         self._pending_outputs: list[EngineCoreOutput] = []  # grammar compile failures, to report
+        # Images (engine.multimodal): the encoder cache's bookkeeping and the per-step budget
+        # in encoder embeddings; None for a text-only model.
+        self.encoder_cache = encoder_cache
+        self.encoder_budget = encoder_budget
+        self.encoder_seconds = 0.0  # cumulative, reported by the runner, for metrics
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -78,7 +91,12 @@ class Scheduler:
     def connector(self):
         return None if self.remote_kv is None else self.remote_kv.connector
 
+    def _uses_encoder(self, request: Request) -> bool:
+        return self.encoder_cache is not None and request.mm_features is not None
+
     def _free_request(self, request: Request) -> KVTransferParams | None:
+        if self._uses_encoder(request):
+            release_all(self.encoder_cache, request)
         kv_params = None
         if self.remote_kv is not None:
             kv_params = self.remote_kv.release(request)  # may hold the blocks for an export
@@ -97,6 +115,9 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
+        encoder_budget = self.encoder_budget
+        to_encode: dict = {}  # mm_hash -> pixel values, for the runner
+        unencodable: list[tuple[Request, bool]] = []  # (request, already out of its queue)
 
         # Phase 1: RUNNING requests, in order; preempt from the back when blocks run out.
         i = 0
@@ -106,6 +127,14 @@ class Scheduler:
             if threshold:
                 n = min(n, threshold)
             n = min(n, budget, self.max_model_len - request.num_computed_tokens)
+            plan = None
+            if n > 0 and self._uses_encoder(request):
+                release_computed(self.encoder_cache, request)
+                plan = plan_encoder_inputs(self.encoder_cache, request, request.num_computed_tokens, n,
+                                           encoder_budget)
+                n = plan.num_new_tokens
+                if n <= 0 and plan.missing_pixels:
+                    unencodable.append((request, False))
             if n <= 0:
                 i += 1
                 continue
@@ -130,6 +159,9 @@ class Scheduler:
                     break
             if blocks is None:
                 continue  # `request` itself was preempted; running[i] is now the next one
+            if plan is not None:
+                commit_encoder_inputs(self.encoder_cache, request, plan, to_encode)
+                encoder_budget -= plan.cost
             scheduled_running.append(request)
             num_scheduled[request.request_id] = n
             new_blocks[request.request_id] = blocks
@@ -164,6 +196,15 @@ class Scheduler:
                 if threshold:
                     n = min(n, threshold)
                 n = min(n, budget)
+            plan = None
+            if not load_async and self._uses_encoder(request):
+                plan = plan_encoder_inputs(self.encoder_cache, request, num_computed, n, encoder_budget)
+                if plan.num_new_tokens <= 0 and plan.missing_pixels:
+                    unencodable.append((self.waiting.pop(), True))
+                    continue
+                if plan.num_new_tokens <= 0:
+                    break  # its next image does not fit this step's encoder budget or cache
+                n = plan.num_new_tokens
             blocks = self.kv_cache_manager.allocate_slots(
                 request, n, num_new_computed_tokens=num_local, new_computed_blocks=hit_blocks,
                 num_external_computed_tokens=num_external, delay_cache_blocks=load_async)
@@ -183,6 +224,9 @@ class Scheduler:
                 skipped.append(request)
                 continue
             request.num_computed_tokens = num_computed
+            if plan is not None:
+                commit_encoder_inputs(self.encoder_cache, request, plan, to_encode)
+                encoder_budget -= plan.cost
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled_new.append(request)
@@ -191,8 +235,16 @@ class Scheduler:
             budget -= n
         for request in reversed(skipped):
             self.waiting.prepend(request)
+        for request, dequeued in unencodable:
+            self._fail_unencodable(request, dequeued)
 
         out = self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted)
+        if self.encoder_cache is not None:
+            freed = self.encoder_cache.take_freed()
+            for mm_hash in freed:
+                if mm_hash not in self.encoder_cache.cached:
+                    to_encode.pop(mm_hash, None)  # allocated, then evicted within this step
+            out.scheduled_encoder_inputs, out.free_encoder_mm_hashes = to_encode, freed
         # Optimistically advance progress: the next schedule() already sees this step's work.
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
@@ -209,6 +261,7 @@ class Scheduler:
                 block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 kv_transfer_params=r.kv_transfer_params,
+                mm_features=None if r.mm_features is None else r.mm_features.without_pixels(),
             )
             for r in new_reqs
         ]
@@ -248,6 +301,19 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         return True
 
+    def _fail_unencodable(self, request: Request, dequeued: bool) -> None:
+        """A P/D decode request that must compute image placeholders (its KV load failed and
+        the policy recomputes): it has no pixels, so it fails instead of waiting forever."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not dequeued:
+            self.waiting.remove(request)  # preempted later in the same step
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free_request(request)
+        self._pending_outputs.append(EngineCoreOutput(
+            request.request_id, [], "error", "the prompt's image KV must be recomputed but this side "
+            "has no pixels (P/D decode)"))
+
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
             return max(self.running, key=Request.sort_key)
@@ -256,6 +322,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free all blocks, rewind, and requeue at the front."""
         self.kv_cache_manager.free(request)
+        if self._uses_encoder(request):
+            release_all(self.encoder_cache, request)  # cached outputs stay until evicted
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -267,6 +335,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        self.encoder_seconds += runner_output.encoder_seconds
         if runner_output.kv_connector_output is not None:
             outputs += self.remote_kv.apply(runner_output.kv_connector_output, self._fail_request)
         for idx, req_id in enumerate(runner_output.req_ids):

@@ -48,5 +48,11 @@ def decode_params(params: SamplingParams) -> SamplingParams:
     )
 
 
-def decode_prompt(prompt_token_ids: list[int], first_token: int) -> dict:
-    return {"prompt_token_ids": list(prompt_token_ids) + [first_token]}
+def decode_prompt(prompt_token_ids: list[int], first_token: int, mm_features=None) -> dict:
+    """The decode request's prompt. With images it carries their placeholders and hashes
+    (MultiModalFeatures without pixels): decode never encodes, it loads the prompt's KV, but
+    it hashes its blocks by image as the prefill did."""
+    prompt = {"prompt_token_ids": list(prompt_token_ids) + [first_token]}
+    if mm_features is not None:
+        prompt["multi_modal_features"] = mm_features
+    return prompt

@@ -70,3 +70,11 @@ def ray_local():
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def llava_model(tmp_path_factory) -> str:
+    """A tiny random LLaVA (CLIP + projector + Llama) with its processor, once per session."""
+    from engine.models.make_llava import make_llava
+
+    return make_llava(str(tmp_path_factory.mktemp("model-llava")))

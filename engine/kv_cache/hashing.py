@@ -1,7 +1,9 @@
 """Chained block hashes for prefix caching.
 
 A block's hash covers its parent's hash, its own token ids and extra keys (the cache salt on
-the first block), so equal hashes imply equal full prefixes, not just equal blocks.
+the first block; the hash of every image whose placeholders fall in the block), so equal hashes
+imply equal full prefixes, not just equal blocks. Placeholder tokens are the same for every
+image: without the image hash, two prompts with different images would share KV.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ def hash_block_tokens(
 
 
 def extend_block_hashes(
-    block_hashes: list[bytes], token_ids: list[int], block_size: int, cache_salt: str | None
+    block_hashes: list[bytes], token_ids: list[int], block_size: int, cache_salt: str | None,
+    mm_features=None,
 ) -> None:
-    """Append the hashes of full blocks of `token_ids` not yet hashed (in place)."""
+    """Append the hashes of full blocks of `token_ids` not yet hashed (in place).
+    `mm_features`: the request's MultiModalFeatures, or None."""
     start = len(block_hashes) * block_size
     while start + block_size <= len(token_ids):
         parent = block_hashes[-1] if block_hashes else None
         extra = (cache_salt,) if (start == 0 and cache_salt) else ()
+        if mm_features is not None:
+            extra += mm_features.hashes_in(start, start + block_size)
         block_hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra))
         start += block_size

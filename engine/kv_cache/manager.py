@@ -63,7 +63,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return KVCacheBlocks(), 0
         extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
+            request.mm_features,
         )
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[KVCacheBlock] = []
@@ -124,7 +125,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
+            request.mm_features,
         )
         blocks = self.req_to_blocks.get(request.request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(blocks), len(request.block_hashes))

@@ -84,6 +84,11 @@ ENGINE_FIGURES: dict[str, MetricDef] = {
     "num_preemptions": MetricDef("vllm:num_preemptions", "counter", "Requests preempted by the scheduler"),
     "free_blocks": MetricDef("pdserve:kv_cache_free_blocks", "gauge", "Free KV cache blocks"),
     "total_blocks": MetricDef("pdserve:kv_cache_total_blocks", "gauge", "KV cache blocks in all"),
+    "encoder_cache_queries": MetricDef("pdserve:encoder_cache_queries", "counter",
+                                       "Images looked up in the encoder cache"),
+    "encoder_cache_hits": MetricDef("pdserve:encoder_cache_hits", "counter",
+                                    "Images found in the encoder cache (not encoded again)"),
+    "encoder_seconds": MetricDef("pdserve:encoder_seconds", "counter", "Seconds spent in the vision encoder"),
     "prefix_cache_hit_rate": MetricDef("pdserve:prefix_cache_hit_rate", "gauge",
                                        "Prefix cache hit rate (tokens), since the engine started"),
 }

@@ -100,7 +100,9 @@ class StatsRecorder:
                 continue
             value = engine_figures[key]
             if definition.kind == "counter":
-                metrics.append(Counter(definition.name, dict(labels), int(value)))
+                # Counts are ints; a time counter keeps its fraction.
+                value = value if isinstance(value, float) else int(value)
+                metrics.append(Counter(definition.name, dict(labels), value))
             else:
                 metrics.append(Gauge(definition.name, dict(labels), float(value)))
         metrics.append(Counter(names.PROMPT_TOKENS.name, dict(labels), self.prompt_tokens))

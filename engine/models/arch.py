@@ -19,6 +19,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": dict(qkv_bias=None, qk_norm=True),
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# LLaVA wraps one of the LMs above; its text_config names the family by model_type.
+_TEXT_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,15 @@ def load_arch(model_dir: str) -> ModelArch:
 
 
 def arch_from_dict(cfg: dict) -> ModelArch:
+    """The language model's architecture (for LLaVA, its text_config's)."""
     archs = cfg.get("architectures") or []
+    if "LlavaForConditionalGeneration" in archs:
+        text = cfg.get("text_config") or {}
+        family = _TEXT_FAMILIES.get(text.get("model_type", "llama"))
+        if family is None:
+            raise ValueError(f"unsupported LLaVA language model {text.get('model_type')!r}; "
+                             f"supported: {sorted(_TEXT_FAMILIES)}")
+        return arch_from_dict({**text, "architectures": [family]})
     name = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if name is None:
         raise ValueError(

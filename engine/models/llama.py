@@ -126,8 +126,9 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: multimodal steps embed first
     ) -> torch.Tensor:  # hidden states [T, hidden]
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv, meta, self.cos_sin)

@@ -25,6 +25,7 @@ from engine.models.arch import ModelArch
 from engine.models.gguf_file import find_gguf
 from engine.models.gguf_weights import gguf_tensors
 from engine.models.llama import CausalLM
+from engine.models.llava import LlavaCausalLM, load_vision_arch
 from engine.models.parallel import ShardLayout
 from engine.models.rotary import cos_sin_cache
 
@@ -71,8 +72,10 @@ def load_model(
     max_positions: int,
     tp: TPGroup = SINGLE_RANK,
 ) -> CausalLM:
+    vision = None if find_gguf(model_dir) is not None else load_vision_arch(model_dir)
     with torch.device("meta"):
-        model = CausalLM(arch, ops, max_positions, tp).to(dtype)
+        model = (CausalLM(arch, ops, max_positions, tp) if vision is None
+                 else LlavaCausalLM(arch, vision, ops, max_positions, tp)).to(dtype)
     model = model.to_empty(device=device)
     # The rope table is derived, not loaded: rebuild it in fp32 (to_empty left it empty).
     model.cos_sin = cos_sin_cache(
@@ -83,7 +86,7 @@ def load_model(
     layout = model.layout
     loaded: set[str] = set()
     for name, read in _checkpoint_tensors(model_dir, arch):
-        target = _destination(name, layout, params)
+        target = _destination(_text_name(name), layout, params)
         if target is None:
             continue
         param_name, rows, src = target
@@ -135,6 +138,23 @@ def _narrow(tensor: torch.Tensor, src: Slice) -> torch.Tensor:
     return tensor if src is None else tensor.narrow(src[0], src[1], src[2] - src[1])
 
 
+# LLaVA checkpoints nest the LM (two layouts in the wild: transformers < 4.52 and after) and
+# may nest CLIP's transformer under vision_model; our modules are flat.
+_RENAMES = (
+    ("language_model.model.", "model."), ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."), ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+
+
+def _text_name(name: str) -> str:
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            name = new + name[len(old):]
+            break
+    return name.replace("vision_tower.vision_model.", "vision_tower.")
+
+
 def _destination(name: str, layout: ShardLayout, params: dict) -> tuple[str, tuple[int, int] | None, Slice] | None:
     """Map a HF tensor name to (our parameter, row range inside a fused parameter, the slice
     of the checkpoint tensor this rank reads)."""
@@ -146,6 +166,8 @@ def _destination(name: str, layout: ShardLayout, params: dict) -> tuple[str, tup
         return name.removeprefix("model."), _vocab_rows(layout), src
     if name == "model.norm.weight":
         return "norm.weight", None, None
+    if name.startswith(("vision_tower.", "multi_modal_projector.")):
+        return (name, None, None) if name in params else None  # replicated; later layers unused
     m = _LAYER.match(name)
     if m is None:
         return None

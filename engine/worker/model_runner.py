@@ -18,6 +18,7 @@ from engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.structured_output.bitmask import bitmask_for_sampled_rows
 from engine.worker.buffers import StagedBuffer
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
+from engine.worker.encoder_runner import EncoderRunner
 from engine.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
         self.decode_graphs: DecodeGraphs | None = None
+        # Image models only: encoder outputs by image hash, merged into prefill embeddings.
+        self.encoder = EncoderRunner(self.model, device) if hasattr(self.model, "encode_images") else None
 
     # ---- KV cache -----------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -97,15 +100,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        encoder_seconds = self.encoder.update(so) if self.encoder is not None else 0.0
         if so.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], encoder_seconds=encoder_seconds)
         req_ids = list(so.num_scheduled_tokens)
         ib = self.input_batch
         rows = np.fromiter((ib.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        merges = []
+        if self.encoder is not None and self.encoder.features:
+            merges = self.encoder.merges(req_ids, ib.num_computed_tokens[rows], num_sched,
+                                         np.cumsum(num_sched) - num_sched)
         T, nb, sample_mask, n_sample = self._fill_host_inputs(rows, num_sched)
         graphs = self.decode_graphs
-        if graphs is not None and T == len(rows) and padded_size(T, graphs.sizes) is not None:
+        if (graphs is not None and not merges and T == len(rows)
+                and padded_size(T, graphs.sizes) is not None):
             hidden = graphs.run(T)  # one token per request
             # A 1-token chunk in the middle of a prompt does not sample.
             logits_indices = (
@@ -114,7 +123,8 @@ class ModelRunner:
             )
         else:
             meta, input_ids, positions, logits_indices = self._to_device(len(rows), T, nb, n_sample, num_sched)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+            embeds = self.encoder.embed(input_ids, merges) if merges else None
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)  # [T, hidden]
         ib.num_computed_tokens[rows] += num_sched
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprob_lists: list[list[dict[int, float]] | None] = [None] * len(req_ids)
@@ -140,7 +150,8 @@ class ModelRunner:
                 if out is not None and out.logprobs is not None and out.logprobs[j] is not None:
                     logprob_lists[i] = [out.logprobs[j]]
         has_logprobs = any(lp is not None for lp in logprob_lists)
-        return ModelRunnerOutput(req_ids, sampled_lists, logprob_lists if has_logprobs else None)
+        return ModelRunnerOutput(req_ids, sampled_lists, logprob_lists if has_logprobs else None,
+                                 encoder_seconds=encoder_seconds)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
