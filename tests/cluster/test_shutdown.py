@@ -5,6 +5,7 @@ parent) is stopped, and every bound and kill is checked from outside."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -23,7 +24,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # "draining" once stopping; the daemon stands for Ray's node daemons (direct children, same
 # process group), the worker for a Ray worker (own session, its parent gone).
 SERVER = r"""
-import subprocess, sys, threading
+import signal, subprocess, sys, threading
+# As a server started from a terminal or by systemd: SIGHUP at its default. A test runner
+# started under nohup passes SIGHUP ignored to its children, and install() keeps an ignored
+# SIGHUP ignored (by design), so the stand-in resets it first.
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 from cluster.shutdown import BoundedShutdown, StopServing, become_subreaper
 timeout_s, drain_mode, port = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 assert become_subreaper()
@@ -61,7 +66,9 @@ class StandIn:
         assert words[0] == "ready", words
         self.daemon, self.worker = int(words[1]), int(words[2])
 
-    def wait_draining(self) -> None:
+    def wait_draining(self, timeout_s: float = 30.0) -> None:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)  # bounded: never hang the suite
+        assert ready, f"the stand-in did not start draining within {timeout_s} s"
         assert self.proc.stdout.readline().strip() == "draining"
 
     def wait_log(self, needle: str) -> str:
