@@ -51,6 +51,9 @@ class SchedulerOutput:
     # the rows ([rows, ceil(vocab/32)] int32, bit b of word w allows token 32*w + b).
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding: the draft tokens each listed request verifies this step; they are
+    # the last len(drafts) of its num_scheduled_tokens (lookahead slots after its last token).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -82,6 +85,9 @@ class ModelRunnerOutput:
     # Per request: for each sampled token, {token_id: logprob} (sampled + top-N), or None.
     logprobs: list[list[dict[int, float]] | None] | None = None
     kv_connector_output: KVConnectorOutput | None = None
+    # Speculative decoding: per request, the drafts proposed for its next step ([] for none);
+    # None when the engine does not speculate.
+    spec_token_ids: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from engine.sched_output import (
     SchedulerOutput,
 )
 from engine.sched_remote_kv import RemoteKVTracker
+from engine.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int, connector=None,
-                 structured_output_manager=None) -> None:
+                 structured_output_manager=None, num_speculative_tokens: int = 0) -> None:
         if scheduler_config.max_num_batched_tokens is None:
             raise ValueError("max_num_batched_tokens must be resolved (resolved_token_budget) first")
         self.config = scheduler_config
@@ -50,6 +51,9 @@ class Scheduler:
         self.num_preemptions = 0  # cumulative, for metrics
         self.structured_output_manager = structured_output_manager  # fills the grammar bitmask
         self._pending_outputs: list[EngineCoreOutput] = []  # grammar compile failures, to report
+        # Speculative decoding: drafts a running request may verify per step (0: off).
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_stats = SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -94,6 +98,7 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, KVCacheBlocks] = {}
+        spec_tokens: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
@@ -109,6 +114,8 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            drafts = self._drafts_to_verify(request, n, budget)
+            n += len(drafts)
             blocks = None
             while True:
                 blocks = self.kv_cache_manager.allocate_slots(request, n)
@@ -122,6 +129,7 @@ class Scheduler:
                     scheduled_running.remove(victim)
                     budget += num_scheduled.pop(victim.request_id)
                     new_blocks.pop(victim.request_id, None)
+                    spec_tokens.pop(victim.request_id, None)
                 if victim_idx < i:
                     i -= 1
                 self._preempt(victim)
@@ -133,6 +141,8 @@ class Scheduler:
             scheduled_running.append(request)
             num_scheduled[request.request_id] = n
             new_blocks[request.request_id] = blocks
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             budget -= n
             i += 1
 
@@ -193,6 +203,7 @@ class Scheduler:
             self.waiting.prepend(request)
 
         out = self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted)
+        out.scheduled_spec_decode_tokens = spec_tokens
         # Optimistically advance progress: the next schedule() already sees this step's work.
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
@@ -232,6 +243,17 @@ class Scheduler:
             out.kv_connector_metadata = self.remote_kv.connector.build_connector_meta(out)
         return out
 
+    def _drafts_to_verify(self, request: Request, n: int, budget: int) -> list[int]:
+        """The request's drafts that fit this step: only in decode (one token to compute), within
+        the token budget, and never past the request's last possible token (max_tokens,
+        max_model_len), so the lookahead slots never reach beyond what it may produce."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or n != 1 or request.structured_output_request is not None:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        return drafts[:max(room, 0)]
+
     def _grammar_ready(self, request: Request, skipped: list[Request]) -> bool:
         """Pops the request unless its grammar compiled (then it is WAITING); if compiling
         failed it finishes with an error (the front end validated it, so this is rare)."""
@@ -258,6 +280,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -274,8 +297,17 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             new_ids = runner_output.sampled_token_ids[idx]
+            if runner_output.spec_token_ids is not None:
+                request.spec_token_ids = runner_output.spec_token_ids[idx]
             if not new_ids:
                 continue  # a prefill chunk: nothing to report yet
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                # Rejected drafts' KV slots stay allocated; rewinding progress makes the next
+                # step write over them.
+                num_accepted = len(new_ids) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_stats.observe(len(drafts), num_accepted)
             kept: list[int] = []
             for token in new_ids:
                 request.append_output_token(token)
