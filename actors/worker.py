@@ -8,6 +8,8 @@ so tests can run the actor with a fake.
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import uuid
 
@@ -51,6 +53,10 @@ class EngineWorker:
         self.role = role
         self.replica_id = replica_id or f"{role}-{uuid.uuid4().hex[:8]}"
         config = engine_args.create_engine_config()
+        if role == "prefill":
+            # A prefill worker samples one token per request: there is nothing to speculate on,
+            # and a proposer would only spend its time drafting for the decode side.
+            config = dataclasses.replace(config, speculative=None)
         self.transport = None
         factory = None
         # Both sides of the connector, once made (the worker side's counters are the stats).
