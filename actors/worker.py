@@ -8,9 +8,8 @@ so tests can run the actor with a fake.
 
 from __future__ import annotations
 
-import dataclasses
-
 import asyncio
+import dataclasses
 import uuid
 
 import ray
