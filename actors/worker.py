@@ -28,6 +28,16 @@ ROLES = ("colocated", "prefill", "decode")
 TRANSPORTS = ("object_store", "torch_dist")
 
 
+def engine_config_for_role(engine_args: EngineArgs, role: str):
+    """The engine config a worker of `role` runs. A prefill worker samples one token per
+    request, so it never speculates (a proposer there would only draft for the decode side);
+    decode and colocated workers keep the speculative config."""
+    config = engine_args.create_engine_config()
+    if role == "prefill":
+        config = dataclasses.replace(config, speculative=None)
+    return config
+
+
 class EngineWorker:
     def __init__(
         self,
@@ -51,11 +61,7 @@ class EngineWorker:
         self.store_pulls = store_pulls
         self.role = role
         self.replica_id = replica_id or f"{role}-{uuid.uuid4().hex[:8]}"
-        config = engine_args.create_engine_config()
-        if role == "prefill":
-            # A prefill worker samples one token per request: there is nothing to speculate on,
-            # and a proposer would only spend its time drafting for the decode side.
-            config = dataclasses.replace(config, speculative=None)
+        config = engine_config_for_role(engine_args, role)
         self.transport = None
         factory = None
         # Both sides of the connector, once made (the worker side's counters are the stats).
