@@ -149,3 +149,22 @@ def test_min_tokens_bans_eos_at_every_verified_position(pair, tiny_model):
     outs = _same(pair, prompts, params)
     assert all(len(o.outputs[0].token_ids) >= 6 for o in outs)
     assert eos  # the model has EOS ids; min_tokens covers them too
+
+
+def test_grammar_requests_do_not_speculate_and_keep_their_seeded_tokens(pair):
+    """Requests under a grammar are verified one token at a time (no matcher rollback), in
+    the same steps as speculating ones; a seeded one samples exactly what it samples alone."""
+    from engine import StructuredOutputsParams
+    from tests.engine.so_oracles import CODE_REGEX, assert_fullmatch
+
+    so = StructuredOutputsParams(regex=CODE_REGEX)
+    prompts = _prompts()
+    params = [GREEDY] * len(prompts) + [SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured_outputs=so)
+                                        for i in range(2)]
+    batch = [{"prompt_token_ids": p} for p in prompts + prompts[:2]]
+    drafts_before = _counter(pair[1], "vllm:spec_decode_num_draft_tokens")
+    plain, spec = (llm.generate(batch, params, use_tqdm=False) for llm in pair)
+    assert _counter(pair[1], "vllm:spec_decode_num_draft_tokens") > drafts_before
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    for out in spec[len(prompts):]:
+        assert_fullmatch(out.outputs[0].text, CODE_REGEX)
