@@ -70,8 +70,9 @@ def check_speculative(config: EngineConfig, arch: ModelArch) -> None:
     if spec is None or spec.method != "draft_model":
         return
     check_draft_vocab(arch.vocab_size, load_arch(spec.model).vocab_size)
-    raise ParameterError("speculative_config.method", "speculative_config.method 'draft_model' is not "
-                         "implemented yet; use 'ngram'")
+    if config.parallel.tensor_parallel_size > 1:
+        raise ParameterError("speculative_config.method", "speculative_config.method 'draft_model' runs on "
+                             "one rank; use tensor_parallel_size=1 or method 'ngram'")
 
 
 def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
@@ -119,7 +120,9 @@ class EngineCore:
         spec = config.speculative
         self.scheduler = Scheduler(sc, cc, self.kv_cache_manager, self.max_model_len, self.connector,
                                    self.structured_output_manager,
-                                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+                                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                   num_lookahead_tokens=(spec.num_speculative_tokens
+                                                         if spec and spec.method == "draft_model" else 0))
         # Last, so that the build does not compete with the profile run above (vLLM also
         # builds its grammar backend's tokenizer data at start-up).
         self.structured_output_backend_built = self.structured_output_manager.prebuild()

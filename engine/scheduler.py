@@ -34,7 +34,8 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int, connector=None,
-                 structured_output_manager=None, num_speculative_tokens: int = 0) -> None:
+                 structured_output_manager=None, num_speculative_tokens: int = 0,
+                 num_lookahead_tokens: int = 0) -> None:
         if scheduler_config.max_num_batched_tokens is None:
             raise ValueError("max_num_batched_tokens must be resolved (resolved_token_budget) first")
         self.config = scheduler_config
@@ -54,6 +55,9 @@ class Scheduler:
         # Speculative decoding: drafts a running request may verify per step (0: off).
         self.num_speculative_tokens = num_speculative_tokens
         self.spec_stats = SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
+        # Slots reserved past a request's scheduled tokens, where a draft model writes the KV of
+        # the drafts it decodes after the step (0 for the n-gram proposer, which has no KV).
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -118,7 +122,7 @@ class Scheduler:
             n += len(drafts)
             blocks = None
             while True:
-                blocks = self.kv_cache_manager.allocate_slots(request, n)
+                blocks = self.kv_cache_manager.allocate_slots(request, n + self._lookahead(request, n))
                 if blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -175,7 +179,8 @@ class Scheduler:
                     n = min(n, threshold)
                 n = min(n, budget)
             blocks = self.kv_cache_manager.allocate_slots(
-                request, n, num_new_computed_tokens=num_local, new_computed_blocks=hit_blocks,
+                request, n + (0 if load_async else self._lookahead(request, n, num_computed)),
+                num_new_computed_tokens=num_local, new_computed_blocks=hit_blocks,
                 num_external_computed_tokens=num_external, delay_cache_blocks=load_async)
             if blocks is None:
                 break  # admission control: do not preempt running work for a newcomer
@@ -242,6 +247,13 @@ class Scheduler:
         if self.remote_kv is not None:
             out.kv_connector_metadata = self.remote_kv.connector.build_connector_meta(out)
         return out
+
+    def _lookahead(self, request: Request, n: int, num_computed: int | None = None) -> int:
+        """Lookahead slots for `request` scheduled for n tokens, never past max_model_len."""
+        if not self.num_lookahead_tokens or request.structured_output_request is not None:
+            return 0
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        return max(min(self.num_lookahead_tokens, self.max_model_len - computed - n), 0)
 
     def _drafts_to_verify(self, request: Request, n: int, budget: int) -> list[int]:
         """The request's drafts that fit this step: only in decode (one token to compute), within

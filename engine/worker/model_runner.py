@@ -18,6 +18,7 @@ from engine.sample import Sampler, SamplingMetadata
 from engine.sample.rejection_sampler import rejection_sample
 from engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.spec_decode import NgramProposer, SpeculativeConfig
+from engine.spec_decode.draft_model import DraftModelProposer
 from engine.structured_output.bitmask import bitmask_for_sampled_rows
 from engine.worker.buffers import StagedBuffer
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
@@ -67,19 +68,29 @@ class ModelRunner:
         )
         # Each logits row is a scheduled token, so T bounds them even when drafts are verified.
         self.logits_indices = StagedBuffer(max(R, T), torch.int64, device)
-        self.proposer = None
-        if speculative is not None:
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if speculative is not None and speculative.method == "ngram":
             self.proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
                                           speculative.prompt_lookup_max)
+        elif speculative is not None:
+            self.proposer = DraftModelProposer(speculative.model, speculative.num_speculative_tokens, ops, device,
+                                               dtype, max_model_len, block_size, kernel_block_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
+        # The draft model runs on each step's inputs, which the decode graphs do not expose.
+        self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda" and not self._drafts_by_model
         self.decode_graphs: DecodeGraphs | None = None
 
     # ---- KV cache -----------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         a = self.arch
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * a.num_layers * self.block_size * self.num_kv_heads * a.head_dim * itemsize
+        target = 2 * a.num_layers * self.block_size * self.num_kv_heads * a.head_dim * itemsize
+        # A draft model's KV lives in the same block ids: a block costs both.
+        return target + (self.proposer.kv_bytes_per_block() if self._drafts_by_model else 0)
+
+    @property
+    def _drafts_by_model(self) -> bool:
+        return isinstance(self.proposer, DraftModelProposer)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate [num_kernel_blocks, kernel_block_size, Hkv, D] K and V per layer."""
@@ -92,6 +103,8 @@ class ModelRunner:
             )
             for _ in range(self.arch.num_layers)
         ]
+        if self._drafts_by_model:
+            self.proposer.initialize_kv_cache(num_blocks)
         if self.use_cuda_graphs:
             buffers = SimpleNamespace(
                 input_ids=self.input_ids, positions=self.positions, slot_mapping=self.slot_mapping,
@@ -125,6 +138,8 @@ class ModelRunner:
         else:
             meta, input_ids, positions, logits_indices = self._to_device(len(rows), T, nb, n_logits, num_sched)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+            if self._drafts_by_model:
+                self.proposer.run_step(input_ids, positions, meta)
         ib.num_computed_tokens[rows] += num_sched
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprob_lists: list[list[dict[int, float]] | None] = [None] * len(req_ids)
@@ -198,10 +213,21 @@ class ModelRunner:
             return None
         ib = self.input_batch
         out: list[list[int]] = [[] for _ in rows]
-        for i in sample_idx:
-            row = int(rows[i])
-            if ib.sampling_params[row].structured_outputs is None:
+        eligible = [i for i in sample_idx if ib.sampling_params[rows[i]].structured_outputs is None]
+        if not self._drafts_by_model:
+            for i in eligible:
+                row = int(rows[i])
                 out[i] = self.proposer.propose(ib.token_ids[row, :ib.num_tokens[row]])
+            return out
+        if eligible:
+            r = rows[eligible]
+            last = ib.num_tokens[r] - 1
+            # Draft inputs need KV slots: up to max_model_len and the lookahead reserved.
+            limits = np.minimum(self.max_model_len, ib.block_table.num_blocks[r].astype(np.int64)
+                                * self.kernel_block_size)
+            for i, drafts in zip(eligible, self.proposer.propose(ib.block_table, r, ib.token_ids[r, last], last,
+                                                                 limits)):
+                out[i] = drafts
         return out
 
     def _update_states(self, so: SchedulerOutput) -> None:

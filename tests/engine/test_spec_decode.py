@@ -168,3 +168,38 @@ def test_grammar_requests_do_not_speculate_and_keep_their_seeded_tokens(pair):
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     for out in spec[len(prompts):]:
         assert_fullmatch(out.outputs[0].text, CODE_REGEX)
+
+
+def _draft(model: str) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {"long_prefill_token_threshold": 7, "max_num_batched_tokens": 24},
+    {"max_model_len": 128, "block_size": 8, "num_kv_blocks": 16, "enable_prefix_caching": False},
+], ids=["chunked-prefill", "preemption"])
+def test_target_as_its_own_draft_is_always_accepted(tiny_model, engine_kwargs):
+    """The draft's KV (same block ids, prefilled with the target, recomputed after preemption)
+    is right iff a draft identical to the target has every greedy draft accepted."""
+    kwargs = {"max_model_len": 256, **engine_kwargs}
+    llm = LLM(tiny_model, speculative_config=_draft(tiny_model), **kwargs)
+    prompts = _prompts() + random_prompts([33, 17], 1000, seed=7)
+    assert _generate(llm, prompts) == _hf_greedy(tiny_model, prompts)
+    drafted = _counter(llm, "vllm:spec_decode_num_draft_tokens")
+    assert drafted > 0
+    assert _counter(llm, "vllm:spec_decode_num_accepted_tokens") == drafted
+    if "num_kv_blocks" in engine_kwargs:
+        assert _counter(llm, "vllm:num_preemptions") > 0
+        assert llm.engine.core.kv_cache_manager.get_num_free_blocks() == 16
+
+
+def test_another_draft_model_keeps_greedy_outputs_on_prefix_cache_hits(model_factory, tiny_model):
+    draft = model_factory("qwen2")  # other weights, same tokenizer
+    llm = LLM(tiny_model, max_model_len=256, block_size=4, speculative_config=_draft(draft))
+    prompts = _prompts()
+    first = _generate(llm, prompts)
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens > 0 for o in again)
+    assert [o.outputs[0].token_ids for o in again] == first == _hf_greedy(tiny_model, prompts)
+    # Random weights share nothing: its drafts are verified and (nearly all) rejected.
+    assert _counter(llm, "vllm:spec_decode_num_draft_tokens") > 0
