@@ -7,7 +7,7 @@ prompt: what prompt lookup is for. Greedy decoding, so both engines produce the 
 (the script checks it) and only the time differs.
 
     python scripts/bench_spec.py                        # SmolLM2-135M-Instruct (GGUF Q4_1), CPU
-    python scripts/bench_spec.py --model DIR --k 4 --batch-sizes 1 8 --repeats 3
+    python scripts/bench_spec.py --model DIR --k 4 --batch-sizes 1 8 --repeats 3 --threads 1
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         out.append(tokenizer.encode(text, add_special_tokens=False))
     return out
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def spec_figures(llm) -> tuple[int, int]:
@@ -98,8 +104,16 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per engine and batch size")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's); a Ray engine replica gets 1")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        # NOTE: on a busy shared machine an OpenMP region waits until every one of its threads
+        # gets a core; one thread per engine keeps a step from stalling on a neighbour's load.
+        torch.set_num_threads(args.threads)
 
     from cluster.default_model import default_model
     from engine import LLM
@@ -131,7 +145,8 @@ def main() -> None:
         print(json.dumps({"model": model, "speculative_config": spec, "results": results}))
         return
     print(f"model {os.path.basename(model)}, n-gram k={args.k} lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}, "
-          f"greedy, max_tokens {args.max_tokens}, median of {args.repeats} alternating runs")
+          f"greedy, max_tokens {args.max_tokens}, median of {args.repeats} alternating runs, "
+          f"torch threads {torch_threads()}")
     print(f"{'batch':>5} {'plain tok/s':>12} {'ngram tok/s':>12} {'speedup':>8} {'accept len':>11} {'out tokens':>11}")
     for bs, r in results.items():
         print(f"{bs:>5} {r['plain']:>12.1f} {r['ngram']:>12.1f} {r['speedup']:>7.2f}x "

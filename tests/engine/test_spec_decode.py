@@ -203,3 +203,14 @@ def test_another_draft_model_keeps_greedy_outputs_on_prefix_cache_hits(model_fac
     assert [o.outputs[0].token_ids for o in again] == first == _hf_greedy(tiny_model, prompts)
     # Random weights share nothing: its drafts are verified and (nearly all) rejected.
     assert _counter(llm, "vllm:spec_decode_num_draft_tokens") > 0
+
+
+def test_tensor_parallel_ranks_verify_the_same_drafts(tiny_model):
+    """Only the driver samples and proposes; every rank must append the same accepted runs."""
+    prompts = _prompts()
+    llm = LLM(tiny_model, max_model_len=256, tensor_parallel_size=2, speculative_config=NGRAM)
+    try:
+        assert _generate(llm, prompts) == _hf_greedy(tiny_model, prompts)
+        assert _counter(llm, "vllm:spec_decode_num_accepted_tokens") > 0
+    finally:
+        llm.shutdown()
