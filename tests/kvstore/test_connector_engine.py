@@ -260,3 +260,22 @@ def test_the_requester_can_name_the_transfer(pd_pair, tiny_model):
     assert first.kv_transfer_params.transfer_id == "chosen-id"
     transport.release(first.kv_transfer_params)
     _assert_no_leaks(p, transport=transport)
+
+
+def test_speculating_decode_engine_keeps_greedy_tokens_and_accepts_drafts(tiny_model):
+    """P/D with n-gram speculation on the decode side only (as actors/worker.py configures
+    the roles): tokens equal transformers', drafts are accepted, nothing leaks."""
+    transport = LocalTransport()
+    p = _engine(tiny_model, ("producer", transport, "p0"))
+    d = _engine(tiny_model, ("consumer", transport, "d0"),
+                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    base = random_prompts([12, 7], 1000, seed=5)
+    prompts = [base[0] * 4, base[1] * 6]  # repetitive: the random model repeats itself too
+    params = SamplingParams(temperature=0, max_tokens=20)
+    ref = hf_greedy(tiny_model, prompts, 20)
+    for i, prompt in enumerate(prompts):
+        got, _ = _pd(p, d, f"r{i}", prompt, params)
+        assert got == ref[i]
+    assert d.core.load()["spec_decode_num_accepted_tokens"] > 0
+    assert "spec_decode_num_drafts" not in p.core.load()
+    _assert_no_leaks(p, d, transport=transport)
