@@ -31,6 +31,16 @@ _RANK_CALL_TIMEOUT_S = 30.0
 TRANSPORTS = ("object_store", "torch_dist")
 
 
+def engine_config_for_role(engine_args: EngineArgs, role: str):
+    """The engine config a worker of `role` runs. A prefill worker samples one token per
+    request, so it never speculates (a proposer there would only draft for the decode side);
+    decode and colocated workers keep the speculative config."""
+    config = engine_args.create_engine_config()
+    if role == "prefill":
+        config = dataclasses.replace(config, speculative=None)
+    return config
+
+
 class EngineWorker:
     def __init__(
         self,
@@ -59,7 +69,7 @@ class EngineWorker:
             # Inside the cluster a rank is a Ray actor (placed with the replica), not a child
             # process Ray does not know about.
             engine_args = dataclasses.replace(engine_args, distributed_executor_backend="ray")
-        config = engine_args.create_engine_config()
+        config = engine_config_for_role(engine_args, role)
         self.transport = None
         factory = None
         # Both sides of the connector, once made (the worker side's counters are the stats).

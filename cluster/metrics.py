@@ -71,6 +71,14 @@ class _ReplicaFigures:
 
         yield from families(names.ENGINE_FIGURES, lambda r: r)
         yield from families(KV_TRANSFER, lambda r: r.get("kv_transfer", {}))
+        # Only replicas that speculate report these (a prefill replica never does).
+        yield from families(names.SPEC_DECODE_FIGURES,
+                            lambda r: {k: r.get(k) for k in names.SPEC_DECODE_FIGURES})
+        per_pos = _family(names.SPEC_DECODE_PER_POS, [*labels, "position"])
+        for r in self.reports:
+            for pos, n in enumerate(r.get(names.SPEC_DECODE_PER_POS_KEY, ())):
+                per_pos.add_metric([self.model_name, r["role"], r["replica"], str(pos)], float(n))
+        yield per_pos
         yield from families(SCALING_SIGNALS, lambda r: {k: r.get(k) for k in SCALING_SIGNALS})
         replicas = _family(REPLICAS, ["model_name", "role"])
         for role, n in sorted(Tally(r["role"] for r in self.reports).items()):

@@ -27,6 +27,7 @@ from engine.config import (
     SchedulerConfig,
 )
 from engine.errors import ParameterError
+from engine.spec_decode.config import SpeculativeConfig
 
 
 def _arg(default, help: str, choices: tuple | None = None):
@@ -72,6 +73,9 @@ class EngineArgs:
     kernel_backend: str = _arg("auto", "kernel implementation (auto: Triton on CUDA, torch on CPU)",
                                BACKENDS)
     enforce_eager: bool = _arg(False, "never replay CUDA graphs for decode")
+    speculative_config: dict | None = _arg(
+        None, 'speculative decoding, as a JSON object: {"method": "ngram", "num_speculative_tokens": '
+        '3, "prompt_lookup_max": 5, "prompt_lookup_min": 2} (default: off)')
     # parallelism
     tensor_parallel_size: int = _arg(1, "ranks the model is sharded over (heads, MLP and vocabulary "
                                      "split; one GPU per rank on CUDA, gloo on CPU)")
@@ -160,6 +164,7 @@ class EngineArgs:
             ),
             kernel_backend=self.kernel_backend,
             enforce_eager=self.enforce_eager,
+            speculative=SpeculativeConfig.from_user(self.speculative_config),
         )
 
 
@@ -184,4 +189,16 @@ def _cli_type(annotation: str):
         return int
     if annotation.startswith("float"):
         return float
+    if annotation.startswith("dict"):
+        return _json_object
     return str
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value

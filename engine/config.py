@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from engine.errors import ParameterError, check_choice, check_int
+from engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
@@ -152,6 +153,8 @@ class EngineConfig:
     kernel_backend: str = "auto"
     # Run decode steps eagerly instead of replaying CUDA graphs (graphs need CUDA + Triton).
     enforce_eager: bool = False
+    # Speculative decoding (engine.spec_decode); None: one token per request per step.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         check_choice("kernel_backend", self.kernel_backend, BACKENDS)

@@ -25,6 +25,7 @@ from engine.multimodal.encoder_cache import EncoderCacheManager
 from engine.request import Request, RequestStatus
 from engine.sched_output import EngineCoreOutput
 from engine.scheduler import Scheduler
+from engine.spec_decode.config import check_draft_vocab
 from engine.structured_output import BACKENDS, DEFAULT_BACKEND, StructuredOutputManager
 from engine.tokenizer import eos_token_ids, load_tokenizer
 
@@ -66,6 +67,17 @@ def check_parallel(arch: ModelArch, device: torch.device, tp: int) -> None:
         )
 
 
+def check_speculative(config: EngineConfig, arch: ModelArch) -> None:
+    """ParameterError unless this engine can run the speculative config it was given."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return
+    check_draft_vocab(arch.vocab_size, load_arch(spec.model).vocab_size)
+    if config.parallel.tensor_parallel_size > 1:
+        raise ParameterError("speculative_config.method", "speculative_config.method 'draft_model' runs on "
+                             "one rank; use tensor_parallel_size=1 or method 'ngram'")
+
+
 def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
     return int(memory_bytes // bytes_per_block)
 
@@ -82,6 +94,7 @@ class EngineCore:
         self.arch = load_arch(mc.model)
         self.device = resolve_device(mc.device)
         check_parallel(self.arch, self.device, config.parallel.tensor_parallel_size)
+        check_speculative(config, self.arch)
         self.scheduler_config = sc = resolved_token_budget(config.scheduler, self.device.type)
         self.dtype = resolve_dtype(mc.dtype, self.arch, self.device)
         self.max_model_len = resolve_max_model_len(mc.max_model_len, self.arch)
@@ -111,8 +124,12 @@ class EngineCore:
             self._structured_output_backend, self.arch.vocab_size, sc.max_num_seqs)
         self._wakeup = None
         self.encoder_cache, encoder_budget = self._encoder_cache(sc.max_num_batched_tokens)
+        spec = config.speculative
         self.scheduler = Scheduler(sc, cc, self.kv_cache_manager, self.max_model_len, self.connector,
-                                   self.structured_output_manager, self.encoder_cache, encoder_budget)
+                                   self.structured_output_manager, self.encoder_cache, encoder_budget,
+                                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                   num_lookahead_tokens=(spec.num_speculative_tokens
+                                                         if spec and spec.method == "draft_model" else 0))
         # Last, so that the build does not compete with the profile run above (vLLM also
         # builds its grammar backend's tokenizer data at start-up).
         self.structured_output_backend_built = self.structured_output_manager.prebuild()
@@ -230,6 +247,18 @@ class EngineCore:
             "prefix_cache_hits": self.kv_cache_manager.stats.hits,
             "num_preemptions": self.scheduler.num_preemptions,
             **self._encoder_figures(),
+            **self._spec_figures(),
+        }
+
+    def _spec_figures(self) -> dict:
+        stats = self.scheduler.spec_stats
+        if stats is None:
+            return {}
+        return {
+            "spec_decode_num_drafts": stats.num_drafts,
+            "spec_decode_num_draft_tokens": stats.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(stats.num_accepted_tokens_per_pos),
         }
 
     def _encoder_figures(self) -> dict:

@@ -77,6 +77,9 @@ class Request:
     stop_reason: int | str | None = None
     # Hashes of the full blocks of all_token_ids, extended as tokens are appended.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Speculative decoding: drafts the proposer made after the last step, to verify in the
+    # next one. NOTE: never part of all_token_ids (so never hashed into the prefix cache).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -60,6 +60,9 @@ class SchedulerOutput:
     # encoder outputs the runner may drop (evicted from the encoder cache).
     scheduled_encoder_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # Speculative decoding: the draft tokens each listed request verifies this step; they are
+    # the last len(drafts) of its num_scheduled_tokens (lookahead slots after its last token).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -92,6 +95,9 @@ class ModelRunnerOutput:
     logprobs: list[list[dict[int, float]] | None] | None = None
     kv_connector_output: KVConnectorOutput | None = None
     encoder_seconds: float = 0.0  # time spent in the vision encoder this step
+    # Speculative decoding: per request, the drafts proposed for its next step ([] for none);
+    # None when the engine does not speculate.
+    spec_token_ids: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)

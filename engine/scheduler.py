@@ -30,6 +30,7 @@ from engine.sched_output import (
     SchedulerOutput,
 )
 from engine.sched_remote_kv import RemoteKVTracker
+from engine.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int, connector=None,
                  structured_output_manager=None, encoder_cache: EncoderCacheManager | None = None,
-                 encoder_budget: int = 0) -> None:
+                 encoder_budget: int = 0, num_speculative_tokens: int = 0,
+                 num_lookahead_tokens: int = 0) -> None:
         if scheduler_config.max_num_batched_tokens is None:
             raise ValueError("max_num_batched_tokens must be resolved (resolved_token_budget) first")
         self.config = scheduler_config
@@ -63,6 +65,12 @@ class Scheduler:
         self.encoder_cache = encoder_cache
         self.encoder_budget = encoder_budget
         self.encoder_seconds = 0.0  # cumulative, reported by the runner, for metrics
+        # Speculative decoding: drafts a running request may verify per step (0: off).
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_stats = SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
+        # Slots reserved past a request's scheduled tokens, where a draft model writes the KV of
+        # the drafts it decodes after the step (0 for the n-gram proposer, which has no KV).
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -112,6 +120,7 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, KVCacheBlocks] = {}
+        spec_tokens: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
@@ -138,9 +147,11 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            drafts = self._drafts_to_verify(request, n, budget)
+            n += len(drafts)
             blocks = None
             while True:
-                blocks = self.kv_cache_manager.allocate_slots(request, n)
+                blocks = self.kv_cache_manager.allocate_slots(request, n + self._lookahead(request, n))
                 if blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -151,6 +162,7 @@ class Scheduler:
                     scheduled_running.remove(victim)
                     budget += num_scheduled.pop(victim.request_id)
                     new_blocks.pop(victim.request_id, None)
+                    spec_tokens.pop(victim.request_id, None)
                 if victim_idx < i:
                     i -= 1
                 self._preempt(victim)
@@ -165,6 +177,8 @@ class Scheduler:
             scheduled_running.append(request)
             num_scheduled[request.request_id] = n
             new_blocks[request.request_id] = blocks
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             budget -= n
             i += 1
 
@@ -206,7 +220,8 @@ class Scheduler:
                     break  # its next image does not fit this step's encoder budget or cache
                 n = plan.num_new_tokens
             blocks = self.kv_cache_manager.allocate_slots(
-                request, n, num_new_computed_tokens=num_local, new_computed_blocks=hit_blocks,
+                request, n + (0 if load_async else self._lookahead(request, n, num_computed)),
+                num_new_computed_tokens=num_local, new_computed_blocks=hit_blocks,
                 num_external_computed_tokens=num_external, delay_cache_blocks=load_async)
             if blocks is None:
                 break  # admission control: do not preempt running work for a newcomer
@@ -245,6 +260,7 @@ class Scheduler:
                 if mm_hash not in self.encoder_cache.cached:
                     to_encode.pop(mm_hash, None)  # allocated, then evicted within this step
             out.scheduled_encoder_inputs, out.free_encoder_mm_hashes = to_encode, freed
+        out.scheduled_spec_decode_tokens = spec_tokens
         # Optimistically advance progress: the next schedule() already sees this step's work.
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
@@ -284,6 +300,24 @@ class Scheduler:
         if self.remote_kv is not None:
             out.kv_connector_metadata = self.remote_kv.connector.build_connector_meta(out)
         return out
+
+    def _lookahead(self, request: Request, n: int, num_computed: int | None = None) -> int:
+        """Lookahead slots for `request` scheduled for n tokens, never past max_model_len."""
+        if not self.num_lookahead_tokens or request.structured_output_request is not None:
+            return 0
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        return max(min(self.num_lookahead_tokens, self.max_model_len - computed - n), 0)
+
+    def _drafts_to_verify(self, request: Request, n: int, budget: int) -> list[int]:
+        """The request's drafts that fit this step: only in decode (one token to compute), within
+        the token budget, and never past the request's last possible token (max_tokens,
+        max_model_len), so the lookahead slots never reach beyond what it may produce."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or n != 1 or request.structured_output_request is not None:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        return drafts[:max(room, 0)]
 
     def _grammar_ready(self, request: Request, skipped: list[Request]) -> bool:
         """Pops the request unless its grammar compiled (then it is WAITING); if compiling
@@ -326,6 +360,7 @@ class Scheduler:
             release_all(self.encoder_cache, request)  # cached outputs stay until evicted
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -343,8 +378,17 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             new_ids = runner_output.sampled_token_ids[idx]
+            if runner_output.spec_token_ids is not None:
+                request.spec_token_ids = runner_output.spec_token_ids[idx]
             if not new_ids:
                 continue  # a prefill chunk: nothing to report yet
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                # Rejected drafts' KV slots stay allocated; rewinding progress makes the next
+                # step write over them.
+                num_accepted = len(new_ids) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_stats.observe(len(drafts), num_accepted)
             kept: list[int] = []
             for token in new_ids:
                 request.append_output_token(token)

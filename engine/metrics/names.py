@@ -92,3 +92,17 @@ ENGINE_FIGURES: dict[str, MetricDef] = {
     "prefix_cache_hit_rate": MetricDef("pdserve:prefix_cache_hit_rate", "gauge",
                                        "Prefix cache hit rate (tokens), since the engine started"),
 }
+
+# ---- speculative decoding, read from EngineCore.load() when the engine speculates ---------------
+SPEC_DECODE_FIGURES: dict[str, MetricDef] = {
+    "spec_decode_num_drafts": MetricDef("vllm:spec_decode_num_drafts", "counter",
+                                        "Verification steps of a request with at least one draft token"),
+    "spec_decode_num_draft_tokens": MetricDef("vllm:spec_decode_num_draft_tokens", "counter",
+                                              "Draft tokens proposed and verified"),
+    "spec_decode_num_accepted_tokens": MetricDef("vllm:spec_decode_num_accepted_tokens", "counter",
+                                                 "Draft tokens the target model accepted"),
+}
+# A list in EngineCore.load(): one counter per draft position, labelled position="0", "1", ...
+SPEC_DECODE_PER_POS_KEY = "spec_decode_num_accepted_tokens_per_pos"
+SPEC_DECODE_PER_POS = MetricDef("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
+                                "Draft tokens accepted, by position in the draft (label position)")

@@ -105,6 +105,11 @@ class StatsRecorder:
                 metrics.append(Counter(definition.name, dict(labels), value))
             else:
                 metrics.append(Gauge(definition.name, dict(labels), float(value)))
+        for key, definition in names.SPEC_DECODE_FIGURES.items():
+            if key in engine_figures:
+                metrics.append(Counter(definition.name, dict(labels), int(engine_figures[key])))
+        for pos, n in enumerate(engine_figures.get(names.SPEC_DECODE_PER_POS_KEY, ())):
+            metrics.append(Counter(names.SPEC_DECODE_PER_POS.name, {**labels, "position": str(pos)}, int(n)))
         metrics.append(Counter(names.PROMPT_TOKENS.name, dict(labels), self.prompt_tokens))
         metrics.append(Counter(names.GENERATION_TOKENS.name, dict(labels), self.generation_tokens))
         for reason, n in sorted(self.finished.items()):

@@ -52,14 +52,7 @@ class Sampler:
         # Logprobs describe the model's own distribution: taken before any processing (the
         # grammar mask included, as vLLM's default logprobs_mode="raw_logprobs").
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max_lp is not None else None
-        if meta.grammar_bitmask is not None or meta.banned_tokens:
-            logits = logits.clone()  # masked in place below; the caller's logits stay as they were
-        if meta.grammar_bitmask is not None:
-            # First: temperature, top-k/top-p and min-p then only see tokens the grammar allows.
-            kernels.apply_token_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
-        if meta.banned_tokens:
-            for row, token_ids in meta.banned_tokens:
-                logits[row, token_ids] = _NEG_INF
+        logits = apply_masks(logits, meta)
         greedy = logits.argmax(dim=-1)
         if meta.all_greedy:
             sampled = greedy
@@ -67,7 +60,7 @@ class Sampler:
             sampled = torch.where(meta.temperature == 0, greedy, self._sample_random(logits, meta))
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = _gather_logprobs(raw_logprobs, sampled, meta.num_logprobs, max_lp)
+            logprobs = gather_logprobs(raw_logprobs, sampled, meta.num_logprobs, max_lp)
         return SamplerOutput(sampled, logprobs)
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -83,6 +76,34 @@ class Sampler:
         for row, gen in meta.generators.items():
             q[row].exponential_(generator=gen)
         return (probs / q).argmax(dim=-1)
+
+
+def apply_masks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """`logits` with what a row may not sample at -inf (grammar, then banned tokens); a copy
+    when anything is masked, so the caller's logits stay as they were."""
+    if meta.grammar_bitmask is not None or meta.banned_tokens:
+        logits = logits.clone()
+    if meta.grammar_bitmask is not None:
+        # First: temperature, top-k/top-p and min-p then only see tokens the grammar allows.
+        kernels.apply_token_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
+    for row, token_ids in meta.banned_tokens:
+        logits[row, token_ids] = _NEG_INF
+    return logits
+
+
+def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """[N, V] normalized distribution each row samples from: temperature, top-k, top-p, then
+    min-p, exactly the distribution `Sampler` draws from (greedy rows: temperature 1)."""
+    temp = torch.where(meta.temperature == 0, torch.ones_like(meta.temperature), meta.temperature)
+    x = logits / temp.unsqueeze(1)
+    if meta.top_k is not None or meta.top_p is not None:
+        x = apply_top_k_top_p(x, meta.top_k, meta.top_p)
+    probs = torch.softmax(x, dim=-1)
+    if meta.min_p is not None:
+        threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def apply_top_k_top_p(
@@ -106,7 +127,7 @@ def apply_top_k_top_p(
     return logits.scatter(1, order, sorted_logits.masked_fill(remove, _NEG_INF))
 
 
-def _gather_logprobs(
+def gather_logprobs(
     logprobs: torch.Tensor, sampled: torch.Tensor, num: list[int | None], max_lp: int
 ) -> list[dict[int, float] | None]:
     chosen = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()

@@ -1,5 +1,6 @@
 """Runs one scheduled step: flattened super-sequence in, one sampled token per finished
-prefill or decode out (seed 001 / 002 "forward pass")."""
+prefill or decode out (seed 001 / 002 "forward pass"); with speculative decoding, a decode
+also verifies its drafts and emits every accepted one plus one more token."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from engine.models.arch import ModelArch
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.loader import load_model
 from engine.sample import Sampler, SamplingMetadata
+from engine.sample.rejection_sampler import rejection_sample
 from engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from engine.spec_decode import NgramProposer, SpeculativeConfig
+from engine.spec_decode.draft_model import DraftModelProposer
 from engine.structured_output.bitmask import bitmask_for_sampled_rows
 from engine.worker.buffers import StagedBuffer
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
@@ -39,6 +43,7 @@ class ModelRunner:
         kernel_block_size: int,
         use_cuda_graphs: bool = False,
         tp: TPGroup = SINGLE_RANK,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.arch = arch
         self.tp = tp
@@ -62,9 +67,18 @@ class ModelRunner:
         self.step_block_table = StagedBuffer(
             (R, self.input_batch.block_table.max_blocks), torch.int32, device
         )
-        self.logits_indices = StagedBuffer(R, torch.int64, device)
+        # Each logits row is a scheduled token, so T bounds them even when drafts are verified.
+        self.logits_indices = StagedBuffer(max(R, T), torch.int64, device)
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if speculative is not None and speculative.method == "ngram":
+            self.proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+                                          speculative.prompt_lookup_max)
+        elif speculative is not None:
+            self.proposer = DraftModelProposer(speculative.model, speculative.num_speculative_tokens, ops, device,
+                                               dtype, max_model_len, block_size, kernel_block_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
+        # The draft model runs on each step's inputs, which the decode graphs do not expose.
+        self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda" and not self._drafts_by_model
         self.decode_graphs: DecodeGraphs | None = None
         # Image models only: encoder outputs by image hash, merged into prefill embeddings.
         self.encoder = EncoderRunner(self.model, device) if hasattr(self.model, "encode_images") else None
@@ -73,7 +87,13 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         a = self.arch
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * a.num_layers * self.block_size * self.num_kv_heads * a.head_dim * itemsize
+        target = 2 * a.num_layers * self.block_size * self.num_kv_heads * a.head_dim * itemsize
+        # A draft model's KV lives in the same block ids: a block costs both.
+        return target + (self.proposer.kv_bytes_per_block() if self._drafts_by_model else 0)
+
+    @property
+    def _drafts_by_model(self) -> bool:
+        return isinstance(self.proposer, DraftModelProposer)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate [num_kernel_blocks, kernel_block_size, Hkv, D] K and V per layer."""
@@ -86,6 +106,8 @@ class ModelRunner:
             )
             for _ in range(self.arch.num_layers)
         ]
+        if self._drafts_by_model:
+            self.proposer.initialize_kv_cache(num_blocks)
         if self.use_cuda_graphs:
             buffers = SimpleNamespace(
                 input_ids=self.input_ids, positions=self.positions, slot_mapping=self.slot_mapping,
@@ -111,47 +133,112 @@ class ModelRunner:
         if self.encoder is not None and self.encoder.features:
             merges = self.encoder.merges(req_ids, ib.num_computed_tokens[rows], num_sched,
                                          np.cumsum(num_sched) - num_sched)
-        T, nb, sample_mask, n_sample = self._fill_host_inputs(rows, num_sched)
+        num_drafts = self._write_drafts(so.scheduled_spec_decode_tokens, req_ids, rows)
+        T, nb, sample_mask, n_logits = self._fill_host_inputs(rows, num_sched, num_drafts)
         graphs = self.decode_graphs
         if (graphs is not None and not merges and T == len(rows)
                 and padded_size(T, graphs.sizes) is not None):
-            hidden = graphs.run(T)  # one token per request
+            hidden = graphs.run(T)  # one token per request (so no drafts)
             # A 1-token chunk in the middle of a prompt does not sample.
             logits_indices = (
-                slice(None) if n_sample == T
+                slice(None) if n_logits == T
                 else torch.from_numpy(np.flatnonzero(sample_mask)).to(self.device)
             )
         else:
-            meta, input_ids, positions, logits_indices = self._to_device(len(rows), T, nb, n_sample, num_sched)
+            meta, input_ids, positions, logits_indices = self._to_device(len(rows), T, nb, n_logits, num_sched)
             embeds = self.encoder.embed(input_ids, merges) if merges else None
             hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)  # [T, hidden]
+            if self._drafts_by_model:
+                self.proposer.run_step(input_ids, positions, meta)
         ib.num_computed_tokens[rows] += num_sched
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprob_lists: list[list[dict[int, float]] | None] = [None] * len(req_ids)
         sample_idx = np.flatnonzero(sample_mask)
         if len(sample_idx):
-            logits = self.model.compute_logits(hidden[logits_indices])  # [N, vocab] on rank 0
-            out = None
-            if self.tp.is_driver:
-                meta = self._sampling_metadata(rows[sample_idx])
-                if so.grammar_bitmask is not None:
-                    meta.grammar_bitmask, meta.grammar_rows = bitmask_for_sampled_rows(
-                        so.structured_output_request_ids, so.grammar_bitmask, [req_ids[i] for i in sample_idx],
-                        self.device)
-                out = self.sampler(logits, meta)
-                tokens = out.sampled_token_ids
-            else:
-                tokens = torch.empty(len(sample_idx), dtype=torch.int64, device=self.device)
-            # Every rank appends the sampled tokens: the next step's inputs come from them.
-            tokens = self.tp.broadcast_from_driver(tokens).tolist()
+            logits = self.model.compute_logits(hidden[logits_indices])  # [n_logits, vocab] on rank 0
+            tokens, logprobs = self._sample(so, logits, req_ids, rows, sample_idx, num_drafts)
             for j, i in enumerate(sample_idx):
-                ib.append_token(int(rows[i]), tokens[j])
-                sampled_lists[i] = [tokens[j]]
-                if out is not None and out.logprobs is not None and out.logprobs[j] is not None:
-                    logprob_lists[i] = [out.logprobs[j]]
+                row = int(rows[i])
+                # Rejected drafts' KV is stale: the next step recomputes from the first of them.
+                ib.num_computed_tokens[row] -= num_drafts[i] + 1 - len(tokens[j])
+                for token in tokens[j]:
+                    ib.append_token(row, token)
+                sampled_lists[i] = tokens[j]
+                if logprobs is not None:
+                    logprob_lists[i] = logprobs[j]
         has_logprobs = any(lp is not None for lp in logprob_lists)
         return ModelRunnerOutput(req_ids, sampled_lists, logprob_lists if has_logprobs else None,
-                                 encoder_seconds=encoder_seconds)
+                                 encoder_seconds=encoder_seconds, spec_token_ids=self._propose(rows, sample_idx))
+
+    def _write_drafts(self, spec: dict[str, list[int]], req_ids: list[str], rows: np.ndarray) -> np.ndarray:
+        """Put each request's drafts after its last token (inputs of the lookahead positions);
+        returns [R] drafts per request. They sit past num_tokens, so appends overwrite them."""
+        num_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        if not spec:
+            return num_drafts
+        ib = self.input_batch
+        for i, req_id in enumerate(req_ids):
+            drafts = spec.get(req_id)
+            if drafts:
+                n = ib.num_tokens[rows[i]]
+                ib.token_ids[rows[i], n:n + len(drafts)] = drafts
+                num_drafts[i] = len(drafts)
+        return num_drafts
+
+    def _sample(self, so: SchedulerOutput, logits: torch.Tensor, req_ids: list[str], rows: np.ndarray,
+                sample_idx: np.ndarray, num_drafts: np.ndarray):
+        """Tokens (and logprobs) per sampling request: one each, or with drafts the accepted
+        run plus one. Every rank gets the tokens (its next inputs); logprobs only the driver."""
+        per = num_drafts[sample_idx] + 1  # logits rows of each sampling request
+        n_logits = int(per.sum())
+        first = np.cumsum(per) - per
+        pos_in_req = np.arange(n_logits) - np.repeat(first, per)
+        flat = torch.full((n_logits,), -1, dtype=torch.int64, device=self.device)
+        logprobs = None
+        if self.tp.is_driver:
+            meta = self._sampling_metadata(np.repeat(rows[sample_idx], per), pos_in_req)
+            if so.grammar_bitmask is not None:
+                row_req_ids = [req_ids[i] for i, n in zip(sample_idx, per) for _ in range(n)]
+                meta.grammar_bitmask, meta.grammar_rows = bitmask_for_sampled_rows(
+                    so.structured_output_request_ids, so.grammar_bitmask, row_req_ids, self.device)
+            if n_logits > len(sample_idx):
+                drafts = [so.scheduled_spec_decode_tokens.get(req_ids[i], []) for i in sample_idx]
+                out = rejection_sample(logits, meta, drafts)
+                tokens, logprobs = out.token_ids, out.logprobs
+            else:
+                out = self.sampler(logits, meta)
+                tokens = [[t] for t in out.sampled_token_ids.tolist()]
+                if out.logprobs is not None:
+                    logprobs = [None if lp is None else [lp] for lp in out.logprobs]
+            for j, toks in enumerate(tokens):
+                flat[first[j]:first[j] + len(toks)] = torch.tensor(toks, dtype=torch.int64)
+        flat = self.tp.broadcast_from_driver(flat).tolist()
+        tokens = [[t for t in flat[f:f + n] if t >= 0] for f, n in zip(first, per)]
+        return tokens, logprobs
+
+    def _propose(self, rows: np.ndarray, sample_idx: np.ndarray) -> list[list[int]] | None:
+        """Drafts for each request's next step (the driver's answer is the one that counts).
+        Requests under a grammar do not speculate: a draft would need the matcher rolled back."""
+        if self.proposer is None or not self.tp.is_driver:
+            return None
+        ib = self.input_batch
+        out: list[list[int]] = [[] for _ in rows]
+        eligible = [i for i in sample_idx if ib.sampling_params[rows[i]].structured_outputs is None]
+        if not self._drafts_by_model:
+            for i in eligible:
+                row = int(rows[i])
+                out[i] = self.proposer.propose(ib.token_ids[row, :ib.num_tokens[row]])
+            return out
+        if eligible:
+            r = rows[eligible]
+            last = ib.num_tokens[r] - 1
+            # Draft inputs need KV slots: up to max_model_len and the lookahead reserved.
+            limits = np.minimum(self.max_model_len, ib.block_table.num_blocks[r].astype(np.int64)
+                                * self.kernel_block_size)
+            for i, drafts in zip(eligible, self.proposer.propose(ib.block_table, r, ib.token_ids[r, last], last,
+                                                                 limits)):
+                out[i] = drafts
+        return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
@@ -180,9 +267,9 @@ class ModelRunner:
             ib.block_table.append_row(row, block_ids)
             ib.num_computed_tokens[row] = num_computed
 
-    def _fill_host_inputs(self, rows: np.ndarray, num_sched: np.ndarray):
+    def _fill_host_inputs(self, rows: np.ndarray, num_sched: np.ndarray, num_drafts: np.ndarray):
         """Write this step's flattened inputs into the host buffers; returns
-        (num tokens, block-table width, which rows sample, how many)."""
+        (num tokens, block-table width, which rows sample, how many logits rows)."""
         ib = self.input_batch
         R = len(rows)
         T = int(num_sched.sum())
@@ -202,9 +289,14 @@ class ModelRunner:
         self.step_block_table.np[:R, :nb] = ib.block_table.table.np[rows, :nb]
         # Sample only where the step reaches the end of the known tokens (not mid-prompt).
         sample_mask = seq_lens >= ib.num_tokens[rows]
-        n_sample = int(sample_mask.sum())
-        self.logits_indices.np[:n_sample] = cu[1:][sample_mask] - 1
-        return T, nb, sample_mask, n_sample
+        # A verifying request needs logits at its last 1 + drafts positions, one per draft
+        # and one for the token after them all.
+        per = np.where(sample_mask, num_drafts + 1, 0)
+        n_logits = int(per.sum())
+        first = np.cumsum(per) - per
+        self.logits_indices.np[:n_logits] = (np.repeat(cu[1:] - per, per)
+                                             + np.arange(n_logits) - np.repeat(first, per))
+        return T, nb, sample_mask, n_logits
 
     def _to_device(self, R: int, T: int, nb: int, n_sample: int, num_sched: np.ndarray):
         meta = AttentionMetadata(
@@ -217,7 +309,9 @@ class ModelRunner:
         )
         return meta, self.input_ids.to_device(T), self.positions.to_device(T), self.logits_indices.to_device(n_sample)
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: np.ndarray, pos_in_req: np.ndarray) -> SamplingMetadata:
+        """Metadata of each logits row: `rows` [N] its input-batch row, `pos_in_req` [N] how
+        many of the request's tokens this step comes before it (0 without drafts)."""
         ib = self.input_batch
         params = [ib.sampling_params[r] for r in rows]
         temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
@@ -237,7 +331,7 @@ class ModelRunner:
         meta.num_logprobs = [p.logprobs for p in params]
         for j, r in enumerate(rows):
             p = params[j]
-            if p.min_tokens and ib.num_tokens[r] - ib.num_prompt_tokens[r] < p.min_tokens:
+            if p.min_tokens and ib.num_tokens[r] - ib.num_prompt_tokens[r] + pos_in_req[j] < p.min_tokens:
                 banned = sorted(p.all_stop_token_ids)
                 if banned:
                     meta.banned_tokens.append((j, banned))

@@ -54,6 +54,7 @@ class Worker:
             ec.cache.effective_kernel_block_size,
             use_cuda_graphs=config.use_cuda_graphs,
             tp=tp,
+            speculative=ec.speculative,
         )
         self.kv_connector = (kv_connector_factory(KVConnectorRole.WORKER)
                              if kv_connector_factory is not None else None)

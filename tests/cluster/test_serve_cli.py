@@ -68,6 +68,14 @@ def test_every_engine_argument_is_a_serve_flag(tiny_model, capsys):
         assert "--" + name.replace("_", "-") in helptext
 
 
+def test_speculative_config_reaches_the_engine_args(tiny_model):
+    args = build_parser().parse_args([
+        "serve", "--model", tiny_model, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    engine_args = _config(args).engine_args
+    assert engine_args.speculative_config == {"method": "ngram", "num_speculative_tokens": 4}
+    assert engine_args.create_engine_config().speculative.num_speculative_tokens == 4
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--prefill-replicas", "0"], "prefill_replicas"),
     (["--decode-replicas", "-1"], "decode_replicas"),
@@ -77,6 +85,8 @@ def test_every_engine_argument_is_a_serve_flag(tiny_model, capsys):
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--shutdown-timeout-s", "0"], "shutdown_timeout_s"),
     (["--decode-tensor-parallel-size", "2"], "decode_tensor_parallel_size"),  # prefill's is 1
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
+    (["--speculative-config", '{"method": "eagle"}'], "speculative_config.method"),
 ])
 def test_bad_values_exit_2_naming_the_field(tiny_model, capsys, argv, needle):
     assert main(["serve", "--model", tiny_model, *argv]) == 2

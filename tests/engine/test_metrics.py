@@ -148,3 +148,17 @@ def test_get_metrics_has_every_engine_metric_once_with_its_kind(llm):
     expected.update({"vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram"})
     assert {m.name: kinds[type(m)] for m in snap} == expected
     assert len(snap) == len(expected)
+
+
+def test_spec_decode_figures_become_counters_per_position():
+    from engine.metrics import StatsRecorder
+
+    figures = {"spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 12,
+               "spec_decode_num_accepted_tokens": 5, "spec_decode_num_accepted_tokens_per_pos": [3, 2, 0]}
+    snap = StatsRecorder("m", 64).snapshot(figures)
+    assert _one(snap, "vllm:spec_decode_num_drafts").value == 4
+    assert _one(snap, "vllm:spec_decode_num_draft_tokens").value == 12
+    assert _one(snap, "vllm:spec_decode_num_accepted_tokens").value == 5
+    per_pos = {m.labels["position"]: m.value for m in snap if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos"}
+    assert per_pos == {"0": 3, "1": 2, "2": 0}
+    assert not [m for m in StatsRecorder("m", 64).snapshot({}) if m.name.startswith("vllm:spec_decode")]

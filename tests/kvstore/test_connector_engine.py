@@ -271,3 +271,22 @@ def test_kv_from_a_prefill_of_another_tensor_parallel_size_fails_the_load_naming
     worker.start_load_kv(PDConnectorMetadata())  # the next step writes (here: fails) it
     failed = worker.get_finished().failed_recving
     assert "tensor_parallel_size=2 and this decode replica with 1" in failed["r"]
+
+
+def test_speculating_decode_engine_keeps_greedy_tokens_and_accepts_drafts(tiny_model):
+    """P/D with n-gram speculation on the decode side only (as actors/worker.py configures
+    the roles): tokens equal transformers', drafts are accepted, nothing leaks."""
+    transport = LocalTransport()
+    p = _engine(tiny_model, ("producer", transport, "p0"))
+    d = _engine(tiny_model, ("consumer", transport, "d0"),
+                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    base = random_prompts([12, 7], 1000, seed=5)
+    prompts = [base[0] * 4, base[1] * 6]  # repetitive: the random model repeats itself too
+    params = SamplingParams(temperature=0, max_tokens=20)
+    ref = hf_greedy(tiny_model, prompts, 20)
+    for i, prompt in enumerate(prompts):
+        got, _ = _pd(p, d, f"r{i}", prompt, params)
+        assert got == ref[i]
+    assert d.core.load()["spec_decode_num_accepted_tokens"] > 0
+    assert "spec_decode_num_drafts" not in p.core.load()
+    _assert_no_leaks(p, d, transport=transport)
