@@ -29,6 +29,17 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 # How long a request left during its submit call waits for that call, to abort what it queued.
 _SUBMIT_WAIT_S = 30.0
+# Resubmissions of a request whose replica left the routing table before any output came back.
+_MAX_RESUBMITS = 2
+
+
+class ReplicaUnrouted(PDRequestError):
+    """The replica holding a request can no longer be reached by a call naming it: Serve took
+    it out of routing (scale-down, replacement) between the request's submit and the
+    ingress's subscription. With no output delivered yet, the request can run elsewhere."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, replica_died=True)
 
 # Errors meaning the replica (not the request) failed: gone, unreachable, or its engine died
 # (the ingress validated the request, so an error raised inside a replica is the replica's).
@@ -55,6 +66,7 @@ class ReplicaStreams:
         acc = DeltaAccumulator(request_id, prompt.get("prompt"), prompt["prompt_token_ids"],
                                params.logprobs is not None)
         finished = False
+        resubmits = 0
         submitted = asyncio.ensure_future(self._submit(prompt, params, request_id, kv_transfer_params))
         try:
             try:
@@ -68,6 +80,21 @@ class ReplicaStreams:
             self._ensure_subscribed(replica)
             while not finished:
                 item = await q.get()
+                if (isinstance(item, ReplicaUnrouted) and not acc.token_ids
+                        and resubmits < _MAX_RESUBMITS):
+                    # Nothing came back yet, and its replica is leaving (Serve stops it with its
+                    # engine): run the request on a replica that stays. Bounded.
+                    resubmits += 1
+                    logger.info("resubmitting %s: %s", request_id, item)
+                    submitted = asyncio.ensure_future(self._submit(prompt, params, request_id, kv_transfer_params))
+                    try:
+                        replica = await asyncio.shield(submitted)
+                    except REPLICA_ERRORS as e:
+                        finished = True
+                        raise PDRequestError(f"replica unavailable: {e}", replica_died=True) from e
+                    self._where[request_id] = replica
+                    self._ensure_subscribed(replica)
+                    continue
                 if isinstance(item, BaseException):
                     finished = True  # its replica is gone with it
                     raise item
@@ -123,11 +150,14 @@ class ReplicaStreams:
             error = RuntimeError("the replica no longer holds these requests")
         if error is not None:
             logger.warning("subscription to replica %s failed: %s", replica, error)
+            # ReplicaGone: the call naming this replica reached another one (cluster.replica).
+            unrouted = "ReplicaGone" in f"{type(error).__name__}: {error}"
             for rid in mine:
                 self._where.pop(rid, None)
                 q = self._queues.get(rid)
                 if q is not None:
-                    q.put_nowait(PDRequestError(f"replica unavailable: {error}", replica_died=True))
+                    q.put_nowait(ReplicaUnrouted(f"replica unavailable: {error}") if unrouted
+                                 else PDRequestError(f"replica unavailable: {error}", replica_died=True))
         elif mine:
             # It closed while idle just as new requests reached it: listen again.
             self._ensure_subscribed(replica, idle_closes + 1 if got == 0 else 0)

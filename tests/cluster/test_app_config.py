@@ -118,7 +118,8 @@ def test_from_flat_splits_every_engine_argument_from_the_app_fields(tiny_model):
                      "kernel_block_size": 4, "kernel_backend": "torch", "device": "cpu",
                      "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
                      "limit_mm_per_prompt": '{"image": 2}', "encoder_cache_size": 64,
-                     "max_num_encoder_input_tokens": 32, "allowed_local_media_path": "/srv/media"}
+                     "max_num_encoder_input_tokens": 32, "allowed_local_media_path": "/srv/media",
+                     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
     assert set(engine_values) | {"model"} == set(EngineArgs.field_names())  # the test covers them all
     cfg = AppConfig.from_flat({"model": tiny_model, "mode": "colocated", "max_replicas": 3, **engine_values})
     assert cfg.engine_args == EngineArgs(model=tiny_model, **engine_values)

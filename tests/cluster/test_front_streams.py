@@ -1,0 +1,99 @@
+"""cluster.front_streams.ReplicaStreams against stand-in replicas: a request whose replica left
+Serve's routing between its submit and the ingress's subscription (scale-down) runs again on
+another replica when nothing came back yet; otherwise the failure reaches the caller."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from actors.orchestrate import PDRequestError
+from cluster.front_streams import ReplicaStreams
+from engine.outputs import RequestDelta
+from engine.sampling_params import SamplingParams
+
+PROMPT = {"prompt": "hi", "prompt_token_ids": [1, 2, 3]}
+
+
+class StandInReplicas:
+    """The engine deployment's handle as ReplicaStreams uses it. `plan` lists, per submit, the
+    replica it lands on and what a subscription to that replica then does: a list of batches
+    to send, or an exception to raise."""
+
+    def __init__(self, plan: list[tuple[str, object]]) -> None:
+        self.plan = list(plan)
+        self.behaviour: dict[str, object] = {}
+        self.submits: list[str] = []
+        self.aborts: list[tuple[str, str]] = []
+        self.submit = SimpleNamespace(remote=self._submit)
+        self.abort = SimpleNamespace(remote=self._abort)
+        self.subscribe = SimpleNamespace(remote=self._subscribe)
+
+    def options(self, stream: bool = False):
+        return self
+
+    async def _submit(self, prompt, params, request_id, ingress_id, kv_transfer_params):
+        replica, behaviour = self.plan.pop(0)
+        self.submits.append(replica)
+        self.behaviour[replica] = behaviour
+        return replica
+
+    async def _abort(self, request_id, replica=None):
+        self.aborts.append((request_id, replica))
+
+    async def _subscribe(self, ingress_id, replica=None):
+        behaviour = self.behaviour[replica]
+        if isinstance(behaviour, BaseException):
+            raise behaviour
+        self.behaviour[replica] = []  # sent once: a later subscription finds nothing new
+        for batch in behaviour:
+            yield batch
+
+
+def _run(handle, request_id="r1"):
+    async def main():
+        streams = ReplicaStreams(handle, "ingress-test")
+        last = None
+        async for out in streams.generate(PROMPT, SamplingParams(max_tokens=2), request_id):
+            last = out
+        await streams.close()
+        return last
+
+    return asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def _done(request_id="r1", tokens=(7, 8)):
+    return [[RequestDelta(request_id, list(tokens), "xy", finished=True, finish_reason="length")]]
+
+
+def test_a_request_whose_replica_left_routing_before_any_output_runs_on_another():
+    gone = RuntimeError("ReplicaGone: replica A is gone (this is B)")
+    handle = StandInReplicas([("A", gone), ("B", _done())])
+    out = _run(handle)
+    assert handle.submits == ["A", "B"]
+    assert out.finished and out.outputs[0].token_ids == [7, 8]
+
+
+def test_resubmission_is_bounded():
+    gone = RuntimeError("ReplicaGone: replica is gone")
+    handle = StandInReplicas([("A", gone), ("B", gone), ("C", gone), ("D", _done())])
+    with pytest.raises(PDRequestError, match="ReplicaGone"):
+        _run(handle)
+    assert handle.submits == ["A", "B", "C"]
+
+
+def test_after_output_or_on_another_failure_the_error_reaches_the_caller():
+    died = RuntimeError("actor died")
+    handle = StandInReplicas([("A", died), ("B", _done())])
+    with pytest.raises(PDRequestError, match="actor died"):
+        _run(handle)
+    assert handle.submits == ["A"]  # a dead replica may have done anything: no silent retry
+
+    # One token, then the replica's subscriptions end idle while it should hold the request.
+    partial = [[RequestDelta("r1", [7], "x")]]
+    handle = StandInReplicas([("A", partial), ("B", _done())])
+    with pytest.raises(PDRequestError, match="no longer holds"):
+        _run(handle)
+    assert handle.submits == ["A"]  # tokens were delivered: never run again elsewhere
