@@ -22,15 +22,11 @@ from engine.multimodal.sched_encoder import (
 )
 from engine.request import Request, RequestStatus
 from engine.request_queue import make_queue
-from engine.sched_output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from engine.sched_build import build_scheduler_output
+from engine.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from engine.sched_remote_kv import RemoteKVTracker
 from engine.spec_decode.metrics import SpecDecodingStats
+from engine.spec_decode.scheduling import drafts_to_verify, lookahead_slots
 
 logger = logging.getLogger(__name__)
 
@@ -147,11 +143,11 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            drafts = self._drafts_to_verify(request, n, budget)
+            drafts = drafts_to_verify(request, n, budget, self.max_model_len)
             n += len(drafts)
             blocks = None
             while True:
-                blocks = self.kv_cache_manager.allocate_slots(request, n + self._lookahead(request, n))
+                blocks = self.kv_cache_manager.allocate_slots(request, n + self._lookahead(request, n, request.num_computed_tokens))
                 if blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -253,7 +249,7 @@ class Scheduler:
         for request, dequeued in unencodable:
             self._fail_unencodable(request, dequeued)
 
-        out = self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted)
+        out = build_scheduler_output(self, scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted)
         if self.encoder_cache is not None:
             freed = self.encoder_cache.take_freed()
             for mm_hash in freed:
@@ -267,57 +263,8 @@ class Scheduler:
         self.finished_req_ids = set()
         return out
 
-    def _build_output(self, new_reqs, running_reqs, num_scheduled, new_blocks, preempted):
-        new_data = [
-            NewRequestData(
-                req_id=r.request_id,
-                prompt_token_ids=r.prompt_token_ids,
-                token_ids=list(r.all_token_ids),
-                sampling_params=r.sampling_params,
-                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
-                num_computed_tokens=r.num_computed_tokens,
-                kv_transfer_params=r.kv_transfer_params,
-                mm_features=None if r.mm_features is None else r.mm_features.without_pixels(),
-            )
-            for r in new_reqs
-        ]
-        cached = CachedRequestData()
-        for r in running_reqs:
-            cached.req_ids.append(r.request_id)
-            cached.new_block_ids.append(new_blocks[r.request_id].get_block_ids())
-            cached.num_computed_tokens.append(r.num_computed_tokens)
-        out = SchedulerOutput(
-            scheduled_new_reqs=new_data,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=set(self.finished_req_ids),
-            preempted_req_ids={r.request_id for r in preempted},
-        )
-        if self.structured_output_manager is not None:
-            out.structured_output_request_ids, out.grammar_bitmask = (
-                self.structured_output_manager.grammar_bitmask(new_reqs + running_reqs, num_scheduled))
-        if self.remote_kv is not None:
-            out.kv_connector_metadata = self.remote_kv.connector.build_connector_meta(out)
-        return out
-
-    def _lookahead(self, request: Request, n: int, num_computed: int | None = None) -> int:
-        """Lookahead slots for `request` scheduled for n tokens, never past max_model_len."""
-        if not self.num_lookahead_tokens or request.structured_output_request is not None:
-            return 0
-        computed = request.num_computed_tokens if num_computed is None else num_computed
-        return max(min(self.num_lookahead_tokens, self.max_model_len - computed - n), 0)
-
-    def _drafts_to_verify(self, request: Request, n: int, budget: int) -> list[int]:
-        """The request's drafts that fit this step: only in decode (one token to compute), within
-        the token budget, and never past the request's last possible token (max_tokens,
-        max_model_len), so the lookahead slots never reach beyond what it may produce."""
-        drafts, request.spec_token_ids = request.spec_token_ids, []
-        if not drafts or n != 1 or request.structured_output_request is not None:
-            return []
-        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
-                   self.max_model_len - request.num_tokens - 1)
-        return drafts[:max(room, 0)]
+    def _lookahead(self, request: Request, n: int, num_computed: int) -> int:
+        return lookahead_slots(request, n, num_computed, self.num_lookahead_tokens, self.max_model_len)
 
     def _grammar_ready(self, request: Request, skipped: list[Request]) -> bool:
         """Pops the request unless its grammar compiled (then it is WAITING); if compiling
