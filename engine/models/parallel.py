@@ -24,6 +24,10 @@ from engine.models.arch import ModelArch
 def check_tp_size(arch: ModelArch, tp: int) -> None:
     """Raise ParameterError unless `arch` splits evenly over `tp` ranks."""
     field = "tensor_parallel_size"
+    if arch.num_experts and tp > 1:
+        # Experts are not sharded yet (neither their intermediate dim nor expert parallel).
+        raise ParameterError(field, f"{field}={tp}: {arch.architecture} (mixture of experts) runs on "
+                             "one rank only; use tensor_parallel_size=1")
     if arch.num_heads % tp:
         raise ParameterError(field, f"{field}={tp} must divide num_attention_heads={arch.num_heads}")
     hkv = arch.num_kv_heads
