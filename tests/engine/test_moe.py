@@ -17,8 +17,9 @@ from engine.models.arch import arch_from_dict, load_arch
 from engine.models.parallel import check_tp_size
 from tests.engine.hf_reference import hf_greedy, random_prompts
 
-LENGTHS = [3, 17, 40, 64, 5, 33, 90, 16]
-MAX_NEW = 20
+# Fewer and shorter than test_parity's: each MoE layer is a loop over experts on CPU.
+LENGTHS = [3, 17, 40, 5, 33, 16]
+MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             vocab_size=128, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -91,17 +92,15 @@ def test_moe_greedy_matches_transformers_for_mixed_batch(model_factory, variant)
     assert _generate(llm, prompts) == hf_greedy(model, prompts, MAX_NEW)
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
-def test_moe_greedy_matches_transformers_with_forced_chunked_prefill(model_factory, variant):
-    model = _make(model_factory, variant)
+def test_moe_greedy_matches_transformers_with_forced_chunked_prefill(model_factory):
+    model = _make(model_factory, "mixtral")
     llm = LLM(model, max_model_len=256, long_prefill_token_threshold=7, max_num_batched_tokens=24)
     prompts = random_prompts(LENGTHS, 1000, seed=1)
     assert _generate(llm, prompts) == hf_greedy(model, prompts, MAX_NEW)
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
-def test_moe_greedy_matches_transformers_on_prefix_cache_hits(model_factory, variant):
-    model = _make(model_factory, variant)
+def test_moe_greedy_matches_transformers_on_prefix_cache_hits(model_factory):
+    model = _make(model_factory, "qwen3_moe")
     llm = LLM(model, max_model_len=256)
     shared = random_prompts([48], 1000, seed=3)[0]
     prompts = [shared + tail for tail in random_prompts([1, 9, 16, 30], 1000, seed=4)]
@@ -116,8 +115,8 @@ def test_moe_greedy_matches_transformers_with_triton_kernels(model_factory):
     model = _make(model_factory, "qwen3_moe")
     llm = LLM(model, max_model_len=64, kernel_backend="triton")
     assert llm.engine.core.kernel_backend == "triton"
-    prompts = random_prompts([3, 17, 9], llm.engine.core.arch.vocab_size - 64, seed=9)
-    params = SamplingParams(temperature=0.0, max_tokens=6)
+    prompts = random_prompts([3, 11], llm.engine.core.arch.vocab_size - 64, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
     got = [o.outputs[0].token_ids for o in
            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-    assert got == hf_greedy(model, prompts, 6)
+    assert got == hf_greedy(model, prompts, 4)
