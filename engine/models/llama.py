@@ -88,8 +88,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.self_attn = Attention(layout, ops, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        # MoE layers are single-rank only (check_tp_size refuses tp > 1 for MoE models).
-        self.mlp = SparseMoE(arch, ops) if arch.is_moe_layer(index) else MLP(layout, ops, tp)
+        self.mlp = SparseMoE(layout, ops, tp) if arch.is_moe_layer(index) else MLP(layout, ops, tp)
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
         # The residual add is fused into the norms: rms_norm(x, w, eps, residual) returns

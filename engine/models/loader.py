@@ -188,7 +188,7 @@ def _destination(name: str, layout: ShardLayout, params: dict) -> tuple[str, Row
     prefix = f"layers.{layer}."
     expert = _EXPERT.match(rest)
     if expert is not None:
-        return _expert_destination(prefix, int(expert.group(1)), _EXPERT_PART.get(expert.group(2)), layout.arch)
+        return _expert_destination(prefix, int(expert.group(1)), _EXPERT_PART.get(expert.group(2)), layout)
     rest = rest.replace("block_sparse_moe.gate.", "mlp.gate.")  # Mixtral's router
     h, hkv, d, inter = layout.num_heads, layout.num_kv_heads, arch.head_dim, layout.intermediate_size
     q0, kv0, i0 = layout.rank * h * d, layout.kv_head_start * d, layout.rank * inter
@@ -214,15 +214,18 @@ def _destination(name: str, layout: ShardLayout, params: dict) -> tuple[str, Row
     return full, None, None
 
 
-def _expert_destination(prefix: str, expert: int, part: int | None, arch: ModelArch):
+def _expert_destination(prefix: str, expert: int, part: int | None, layout: ShardLayout):
     """Stack expert `expert`'s gate (part 0) and up (1) into w13[expert], its down (2) into
-    w2[expert]. Single-rank only, so the whole checkpoint tensor is read."""
+    w2[expert]; each rank reads its slice of the intermediate dim (gate/up rows, down columns)."""
     if part is None:
         return None
-    inter = arch.moe_intermediate_size
+    inter = layout.moe_intermediate_size
+    i0 = layout.rank * inter
     if part == 2:
-        return f"{prefix}mlp.w2", (expert, 0, arch.hidden_size), None
-    return f"{prefix}mlp.w13", (expert, part * inter, (part + 1) * inter), None
+        src = None if layout.size == 1 else (1, i0, i0 + inter)
+        return f"{prefix}mlp.w2", (expert, 0, layout.arch.hidden_size), src
+    src = None if layout.size == 1 else (0, i0, i0 + inter)
+    return f"{prefix}mlp.w13", (expert, part * inter, (part + 1) * inter), src
 
 
 def _vocab_rows(layout: ShardLayout) -> tuple[int, int] | None:
@@ -239,7 +242,7 @@ def _expected_pieces(layout: ShardLayout, params: dict) -> set[str]:
             for rows in ((0, h * d), (h * d, (h + hkv) * d), ((h + hkv) * d, (h + 2 * hkv) * d)):
                 pieces.add(f"{name}:{rows}")
         elif name.endswith("mlp.w13"):
-            moe_inter = layout.arch.moe_intermediate_size
+            moe_inter = layout.moe_intermediate_size
             for e in range(layout.arch.num_experts):
                 pieces.update({f"{name}:{(e, 0, moe_inter)}", f"{name}:{(e, moe_inter, 2 * moe_inter)}"})
         elif name.endswith("mlp.w2"):

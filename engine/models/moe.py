@@ -5,6 +5,10 @@ experts, keep the top k, and renormalise those k to sum to one when the config a
 (Mixtral always does; Qwen3-MoE when norm_topk_prob). The experts are SwiGLU MLPs whose
 weights are stacked at load into w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I],
 the layout `ops.fused_moe` takes.
+
+Under tensor parallelism every rank holds every expert but only its slice of each expert's
+intermediate dim (w13 column-parallel, w2 row-parallel, like the dense MLP); the router is
+replicated, so every rank routes identically, and the partial outputs are all-reduced.
 """
 
 from __future__ import annotations
@@ -14,19 +18,22 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from engine.models.arch import ModelArch
+from engine.distributed import SINGLE_RANK, TPGroup
+from engine.models.parallel import ShardLayout
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, arch: ModelArch, ops: SimpleNamespace) -> None:
+    def __init__(self, layout: ShardLayout, ops: SimpleNamespace, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
-        E, H, inter = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+        arch = layout.arch
+        E, H, inter = arch.num_experts, arch.hidden_size, layout.moe_intermediate_size
         self.gate = nn.Linear(H, E, bias=False)  # the router
         self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H))
         self.w2 = nn.Parameter(torch.empty(E, H, inter))
         self.top_k = arch.num_experts_per_tok
         self.renormalize = arch.norm_topk_prob
         self.ops = ops
+        self.tp = tp
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k]) of each token."""
@@ -38,4 +45,5 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H]
         weights, ids = self.route(x)
-        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        out = self.ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)

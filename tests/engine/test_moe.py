@@ -56,11 +56,12 @@ def test_mixtral_experts_use_intermediate_size_and_always_renormalise():
     assert all(arch.is_moe_layer(i) for i in range(4)) and not arch.qk_norm
 
 
-def test_moe_models_refuse_tensor_parallel():
-    arch = arch_from_dict({**BASE, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4})
-    check_tp_size(arch, 1)
-    with pytest.raises(ParameterError, match="tensor_parallel_size=2.*mixture of experts"):
-        check_tp_size(arch, 2)
+def test_tensor_parallel_must_divide_the_experts_intermediate_size():
+    arch = arch_from_dict({**BASE, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+                           "moe_intermediate_size": 18})
+    check_tp_size(arch, 2)  # heads (4), dense intermediate (128) and experts' (18) all split
+    with pytest.raises(ParameterError, match="tensor_parallel_size=4.*experts' intermediate size 18"):
+        check_tp_size(arch, 4)
 
 
 @pytest.mark.parametrize("variant, names", [
