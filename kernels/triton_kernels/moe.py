@@ -97,10 +97,13 @@ def sort_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     """(sorted_pairs [P], block_expert [P // block_m]): the flat (token, slot) pair indices
     grouped by expert, each expert's run padded with the sentinel T*k to a multiple of block_m,
     and the expert of each block_m tile (num_experts for tiles past the end). P is an upper
-    bound computed on the host, so nothing here waits on the device."""
+    bound computed on the host, so nothing here waits on the device (CUDA-graph safe)."""
     flat = topk_ids.reshape(-1).long()
     n = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # scatter_add, not bincount: bincount sizes its output from the data (a device sync, which
+    # a CUDA graph capture of the decode step cannot contain).
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [E]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)  # pairs by expert
