@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from kernels import reference
 
 BACKENDS = ("torch", "triton")
-_OPS = ("reshape_and_cache", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul")
+_OPS = ("reshape_and_cache", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "fused_moe")
 
 
 def default_backend(device_type: str) -> str:

@@ -185,3 +185,27 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     else:
         allowed = torch.cat([allowed, allowed.new_zeros(M, V - W * 32)], dim=1)
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def fused_moe(
+    hidden: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]: each expert's gate rows then its up rows
+    w2: torch.Tensor,  # [E, H, I]: each expert's down projection
+    topk_weights: torch.Tensor,  # [T, k] routing weights (already softmaxed/renormalised)
+    topk_ids: torch.Tensor,  # [T, k] expert of each (token, slot)
+) -> torch.Tensor:  # [T, H]
+    """out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
+
+    Each expert's SwiGLU MLP runs in the activation dtype on the tokens routed to it; the
+    weighted contributions are summed in fp32 and rounded once, so the result does not depend
+    on the order in which experts are visited."""
+    T, k = topk_ids.shape
+    out = torch.zeros(T, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    flat_ids = topk_ids.reshape(-1)  # [T*k], pair p is token p // k
+    flat_weights = topk_weights.reshape(-1).float()
+    for e in flat_ids.unique().tolist():
+        pairs = (flat_ids == e).nonzero().squeeze(1)  # [n]
+        tokens = pairs // k
+        h = F.linear(silu_and_mul(F.linear(hidden[tokens], w13[e])), w2[e])  # [n, H]
+        out.index_add_(0, tokens, h.float() * flat_weights[pairs, None])
+    return out.to(hidden.dtype)

@@ -1,6 +1,7 @@
 """Kernel speed on a CUDA GPU: Triton paged_attention (decode) against torch SDPA on dense
 K/V, with achieved GB/s and % of peak HBM bandwidth; plus the element-wise kernels against
-their torch references. Needs CUDA.
+their torch references, and fused_moe (Triton grouped GEMM vs the per-expert torch loop) at
+Mixtral-8x7B and Qwen3-30B-A3B expert shapes. Needs CUDA.
 
     python scripts/bench_kernels.py [--heads 32 --kv-heads 8 --head-dim 128] [--peak-gbps N]
 """
@@ -80,6 +81,29 @@ def bench_elementwise(args):
         print(f"  {label:<20} {t_tri:8.1f} / {t_ref:8.1f}")
 
 
+# (label, experts, top-k, hidden, expert intermediate size)
+MOE_SHAPES = (("mixtral-8x7b", 8, 2, 4096, 14336), ("qwen3-30b-a3b", 128, 8, 2048, 768))
+
+
+def bench_fused_moe(args):
+    from kernels import reference as ref
+    from kernels import triton_kernels as tk
+
+    dtype = getattr(torch, args.dtype)
+    print(f"\nfused_moe, {args.dtype} (us: triton / torch reference)")
+    for label, E, k, H, inter in MOE_SHAPES:
+        w13 = torch.randn(E, 2 * inter, H, device="cuda", dtype=dtype) / H**0.5
+        w2 = torch.randn(E, H, inter, device="cuda", dtype=dtype) / inter**0.5
+        for T in (1, 64, 1024):
+            x = torch.randn(T, H, device="cuda", dtype=dtype)
+            weights, ids = torch.randn(T, E, device="cuda").softmax(-1).topk(k, -1)
+            fn_args = (x, w13, w2, weights, ids)
+            t_tri = _time_us(tk.fused_moe, *fn_args)
+            t_ref = _time_us(ref.fused_moe, *fn_args)
+            print(f"  {label:<14} T={T:<5} {t_tri:10.1f} / {t_ref:10.1f}")
+        del w13, w2
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, default=32)
@@ -97,6 +121,7 @@ def main() -> None:
     print(f"device: {name}, peak HBM bandwidth: {peak or 'unknown'} GB/s")
     bench_decode_attention(args, peak)
     bench_elementwise(args)
+    bench_fused_moe(args)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,15 @@ from engine.errors import ParameterError
 from engine.models.gguf_file import find_gguf, gguf_config
 
 # HF architecture name -> family flags. Llama and Mistral share a layout; Qwen2 adds a qkv
-# bias; Qwen3 adds per-head q/k RMSNorm (and keeps an explicit head_dim).
+# bias; Qwen3 adds per-head q/k RMSNorm (and keeps an explicit head_dim). The MoE families
+# replace the MLP by routed experts: Mixtral's attention is Mistral's, Qwen3-MoE's is Qwen3's.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": dict(qkv_bias=None, qk_norm=False),
     "MistralForCausalLM": dict(qkv_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": dict(qkv_bias=None, qk_norm=True),
+    "MixtralForCausalLM": dict(qkv_bias=False, qk_norm=False),
+    "Qwen3MoeForCausalLM": dict(qkv_bias=None, qk_norm=True),
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # LLaVA wraps one of the LMs above; its text_config names the family by model_type.
@@ -44,6 +47,16 @@ class ModelArch:
     qk_norm: bool
     sliding_window: int | None
     torch_dtype: str | None
+    # Mixture of experts (num_experts == 0: a dense model). Routing: softmax over all experts
+    # in fp32, top num_experts_per_tok, renormalised over those when norm_topk_prob.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model that keep the dense MLP
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -84,12 +97,12 @@ def arch_from_dict(cfg: dict) -> ModelArch:
     attention_bias = bool(cfg.get("attention_bias", False))
     qkv_bias = attention_bias if flags["qkv_bias"] is None else flags["qkv_bias"]
     # Qwen2's o_proj never has a bias; Llama/Qwen3 put attention_bias on o_proj too.
-    o_bias = attention_bias if name in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False
+    o_bias = attention_bias if name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") else False
     theta, scaling = _rope(cfg)
     sliding = cfg.get("sliding_window")
     if name == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
         sliding = None
-    if name == "Qwen3ForCausalLM" and not cfg.get("use_sliding_window", False):
+    if name in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get("use_sliding_window", False):
         sliding = None
     return ModelArch(
         architecture=name,
@@ -111,7 +124,27 @@ def arch_from_dict(cfg: dict) -> ModelArch:
         qk_norm=flags["qk_norm"],
         sliding_window=sliding,
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        **_moe_fields(name, cfg),
     )
+
+
+def _moe_fields(name: str, cfg: dict) -> dict:
+    """The MoE part of ModelArch, from each family's own config keys."""
+    if name == "MixtralForCausalLM":
+        # Mixtral's experts use intermediate_size and always renormalise over the top k.
+        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    if name != "Qwen3MoeForCausalLM":
+        return {}
+    layers, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1)
+    mlp_only = set(cfg.get("mlp_only_layers") or ())
+    # A layer is sparse when it is not listed as MLP-only and falls on the sparse step.
+    dense = tuple(i for i in range(layers) if i in mlp_only or step <= 0 or (i + 1) % step)
+    # Hub checkpoints say num_experts; transformers >= 5 writes it as num_local_experts.
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:

@@ -1,4 +1,5 @@
-"""One decoder-only transformer for the Llama family: Llama, Mistral, Qwen2, Qwen3.
+"""One decoder-only transformer for the Llama family: Llama, Mistral, Qwen2, Qwen3, and the
+MoE families built on them (Mixtral, Qwen3-MoE), whose layers swap the MLP for routed experts.
 
 Our own layers with fused qkv and gate_up projections; attention runs through the paged
 kernel contract, so a layer reads and writes its KV in the paged cache. Under tensor
@@ -15,6 +16,7 @@ from torch import nn
 from engine.distributed import SINGLE_RANK, TPGroup
 from engine.models.arch import ModelArch
 from engine.models.attention_metadata import AttentionMetadata
+from engine.models.moe import SparseMoE
 from engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -80,13 +82,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, layout: ShardLayout, ops: SimpleNamespace, tp: TPGroup) -> None:
+    def __init__(self, layout: ShardLayout, ops: SimpleNamespace, tp: TPGroup, index: int = 0) -> None:
         super().__init__()
         arch = layout.arch
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.self_attn = Attention(layout, ops, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp = MLP(layout, ops, tp)
+        self.mlp = SparseMoE(layout, ops, tp) if arch.is_moe_layer(index) else MLP(layout, ops, tp)
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
         # The residual add is fused into the norms: rms_norm(x, w, eps, residual) returns
@@ -109,7 +111,7 @@ class CausalLM(nn.Module):
         self.tp = tp
         self.layout = layout = ShardLayout(arch, tp.rank, tp.size)
         self.embed_tokens = VocabParallelEmbedding(layout, arch.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(layout, ops, tp) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(layout, ops, tp, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         # The LM head splits the vocabulary like the embedding (same rows when tied).
         self.lm_head = (None if arch.tie_word_embeddings

@@ -33,10 +33,17 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# One expert's projection: Qwen3-MoE (mlp.experts.E.gate_proj) or Mixtral
+# (block_sparse_moe.experts.E.w1 = gate, w3 = up, w2 = down).
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
 _VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
 
 # (dim, start, stop): the part of a checkpoint tensor one rank reads; None: all of it.
 Slice = tuple[int, int, int] | None
+# Where a checkpoint tensor lands inside our parameter: None (all of it), (start, stop) rows of
+# a fused parameter, or (expert, start, stop) rows of one expert in a stacked [E, ...] one.
+Rows = tuple[int, int] | tuple[int, int, int] | None
 
 
 def resolve_dtype(dtype: str, arch: ModelArch, device: torch.device) -> torch.dtype:
@@ -90,9 +97,7 @@ def load_model(
         if target is None:
             continue
         param_name, rows, src = target
-        dst = params[param_name].data
-        if rows is not None:
-            dst = dst[rows[0] : rows[1]]
+        dst = _rows_of(params[param_name].data, rows)
         tensor = read(src)
         if tensor.shape != dst.shape:
             raise ValueError(
@@ -155,7 +160,15 @@ def _text_name(name: str) -> str:
     return name.replace("vision_tower.vision_model.", "vision_tower.")
 
 
-def _destination(name: str, layout: ShardLayout, params: dict) -> tuple[str, tuple[int, int] | None, Slice] | None:
+def _rows_of(param: torch.Tensor, rows: Rows) -> torch.Tensor:
+    if rows is None:
+        return param
+    if len(rows) == 3:
+        return param[rows[0], rows[1] : rows[2]]
+    return param[rows[0] : rows[1]]
+
+
+def _destination(name: str, layout: ShardLayout, params: dict) -> tuple[str, Rows, Slice] | None:
     """Map a HF tensor name to (our parameter, row range inside a fused parameter, the slice
     of the checkpoint tensor this rank reads)."""
     arch, one_rank = layout.arch, layout.size == 1
@@ -173,6 +186,10 @@ def _destination(name: str, layout: ShardLayout, params: dict) -> tuple[str, tup
         return None
     layer, rest = m.group(1), m.group(2)
     prefix = f"layers.{layer}."
+    expert = _EXPERT.match(rest)
+    if expert is not None:
+        return _expert_destination(prefix, int(expert.group(1)), _EXPERT_PART.get(expert.group(2)), layout)
+    rest = rest.replace("block_sparse_moe.gate.", "mlp.gate.")  # Mixtral's router
     h, hkv, d, inter = layout.num_heads, layout.num_kv_heads, arch.head_dim, layout.intermediate_size
     q0, kv0, i0 = layout.rank * h * d, layout.kv_head_start * d, layout.rank * inter
     # module -> (fused parameter, its rows, rows of the checkpoint tensor this rank reads)
@@ -197,6 +214,20 @@ def _destination(name: str, layout: ShardLayout, params: dict) -> tuple[str, tup
     return full, None, None
 
 
+def _expert_destination(prefix: str, expert: int, part: int | None, layout: ShardLayout):
+    """Stack expert `expert`'s gate (part 0) and up (1) into w13[expert], its down (2) into
+    w2[expert]; each rank reads its slice of the intermediate dim (gate/up rows, down columns)."""
+    if part is None:
+        return None
+    inter = layout.moe_intermediate_size
+    i0 = layout.rank * inter
+    if part == 2:
+        src = None if layout.size == 1 else (1, i0, i0 + inter)
+        return f"{prefix}mlp.w2", (expert, 0, layout.arch.hidden_size), src
+    src = None if layout.size == 1 else (0, i0, i0 + inter)
+    return f"{prefix}mlp.w13", (expert, part * inter, (part + 1) * inter), src
+
+
 def _vocab_rows(layout: ShardLayout) -> tuple[int, int] | None:
     """Rows of the local embedding/LM head the checkpoint fills (None: all; the rest is
     padding past the vocabulary on the last rank)."""
@@ -210,6 +241,12 @@ def _expected_pieces(layout: ShardLayout, params: dict) -> set[str]:
         if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             for rows in ((0, h * d), (h * d, (h + hkv) * d), ((h + hkv) * d, (h + 2 * hkv) * d)):
                 pieces.add(f"{name}:{rows}")
+        elif name.endswith("mlp.w13"):
+            moe_inter = layout.moe_intermediate_size
+            for e in range(layout.arch.num_experts):
+                pieces.update({f"{name}:{(e, 0, moe_inter)}", f"{name}:{(e, moe_inter, 2 * moe_inter)}"})
+        elif name.endswith("mlp.w2"):
+            pieces.update(f"{name}:{(e, 0, layout.arch.hidden_size)}" for e in range(layout.arch.num_experts))
         elif "gate_up_proj" in name:
             for rows in ((0, inter), (inter, 2 * inter)):
                 pieces.add(f"{name}:{rows}")

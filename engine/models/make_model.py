@@ -40,7 +40,12 @@ FAMILIES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+# Mixture-of-experts shape for the MoE families at every preset: 8 experts, top-2 (Mixtral's
+# routing; Qwen3-MoE's real models use 128 experts and top-8, too many for a tiny test model).
+MOE_EXPERTS, MOE_TOP_K = 8, 2
 
 
 def corpus_lines() -> list[str]:
@@ -94,10 +99,17 @@ def hf_config(family: str, preset: str, vocab_size: int, eos_ids: list[int], pad
         torch_dtype="float32",
         **shape,
     )
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         cfg["head_dim"] = 2 * cfg["hidden_size"] // cfg["num_attention_heads"]
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         cfg["sliding_window"] = None
+    if family == "mixtral":  # experts use intermediate_size and always renormalise
+        cfg.update(num_local_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K)
+    if family == "qwen3_moe":
+        # Qwen3-MoE's experts are narrower than its (dense-layer) intermediate_size.
+        cfg.update(num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K, norm_topk_prob=True,
+                   moe_intermediate_size=cfg["intermediate_size"] // 2, decoder_sparse_step=1,
+                   mlp_only_layers=[])
     cfg.update(overrides)
     return cfg
 

@@ -24,6 +24,9 @@ from engine.models.arch import ModelArch
 def check_tp_size(arch: ModelArch, tp: int) -> None:
     """Raise ParameterError unless `arch` splits evenly over `tp` ranks."""
     field = "tensor_parallel_size"
+    if arch.num_experts and arch.moe_intermediate_size % tp:
+        raise ParameterError(
+            field, f"{field}={tp} must divide the experts' intermediate size {arch.moe_intermediate_size}")
     if arch.num_heads % tp:
         raise ParameterError(field, f"{field}={tp} must divide num_attention_heads={arch.num_heads}")
     hkv = arch.num_kv_heads
@@ -60,6 +63,12 @@ class ShardLayout:
     @property
     def intermediate_size(self) -> int:
         return self.arch.intermediate_size // self.size
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        """Each expert's intermediate slice on this rank: experts are split like the dense MLP
+        (every rank holds every expert, a 1/size slice of each)."""
+        return self.arch.moe_intermediate_size // self.size
 
     @property
     def vocab_per_rank(self) -> int:

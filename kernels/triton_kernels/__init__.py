@@ -9,7 +9,8 @@ from kernels.triton_kernels.activation import silu_and_mul
 from kernels.triton_kernels.attention import paged_attention
 from kernels.triton_kernels.bitmask import apply_token_bitmask
 from kernels.triton_kernels.cache import reshape_and_cache
+from kernels.triton_kernels.moe import fused_moe
 from kernels.triton_kernels.norm import rms_norm
 from kernels.triton_kernels.rotary import rotary_embedding
 
-__all__ = ["apply_token_bitmask", "paged_attention", "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = ["apply_token_bitmask", "fused_moe", "paged_attention", "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul"]

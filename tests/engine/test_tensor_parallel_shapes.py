@@ -18,6 +18,9 @@ VARIANTS = {
     "qwen2-kv1-replicated-bias-tied": ("qwen2", dict(num_key_value_heads=1)),
     "qwen3-kv2-split-qk-norm": ("qwen3", {}),
     "mistral-kv1-replicated": ("mistral", dict(num_key_value_heads=1)),
+    # MoE: every rank holds every expert's slice of the intermediate dim, router replicated.
+    "mixtral-experts-split": ("mixtral", {}),
+    "qwen3_moe-experts-split-dense-layer": ("qwen3_moe", dict(norm_topk_prob=False, mlp_only_layers=[1])),
 }
 
 

@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.triton_kernels import activation, attention, cache, norm, rotary
+from kernels.triton_kernels import activation, attention, cache, moe, norm, rotary
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -72,6 +72,18 @@ def compile_elementwise():
         _compile(rotary._rotary_kernel, rot_sig, dict(ROT_HALF=64, IS_NEOX=neox, BLOCK_H=32, BLOCK_R=64, BLOCK_D=1))
 
 
+def compile_fused_moe(dtype: str, upcast: bool):
+    common = {"pairs_ptr": "*i32", "block_expert_ptr": "*i32",
+              **_ints("num_pairs", "num_experts", "H", "inter", "w_se", "w_sn", "w_sk", "inter_stride")}
+    tiles = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, UPCAST=upcast)
+    gate_up_sig = {"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "inter_ptr": f"*{dtype}", **common,
+                   **_ints("x_stride")}
+    assert ".entry" in _compile(moe._gate_up_kernel, gate_up_sig, dict(TOPK=2, **tiles))
+    down_sig = {"inter_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "out_ptr": "*fp32", "weights_ptr": "*fp32",
+                **common, **_ints("out_stride")}
+    assert ".entry" in _compile(moe._down_kernel, down_sig, tiles)
+
+
 def main() -> None:
     for case in [(1, False, 128, 4), (4, False, 64, 7), (1, True, 256, 1)]:
         compile_paged_attention(*case)
@@ -80,6 +92,9 @@ def main() -> None:
     print("compiled split reduce")
     compile_elementwise()
     print("compiled elementwise")
+    for dtype, upcast in (("bf16", False), ("fp32", True)):
+        compile_fused_moe(dtype, upcast)
+        print("compiled fused_moe", dtype)
 
 
 def test_all_kernels_compile_for_hopper():
@@ -89,7 +104,7 @@ def test_all_kernels_compile_for_hopper():
     proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_triton_compile"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 5
+    assert proc.stdout.count("compiled") == 7
 
 
 if __name__ == "__main__":
