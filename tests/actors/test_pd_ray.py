@@ -14,11 +14,13 @@ from tests.actors.helpers import ENGINE, assert_no_leaks
 from tests.engine.hf_reference import hf_greedy, random_prompts
 
 
-@pytest.fixture(scope="module", params=["object_store", "torch_dist"])
-def cluster(request, ray_local, tiny_model):
+@pytest.fixture(scope="module")
+def cluster(ray_local, tiny_model):
+    # The object-store transport; the torch_dist one has its own module
+    # (test_torch_dist_transport.py: HF tokens, failures), so it does not pay for a second pair.
     ray = ray_local
     store = create_store()
-    kw = {"store": store, "transport": request.param}
+    kw = {"store": store, "transport": "object_store"}
     prefill = create_worker(EngineArgs(tiny_model, **ENGINE), "prefill", **kw)
     decode = create_worker(EngineArgs(tiny_model, **ENGINE), "decode", **kw)
     colocated = create_worker(EngineArgs(tiny_model, **ENGINE), "colocated")
