@@ -31,10 +31,17 @@ from tests.cluster.helpers import (
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BOUND_S = 30.0  # --shutdown-timeout-s, the default
 STREAM_TOKENS = 128  # long enough to be in flight at the signal, short enough for the drain on a busy CPU
+# Tokens the stream has received when the signal is sent. In P/D the first one comes from the
+# prefill replica while the prompt's KV is still in Ray's object store, which lives in the
+# raylet: a SIGTERM to the whole group kills the raylet, and a request caught in that hand-off
+# fails (README, "Stopping"). From the decode side's first tokens on, the request no longer
+# needs the raylet.
+TOKENS_AT_SIGNAL = 4
 
 
 class Stream(threading.Thread):
-    """A streamed completion of exactly STREAM_TOKENS tokens; `started` is set at its first token."""
+    """A streamed completion of exactly STREAM_TOKENS tokens; `started` is set once it has
+    TOKENS_AT_SIGNAL tokens (or ended)."""
 
     def __init__(self, url: str, model: str):
         super().__init__(daemon=True)
@@ -57,7 +64,8 @@ class Stream(threading.Thread):
                         self.tokens = chunk["usage"]["completion_tokens"]
                         for choice in chunk["choices"]:
                             self.finish_reason = choice.get("finish_reason") or self.finish_reason
-                        self.started.set()
+                        if self.tokens >= TOKENS_AT_SIGNAL:
+                            self.started.set()
         except Exception as e:  # noqa: BLE001 - reported by the test
             self.error = repr(e)
         finally:
