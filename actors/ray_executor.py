@@ -39,10 +39,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.tp_rank import TPRank
 from engine.errors import EngineDeadError
 from engine.executor import register_executor
-from engine.executor.base import Executor, WorkerConfig, merge_step_replies
+from engine.executor.base import RankGroupExecutor, WorkerConfig
 from engine.executor.kv_aggregate import KVOutputAggregator
 from engine.kv_connector import KVConnectorFactory
-from engine.sched_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +71,7 @@ def replica_bundles(device_type: str, tp: int, replica_resources: dict[str, floa
     return bundles
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankGroupExecutor):
     def __init__(self, config: WorkerConfig, kv_connector_factory: KVConnectorFactory | None = None) -> None:
         super().__init__(config)
         size = config.engine.parallel.tensor_parallel_size
@@ -119,10 +118,6 @@ class RayExecutor(Executor):
     def ranks(self) -> list:
         """The rank actors, in rank order."""
         return list(self.actors)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        replies = self.collective_rpc("execute_model", (scheduler_output,))
-        return merge_step_replies(replies, self.kv_outputs, scheduler_output)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         if self.failure is not None:

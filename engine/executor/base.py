@@ -98,3 +98,15 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Release the workers (processes, actors, device memory). Idempotent."""
+
+
+class RankGroupExecutor(Executor):
+    """An executor over several rank processes (the "mp" and "ray" backends): a step goes to
+    every rank through `collective_rpc`, and rank 0's output comes back carrying the group's
+    merged KV-connector report (`kv_outputs`, set by the subclass)."""
+
+    kv_outputs: KVOutputAggregator
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        replies = self.collective_rpc("execute_model", (scheduler_output,))
+        return merge_step_replies(replies, self.kv_outputs, scheduler_output)

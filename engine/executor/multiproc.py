@@ -24,11 +24,10 @@ from typing import Any
 import torch
 
 from engine.errors import EngineDeadError, ParameterError
-from engine.executor.base import Executor, WorkerConfig, merge_step_replies
+from engine.executor.base import RankGroupExecutor, WorkerConfig
 from engine.executor.kv_aggregate import KVOutputAggregator
 from engine.executor.mp_worker import SHUTDOWN, run_worker
 from engine.kv_connector import KVConnectorFactory
-from engine.sched_output import ModelRunnerOutput, SchedulerOutput
 
 # Every wait is bounded. Starting covers spawning, importing torch and loading a shard; a call
 # covers the longest step (a full-budget prefill on CPU); collectives inside the ranks time out
@@ -39,7 +38,7 @@ _COLLECTIVE_TIMEOUT_S = 300.0
 _STOP_GRACE_S = 5.0
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankGroupExecutor):
     def __init__(self, config: WorkerConfig, kv_connector_factory: KVConnectorFactory | None = None) -> None:
         super().__init__(config)
         if kv_connector_factory is not None:
@@ -78,10 +77,6 @@ class MultiprocExecutor(Executor):
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        replies = self.collective_rpc("execute_model", (scheduler_output,))
-        return merge_step_replies(replies, self.kv_outputs, scheduler_output)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         if self.failure is not None:

@@ -64,14 +64,7 @@ class Sampler:
         return SamplerOutput(sampled, logprobs)
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        temp = torch.where(meta.temperature == 0, torch.ones_like(meta.temperature), meta.temperature)
-        x = logits / temp.unsqueeze(1)
-        if meta.top_k is not None or meta.top_p is not None:
-            x = apply_top_k_top_p(x, meta.top_k, meta.top_p)
-        probs = torch.softmax(x, dim=-1)
-        if meta.min_p is not None:
-            threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = target_probs(logits, meta, normalized=False)  # argmax(p / q) needs no sum of 1
         q = torch.empty_like(probs).exponential_()
         for row, gen in meta.generators.items():
             q[row].exponential_(generator=gen)
@@ -91,9 +84,10 @@ def apply_masks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return logits
 
 
-def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """[N, V] normalized distribution each row samples from: temperature, top-k, top-p, then
-    min-p, exactly the distribution `Sampler` draws from (greedy rows: temperature 1)."""
+def target_probs(logits: torch.Tensor, meta: SamplingMetadata, normalized: bool = True) -> torch.Tensor:
+    """[N, V] distribution each row samples from: temperature, top-k, top-p, then min-p
+    (greedy rows: temperature 1). `Sampler` draws from it; the rejection sampler needs it
+    normalized (min-p removes mass), the Gumbel-style draw does not."""
     temp = torch.where(meta.temperature == 0, torch.ones_like(meta.temperature), meta.temperature)
     x = logits / temp.unsqueeze(1)
     if meta.top_k is not None or meta.top_p is not None:
@@ -102,7 +96,8 @@ def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     if meta.min_p is not None:
         threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        if normalized:
+            probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 
