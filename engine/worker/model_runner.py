@@ -193,7 +193,10 @@ class ModelRunner:
         n_logits = int(per.sum())
         first = np.cumsum(per) - per
         pos_in_req = np.arange(n_logits) - np.repeat(first, per)
-        flat = torch.full((n_logits,), -1, dtype=torch.int64, device=self.device)
+        speculating = n_logits > len(sample_idx)
+        # Rank 0 fills the tokens, every rank receives them: one tensor per step. Without drafts
+        # that is the sampler's own output; with drafts, each request's run padded with -1.
+        flat = torch.empty(n_logits if speculating else len(sample_idx), dtype=torch.int64, device=self.device)
         logprobs = None
         if self.tp.is_driver:
             meta = self._sampling_metadata(np.repeat(rows[sample_idx], per), pos_in_req)
@@ -201,20 +204,23 @@ class ModelRunner:
                 row_req_ids = [req_ids[i] for i, n in zip(sample_idx, per) for _ in range(n)]
                 meta.grammar_bitmask, meta.grammar_rows = bitmask_for_sampled_rows(
                     so.structured_output_request_ids, so.grammar_bitmask, row_req_ids, self.device)
-            if n_logits > len(sample_idx):
+            if speculating:
                 drafts = [so.scheduled_spec_decode_tokens.get(req_ids[i], []) for i in sample_idx]
                 out = rejection_sample(logits, meta, drafts)
-                tokens, logprobs = out.token_ids, out.logprobs
+                logprobs = out.logprobs
+                host = np.full(n_logits, -1, dtype=np.int64)
+                for j, toks in enumerate(out.token_ids):
+                    host[first[j]:first[j] + len(toks)] = toks
+                flat = torch.from_numpy(host).to(self.device)
             else:
                 out = self.sampler(logits, meta)
-                tokens = [[t] for t in out.sampled_token_ids.tolist()]
+                flat = out.sampled_token_ids
                 if out.logprobs is not None:
                     logprobs = [None if lp is None else [lp] for lp in out.logprobs]
-            for j, toks in enumerate(tokens):
-                flat[first[j]:first[j] + len(toks)] = torch.tensor(toks, dtype=torch.int64)
         flat = self.tp.broadcast_from_driver(flat).tolist()
-        tokens = [[t for t in flat[f:f + n] if t >= 0] for f, n in zip(first, per)]
-        return tokens, logprobs
+        if not speculating:
+            return [[t] for t in flat], logprobs
+        return [[t for t in flat[f:f + n] if t >= 0] for f, n in zip(first, per)], logprobs
 
     def _propose(self, rows: np.ndarray, sample_idx: np.ndarray) -> list[list[int]] | None:
         """Drafts for each request's next step (the driver's answer is the one that counts).
