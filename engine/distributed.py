@@ -1,5 +1,7 @@
 """The tensor-parallel group one rank belongs to, and the three collectives the sharded model
-needs (all-reduce, gather to rank 0, broadcast from rank 0) over torch.distributed.
+needs (all-reduce, gather to rank 0, broadcast from rank 0) over torch.distributed; and the
+expert-parallel group, whose two collectives move each rank's tokens to every expert and the
+experts' outputs back (all-gather of tokens, then a reduce that returns each rank its own rows).
 
 A group of size 1 never touches torch.distributed: every collective is the identity, so a
 single-rank engine runs exactly the code it ran before tensor parallelism existed.
@@ -7,7 +9,7 @@ single-rank engine runs exactly the code it ran before tensor parallelism existe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -49,6 +51,45 @@ class TPGroup:
 
 # The group of an engine that is not sharded.
 SINGLE_RANK = TPGroup()
+
+
+@dataclass(frozen=True)
+class EPGroup:
+    """The ranks that share the experts of every MoE layer (data parallel x tensor parallel
+    ranks under `enable_expert_parallel`). Ranks hold different tokens, possibly none (an idle
+    data-parallel rank in a dummy step still joins both collectives)."""
+
+    rank: int = 0
+    size: int = 1
+    group: object | None = field(default=None, compare=False)  # a ProcessGroup; None = the world
+
+    def gather_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """x: [T_r, ...] on rank r -> ([sum T, ...] in rank order on every rank, [T_0, ...])."""
+        if self.size == 1:
+            return x, [x.shape[0]]
+        count = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+        counts = [torch.empty_like(count) for _ in range(self.size)]
+        dist.all_gather(counts, count, group=self.group)
+        sizes = [int(c.item()) for c in counts]
+        # all_gather needs equal shapes: pad every rank's rows to the longest.
+        padded = x.new_zeros((max(sizes), *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)]), sizes
+
+    def combine(self, y: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """y: [sum T, ...], each rank's partial sums over its own experts for every gathered
+        row -> this rank's rows [T_r, ...] summed over all ranks."""
+        if self.size == 1:
+            return y
+        dist.all_reduce(y, group=self.group)
+        start = sum(sizes[: self.rank])
+        return y[start : start + sizes[self.rank]]
+
+
+# The group of an engine without expert parallelism.
+SINGLE_EP = EPGroup()
 
 
 def init_tp_group(rank: int, size: int, init_method: str, device: torch.device,

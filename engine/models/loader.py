@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import torch
 from safetensors import safe_open
 
-from engine.distributed import SINGLE_RANK, TPGroup
+from engine.errors import ParameterError
+from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
 from engine.models.arch import ModelArch
 from engine.models.gguf_file import find_gguf
 from engine.models.gguf_weights import gguf_tensors
@@ -78,7 +79,11 @@ def load_model(
     dtype: torch.dtype,
     max_positions: int,
     tp: TPGroup = SINGLE_RANK,
+    ep: EPGroup = SINGLE_EP,
 ) -> CausalLM:
+    if ep.size > 1 and not arch.num_experts:
+        raise ParameterError("enable_expert_parallel", "expert parallelism needs a mixture-of-experts model "
+                             f"(Qwen3-MoE, Mixtral); {arch.architecture} has no experts")
     vision = None if find_gguf(model_dir) is not None else load_vision_arch(model_dir)
     with torch.device("meta"):
         model = (CausalLM(arch, ops, max_positions, tp) if vision is None

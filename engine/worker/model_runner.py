@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from engine.distributed import SINGLE_RANK, TPGroup
+from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
 from engine.models.arch import ModelArch
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.loader import load_model
@@ -43,6 +43,7 @@ class ModelRunner:
         kernel_block_size: int,
         use_cuda_graphs: bool = False,
         tp: TPGroup = SINGLE_RANK,
+        ep: EPGroup = SINGLE_EP,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.arch = arch
@@ -52,7 +53,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kernel_block_size = kernel_block_size
         self.max_model_len = max_model_len
-        self.model = load_model(model_dir, arch, ops, device, dtype, max_model_len, tp)
+        self.model = load_model(model_dir, arch, ops, device, dtype, max_model_len, tp, ep)
         # KV heads this rank caches (all of them on one rank).
         self.num_kv_heads = self.model.layout.num_kv_heads
         self.sampler = Sampler()

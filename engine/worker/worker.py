@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 import kernels
-from engine.distributed import SINGLE_RANK, TPGroup
+from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
 from engine.executor.base import WorkerConfig
 from engine.kv_connector import KVConnectorFactory, KVConnectorRole, run_worker_step
 from engine.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -33,7 +33,8 @@ def kv_budget_bytes(total: int, free: int, reserved: int, peak: int, utilization
 
 class Worker:
     def __init__(self, config: WorkerConfig, rank: int = 0,
-                 kv_connector_factory: KVConnectorFactory | None = None, tp: TPGroup = SINGLE_RANK) -> None:
+                 kv_connector_factory: KVConnectorFactory | None = None, tp: TPGroup = SINGLE_RANK,
+                 ep: EPGroup = SINGLE_EP) -> None:
         self.config = config
         self.rank = rank
         self.tp = tp
@@ -54,6 +55,7 @@ class Worker:
             ec.cache.effective_kernel_block_size,
             use_cuda_graphs=config.use_cuda_graphs,
             tp=tp,
+            ep=ep,
             speculative=ec.speculative,
         )
         self.kv_connector = (kv_connector_factory(KVConnectorRole.WORKER)
