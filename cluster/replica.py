@@ -135,6 +135,11 @@ class EngineServer:
         await self.worker.abort(request_id)
 
     # ---- health, load and metrics -------------------------------------------------------
+    def tensor_parallel_ranks(self) -> list:
+        """Handles of this replica's rank actors (empty with one rank), for operators and
+        tests that need a rank's own state or liveness."""
+        return self.worker.tensor_parallel_ranks()
+
     async def check_health(self) -> None:
         await self.worker.check_health()
 
