@@ -36,26 +36,25 @@ VARIANTS = {
     # Plain top-k weights and a dense layer between the sparse ones.
     "qwen3_moe-unnormalised-dense-layer": ("qwen3_moe", dict(norm_topk_prob=False, mlp_only_layers=[1])),
 }
-_GROUPS: dict[tuple, ThreadDPGroup] = {}
 
 
 @pytest.fixture(scope="module")
 def dp_group(model_factory):
     """group(variant, dp, tp) -> (model dir, ThreadDPGroup), one per shape for the module."""
+    groups: dict[tuple, ThreadDPGroup] = {}
 
     def make(variant: str, dp: int, tp: int = 1):
         family, overrides = VARIANTS[variant]
         model = model_factory(family, **overrides)
         key = (model, dp, tp)
-        if key not in _GROUPS:
+        if key not in groups:
             config = EngineArgs(model=model, tensor_parallel_size=tp, **ENGINE).create_engine_config()
-            _GROUPS[key] = ThreadDPGroup(config, dp)
-        return model, _GROUPS[key]
+            groups[key] = ThreadDPGroup(config, dp)
+        return model, groups[key]
 
     yield make
-    for group in _GROUPS.values():
+    for group in groups.values():
         group.shutdown()
-    _GROUPS.clear()
 
 
 def _requests(model: str, rank: int, prompts: list[list[int]]) -> list[Request]:
