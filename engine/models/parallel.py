@@ -74,6 +74,13 @@ class ShardLayout:
     ep_rank: int = 0
     ep_size: int = 1
 
+    def __post_init__(self) -> None:
+        # Users' sizes are checked with their field names first (check_tp_size, check_ep_size).
+        if not (0 <= self.rank < self.size and 0 <= self.ep_rank < self.ep_size):
+            raise ValueError(f"rank {self.rank} of {self.size} / expert rank {self.ep_rank} of {self.ep_size}")
+        if self.ep_size > 1 and self.arch.num_experts % self.ep_size:
+            raise ValueError(f"{self.arch.num_experts} experts do not split over {self.ep_size} ranks")
+
     @property
     def num_heads(self) -> int:
         return self.arch.num_heads // self.size
