@@ -89,7 +89,7 @@ def pack_routed_tokens(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 
 def unpack_routed_tokens(rows: torch.Tensor, dtype: torch.dtype, hidden_size: int):
     """Inverse of pack_routed_tokens: (x [N, H] dtype, weights [N, k] fp32, ids [N, k] int32)."""
-    xb = hidden_size * torch.empty((), dtype=dtype).element_size()
+    xb = hidden_size * dtype.itemsize
     k = (rows.shape[1] - xb) // 8
     # The hidden states are a strided view (no copy); routing is small enough to copy.
     x = rows[:, :xb].view(dtype)
