@@ -193,17 +193,27 @@ def fused_moe(
     w2: torch.Tensor,  # [E, H, I]: each expert's down projection
     topk_weights: torch.Tensor,  # [T, k] routing weights (already softmaxed/renormalised)
     topk_ids: torch.Tensor,  # [T, k] expert of each (token, slot)
+    expert_start: int | None = None,
 ) -> torch.Tensor:  # [T, H]
     """out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
 
     Each expert's SwiGLU MLP runs in the activation dtype on the tokens routed to it; the
     weighted contributions are summed in fp32 and rounded once, so the result does not depend
-    on the order in which experts are visited."""
+    on the order in which experts are visited.
+
+    Expert parallel: with `expert_start`, w13/w2 hold only experts [expert_start, expert_start
+    + E) of the model, and a (token, slot) routed to any other expert contributes nothing (its
+    expert lives on another rank, which adds it in)."""
     T, k = topk_ids.shape
+    E = w13.shape[0]
     out = torch.zeros(T, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     flat_ids = topk_ids.reshape(-1)  # [T*k], pair p is token p // k
+    if expert_start is not None:
+        flat_ids = flat_ids - expert_start  # local ids; outside [0, E): another rank's expert
     flat_weights = topk_weights.reshape(-1).float()
     for e in flat_ids.unique().tolist():
+        if not 0 <= e < E:
+            continue
         pairs = (flat_ids == e).nonzero().squeeze(1)  # [n]
         tokens = pairs // k
         h = F.linear(silu_and_mul(F.linear(hidden[tokens], w13[e])), w2[e])  # [n, H]

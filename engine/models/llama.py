@@ -3,7 +3,8 @@ MoE families built on them (Mixtral, Qwen3-MoE), whose layers swap the MLP for r
 
 Our own layers with fused qkv and gate_up projections; attention runs through the paged
 kernel contract, so a layer reads and writes its KV in the paged cache. Under tensor
-parallelism (engine.models.parallel) each rank builds the same modules at its shard's sizes.
+parallelism (engine.models.parallel) each rank builds the same modules at its shard's sizes;
+under expert parallelism each MoE layer holds this rank's experts (engine.models.moe).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from engine.distributed import SINGLE_RANK, TPGroup
+from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
 from engine.models.arch import ModelArch
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.moe import SparseMoE
@@ -82,13 +83,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, layout: ShardLayout, ops: SimpleNamespace, tp: TPGroup, index: int = 0) -> None:
+    def __init__(self, layout: ShardLayout, ops: SimpleNamespace, tp: TPGroup, index: int = 0,
+                 ep: EPGroup = SINGLE_EP) -> None:
         super().__init__()
         arch = layout.arch
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.self_attn = Attention(layout, ops, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp = SparseMoE(layout, ops, tp) if arch.is_moe_layer(index) else MLP(layout, ops, tp)
+        self.mlp = SparseMoE(layout, ops, tp, ep) if arch.is_moe_layer(index) else MLP(layout, ops, tp)
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
         # The residual add is fused into the norms: rms_norm(x, w, eps, residual) returns
@@ -105,13 +107,13 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     def __init__(self, arch: ModelArch, ops: SimpleNamespace, max_positions: int,
-                 tp: TPGroup = SINGLE_RANK) -> None:
+                 tp: TPGroup = SINGLE_RANK, ep: EPGroup = SINGLE_EP) -> None:
         super().__init__()
         self.arch = arch
         self.tp = tp
-        self.layout = layout = ShardLayout(arch, tp.rank, tp.size)
+        self.layout = layout = ShardLayout(arch, tp.rank, tp.size, ep.rank, ep.size)
         self.embed_tokens = VocabParallelEmbedding(layout, arch.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(layout, ops, tp, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(layout, ops, tp, i, ep) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         # The LM head splits the vocabulary like the embedding (same rows when tied).
         self.lm_head = (None if arch.tie_word_embeddings

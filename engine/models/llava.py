@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import SINGLE_RANK, TPGroup
+from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
 from engine.errors import ParameterError
 from engine.models.arch import ModelArch
 from engine.models.llama import CausalLM
@@ -184,8 +184,8 @@ class LlavaCausalLM(CausalLM):
     vision tower and projector are replicated on every tensor-parallel rank (they are small)."""
 
     def __init__(self, arch: ModelArch, vision: VisionArch, ops: SimpleNamespace, max_positions: int,
-                 tp: TPGroup = SINGLE_RANK) -> None:
-        super().__init__(arch, ops, max_positions, tp)
+                 tp: TPGroup = SINGLE_RANK, ep: EPGroup = SINGLE_EP) -> None:
+        super().__init__(arch, ops, max_positions, tp, ep)
         self.vision = vision
         self.vision_tower = VisionTower(vision)
         self.multi_modal_projector = Projector(vision, arch.hidden_size)

@@ -5,7 +5,8 @@ checkpoint tensor is read (from safetensors, or dequantized from GGUF) and copie
 into its (possibly fused) destination slice, so no full second copy of the weights ever exists.
 Under tensor parallelism each rank reads only its own slice of each safetensors tensor
 (`get_slice`); a GGUF tensor is dequantized whole and then narrowed (its quantized blocks do
-not split on shard boundaries in general).
+not split on shard boundaries in general). Under expert parallelism each rank reads only its
+own experts, whole; the other ranks' expert tensors are never read.
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ from types import SimpleNamespace
 import torch
 from safetensors import safe_open
 
-from engine.errors import ParameterError
 from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
 from engine.models.arch import ModelArch
 from engine.models.gguf_file import find_gguf
 from engine.models.gguf_weights import gguf_tensors
 from engine.models.llama import CausalLM
 from engine.models.llava import LlavaCausalLM, load_vision_arch
-from engine.models.parallel import ShardLayout
+from engine.models.parallel import ShardLayout, check_ep_size
 from engine.models.rotary import cos_sin_cache
 
 logger = logging.getLogger(__name__)
@@ -81,13 +81,11 @@ def load_model(
     tp: TPGroup = SINGLE_RANK,
     ep: EPGroup = SINGLE_EP,
 ) -> CausalLM:
-    if ep.size > 1 and not arch.num_experts:
-        raise ParameterError("enable_expert_parallel", "expert parallelism needs a mixture-of-experts model "
-                             f"(Qwen3-MoE, Mixtral); {arch.architecture} has no experts")
+    check_ep_size(arch, ep.size)
     vision = None if find_gguf(model_dir) is not None else load_vision_arch(model_dir)
     with torch.device("meta"):
-        model = (CausalLM(arch, ops, max_positions, tp) if vision is None
-                 else LlavaCausalLM(arch, vision, ops, max_positions, tp)).to(dtype)
+        model = (CausalLM(arch, ops, max_positions, tp, ep) if vision is None
+                 else LlavaCausalLM(arch, vision, ops, max_positions, tp, ep)).to(dtype)
     model = model.to_empty(device=device)
     # The rope table is derived, not loaded: rebuild it in fp32 (to_empty left it empty).
     model.cos_sin = cos_sin_cache(
@@ -221,15 +219,24 @@ def _destination(name: str, layout: ShardLayout, params: dict) -> tuple[str, Row
 
 def _expert_destination(prefix: str, expert: int, part: int | None, layout: ShardLayout):
     """Stack expert `expert`'s gate (part 0) and up (1) into w13[expert], its down (2) into
-    w2[expert]; each rank reads its slice of the intermediate dim (gate/up rows, down columns)."""
+    w2[expert]. Under tensor parallelism each rank reads its slice of the intermediate dim
+    (gate/up rows, down columns); under expert parallelism a rank reads its own experts whole,
+    at their local index, and skips the rest."""
     if part is None:
         return None
     inter = layout.moe_intermediate_size
+    if layout.ep_size > 1:
+        expert -= layout.expert_start
+        if not 0 <= expert < layout.num_local_experts:
+            return None  # another rank's expert
+        sliced = False
+    else:
+        sliced = layout.size > 1
     i0 = layout.rank * inter
     if part == 2:
-        src = None if layout.size == 1 else (1, i0, i0 + inter)
+        src = (1, i0, i0 + inter) if sliced else None
         return f"{prefix}mlp.w2", (expert, 0, layout.arch.hidden_size), src
-    src = None if layout.size == 1 else (0, i0, i0 + inter)
+    src = (0, i0, i0 + inter) if sliced else None
     return f"{prefix}mlp.w13", (expert, part * inter, (part + 1) * inter), src
 
 
@@ -248,10 +255,10 @@ def _expected_pieces(layout: ShardLayout, params: dict) -> set[str]:
                 pieces.add(f"{name}:{rows}")
         elif name.endswith("mlp.w13"):
             moe_inter = layout.moe_intermediate_size
-            for e in range(layout.arch.num_experts):
+            for e in range(layout.num_local_experts):
                 pieces.update({f"{name}:{(e, 0, moe_inter)}", f"{name}:{(e, moe_inter, 2 * moe_inter)}"})
         elif name.endswith("mlp.w2"):
-            pieces.update(f"{name}:{(e, 0, layout.arch.hidden_size)}" for e in range(layout.arch.num_experts))
+            pieces.update(f"{name}:{(e, 0, layout.arch.hidden_size)}" for e in range(layout.num_local_experts))
         elif "gate_up_proj" in name:
             for rows in ((0, inter), (inter, 2 * inter)):
                 pieces.add(f"{name}:{rows}")

@@ -7,6 +7,9 @@ embedding and the LM head split the vocabulary.
 
 With one rank every layer is the plain torch layer it was before: same parameter shapes,
 names and arithmetic, and no collective call.
+
+Under expert parallelism the experts of every MoE layer are partitioned whole over the expert-
+parallel ranks (data parallel x tensor parallel); attention and dense layers keep their TP split.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from engine.errors import ParameterError
 from engine.models.arch import ModelArch
 
 
-def check_tp_size(arch: ModelArch, tp: int) -> None:
-    """Raise ParameterError unless `arch` splits evenly over `tp` ranks."""
+def check_tp_size(arch: ModelArch, tp: int, expert_parallel: bool = False) -> None:
+    """Raise ParameterError unless `arch` splits evenly over `tp` ranks. Under expert
+    parallelism the experts are not TP-sharded, so their intermediate size need not split."""
     field = "tensor_parallel_size"
-    if arch.num_experts and arch.moe_intermediate_size % tp:
+    if arch.num_experts and not expert_parallel and arch.moe_intermediate_size % tp:
         raise ParameterError(
             field, f"{field}={tp} must divide the experts' intermediate size {arch.moe_intermediate_size}")
     if arch.num_heads % tp:
@@ -38,15 +42,44 @@ def check_tp_size(arch: ModelArch, tp: int) -> None:
         raise ParameterError(field, f"{field}={tp} must divide intermediate_size={arch.intermediate_size}")
 
 
+def check_ep_size(arch: ModelArch, ep_size: int) -> None:
+    """Raise ParameterError unless `arch` has experts that split whole over `ep_size` ranks
+    (under enable_expert_parallel, ep_size = data_parallel_size x tensor_parallel_size)."""
+    field = "enable_expert_parallel"
+    if ep_size < 1:
+        raise ParameterError(field, f"expert-parallel size must be >= 1, got {ep_size}")
+    if ep_size == 1:
+        return
+    if not arch.num_experts:
+        raise ParameterError(field, "expert parallelism needs a mixture-of-experts model (Qwen3-MoE, "
+                             f"Mixtral); {arch.architecture} has no experts")
+    E = arch.num_experts
+    if E % ep_size:
+        allowed = [d for d in range(1, E + 1) if E % d == 0]
+        raise ParameterError(
+            field, f"{field} splits the {E} experts over data_parallel_size x tensor_parallel_size = "
+            f"{ep_size} ranks, which must divide {E} (allowed products: {allowed})")
+
+
 @dataclass(frozen=True)
 class ShardLayout:
     """What rank `rank` of `size` holds. KV heads are split when there are at least as many
     as ranks, otherwise each is replicated on size / num_kv_heads consecutive ranks (the ranks
-    whose query heads read it)."""
+    whose query heads read it). `ep_rank` of `ep_size` is the rank's place among the
+    expert-parallel ranks (size 1: no expert parallelism)."""
 
     arch: ModelArch
     rank: int = 0
     size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+
+    def __post_init__(self) -> None:
+        # Users' sizes are checked with their field names first (check_tp_size, check_ep_size).
+        if not (0 <= self.rank < self.size and 0 <= self.ep_rank < self.ep_size):
+            raise ValueError(f"rank {self.rank} of {self.size} / expert rank {self.ep_rank} of {self.ep_size}")
+        if self.ep_size > 1 and self.arch.num_experts % self.ep_size:
+            raise ValueError(f"{self.arch.num_experts} experts do not split over {self.ep_size} ranks")
 
     @property
     def num_heads(self) -> int:
@@ -66,9 +99,21 @@ class ShardLayout:
 
     @property
     def moe_intermediate_size(self) -> int:
-        """Each expert's intermediate slice on this rank: experts are split like the dense MLP
-        (every rank holds every expert, a 1/size slice of each)."""
+        """Each expert's intermediate slice on this rank: without expert parallelism experts
+        are split like the dense MLP (every rank holds every expert, a 1/size slice of each);
+        with it, each rank holds its experts whole."""
+        if self.ep_size > 1:
+            return self.arch.moe_intermediate_size
         return self.arch.moe_intermediate_size // self.size
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.arch.num_experts // self.ep_size
+
+    @property
+    def expert_start(self) -> int:
+        """This rank holds experts [expert_start, expert_start + num_local_experts)."""
+        return self.ep_rank * self.num_local_experts
 
     @property
     def vocab_per_rank(self) -> int:

@@ -6,6 +6,9 @@ BLOCK_M, so every M-tile of the sorted list belongs to one expert: the two kerne
 GEMMs whose tiles read that expert's weights. The first computes silu(gate) * up into an
 [T*k, inter] intermediate; the second multiplies by the expert's down projection and scales each
 row by its routing weight. The k rows of a token are then summed in fp32.
+
+Under expert parallelism (`expert_start`) the weights hold one rank's experts; pairs routed to
+other ranks' experts are left out of the sorted list, so they cost no tile and add zero.
 """
 
 from __future__ import annotations
@@ -93,17 +96,21 @@ def _down_kernel(
              mask=valid[:, None] & n_mask[None, :])
 
 
-def sort_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+def sort_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, with_absent: bool = False):
     """(sorted_pairs [P], block_expert [P // block_m]): the flat (token, slot) pair indices
     grouped by expert, each expert's run padded with the sentinel T*k to a multiple of block_m,
     and the expert of each block_m tile (num_experts for tiles past the end). P is an upper
-    bound computed on the host, so nothing here waits on the device (CUDA-graph safe)."""
+    bound computed on the host, so nothing here waits on the device (CUDA-graph safe).
+
+    With `with_absent`, id num_experts marks a pair whose expert is on another rank (expert
+    parallel): it gets no slot, so no tile computes it."""
     flat = topk_ids.reshape(-1).long()
     n = flat.numel()
+    buckets = num_experts + 1 if with_absent else num_experts
     # scatter_add, not bincount: bincount sizes its output from the data (a device sync, which
     # a CUDA graph capture of the decode step cannot contain).
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))  # [E]
+    counts = torch.zeros(buckets, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [buckets]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)  # pairs by expert
@@ -112,14 +119,20 @@ def sort_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     dest = (padded_end - padded)[sorted_experts] + rank_in_expert
     capacity = n + num_experts * (block_m - 1)
     capacity = -(-capacity // block_m) * block_m
-    sorted_pairs = torch.full((capacity,), n, dtype=torch.int32, device=flat.device)
+    if with_absent:
+        # Absent pairs all go to one extra slot past the end, cut off below (no boolean
+        # indexing: that would size a tensor from the data, a device sync).
+        dest = torch.where(sorted_experts < num_experts, dest, capacity)
+    sorted_pairs = torch.full((capacity + with_absent,), n, dtype=torch.int32, device=flat.device)
     sorted_pairs[dest] = order.to(torch.int32)
+    sorted_pairs = sorted_pairs[:capacity]
     tile_starts = torch.arange(0, capacity, block_m, device=flat.device)
-    block_expert = torch.searchsorted(padded_end, tile_starts, right=True).to(torch.int32)
+    block_expert = torch.searchsorted(padded_end[:num_experts], tile_starts, right=True).to(torch.int32)
     return sorted_pairs, block_expert
 
 
-def fused_moe(hidden, w13, w2, topk_weights, topk_ids, block_m=None, block_n=None, block_k=None):
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, expert_start=None, block_m=None, block_n=None,
+              block_k=None):
     T, H = hidden.shape
     E, two_i, _ = w13.shape
     inter_size = two_i // 2
@@ -130,7 +143,11 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, block_m=None, block_n=Non
     bm = block_m or (16 if _INTERPRET else 64)
     bn = block_n or (32 if _INTERPRET else 64)
     bk = block_k or 32
-    sorted_pairs, block_expert = sort_pairs_by_expert(topk_ids, E, bm)
+    with_absent = expert_start is not None
+    if with_absent:  # this rank holds experts [expert_start, expert_start + E); E marks the rest
+        local = topk_ids.long() - expert_start
+        topk_ids = torch.where((local >= 0) & (local < E), local, E)
+    sorted_pairs, block_expert = sort_pairs_by_expert(topk_ids, E, bm, with_absent)
     num_pairs = T * k
     weights = topk_weights.reshape(-1).contiguous()
     upcast = _INTERPRET or hidden.dtype == torch.float32
@@ -141,7 +158,9 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, block_m=None, block_n=Non
         hidden.stride(0), *w13.stride(), inter.stride(0),
         TOPK=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=upcast,
     )
-    out_pairs = torch.empty((num_pairs, H), dtype=torch.float32, device=hidden.device)
+    # Absent pairs are never written by the kernels: their rows must read as zero in the sum.
+    out_pairs = (torch.zeros if with_absent else torch.empty)(
+        (num_pairs, H), dtype=torch.float32, device=hidden.device)
     _down_kernel[(tiles, triton.cdiv(H, bn))](
         inter, w2, out_pairs, weights, sorted_pairs, block_expert, num_pairs, E, H, inter_size,
         inter.stride(0), *w2.stride(), out_pairs.stride(0),
