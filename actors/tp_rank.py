@@ -14,7 +14,7 @@ from typing import Any
 import ray
 import torch
 
-from engine.distributed import init_tp_group
+from engine.distributed import init_parallel_groups
 from engine.executor.base import WorkerConfig, rank_reply
 from engine.kv_connector import KVConnectorFactory
 from engine.worker.worker import Worker
@@ -48,9 +48,10 @@ class TPRank:
         torch.set_num_threads(num_threads)
         if self.config.device.type == "cuda":
             torch.cuda.set_device(0)
-        tp = init_tp_group(self.rank, self.size, init_method, self.config.device,
-                           timedelta(seconds=collective_timeout_s))
-        self.worker = Worker(self.config, self.rank, self.kv_connector_factory, tp=tp)
+        tp, ep = init_parallel_groups(self.rank, self.size, self.config.dp,
+                                      self.config.engine.parallel.enable_expert_parallel, init_method,
+                                      self.config.device, timedelta(seconds=collective_timeout_s))
+        self.worker = Worker(self.config, self.rank, self.kv_connector_factory, tp=tp, ep=ep)
         connector = self.worker.kv_connector
         if connector is not None:
             connector.transport.warm_up(producer=connector.pd_role == "producer")

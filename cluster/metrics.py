@@ -79,6 +79,12 @@ class _ReplicaFigures:
             for pos, n in enumerate(r.get(names.SPEC_DECODE_PER_POS_KEY, ())):
                 per_pos.add_metric([self.model_name, r["role"], r["replica"], str(pos)], float(n))
         yield per_pos
+        for key, definition in names.DP_FIGURES.items():
+            family = _family(definition, [*labels, "engine"])
+            for r in self.reports:
+                for core in r.get(names.DP_KEY, ()):
+                    family.add_metric([self.model_name, r["role"], r["replica"], str(core["rank"])], float(core[key]))
+            yield family
         yield from families(SCALING_SIGNALS, lambda r: {k: r.get(k) for k in SCALING_SIGNALS})
         replicas = _family(REPLICAS, ["model_name", "role"])
         for role, n in sorted(Tally(r["role"] for r in self.reports).items()):

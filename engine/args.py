@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from engine.config import (
     BACKENDS,
     DEVICES,
+    DP_BACKENDS,
     DTYPES,
     EXECUTOR_BACKENDS,
     POLICIES,
@@ -82,6 +83,12 @@ class EngineArgs:
     distributed_executor_backend: str | None = _arg(
         None, "how ranks run: mp (processes on this node), ray (one actor per rank) or uni (one "
         "rank in the engine's process); default: uni for one rank, mp for more", EXECUTOR_BACKENDS)
+    data_parallel_size: int = _arg(1, "engine cores, each with its own scheduler and KV cache, behind one "
+                                   "load balancer (each core has tensor_parallel_size ranks)")
+    data_parallel_backend: str = _arg("mp", "how data-parallel cores run: mp (processes on this node) or "
+                                      "ray (one actor per core, placed in one placement group)", DP_BACKENDS)
+    enable_expert_parallel: bool = _arg(False, "partition each MoE layer's experts whole over "
+                                        "data_parallel_size x tensor_parallel_size ranks (MoE models only)")
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -156,6 +163,9 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
+                data_parallel_size=self.data_parallel_size,
+                data_parallel_backend=self.data_parallel_backend,
+                enable_expert_parallel=self.enable_expert_parallel,
             ),
             multimodal=MultiModalConfig(
                 limit_mm_per_prompt=_image_limit(self.limit_mm_per_prompt),

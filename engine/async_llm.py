@@ -117,6 +117,7 @@ class AsyncLLM:
             fut.set_exception(RuntimeError(f"engine is dead: {self._errored!r}"))
         else:
             self._inputs.put((fn, args, fut))
+            self.engine.core.wake()  # a data-parallel client may be waiting on its cores
             if self._errored is not None:  # the thread died meanwhile and may have drained before the put
                 self._fail_pending()
         return fut
@@ -223,6 +224,7 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         self._inputs.put(_STOP)
+        self.engine.core.wake()
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self.engine.core.shutdown()

@@ -16,6 +16,9 @@ BACKENDS = ("auto", "triton", "torch")
 # node; "ray": one Ray actor per rank (registered from outside the engine, which never imports
 # Ray). None picks "uni" for one rank and "mp" for more.
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+# How data-parallel engine cores run (vLLM's --data-parallel-backend): "mp", one process per
+# rank on this node; "ray", one Ray actor per rank (registered from outside the engine).
+DP_BACKENDS = ("mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -122,9 +125,18 @@ class MultiModalConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    # Engine cores, each with its own scheduler and KV cache (engine.dp); the tensor-parallel
+    # ranks above are per core.
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"
+    # The experts of every MoE layer are partitioned whole over data_parallel_size x
+    # tensor_parallel_size ranks instead of being TP-sliced; attention stays data parallel.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_int("data_parallel_size", self.data_parallel_size, 1)
+        check_choice("data_parallel_backend", self.data_parallel_backend, DP_BACKENDS)
         if self.distributed_executor_backend is not None:
             check_choice("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
@@ -139,6 +151,18 @@ class ParallelConfig:
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "uni" if self.tensor_parallel_size == 1 else "mp"
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks the experts are partitioned over (1: every rank holds every expert)."""
+        return self.data_parallel_size * self.tensor_parallel_size if self.enable_expert_parallel else 1
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether the data-parallel cores must step together: only when expert parallelism
+        makes every forward pass a collective over all of them (seed 004's waves and dummy
+        batches). Without it each core is an independent engine behind one load balancer."""
+        return self.data_parallel_size > 1 and self.enable_expert_parallel
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ import logging
 import torch
 
 import kernels
-from engine.config import EngineConfig, resolved_token_budget
+from engine.config import EngineConfig, ParallelConfig, resolved_token_budget
+from engine.distributed import SINGLE_DP, DPPlacement
 from engine.errors import ParameterError
 from engine.executor import Executor, WorkerConfig, executor_class
 from engine.kv_cache import KVCacheManager
@@ -20,7 +21,7 @@ from engine.models.arch import ModelArch, load_arch
 from engine.models.gguf_file import find_gguf
 from engine.models.llava import load_vision_arch
 from engine.models.loader import resolve_dtype
-from engine.models.parallel import check_tp_size
+from engine.models.parallel import check_ep_size, check_tp_size
 from engine.multimodal.encoder_cache import EncoderCacheManager
 from engine.request import Request, RequestStatus
 from engine.sched_output import EngineCoreOutput
@@ -57,9 +58,14 @@ def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
     return requested
 
 
-def check_parallel(arch: ModelArch, device: torch.device, tp: int) -> None:
-    """ParameterError unless `tp` ranks can shard this model on this machine."""
-    check_tp_size(arch, tp)
+def check_parallel(arch: ModelArch, device: torch.device, parallel: ParallelConfig) -> None:
+    """ParameterError unless this model shards over `parallel`'s ranks on this machine."""
+    tp = parallel.tensor_parallel_size
+    check_tp_size(arch, tp, expert_parallel=parallel.expert_parallel_size > 1)
+    if parallel.enable_expert_parallel and not arch.num_experts:
+        raise ParameterError("enable_expert_parallel", "enable_expert_parallel needs a mixture-of-experts "
+                             f"model (Qwen3-MoE, Mixtral); {arch.architecture} has no experts")
+    check_ep_size(arch, parallel.expert_parallel_size)
     if device.type == "cuda" and tp > torch.cuda.device_count():
         raise ParameterError(
             "tensor_parallel_size",
@@ -88,12 +94,12 @@ class EngineCore:
     on each worker."""
 
     def __init__(self, config: EngineConfig, kv_connector_factory: KVConnectorFactory | None = None,
-                 executor_cls: type[Executor] | None = None) -> None:
+                 executor_cls: type[Executor] | None = None, dp: DPPlacement = SINGLE_DP) -> None:
         self.config = config
         mc, cc = config.model, config.cache
         self.arch = load_arch(mc.model)
         self.device = resolve_device(mc.device)
-        check_parallel(self.arch, self.device, config.parallel.tensor_parallel_size)
+        check_parallel(self.arch, self.device, config.parallel)
         check_speculative(config, self.arch)
         self.scheduler_config = sc = resolved_token_budget(config.scheduler, self.device.type)
         self.dtype = resolve_dtype(mc.dtype, self.arch, self.device)
@@ -102,7 +108,7 @@ class EngineCore:
         if backend == "auto":
             backend = kernels.default_backend(self.device.type)
         self.kernel_backend = backend
-        worker_config = WorkerConfig(config, self.arch, self.device, self.dtype, self.max_model_len, sc, backend)
+        worker_config = WorkerConfig(config, self.arch, self.device, self.dtype, self.max_model_len, sc, backend, dp)
         if executor_cls is None:
             executor_cls = executor_class(config.parallel.executor_backend)
         self.executor = executor_cls(worker_config, kv_connector_factory)
@@ -120,6 +126,7 @@ class EngineCore:
         self.connector = (kv_connector_factory(KVConnectorRole.SCHEDULER)
                           if kv_connector_factory is not None else None)
         self.idle = True
+        self.last_step_ran_model = False  # whether the last step was a forward pass
         self.structured_output_manager = StructuredOutputManager(
             self._structured_output_backend, self.arch.vocab_size, sc.max_num_seqs)
         self._wakeup = None
@@ -211,10 +218,12 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def step(self) -> list[EngineCoreOutput]:
+        self.last_step_ran_model = False
         if not self.scheduler.has_work():
             return []
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
+        self.last_step_ran_model = not scheduler_output.is_empty
         # Nothing was computed (e.g. every request waits for remote KV) and no transfer
         # finished: the driver loop may block until woken.
         self.idle = scheduler_output.is_empty and runner_output.kv_connector_output is None
@@ -222,6 +231,13 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    def wake(self) -> None:
+        """A caller queued work for the loop driving this core: this core never blocks, so
+        there is nothing to interrupt (data-parallel clients wait on their cores)."""
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -3,6 +3,11 @@ needs (all-reduce, gather to rank 0, broadcast from rank 0) over torch.distribut
 expert-parallel group, whose two collectives move each rank's tokens to every expert and the
 experts' outputs back (all-gather of tokens, then a reduce that returns each rank its own rows).
 
+Worlds: without expert parallelism a worker's world is its engine core's tensor-parallel
+group. With it and several data-parallel cores, one world spans every core's ranks (rank =
+dp_rank * tp + tp_rank): the expert exchange runs over the whole world and each core's
+tensor-parallel collectives in a subgroup of its own.
+
 A group of size 1 never touches torch.distributed: every collective is the identity, so a
 single-rank engine runs exactly the code it ran before tensor parallelism existed.
 """
@@ -15,11 +20,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Every collective of a worker's world is bounded by this: a rank whose peer died errors out
+# (the executor then fails the engine) instead of waiting forever.
+COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+
 
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
     size: int = 1
+    group: object | None = field(default=None, compare=False)  # a ProcessGroup; None = the world
 
     @property
     def is_driver(self) -> bool:
@@ -29,7 +39,7 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def gather_to_driver(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -39,13 +49,13 @@ class TPGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_driver else None
-        dist.gather(x, parts, dst=0)
+        dist.gather(x, parts, group=self.group, group_dst=0)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def broadcast_from_driver(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank (others pass a buffer of the same shape and dtype)."""
         if self.size > 1:
-            dist.broadcast(x, src=0)
+            dist.broadcast(x, group=self.group, group_src=0)
         return x
 
 
@@ -92,6 +102,25 @@ class EPGroup:
 SINGLE_EP = EPGroup()
 
 
+@dataclass(frozen=True)
+class DPPlacement:
+    """Where one data-parallel engine core sits: core `rank` of `size`. `world_init_method`
+    is the rendezvous of the world that spans every core's workers, set when expert
+    parallelism joins them (None otherwise: each core's ranks form a world of their own)."""
+
+    rank: int = 0
+    size: int = 1
+    world_init_method: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"data-parallel rank {self.rank} of {self.size}")
+
+
+# The placement of an engine that is not data parallel.
+SINGLE_DP = DPPlacement()
+
+
 def init_tp_group(rank: int, size: int, init_method: str, device: torch.device,
                   timeout: timedelta) -> TPGroup:
     """Join the process group: NCCL between GPUs, gloo on CPU. `timeout` bounds every
@@ -99,6 +128,33 @@ def init_tp_group(rank: int, size: int, init_method: str, device: torch.device,
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
     return TPGroup(rank, size)
+
+
+def init_parallel_groups(tp_rank: int, tp_size: int, dp: DPPlacement, expert_parallel: bool,
+                         init_method: str | None, device: torch.device,
+                         timeout: timedelta) -> tuple[TPGroup, EPGroup]:
+    """Join this worker's world and return its (tensor-parallel, expert-parallel) groups.
+    `init_method` is the engine core's own rendezvous (its tensor-parallel world); a world
+    across data-parallel cores uses `dp.world_init_method`. A world of one joins nothing."""
+    across_cores = expert_parallel and dp.size > 1
+    world = tp_size * dp.size if across_cores else tp_size
+    if world == 1:
+        return SINGLE_RANK, SINGLE_EP
+    if across_cores and dp.world_init_method is None:
+        raise ValueError("expert parallelism over data-parallel cores needs their world's rendezvous")
+    rank = dp.rank * tp_size + tp_rank if across_cores else tp_rank
+    init_tp_group(rank, world, dp.world_init_method if across_cores else init_method, device, timeout)
+    ep = EPGroup(rank, world) if expert_parallel else SINGLE_EP
+    if not across_cores:
+        return TPGroup(tp_rank, tp_size), ep
+    tp_group = None
+    if tp_size > 1:
+        # Every process creates every core's subgroup, in the same order (torch.distributed's rule).
+        for core in range(dp.size):
+            group = dist.new_group(list(range(core * tp_size, (core + 1) * tp_size)), timeout=timeout)
+            if core == dp.rank:
+                tp_group = group
+    return TPGroup(tp_rank, tp_size, group=tp_group), ep
 
 
 def destroy_tp_group() -> None:

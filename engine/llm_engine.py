@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, resolve_max_model_len
+from engine.dp.client import DPEngineClient
 from engine.errors import ParameterError
 from engine.kv_connector import KVConnectorFactory
 from engine.kv_transfer_params import KVTransferParams
@@ -42,7 +43,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, kv_connector_factory: KVConnectorFactory | None = None) -> None:
         self.config = config
         model_dir = config.model.model
-        self.core = EngineCore(config, kv_connector_factory)  # first: it validates the model path
+        # First: it validates the model path. Several data-parallel cores: each in its own
+        # process (or actor), this front end routing requests to them.
+        self.core: EngineCore | DPEngineClient = (
+            EngineCore(config, kv_connector_factory) if config.parallel.data_parallel_size == 1
+            else DPEngineClient(config, kv_connector_factory))
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
         self.processor = input_processor(config, self.tokenizer, self.core.max_model_len, self.core.arch.vocab_size)
@@ -99,7 +104,7 @@ class LLMEngine:
         return self.core.has_work()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.core.scheduler.get_num_unfinished_requests()
+        return self.core.get_num_unfinished_requests()
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's metrics (and pdserve's engine figures) for this engine, cumulative since it

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, SchedulerConfig
+from engine.distributed import SINGLE_DP, DPPlacement
 from engine.executor.kv_aggregate import KVOutputAggregator
 from engine.models.arch import ModelArch
 from engine.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -45,12 +46,15 @@ class WorkerConfig:
     max_model_len: int
     scheduler: SchedulerConfig  # max_num_batched_tokens resolved for the device
     kernel_backend: str  # "triton" or "torch"
+    dp: DPPlacement = SINGLE_DP  # this engine core's place among the data-parallel cores
 
     @property
     def use_cuda_graphs(self) -> bool:
-        # Collectives are not captured into graphs: a sharded model decodes eagerly.
+        # Collectives are not captured into graphs: a sharded model decodes eagerly (and the
+        # expert exchange's sizes change every step).
+        parallel = self.engine.parallel
         return (self.device.type == "cuda" and self.kernel_backend == "triton" and not self.engine.enforce_eager
-                and self.engine.parallel.tensor_parallel_size == 1)
+                and parallel.tensor_parallel_size == 1 and parallel.expert_parallel_size == 1)
 
 
 class Executor(ABC):
@@ -84,6 +88,11 @@ class Executor(ABC):
 
     def profile_run(self, num_tokens: int) -> None:
         self.collective_rpc("profile_run", (num_tokens,))
+
+    def execute_dummy_batch(self) -> None:
+        """A forward pass on no tokens on every rank: an idle data-parallel core's step, so
+        that the busy cores' expert-parallel collectives find its ranks there (seed 004)."""
+        self.collective_rpc("execute_dummy_batch")
 
     def set_kv_wakeup(self, callback) -> None:
         """Give the KV connector's worker side the engine loop's wake-up (in-process

@@ -12,7 +12,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from engine.distributed import destroy_tp_group, init_tp_group
+from engine.distributed import destroy_tp_group, init_parallel_groups
 from engine.executor.base import WorkerConfig, rank_reply
 from engine.worker.worker import Worker
 
@@ -28,8 +28,9 @@ def run_worker(config: WorkerConfig, rank: int, size: int, init_method: str, con
         if config.device.type == "cuda":
             torch.cuda.set_device(rank)
             config = dataclasses.replace(config, device=torch.device("cuda", rank))
-        tp = init_tp_group(rank, size, init_method, config.device, timedelta(seconds=collective_timeout_s))
-        worker = Worker(config, rank, tp=tp)
+        tp, ep = init_parallel_groups(rank, size, config.dp, config.engine.parallel.enable_expert_parallel,
+                                      init_method, config.device, timedelta(seconds=collective_timeout_s))
+        worker = Worker(config, rank, tp=tp, ep=ep)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return

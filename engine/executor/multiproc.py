@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from engine.distributed import COLLECTIVE_TIMEOUT
 from engine.errors import EngineDeadError, ParameterError
 from engine.executor.base import RankGroupExecutor, WorkerConfig
 from engine.executor.kv_aggregate import KVOutputAggregator
@@ -34,7 +35,7 @@ from engine.kv_connector import KVConnectorFactory
 # on their own after _COLLECTIVE_TIMEOUT_S (the driver sees the failed call).
 _START_TIMEOUT_S = 600.0
 _CALL_TIMEOUT_S = 600.0
-_COLLECTIVE_TIMEOUT_S = 300.0
+_COLLECTIVE_TIMEOUT_S = COLLECTIVE_TIMEOUT.total_seconds()
 _STOP_GRACE_S = 5.0
 
 

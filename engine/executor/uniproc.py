@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.distributed import COLLECTIVE_TIMEOUT, destroy_tp_group, init_parallel_groups
 from engine.executor.base import Executor, WorkerConfig
 from engine.kv_connector import KVConnectorFactory
 from engine.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -13,7 +14,12 @@ from engine.worker.worker import Worker
 class UniProcExecutor(Executor):
     def __init__(self, config: WorkerConfig, kv_connector_factory: KVConnectorFactory | None = None) -> None:
         super().__init__(config)
-        self.worker: Worker | None = Worker(config, rank=0, kv_connector_factory=kv_connector_factory)
+        # One rank, but under expert parallelism it shares the experts with the other
+        # data-parallel cores' ranks: it joins their world here.
+        tp, ep = init_parallel_groups(0, 1, config.dp, config.engine.parallel.enable_expert_parallel, None,
+                                      config.device, COLLECTIVE_TIMEOUT)
+        self._joined_world = ep.size > 1
+        self.worker: Worker | None = Worker(config, rank=0, kv_connector_factory=kv_connector_factory, tp=tp, ep=ep)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._worker().execute_model(scheduler_output)
@@ -23,6 +29,9 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         self.worker = None
+        if self._joined_world:
+            self._joined_world = False
+            destroy_tp_group()
 
     def _worker(self) -> Worker:
         if self.worker is None:

@@ -106,3 +106,20 @@ SPEC_DECODE_FIGURES: dict[str, MetricDef] = {
 SPEC_DECODE_PER_POS_KEY = "spec_decode_num_accepted_tokens_per_pos"
 SPEC_DECODE_PER_POS = MetricDef("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
                                 "Draft tokens accepted, by position in the draft (label position)")
+
+# ---- data parallelism: EngineCore figures per core, in load()["data_parallel"] (a list whose
+# entry i is core i's), labelled engine="i" as vLLM labels its data-parallel engines -------------
+DP_KEY = "data_parallel"
+DP_FIGURES: dict[str, MetricDef] = {
+    "running": MetricDef("pdserve:dp_engine_requests_running", "gauge",
+                         "Requests running on each data-parallel engine core (label engine)"),
+    "waiting": MetricDef("pdserve:dp_engine_requests_waiting", "gauge",
+                         "Requests waiting on each data-parallel engine core (label engine)"),
+    "requests": MetricDef("pdserve:dp_engine_requests", "counter",
+                          "Requests the front end routed to each data-parallel engine core (label engine)"),
+    "dummy_steps": MetricDef("pdserve:dp_dummy_batches", "counter",
+                             "Forward passes on no tokens an idle core ran so the busy cores' expert-parallel "
+                             "collectives could proceed (label engine)"),
+    "wave": MetricDef("pdserve:dp_wave", "gauge",
+                      "Request wave each data-parallel engine core is in; it advances when all are idle"),
+}

@@ -110,6 +110,11 @@ class StatsRecorder:
                 metrics.append(Counter(definition.name, dict(labels), int(engine_figures[key])))
         for pos, n in enumerate(engine_figures.get(names.SPEC_DECODE_PER_POS_KEY, ())):
             metrics.append(Counter(names.SPEC_DECODE_PER_POS.name, {**labels, "position": str(pos)}, int(n)))
+        for core in engine_figures.get(names.DP_KEY, ()):
+            for key, definition in names.DP_FIGURES.items():
+                core_labels = {**labels, "engine": str(core["rank"])}
+                metrics.append(Counter(definition.name, core_labels, int(core[key])) if definition.kind == "counter"
+                               else Gauge(definition.name, core_labels, float(core[key])))
         metrics.append(Counter(names.PROMPT_TOKENS.name, dict(labels), self.prompt_tokens))
         metrics.append(Counter(names.GENERATION_TOKENS.name, dict(labels), self.generation_tokens))
         for reason, n in sorted(self.finished.items()):

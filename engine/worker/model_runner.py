@@ -345,6 +345,18 @@ class ModelRunner:
         return meta
 
     @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """The model on no tokens: an idle data-parallel core's step. It samples nothing and
+        touches no KV block, but runs every layer, so each MoE layer's expert exchange finds
+        this rank there (seed 004's dummy batch)."""
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=empty, block_table=torch.zeros((0, 1), dtype=torch.int32, device=self.device),
+            query_start_loc=torch.zeros(1, dtype=torch.int32, device=self.device),
+            seq_lens=torch.zeros(0, dtype=torch.int32, device=self.device), max_query_len=0, max_seq_len=0)
+        self.model(empty, empty, self.kv_caches, meta)
+
+    @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
         """One forward pass of `num_tokens` prompt tokens (plus logits for a full batch of
         sequences) against a throwaway KV cache, to measure peak activation memory."""

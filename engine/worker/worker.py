@@ -80,6 +80,9 @@ class Worker:
     def profile_run(self, num_tokens: int) -> None:
         self.runner.profile_run(num_tokens)
 
+    def execute_dummy_batch(self) -> None:
+        self.runner.execute_dummy_batch()
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
         if self.kv_connector is not None:

@@ -113,7 +113,7 @@ def test_a_call_queued_while_the_engine_step_fails_is_failed_not_left_waiting():
     in_step, fail_now = threading.Event(), threading.Event()
 
     class FailingEngine:
-        core = SimpleNamespace(set_kv_wakeup=lambda cb: None, idle=False)
+        core = SimpleNamespace(set_kv_wakeup=lambda cb: None, idle=False, wake=lambda: None)
 
         def has_work(self):
             return True

@@ -14,6 +14,7 @@ import torch
 
 import kernels
 from engine import LLM, EngineArgs, ParameterError, SamplingParams
+from engine.config import ParallelConfig
 from engine.core import check_parallel
 from engine.distributed import TPGroup
 from engine.errors import EngineDeadError
@@ -132,7 +133,7 @@ def test_bad_parallel_arguments_name_their_field(tiny_model, kwargs, field):
 def test_more_ranks_than_gpus_is_refused(tiny_model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ParameterError, match="one GPU per rank; 1 visible") as e:
-        check_parallel(load_arch(tiny_model), torch.device("cuda"), 2)
+        check_parallel(load_arch(tiny_model), torch.device("cuda"), ParallelConfig(tensor_parallel_size=2))
     assert e.value.field == "tensor_parallel_size"
 
 

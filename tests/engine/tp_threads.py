@@ -114,7 +114,7 @@ class ThreadExecutor(Executor):
 
         def worker(r: int) -> Worker:
             ep = SINGLE_EP if dp is None else dp.ep_group(r, size)
-            return Worker(config, r, tp=ThreadGroup(r, size, exchange), ep=ep)
+            return Worker(config, r, tp=ThreadGroup(r, size, exchange=exchange), ep=ep)
 
         self.workers = list(self.pool.map(worker, range(size)))
 

@@ -1,0 +1,102 @@
+"""What crosses between the front end and its data-parallel engine cores: typed, small, and
+one message per core step (deltas only, as EngineCoreOutputs are)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.request import Request, RequestStatus
+from engine.sched_output import EngineCoreOutput
+
+# ---- front end -> core ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request: Request
+    # The wave the front end believes current. A core that already finished it (and paused)
+    # asks for a new one (seed 004).
+    wave: int
+    # How long the request has waited since it arrived at the front end: the core's clock
+    # may be another machine's, so the arrival time is carried as an age.
+    queued_for_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class AbortRequests:
+    request_ids: tuple[str, ...]
+    status: RequestStatus = RequestStatus.FINISHED_ABORTED
+
+
+@dataclass(frozen=True)
+class StartWave:
+    """Every core joins wave `wave` (lockstep groups: a request arrived while they paused)."""
+
+    wave: int
+
+
+@dataclass(frozen=True)
+class CoreCall:
+    """Run `method(*args)` on the EngineCore between steps; answered with a CallResult."""
+
+    call_id: int
+    method: str
+    args: tuple = ()
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# ---- core -> front end ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CoreReady:
+    rank: int
+    max_model_len: int
+    num_kv_blocks: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class CoreStep:
+    """What one step of core `rank` produced, and its queue figures after it."""
+
+    rank: int
+    outputs: list[EngineCoreOutput]
+    waiting: int
+    running: int
+    # Requests scheduled for the first time in this step: their time in the queue.
+    queue_times: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WaveComplete:
+    """Sent by core 0: every core was idle at the end of wave `wave`; they paused."""
+
+    wave: int
+
+
+@dataclass(frozen=True)
+class StartWaveRequest:
+    """Core `rank` got a request for wave `wave`, which it had already finished."""
+
+    rank: int
+    wave: int
+
+
+@dataclass(frozen=True)
+class CallResult:
+    rank: int
+    call_id: int
+    value: Any = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CoreFailed:
+    rank: int
+    message: str
