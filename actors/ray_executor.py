@@ -37,6 +37,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.tp_rank import TPRank
+from engine.distributed import COLLECTIVE_TIMEOUT
 from engine.errors import EngineDeadError
 from engine.executor import register_executor
 from engine.executor.base import RankGroupExecutor, WorkerConfig
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 600.0  # placement, actor start, model shard load
 _CALL_TIMEOUT_S = 600.0  # the longest step (a full-budget prefill on CPU)
-_COLLECTIVE_TIMEOUT_S = 300.0
+_COLLECTIVE_TIMEOUT_S = COLLECTIVE_TIMEOUT.total_seconds()
 _HEALTH_TIMEOUT_S = 30.0
 # A CPU rank's threads are counted against its replica's own CPU reservation (as the "mp"
 # ranks, child processes, are); the bundle only needs to be non-empty to be placed.
@@ -72,7 +73,10 @@ def replica_bundles(device_type: str, tp: int, replica_resources: dict[str, floa
 
 
 class RayExecutor(RankGroupExecutor):
-    def __init__(self, config: WorkerConfig, kv_connector_factory: KVConnectorFactory | None = None) -> None:
+    def __init__(self, config: WorkerConfig, kv_connector_factory: KVConnectorFactory | None = None,
+                 placement: tuple[PlacementGroup, int] | None = None) -> None:
+        """`placement` (group, first bundle): where a data-parallel core's ranks go (rank r in
+        bundle first + r of a group its backend reserved); None: see the module's docstring."""
         super().__init__(config)
         size = config.engine.parallel.tensor_parallel_size
         self.size = size
@@ -82,9 +86,9 @@ class RayExecutor(RankGroupExecutor):
         self._owned: list[PlacementGroup] = []
         self._finalizer = weakref.finalize(self, _release, self.actors, self._owned)
         try:
-            pg = self._placement_group(config.device.type)
+            pg, first = placement if placement is not None else (self._placement_group(config.device.type), 0)
             for rank in range(size):
-                strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+                strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + rank)
                 self.actors.append(ray.remote(TPRank).options(
                     # A health ping and the KV store's pulls are answered while a step runs.
                     num_cpus=0, num_gpus=1 if config.device.type == "cuda" else 0, max_concurrency=4,

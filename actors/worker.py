@@ -15,8 +15,10 @@ import uuid
 import ray
 import torch
 
+from actors.dp_cores import RayCores  # registers data_parallel_backend="ray"
 from actors.ray_executor import RayExecutor  # registers distributed_executor_backend="ray"
 from engine import AsyncLLM, EngineArgs, SamplingParams
+from engine.dp.client import DPEngineClient
 from engine.kv_connector import KVConnectorRole
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import RequestOutput
@@ -29,6 +31,16 @@ from kvstore.transports.torch_dist import TorchDistTransport
 ROLES = ("colocated", "prefill", "decode")
 _RANK_CALL_TIMEOUT_S = 30.0
 TRANSPORTS = ("object_store", "torch_dist")
+
+
+def cluster_engine_args(engine_args: EngineArgs) -> EngineArgs:
+    """Inside the cluster ranks and data-parallel cores are Ray actors (placed with the replica
+    that owns them), not child processes Ray does not know about, unless the args say otherwise."""
+    if engine_args.tensor_parallel_size > 1 and engine_args.distributed_executor_backend is None:
+        engine_args = dataclasses.replace(engine_args, distributed_executor_backend="ray")
+    if engine_args.data_parallel_size > 1 and engine_args.data_parallel_backend is None:
+        engine_args = dataclasses.replace(engine_args, data_parallel_backend="ray")
+    return engine_args
 
 
 def engine_config_for_role(engine_args: EngineArgs, role: str):
@@ -64,11 +76,8 @@ class EngineWorker:
         self.store_pulls = store_pulls
         self.role = role
         self.replica_id = replica_id or f"{role}-{uuid.uuid4().hex[:8]}"
-        tp = engine_args.tensor_parallel_size
-        if tp > 1 and engine_args.distributed_executor_backend is None:
-            # Inside the cluster a rank is a Ray actor (placed with the replica), not a child
-            # process Ray does not know about.
-            engine_args = dataclasses.replace(engine_args, distributed_executor_backend="ray")
+        engine_args = cluster_engine_args(engine_args)
+        tp, dp = engine_args.tensor_parallel_size, engine_args.data_parallel_size
         config = engine_config_for_role(engine_args, role)
         self.transport = None
         factory = None
@@ -78,9 +87,9 @@ class EngineWorker:
             if store is None:
                 raise ValueError(f"a {role} worker needs the KV store actor (store=...)")
             pd_role = "producer" if role == "prefill" else "consumer"
-            if tp > 1:
-                factory = self._sharded_factory(transport, pd_role, store, config.cache.block_size,
-                                                load_failure_policy, tp, transport_timeout_s)
+            if tp > 1 or dp > 1:
+                factory = self._remote_factory(transport, pd_role, store, config.cache.block_size,
+                                               load_failure_policy, tp, transport_timeout_s)
             else:
                 self.transport = self._make_transport(transport, store, transport_timeout_s)
 
@@ -93,12 +102,13 @@ class EngineWorker:
         if self.transport is not None:
             self.transport.warm_up(producer=role == "prefill")
 
-    def _sharded_factory(self, transport: str, pd_role: str, store, block_size: int, load_failure_policy: str,
-                         tp: int, timeout_s: float) -> PDConnectorFactory:
-        """Tensor parallel: each rank moves its own heads, so each rank actor builds its own
-        worker side of the connector (and transport) from this recipe."""
+    def _remote_factory(self, transport: str, pd_role: str, store, block_size: int, load_failure_policy: str,
+                        tp: int, timeout_s: float) -> PDConnectorFactory:
+        """Tensor or data parallel: the connector's sides live in other actors (each rank moves
+        its own heads; each data-parallel core schedules its own requests), which build them
+        from this recipe."""
         if transport != "object_store":
-            raise ValueError(f"tensor_parallel_size={tp} with P/D moves KV through the 'object_store' "
+            raise ValueError(f"tensor or data parallelism with P/D moves KV through the 'object_store' "
                              f"transport; got {transport!r}")
         return PDConnectorFactory(pd_role, store, self.replica_id, block_size, load_failure_policy, tp,
                                   timeout_s, store_pulls=self.store_pulls)
@@ -107,10 +117,23 @@ class EngineWorker:
         calls = [getattr(r, method).remote() for r in self._ranks()]
         return list(await asyncio.wait_for(asyncio.gather(*calls), _RANK_CALL_TIMEOUT_S))
 
+    def _core(self):
+        """The engine's EngineCore, or its DPEngineClient; None for an injected test engine."""
+        return getattr(getattr(self.engine, "engine", None), "core", None)
+
     def _ranks(self) -> list:
         """The tensor-parallel rank actors ("ray" executor), or [] (one rank, in process)."""
-        executor = getattr(getattr(getattr(self.engine, "engine", None), "core", None), "executor", None)
+        executor = getattr(self._core(), "executor", None)
         return executor.ranks if isinstance(executor, RayExecutor) else []
+
+    def data_parallel_cores(self) -> list:
+        """Handles of this engine's data-parallel core actors (empty without data parallelism)."""
+        cores = getattr(self._core(), "cores", None)
+        return cores.core_actors if isinstance(cores, RayCores) else []
+
+    async def _ask_core(self, method: str):
+        """core.method() on the engine thread (a DPEngineClient asks every core)."""
+        return await asyncio.wrap_future(self.engine.call(getattr(self._core(), method)))
 
     def _make_transport(self, name: str, store, timeout_s: float):
         def self_handle():
@@ -166,6 +189,8 @@ class EngineWorker:
     async def outbox_size(self) -> int:
         if self.transport is not None:
             return self.transport.outbox_size
+        if isinstance(self._core(), DPEngineClient):
+            return await self._ask_core("kv_outbox_size")
         return sum(await self._ask_ranks("outbox_size"))
 
     # ---- health and load ----------------------------------------------------------------
@@ -203,6 +228,8 @@ class EngineWorker:
         worker_side = self.connectors.get(KVConnectorRole.WORKER)
         if worker_side is not None:
             return dict(worker_side.stats)
+        if isinstance(self._core(), DPEngineClient):
+            return await self._ask_core("kv_transfer_stats")
         per_rank = await self._ask_ranks("kv_transfer_stats")  # summed: each rank moved its own heads
         return {k: sum(stats[k] for stats in per_rank) for k in per_rank[0]} if per_rank and per_rank[0] else {}
 

@@ -16,6 +16,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from actors.ray_executor import PLACEMENT_STRATEGY, replica_bundles
+from actors.worker import cluster_engine_args
 from cluster.auth import digest, keys_from
 from cluster.autoscale import build_config
 from cluster.coordinator import SCALE_TIMEOUT_S, Coordinator
@@ -60,6 +61,10 @@ class AppConfig:
     # moves its own heads of the prompt KV, so the two must be equal (refused otherwise).
     prefill_tensor_parallel_size: int | None = None
     decode_tensor_parallel_size: int | None = None
+    # Data-parallel engine cores of each P/D role's replica (None: engine_args.data_parallel_size).
+    # Each core schedules its own requests, so the two may differ.
+    prefill_data_parallel_size: int | None = None
+    decode_data_parallel_size: int | None = None
     max_replicas: int = 8  # per role: the ceiling of POST /scale (and of autoscaling by default)
     # Bearer keys guarding /v1/*, /scale, /status (cluster.auth); PDSERVE_API_KEY adds more.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -96,7 +101,8 @@ class AppConfig:
                 raise ParameterError(f"{role}_replicas",
                                      f"{role}_replicas must be <= max_replicas ({self.max_replicas})")
         build_config(self.autoscale, self.max_replica_map())  # validates, as the Coordinator will build it
-        for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+        for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size", "prefill_data_parallel_size",
+                     "decode_data_parallel_size"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
         if self.mode == "pd" and self.tensor_parallel_size("prefill") != self.tensor_parallel_size("decode"):
@@ -139,14 +145,16 @@ class AppConfig:
         own = {"prefill": self.prefill_tensor_parallel_size, "decode": self.decode_tensor_parallel_size}.get(role)
         return own if own is not None else self.engine_args.tensor_parallel_size
 
+    def data_parallel_size(self, role: str) -> int:
+        own = {"prefill": self.prefill_data_parallel_size, "decode": self.decode_data_parallel_size}.get(role)
+        return own if own is not None else self.engine_args.data_parallel_size
+
     def role_engine_args(self, role: str) -> EngineArgs:
-        """The engine of `role`'s replicas; with tp > 1 its ranks are Ray actors ("ray"
-        executor) unless the config names another backend."""
-        tp = self.tensor_parallel_size(role)
-        backend = self.engine_args.distributed_executor_backend
-        if tp > 1 and backend is None:
-            backend = "ray"
-        return dataclasses.replace(self.engine_args, tensor_parallel_size=tp, distributed_executor_backend=backend)
+        """The engine of `role`'s replicas; its ranks (tp > 1) and data-parallel cores (dp > 1)
+        are Ray actors unless the config names another backend."""
+        return cluster_engine_args(dataclasses.replace(
+            self.engine_args, tensor_parallel_size=self.tensor_parallel_size(role),
+            data_parallel_size=self.data_parallel_size(role)))
 
     def uses_gpus(self) -> bool:
         if self.engine_args.device != "auto":
@@ -164,18 +172,21 @@ class AppConfig:
         if not self.uses_gpus():
             return 0.0
         args = self.role_engine_args(role or next(iter(self.targets())))
+        if args.data_parallel_size > 1:
+            return 0.0  # its cores (or their rank actors) hold the GPUs, in the replica's group
         if args.tensor_parallel_size == 1:
             return 1.0
         return 0.0 if args.distributed_executor_backend == "ray" else float(args.tensor_parallel_size)
 
     def placement_bundles(self, role: str) -> list[dict[str, float]] | None:
-        """Serve's placement_group_bundles for a replica of `role` whose ranks are Ray actors:
-        tensor_parallel_size bundles, the replica actor in bundle 0 with rank 0 (the "ray"
-        executor places rank r in bundle r of its replica's group); None otherwise."""
+        """Serve's placement_group_bundles for a replica of `role` whose ranks or cores are Ray
+        actors: data_parallel_size x tensor_parallel_size bundles, the replica actor in bundle 0
+        with rank 0 of core 0 (core d's rank r goes to bundle d * tp + r); None otherwise."""
         args = self.role_engine_args(role)
-        if args.tensor_parallel_size == 1 or args.distributed_executor_backend != "ray":
+        tp, dp = args.tensor_parallel_size, args.data_parallel_size
+        if dp == 1 and (tp == 1 or args.distributed_executor_backend != "ray"):
             return None
-        return replica_bundles("cuda" if self.uses_gpus() else "cpu", args.tensor_parallel_size,
+        return replica_bundles("cuda" if self.uses_gpus() else "cpu", dp * tp,
                                {"CPU": self.replica_num_cpus, "GPU": self.num_gpus(role)})
 
     def replica_resources(self) -> dict[str, float]:

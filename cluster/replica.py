@@ -140,6 +140,16 @@ class EngineServer:
         tests that need a rank's own state or liveness."""
         return self.worker.tensor_parallel_ranks()
 
+    def placement_group_id(self) -> str | None:
+        """The placement group of this replica (hex id; None without one)."""
+        import ray
+
+        return ray.get_runtime_context().get_placement_group_id() or None
+
+    def data_parallel_cores(self) -> list:
+        """Handles of this replica's data-parallel core actors (empty with one core)."""
+        return self.worker.data_parallel_cores()
+
     async def check_health(self) -> None:
         await self.worker.check_health()
 

@@ -43,6 +43,10 @@ def add_serve_parser(sub) -> None:
                    help="ranks of each prefill replica (default: --tensor-parallel-size); must equal the decode's")
     p.add_argument("--decode-tensor-parallel-size", type=int, default=None,
                    help="ranks of each decode replica (default: --tensor-parallel-size)")
+    p.add_argument("--prefill-data-parallel-size", type=int, default=None,
+                   help="engine cores of each prefill replica (default: --data-parallel-size)")
+    p.add_argument("--decode-data-parallel-size", type=int, default=None,
+                   help="engine cores of each decode replica (default: --data-parallel-size)")
     p.add_argument("--app-name", default="pdserve")
     p.add_argument("--max-replicas", type=int, default=8, help="per-role ceiling of scaling")
     p.add_argument("--autoscale", action="store_true", help="scale prefill/decode on TTFT/ITL targets")
@@ -119,6 +123,8 @@ def _config(args: argparse.Namespace):
         replica_num_gpus=args.replica_gpus, max_replicas=args.max_replicas,
         prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
         decode_tensor_parallel_size=args.decode_tensor_parallel_size,
+        prefill_data_parallel_size=args.prefill_data_parallel_size,
+        decode_data_parallel_size=args.decode_data_parallel_size,
         autoscale={"enabled": args.autoscale, "ttft_p90_target_s": args.ttft_p90_target_ms / 1000,
                    "itl_p90_target_s": args.itl_p90_target_ms / 1000},
     )

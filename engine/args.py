@@ -85,8 +85,9 @@ class EngineArgs:
         "rank in the engine's process); default: uni for one rank, mp for more", EXECUTOR_BACKENDS)
     data_parallel_size: int = _arg(1, "engine cores, each with its own scheduler and KV cache, behind one "
                                    "load balancer (each core has tensor_parallel_size ranks)")
-    data_parallel_backend: str = _arg("mp", "how data-parallel cores run: mp (processes on this node) or "
-                                      "ray (one actor per core, placed in one placement group)", DP_BACKENDS)
+    data_parallel_backend: str | None = _arg(
+        None, "how data-parallel cores run: mp (processes on this node) or ray (one actor per core, all "
+        "placed by one placement group); default: mp offline, ray in the cluster", DP_BACKENDS)
     enable_expert_parallel: bool = _arg(False, "partition each MoE layer's experts whole over "
                                         "data_parallel_size x tensor_parallel_size ranks (MoE models only)")
 

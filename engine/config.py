@@ -128,7 +128,7 @@ class ParallelConfig:
     # Engine cores, each with its own scheduler and KV cache (engine.dp); the tensor-parallel
     # ranks above are per core.
     data_parallel_size: int = 1
-    data_parallel_backend: str = "mp"
+    data_parallel_backend: str | None = None  # None: "mp" offline (the cluster picks "ray")
     # The experts of every MoE layer are partitioned whole over data_parallel_size x
     # tensor_parallel_size ranks instead of being TP-sliced; attention stays data parallel.
     enable_expert_parallel: bool = False
@@ -136,7 +136,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_int("data_parallel_size", self.data_parallel_size, 1)
-        check_choice("data_parallel_backend", self.data_parallel_backend, DP_BACKENDS)
+        if self.data_parallel_backend is not None:
+            check_choice("data_parallel_backend", self.data_parallel_backend, DP_BACKENDS)
         if self.distributed_executor_backend is not None:
             check_choice("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
@@ -151,6 +152,10 @@ class ParallelConfig:
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "uni" if self.tensor_parallel_size == 1 else "mp"
+
+    @property
+    def dp_backend(self) -> str:
+        return self.data_parallel_backend or "mp"
 
     @property
     def expert_parallel_size(self) -> int:

@@ -245,6 +245,19 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def kv_transfer_stats(self) -> dict:
+        """The KV connector's counters (exports, loads, bytes, ...) summed over the ranks, each
+        of which moves its own heads; {} without a connector."""
+        total: dict = {}
+        for stats in self.executor.collective_rpc("kv_transfer_stats"):
+            for key, value in stats.items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    def kv_outbox_size(self) -> int:
+        """Exports the ranks still hold for the KV store to take."""
+        return sum(self.executor.collective_rpc("kv_outbox_size"))
+
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_cache_manager.num_blocks

@@ -114,6 +114,14 @@ class KVConnectorBase(ABC):
     def get_finished(self) -> KVConnectorOutput:
         """Exports handed off, loads completed and loads failed since the last call."""
 
+    def transfer_stats(self) -> dict[str, int | float]:
+        """Cumulative counters of the worker side (exports, loads, bytes, ...), for metrics."""
+        return {}
+
+    def pending_exports(self) -> int:
+        """Exports this worker still holds until the other side takes them."""
+        return 0
+
 
 # Makes one side of a connector; the engine calls it once per side (and per worker rank).
 KVConnectorFactory = Callable[[KVConnectorRole], "KVConnectorBase"]

@@ -283,6 +283,12 @@ class PDConnector(KVConnectorBase):
         finished, self._finished = self._finished, KVConnectorOutput()
         return finished
 
+    def transfer_stats(self) -> dict[str, int | float]:
+        return dict(self.stats)
+
+    def pending_exports(self) -> int:
+        return self.transport.outbox_size
+
     def num_pending_loads(self) -> int:
         with self._lock:
             return len(self._loads)

@@ -1,8 +1,9 @@
-"""A KV-connector factory that can travel to another process (a tensor-parallel rank actor).
+"""A KV-connector factory that can travel to another process (a tensor-parallel rank actor, or
+a data-parallel core actor, which builds both sides).
 
-With one rank the EngineWorker builds its connector sides in its own process; with several,
-each rank's worker side is built in that rank's actor, which therefore needs the recipe
-rather than a closure over the replica's objects. Rank r moves shard r of every transfer
+With one rank and one core the EngineWorker builds its connector sides in its own process;
+otherwise they are built in other actors, which therefore need the recipe rather than a
+closure over the replica's objects. Rank r moves shard r of every transfer
 (kvstore.shards), so the factory is specialised per rank (`for_rank`) before it is used.
 """
 
@@ -43,7 +44,7 @@ class PDConnectorFactory:
         return dataclasses.replace(self, rank=rank)
 
     def __call__(self, side: KVConnectorRole) -> PDConnector:
-        if side is KVConnectorRole.WORKER and self.rank is None:
+        if side is KVConnectorRole.WORKER and self.rank is None and self.tensor_parallel_size > 1:
             raise RuntimeError("the worker side of a tensor-parallel connector is built per rank (for_rank)")
         name = self.replica_id if self.rank is None else f"{self.replica_id}.rank{self.rank}"
         transport = ObjectStoreTransport(self.store, name, _current_actor if self.store_pulls else None,

@@ -63,7 +63,7 @@ class DPEngineClient:
         self.failure: str | None = None
         self.idle = False  # step() itself waits for the cores: its driver never has to poll
         self.last_step_ran_model = False
-        self.cores = dp_backend(parallel.data_parallel_backend)(config, kv_connector_factory, self._inbox)
+        self.cores = dp_backend(parallel.dp_backend)(config, kv_connector_factory, self._inbox)
         try:
             ready = self._wait_ready()
         except BaseException:
@@ -212,6 +212,12 @@ class DPEngineClient:
     def reset_prefix_cache(self) -> bool:
         return all(self._call_all("reset_prefix_cache"))
 
+    def kv_transfer_stats(self) -> dict:
+        return _summed(self._call_all("kv_transfer_stats"))
+
+    def kv_outbox_size(self) -> int:
+        return sum(self._call_all("kv_outbox_size"))
+
     # ---- health and shutdown ------------------------------------------------------------
     def _check(self) -> None:
         if self.failure is not None:
@@ -228,3 +234,12 @@ class DPEngineClient:
 
     def shutdown(self) -> None:
         self.cores.shutdown()
+
+
+def _summed(figures: list[dict]) -> dict:
+    """Counters of several cores (or ranks), added key by key."""
+    total: dict = {}
+    for f in figures:
+        for key, value in f.items():
+            total[key] = total.get(key, 0) + value
+    return total

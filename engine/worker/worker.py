@@ -88,6 +88,12 @@ class Worker:
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
 
+    def kv_transfer_stats(self) -> dict:
+        return self.kv_connector.transfer_stats() if self.kv_connector is not None else {}
+
+    def kv_outbox_size(self) -> int:
+        return self.kv_connector.pending_exports() if self.kv_connector is not None else 0
+
     def set_kv_wakeup(self, callback: Callable[[], None]) -> None:
         if self.kv_connector is not None:
             self.kv_connector.set_wakeup(callback)

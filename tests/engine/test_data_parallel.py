@@ -156,3 +156,27 @@ def test_a_killed_core_fails_the_group_fast_and_takes_its_peer_down(moe_model):
             engine.add_request("after", {"prompt_token_ids": [5, 6]}, params)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_dummy_batch_runs_every_moe_layer_on_no_tokens_and_touches_no_kv(moe_model, backend):
+    from engine.core import EngineCore
+
+    core = EngineCore(EngineArgs(model=moe_model, kernel_backend=backend, num_kv_blocks=16,
+                                 max_model_len=64).create_engine_config())
+    runner = core.executor.worker.runner
+    seen: list[int] = []
+    hooks = [layer.mlp.register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
+             for layer in runner.model.layers]
+    try:
+        for k, v in runner.kv_caches:
+            k.fill_(1.0)
+            v.fill_(1.0)
+        core.executor.execute_dummy_batch()
+        assert seen == [0] * len(runner.model.layers)  # each MoE layer ran, on zero rows
+        assert all(bool((k == 1.0).all() and (v == 1.0).all()) for k, v in runner.kv_caches)
+        assert core.kv_cache_manager.get_num_free_blocks() == core.num_kv_blocks
+    finally:
+        for hook in hooks:
+            hook.remove()
+        core.shutdown()
