@@ -117,6 +117,7 @@ def test_from_flat_splits_every_engine_argument_from_the_app_fields(tiny_model):
                      "long_prefill_token_threshold": 64, "scheduling_policy": "priority",
                      "kernel_block_size": 4, "kernel_backend": "torch", "device": "cpu",
                      "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
+                     "data_parallel_size": 2, "data_parallel_backend": "ray", "enable_expert_parallel": False,
                      "limit_mm_per_prompt": '{"image": 2}', "encoder_cache_size": 64,
                      "max_num_encoder_input_tokens": 32, "allowed_local_media_path": "/srv/media",
                      "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
@@ -289,3 +290,25 @@ def test_a_tensor_parallel_replica_reserves_one_gpu_per_rank(tiny_model, monkeyp
     mp = AppConfig.from_flat({"model": tiny_model, "mode": "colocated", "tensor_parallel_size": 2,
                               "distributed_executor_backend": "mp"})
     assert mp.num_gpus("colocated") == 2.0 and mp.placement_bundles("colocated") is None
+
+
+def test_a_data_parallel_replica_is_one_placement_group_of_dp_times_tp_bundles(tiny_model, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = AppConfig.from_flat({"model": tiny_model, "mode": "pd", "decode_data_parallel_size": 2,
+                               "tensor_parallel_size": 2})
+    decode = cfg.role_engine_args("decode")
+    assert (decode.data_parallel_size, decode.data_parallel_backend) == (2, "ray")  # cores are actors
+    assert cfg.role_engine_args("prefill").data_parallel_size == 1
+    # Core d's rank r in bundle 2d + r; the replica actor (no GPU of its own) in bundle 0.
+    assert cfg.num_gpus("decode") == 0.0
+    assert cfg.placement_bundles("decode") == [{"GPU": 1.0, "CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
+    assert cfg.replica_resources() == {"CPU": 1.0, "GPU": 4.0}
+
+
+def test_data_parallel_sizes_are_checked_with_their_names(tiny_model):
+    for name in ("prefill_data_parallel_size", "decode_data_parallel_size", "data_parallel_size"):
+        with pytest.raises(ParameterError) as exc:
+            AppConfig.from_flat({"model": tiny_model, "mode": "pd", name: 0})
+        assert exc.value.field == name
