@@ -155,3 +155,18 @@ def test_serve_config_passes_schema_and_serves_on_local_ray(deploy, tiny_model):
             return True
 
     wait_for(store_gone, "the app's KV store actor to be removed", 60, 0.2)
+
+
+def test_moe_data_parallel_serve_config_gives_a_decode_replica_one_group_of_a_gpu_per_core(model_factory):
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.app import AppConfig
+
+    schema = ServeDeploySchema.model_validate(_load("serve-moe-dp.yaml"))
+    args = schema.applications[0].args
+    # The shipped path names a real checkpoint; a tiny Qwen3-MoE stands in (8 experts: 4 divides them).
+    cfg = AppConfig.from_flat({**args, "model": model_factory("qwen3_moe")})
+    decode = cfg.role_engine_args("decode")
+    assert (decode.data_parallel_size, decode.data_parallel_backend, decode.enable_expert_parallel) == (4, "ray", True)
+    assert cfg.placement_bundles("decode") == [{"GPU": 1.0, "CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
+    assert cfg.role_engine_args("prefill").data_parallel_size == 1 and cfg.num_gpus("prefill") == 1.0
