@@ -202,7 +202,13 @@ class EngineWorker:
             await asyncio.to_thread(self.engine.check_health)
 
     async def load(self) -> dict:
-        figures = await self.engine.load()
+        core = self._core()
+        if isinstance(core, DPEngineClient):
+            # The figures its cores sent with their steps: no round trip on the engine thread
+            # each time Serve asks for routing stats.
+            figures = core.load(fresh=False)
+        else:
+            figures = await self.engine.load()
         return {"replica": self.replica_id, "role": self.role, **figures}
 
     def tensor_parallel_ranks(self) -> list:

@@ -55,7 +55,10 @@ class DPEngineClient:
         # Here, before any core starts, so a bad size is the user's ParameterError.
         check_parallel(self.arch, resolve_device(config.model.device), parallel)
         self.coordinator = DPCoordinator(self.size, parallel.lockstep)
-        self._inbox: queue.Queue = queue.Queue()
+        # Each core's latest figures, kept by the threads that receive its messages (so they
+        # are current even while nothing drives step()): load(fresh=False) reads them.
+        self._figures: list[dict | None] = [None] * self.size
+        self._inbox: queue.Queue = _Inbox(self._figures)
         self._owners: dict[str, tuple[int, Request]] = {}  # unfinished request -> (core, request)
         self._ready: list[EngineCoreOutput] = []
         self._results: dict[int, CallResult] = {}
@@ -66,6 +69,11 @@ class DPEngineClient:
         self.cores = dp_backend(parallel.dp_backend)(config, kv_connector_factory, self._inbox)
         try:
             ready = self._wait_ready()
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while any(f is None for f in self._figures):  # every core's first figures
+                if time.monotonic() > deadline:
+                    raise EngineDeadError("data-parallel cores sent no figures after starting")
+                self._pump(_STEP_WAIT_S)
         except BaseException:
             self.cores.shutdown()
             raise
@@ -188,10 +196,12 @@ class DPEngineClient:
                 raise RuntimeError(f"data-parallel core {result.rank} failed in {method!r}:\n{result.error}")
         return [r.value for r in results]
 
-    def load(self) -> dict:
+    def load(self, fresh: bool = True) -> dict:
         """The group's figures: counts summed over the cores, ratios recomputed from the sums,
-        and per-core figures under "data_parallel"."""
-        per_core = self._call_all("load")
+        and per-core figures under "data_parallel". `fresh`: asked from every core now (one
+        step's wait on the engine thread); otherwise the copies the cores sent with their steps
+        (any thread, no wait: what a serving replica reports several times a second)."""
+        per_core = self._call_all("load") if fresh else list(self._figures)
         total: dict = {}
         for key, value in per_core[0].items():
             if key in _RATIOS or key.startswith("dp_"):
@@ -243,3 +253,16 @@ def _summed(figures: list[dict]) -> dict:
         for key, value in f.items():
             total[key] = total.get(key, 0) + value
     return total
+
+
+class _Inbox(queue.Queue):
+    """The cores' messages, noting each core's figures as they arrive."""
+
+    def __init__(self, figures: list[dict | None]) -> None:
+        super().__init__()
+        self._figures = figures
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        if isinstance(item, CoreStep) and item.figures is not None:
+            self._figures[item.rank] = item.figures
+        super().put(item, block, timeout)

@@ -47,6 +47,8 @@ WAKE = object()  # posted by the KV connector when a load completes: re-check fo
 # vLLM all-reduces the "any unfinished" flag every 32 steps: a wave ends at most that many
 # dummy steps after the last request finished, and the other steps cost no collective.
 SYNC_EVERY = 32
+# A stepping core refreshes the front end's copy of its counters at least this often.
+FIGURES_EVERY_S = 0.5
 
 
 class DPCoreLoop:
@@ -64,16 +66,20 @@ class DPCoreLoop:
         self.num_requests = 0  # requests routed here since the core started
         # Requests not yet scheduled once: their queue time goes out with their first output.
         self._unscheduled: dict[str, Request] = {}
-        self._figures: tuple[int, int] | None = None
+        self._state: tuple | None = None  # what the last figures sent said (see _figures_due)
+        self._figures_at = 0.0
+        self._stepped = False  # counters moved since the last figures
         self._stopped = False
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self, inbox: queue.Queue) -> None:
         try:
+            self._publish([])  # the front end's first copy of this core's figures
             while not self._stopped:
                 self._drain(inbox)
                 if not self._stopped:
                     self._step()
+                    self._publish([])  # figures changed by inputs alone (an abort frees blocks)
         except Exception:
             if _stop_requested(inbox):
                 # Told to stop while in a collective with a peer that stopped first.
@@ -96,6 +102,7 @@ class DPCoreLoop:
                 return  # the group is paused and so is this core
             self.core.executor.execute_dummy_batch()
             self.dummy_steps += 1
+            self._stepped = True
         self.steps_in_wave += 1
         self.running = self.steps_in_wave % self.sync_every != 0 or self.control.any(unfinished)
         if not self.running:
@@ -103,6 +110,7 @@ class DPCoreLoop:
                 self.send(WaveComplete(self.wave))
             self.wave += 1
             self.steps_in_wave = 0
+            self._publish([])  # the wave's last figures (its dummy steps), before pausing
 
     def _drain(self, inbox: queue.Queue) -> None:
         """Handle every queued input; block for the first one only when there is nothing to
@@ -180,11 +188,24 @@ class DPCoreLoop:
         scheduler = self.core.scheduler
         return len(scheduler.waiting), len(scheduler.running)
 
+    def _figures_due(self) -> dict | None:
+        """This core's figures when the front end's copy is out of date: its queues, free
+        blocks or wave changed, or counters moved and FIGURES_EVERY_S passed since the last.
+        The front end serves load() from these copies without asking every core."""
+        state = (*self._queue_figures(), self.core.kv_cache_manager.get_num_free_blocks(), self.wave,
+                 self.num_requests)
+        now = time.monotonic()
+        if state == self._state and not (self._stepped and now - self._figures_at >= FIGURES_EVERY_S):
+            return None
+        self._state, self._figures_at, self._stepped = state, now, False
+        return self.figures()
+
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
-        figures = self._queue_figures()
-        if not outputs and figures == self._figures:
+        if outputs:
+            self._stepped = True
+        figures = self._figures_due()
+        if not outputs and figures is None:
             return
-        self._figures = figures
         queue_times: dict[str, float] = {}
         for out in outputs:
             request = self._unscheduled.get(out.request_id)
@@ -193,7 +214,7 @@ class DPCoreLoop:
                 del self._unscheduled[out.request_id]
             elif out.finished:
                 self._unscheduled.pop(out.request_id, None)
-        self.send(CoreStep(self.rank, outputs, *figures, queue_times=queue_times))
+        self.send(CoreStep(self.rank, outputs, *self._queue_figures(), queue_times=queue_times, figures=figures))
 
 
 def _stop_requested(inbox: queue.Queue) -> bool:

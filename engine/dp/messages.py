@@ -71,6 +71,8 @@ class CoreStep:
     running: int
     # Requests scheduled for the first time in this step: their time in the queue.
     queue_times: dict[str, float] = field(default_factory=dict)
+    # The core's load figures (DPCoreLoop.figures), when they changed since the last message.
+    figures: dict | None = None
 
 
 @dataclass(frozen=True)

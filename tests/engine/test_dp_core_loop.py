@@ -36,6 +36,7 @@ class StandInCore:
         self.last_step_ran_model = False
         self.idle = False
         self.aborted: list[str] = []
+        self.kv_cache_manager = SimpleNamespace(get_num_free_blocks=lambda: 16 - len(self.left))
 
     def _dummy(self) -> None:
         self.dummy_batches += 1
@@ -84,6 +85,11 @@ def _request(rid: str) -> Request:
     return Request(rid, [1, 2, 3], SamplingParams(max_tokens=1), 1)
 
 
+def _control_messages(loop: DPCoreLoop) -> list:
+    """What the loop sent besides its steps' outputs and figures."""
+    return [m for m in loop.sent if not isinstance(m, CoreStep)]
+
+
 def _run(loop: DPCoreLoop, *messages) -> list:
     inbox: queue.Queue = queue.Queue()
     for m in (*messages, Shutdown()):
@@ -110,6 +116,7 @@ def test_each_step_sends_one_message_with_its_outputs_figures_and_first_queue_ti
     [msg] = loop.sent
     assert isinstance(msg, CoreStep) and [o.request_id for o in msg.outputs] == ["a", "b"]
     assert msg.queue_times == {"a": 0.25, "b": 0.25}
+    assert msg.figures["dp_requests"] == 2  # its figures changed: a copy rides along
 
 
 def test_without_lockstep_an_idle_core_never_runs_a_dummy_batch():
@@ -135,7 +142,9 @@ def test_a_core_told_to_start_a_wave_steps_on_no_tokens_until_the_all_reduce_fin
     for _ in range(4):
         loop._step()
     assert core.dummy_batches == 8 and control.calls == 2 and not loop.running
-    assert loop.sent == [WaveComplete(0)] and loop.wave == 1
+    assert _control_messages(loop) == [WaveComplete(0)] and loop.wave == 1
+    # The wave's last figures went out before the pause: 8 dummy steps, wave 1.
+    assert (loop.sent[-1].figures["dp_dummy_steps"], loop.sent[-1].figures["dp_wave"]) == (8, 1)
     loop._step()  # paused: no more dummy batches
     assert core.dummy_batches == 8
 
@@ -145,7 +154,7 @@ def test_only_core_zero_reports_the_end_of_a_wave():
     loop = _loop(core, rank=1, control=FlagControl(), sync_every=1)
     loop.running = True
     loop._step()
-    assert not loop.running and loop.wave == 1 and loop.sent == []
+    assert not loop.running and loop.wave == 1 and _control_messages(loop) == []
 
 
 def test_a_busy_core_runs_its_requests_not_dummy_batches():
@@ -170,7 +179,7 @@ def test_a_request_for_a_finished_wave_makes_the_paused_core_ask_for_the_next_an
     inbox.put(AddRequest(_request("a"), 2))
     inbox.put(AbortRequests(("a",)))  # even with its request gone, it stays in the wave
     loop._drain(inbox)
-    assert loop.sent == [StartWaveRequest(1, 3)] and loop.running and core.aborted == ["a"]
+    assert _control_messages(loop) == [StartWaveRequest(1, 3)] and loop.running and core.aborted == ["a"]
 
 
 def test_a_request_tagged_with_a_later_wave_moves_the_core_to_it():
@@ -190,7 +199,8 @@ def test_a_stale_start_wave_is_ignored():
 
 def test_calls_are_answered_with_the_cores_figures_and_errors_are_returned_not_raised():
     loop = _loop(StandInCore(), control=FlagControl())
-    sent = _run(loop, CoreCall(1, "load"), CoreCall(2, "no_such_method"))
+    _run(loop, CoreCall(1, "load"), CoreCall(2, "no_such_method"))
+    sent = _control_messages(loop)
     assert sent[0] == CallResult(0, 1, {"waiting": 0, "running": 0, "dp_dummy_steps": 0, "dp_wave": 0,
                                            "dp_requests": 0})
     assert sent[1].call_id == 2 and "no_such_method" in sent[1].error
@@ -203,7 +213,7 @@ def test_a_failing_step_is_reported_once_and_ends_the_loop():
     inbox: queue.Queue = queue.Queue()
     inbox.put(AddRequest(_request("a"), 0))
     loop.run(inbox)  # returns: no Shutdown needed
-    [failed] = loop.sent
+    [failed] = _control_messages(loop)
     assert failed.rank == 0 and "ZeroDivisionError" in failed.message
 
 
@@ -219,4 +229,19 @@ def test_a_failure_while_a_stop_is_queued_is_a_quiet_stop():
     loop = _loop(core)
     inbox.put(AddRequest(_request("a"), 0))
     loop.run(inbox)
-    assert loop.sent == []
+    assert _control_messages(loop) == []
+
+
+def test_figures_go_out_when_they_change_and_an_idle_core_sends_nothing():
+    core = StandInCore(steps=1)
+    loop = _loop(core)
+    inbox: queue.Queue = queue.Queue()
+    loop._publish([])  # the first copy, as run() sends it
+    assert loop.sent[-1].figures["running"] == 0
+    loop._publish([])
+    loop._step()
+    assert len(loop.sent) == 1  # nothing changed, nothing ran
+    inbox.put(AddRequest(_request("a"), 0))
+    loop._drain(inbox)
+    loop._publish([])  # an input alone changed them (as an abort freeing blocks would)
+    assert len(loop.sent) == 2 and loop.sent[-1].figures["dp_requests"] == 1 and not loop.sent[-1].outputs
