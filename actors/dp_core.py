@@ -18,6 +18,7 @@ from datetime import timedelta
 import ray
 import torch
 
+from actors.kv_exports import ServesKVExports
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.distributed import DPPlacement
@@ -40,7 +41,7 @@ def free_tcp_address() -> str:
     return f"tcp://{host}:{port}"
 
 
-class DPCoreActor:
+class DPCoreActor(ServesKVExports):
     def __init__(self, config: EngineConfig, kv_connector_factory: KVConnectorFactory | None,
                  executor_cls=None) -> None:
         self.config = config
@@ -101,22 +102,9 @@ class DPCoreActor:
             yield message
 
     # ---- the KV store's calls (a P/D producer core with one rank, in this actor) -----------
-    def _connector(self):
-        worker = getattr(self.core.executor, "worker", None) if self.core is not None else None
-        return worker.kv_connector if worker is not None else None
-
-    def _transport(self):
-        connector = self._connector()
-        return connector.transport if connector is not None else None
-
-    def take_export(self, transfer_id: str):
-        transport = self._transport()
-        return transport.take_export(transfer_id) if transport is not None else None
-
-    def drop_export(self, transfer_id: str) -> None:
-        transport = self._transport()
-        if transport is not None:
-            transport.drop_export(transfer_id)
+    def _kv_worker(self):
+        """The in-process worker (one rank, "uni" executor); None with rank actors."""
+        return getattr(self.core.executor, "worker", None) if self.core is not None else None
 
     def placement_group_id(self) -> str | None:
         """The placement group this core was placed in (hex id), for operators and tests."""

@@ -29,12 +29,11 @@ from ray.util.placement_group import (
     PlacementGroup,
     get_current_placement_group,
     placement_group,
-    remove_placement_group,
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.dp_core import DPCoreActor
-from actors.ray_executor import PLACEMENT_STRATEGY, RayExecutor, rank_bundle
+from actors.ray_executor import PLACEMENT_STRATEGY, RayExecutor, rank_bundle, release_actors
 from engine.config import EngineConfig
 from engine.core import resolve_device
 from engine.distributed import COLLECTIVE_TIMEOUT, DPPlacement
@@ -169,8 +168,7 @@ class RayCores(DPCores):
 
 
 def _release(actors: list, owned: list[PlacementGroup], stopping: threading.Event) -> None:
-    """Stop every core (bounded), kill every actor (a survivor may sit in a collective with a
-    dead peer), remove the group this backend made: nothing outlives the front end."""
+    """Stop every core (bounded: it releases its rank actors), then release_actors."""
     stopping.set()
     stops = []
     for actor in actors:
@@ -183,16 +181,7 @@ def _release(actors: list, owned: list[PlacementGroup], stopping: threading.Even
             ray.wait(stops, num_returns=len(stops), timeout=_STOP_GRACE_S)
         except Exception:
             pass
-    for actor in actors:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:  # already gone
-            pass
-    for pg in owned:
-        try:
-            remove_placement_group(pg)
-        except Exception:
-            pass
+    release_actors(actors, owned)
 
 
 register_dp_backend("ray", RayCores)

@@ -84,7 +84,7 @@ class RayExecutor(RankGroupExecutor):
         self.failure: str | None = None
         self.actors: list = []
         self._owned: list[PlacementGroup] = []
-        self._finalizer = weakref.finalize(self, _release, self.actors, self._owned)
+        self._finalizer = weakref.finalize(self, release_actors, self.actors, self._owned)
         try:
             pg, first = placement if placement is not None else (self._placement_group(config.device.type), 0)
             for rank in range(size):
@@ -173,9 +173,9 @@ class RayExecutor(RankGroupExecutor):
         self._finalizer()
 
 
-def _release(actors: list, owned: list[PlacementGroup]) -> None:
-    """Kill every rank actor (a survivor may sit in a collective with a dead peer) and remove
-    the placement group this executor made, so nothing outlives the engine."""
+def release_actors(actors: list, owned: list[PlacementGroup]) -> None:
+    """Kill every actor (a survivor may sit in a collective with a dead peer) and remove the
+    placement groups its owner made, so nothing outlives the engine."""
     for actor in actors:
         try:
             ray.kill(actor, no_restart=True)

@@ -14,6 +14,7 @@ from typing import Any
 import ray
 import torch
 
+from actors.kv_exports import ServesKVExports
 from engine.distributed import init_parallel_groups
 from engine.executor.base import WorkerConfig, rank_reply
 from engine.kv_connector import KVConnectorFactory
@@ -21,7 +22,7 @@ from engine.worker.worker import Worker
 from kvstore.connector_factory import PDConnectorFactory
 
 
-class TPRank:
+class TPRank(ServesKVExports):
     def __init__(self, config: WorkerConfig, rank: int, size: int,
                  kv_connector_factory: KVConnectorFactory | None) -> None:
         if config.device.type == "cuda":
@@ -64,25 +65,15 @@ class TPRank:
     def ping(self) -> int:
         return self.rank
 
-    # ---- the KV store's calls (P/D producer ranks) ----------------------------------------
-    def _transport(self):
-        connector = self.worker.kv_connector if self.worker is not None else None
-        return connector.transport if connector is not None else None
-
-    def take_export(self, transfer_id: str):
-        transport = self._transport()
-        return transport.take_export(transfer_id) if transport is not None else None
-
-    def drop_export(self, transfer_id: str) -> None:
-        transport = self._transport()
-        if transport is not None:
-            transport.drop_export(transfer_id)
+    # ---- the KV store's calls (P/D producer ranks): see ServesKVExports ------------------
+    def _kv_worker(self):
+        return self.worker
 
     def outbox_size(self) -> int:
         transport = self._transport()
         return transport.outbox_size if transport is not None else 0
 
     def kv_transfer_stats(self) -> dict:
-        connector = self.worker.kv_connector if self.worker is not None else None
+        connector = self._connector()
         return dict(connector.stats) if connector is not None else {}
 

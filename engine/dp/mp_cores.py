@@ -15,7 +15,6 @@ import queue
 import shutil
 import tempfile
 import threading
-import time
 import traceback
 import weakref
 from multiprocessing.connection import Connection
@@ -31,6 +30,7 @@ from engine.dp.core_loop import WAKE, DPCoreLoop
 from engine.dp.cores import DPCores, register_dp_backend
 from engine.dp.messages import CoreFailed, CoreReady, Shutdown
 from engine.errors import EngineDeadError, ParameterError
+from engine.executor.multiproc import stop_processes
 from engine.kv_connector import KVConnectorFactory
 
 _STOP_GRACE_S = 10.0
@@ -117,23 +117,14 @@ def _gpu_slices(config: EngineConfig, size: int) -> list[str] | None:
 
 
 def _reap(procs: list[BaseProcess], conns: list[Connection], store_dir: str, stopping: threading.Event) -> None:
-    """Ask every core to stop, then terminate and kill what is left (a core may sit in a
-    collective with a dead peer); join all, so no process outlives the front end."""
+    """Ask every core to stop, then stop_processes; no process outlives the front end."""
     stopping.set()
     for conn in conns:
         try:
             conn.send(Shutdown())
         except OSError:
             pass
-    deadline = time.monotonic() + _STOP_GRACE_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for signal_step in ("terminate", "kill"):
-        alive = [p for p in procs if p.is_alive()]
-        for proc in alive:
-            getattr(proc, signal_step)()
-        for proc in alive:
-            proc.join(_STOP_GRACE_S)
+    stop_processes(procs, _STOP_GRACE_S)
     for conn in conns:
         conn.close()
     shutil.rmtree(store_dir, ignore_errors=True)

@@ -153,7 +153,17 @@ def _reap(procs: list[BaseProcess], conns: list[Connection], store_dir: str) -> 
             conn.send_bytes(stop)
         except OSError:
             pass
-    deadline = time.monotonic() + _STOP_GRACE_S
+    stop_processes(procs, _STOP_GRACE_S)
+    for conn in conns:
+        conn.close()
+    shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def stop_processes(procs: list[BaseProcess], grace_s: float) -> None:
+    """Give processes that were asked to stop `grace_s` to exit, then terminate and finally
+    kill what is left (a rank may sit in a collective with a dead peer); join all, so none
+    outlives its owner, not even as a zombie."""
+    deadline = time.monotonic() + grace_s
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
     for signal_step in ("terminate", "kill"):
@@ -161,7 +171,4 @@ def _reap(procs: list[BaseProcess], conns: list[Connection], store_dir: str) -> 
         for proc in alive:
             getattr(proc, signal_step)()
         for proc in alive:
-            proc.join(_STOP_GRACE_S)
-    for conn in conns:
-        conn.close()
-    shutil.rmtree(store_dir, ignore_errors=True)
+            proc.join(grace_s)

@@ -1,0 +1,29 @@
+"""The KV store's calls into an actor that holds a P/D producer's exports (a tensor-parallel
+rank actor, or a data-parallel core actor whose one rank is in-process): the store pulls an
+export from the actor that holds it, so the object it gets is the store's own."""
+
+from __future__ import annotations
+
+
+class ServesKVExports:
+    """Mixed into an actor class whose `_kv_worker()` returns its Worker (or None)."""
+
+    def _kv_worker(self):
+        raise NotImplementedError
+
+    def _connector(self):
+        worker = self._kv_worker()
+        return worker.kv_connector if worker is not None else None
+
+    def _transport(self):
+        connector = self._connector()
+        return connector.transport if connector is not None else None
+
+    def take_export(self, transfer_id: str):
+        transport = self._transport()
+        return transport.take_export(transfer_id) if transport is not None else None
+
+    def drop_export(self, transfer_id: str) -> None:
+        transport = self._transport()
+        if transport is not None:
+            transport.drop_export(transfer_id)
