@@ -145,9 +145,13 @@ def warm_tokenizer_cache(model: str) -> None:
 
 def run_serve(args: argparse.Namespace) -> NoReturn:
     from cluster.http_front import configure_http_front
+    from cluster.serve_env import configure_serve_env
 
     # Before Ray is imported: Serve reads these switches from the environment at import/start.
-    front = configure_http_front(host=args.host) if not os.environ.get("RAY_ADDRESS") else "as the cluster was started"
+    front = "as the cluster was started"
+    if not os.environ.get("RAY_ADDRESS"):
+        front = configure_http_front(host=args.host)
+        configure_serve_env()
     import ray
     from ray import serve
 

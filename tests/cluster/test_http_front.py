@@ -32,3 +32,14 @@ def test_this_machine_has_haproxy():
     # CI and the dev machines are Linux with ray[serve]: the default must really be HAProxy
     # there, or the stop-path tests would silently measure Serve's Python proxy instead.
     assert haproxy_available()
+
+
+def test_the_serve_controller_loop_runs_at_pdserves_pace_unless_the_operator_set_it():
+    from cluster.serve_env import CONTROL_LOOP, configure_serve_env
+
+    env: dict[str, str] = {}
+    configure_serve_env(env)
+    assert env == {CONTROL_LOOP: "0.5"}
+    env = {CONTROL_LOOP: "0.1"}
+    configure_serve_env(env)
+    assert env == {CONTROL_LOOP: "0.1"}
