@@ -43,7 +43,6 @@ class MPCores(DPCores):
         if kv_connector_factory is not None:
             raise ParameterError("data_parallel_backend", "a KV connector (P/D transfer) with data_parallel_size > 1 "
                                  "needs data_parallel_backend='ray'")
-        self.failure: str | None = None
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
         self._lock = threading.Lock()
@@ -86,8 +85,6 @@ class MPCores(DPCores):
                                              f"{proc.exitcode}"))
 
     def send(self, rank: int, message: object) -> None:
-        if self.failure is not None:
-            raise EngineDeadError(self.failure)
         try:
             with self._lock:
                 self.conns[rank].send(message)
