@@ -1,7 +1,8 @@
 """The tensor-parallel group one rank belongs to, and the three collectives the sharded model
 needs (all-reduce, gather to rank 0, broadcast from rank 0) over torch.distributed; and the
 expert-parallel group, whose two collectives move each rank's tokens to every expert and the
-experts' outputs back (all-gather of tokens, then a reduce that returns each rank its own rows).
+experts' outputs back (all-gather of tokens, then a reduce-scatter that returns each rank its
+own rows).
 
 Worlds: without expert parallelism a worker's world is its engine core's tensor-parallel
 group. With it and several data-parallel cores, one world spans every core's ranks (rank =
@@ -90,12 +91,20 @@ class EPGroup:
 
     def combine(self, y: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """y: [sum T, ...], each rank's partial sums over its own experts for every gathered
-        row -> this rank's rows [T_r, ...] summed over all ranks."""
+        row -> this rank's rows [T_r, ...] summed over all ranks. A reduce-scatter: each rank
+        receives only its own rows' sums (half an all-reduce's traffic)."""
         if self.size == 1:
             return y
-        dist.all_reduce(y, group=self.group)
-        start = sum(sizes[: self.rank])
-        return y[start : start + sizes[self.rank]]
+        # reduce_scatter needs equal blocks: rank r's rows go to block r, padded to the longest.
+        longest = max(sizes)
+        blocks = y.new_zeros((self.size * longest, *y.shape[1:]))
+        start = 0
+        for r, n in enumerate(sizes):
+            blocks[r * longest : r * longest + n] = y[start : start + n]
+            start += n
+        mine = y.new_empty((longest, *y.shape[1:]))
+        dist.reduce_scatter_tensor(mine, blocks, group=self.group)
+        return mine[: sizes[self.rank]]
 
 
 # The group of an engine without expert parallelism.
