@@ -103,9 +103,12 @@ class EPGroup:
             blocks[r * longest : r * longest + n] = y[start : start + n]
             start += n
         mine = y.new_empty((longest, *y.shape[1:]))
-        dist.reduce_scatter_tensor(mine, blocks, group=self.group)
+        _reduce_scatter(mine, blocks, group=self.group)
         return mine[: sizes[self.rank]]
 
+
+# torch 2.13 renamed reduce_scatter_tensor (which now warns); older releases have only that.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # The group of an engine without expert parallelism.
 SINGLE_EP = EPGroup()
