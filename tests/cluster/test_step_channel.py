@@ -86,6 +86,25 @@ def test_stop_strings_and_seeded_sampling_survive_the_deltas(engine, offline):
     _assert_same(finals, expected)
 
 
+def test_characters_split_over_tokens_arrive_whole_and_join_to_the_offline_text(engine, offline, tiny_model):
+    """A choice whose characters each span several byte-level tokens (forced with a grammar):
+    no delta carries half a character, and the deltas join to exactly the offline text."""
+    from engine import StructuredOutputsParams
+
+    choice = "日本語 über naïve"
+    tokenizer = offline.get_tokenizer()
+    assert any("\ufffd" in tokenizer.decode([t]) for t in tokenizer.encode(choice, add_special_tokens=False))
+    params = SamplingParams(temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(choice=[choice]))
+    prompts = random_prompts([14], 1000, seed=8)
+    expected = offline.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert expected[0].outputs[0].text == choice
+    messages, finals = asyncio.run(_through_hub(engine, prompts, params))
+    _assert_same(finals, expected)
+    pieces = [d.text for b in messages for d in b if d.text]
+    assert "".join(pieces) == choice and len(pieces) > 1
+    assert not any("\ufffd" in p for p in pieces)
+
+
 def test_stream_interval_coalesces_steps_into_fewer_messages(engine, offline):
     prompts = random_prompts([16, 16], 1000, seed=7)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
