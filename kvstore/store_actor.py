@@ -172,6 +172,10 @@ def create_store(app_name: str | None = None, detached: bool = False, **store_kw
         opts.update(name=store_name(app_name), namespace=STORE_NAMESPACE, get_if_exists=True)
         if detached:
             opts["lifetime"] = "detached"
+            # Not in the creator's placement group: a tensor- or data-parallel replica's group
+            # captures its child actors, and Serve removes the group (and every actor in it)
+            # when it stops the replica. A store made by such a replica would die with it.
+            opts["scheduling_strategy"] = "DEFAULT"
     return ray.remote(KVStore).options(**opts).remote(**store_kwargs)
 
 

@@ -84,14 +84,24 @@ def test_a_killed_decode_rank_is_a_5xx_then_serve_replaces_the_replica(app, clie
     # Serve's health check fails the replica and starts a new one with new ranks.
     expected = _hf_texts(tiny_model, tokenizer, PROMPTS[1:2], 12)[0]
 
+    errors: list[str] = []
+
     def answers_again() -> bool:
         try:
             r = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0)
         except openai.APIStatusError as e:
             assert e.status_code >= 500  # never a 4xx for a good request
+            errors.append(f"{e.status_code}: {e.message}")
             return False
         assert r.choices[0].text == expected  # never a wrong 200
         return True
 
-    wait_for(answers_again, "a replaced decode replica to answer", 180, interval_s=2.0)
+    try:
+        wait_for(answers_again, "a replaced decode replica to answer", 180, interval_s=2.0)
+    except AssertionError as e:
+        from ray import serve
+
+        # What a failure here needs to be understood: the replies and what Serve thinks.
+        raise AssertionError(f"{e}; errors: {errors[:2]} ... {errors[-2:]}; "
+                             f"status: {serve.status().applications.get(APP)}") from None
     assert len(_ranks("Decode")) == TP
