@@ -50,6 +50,9 @@ class AppConfig:
     max_pending_requests: int = 1024  # per ingress replica; beyond it: 503 + Retry-After
     max_ongoing_requests: int = 1024  # per engine replica (Serve's own cap)
     graceful_shutdown_timeout_s: float = 60.0
+    # Serve's health-check period for engine replicas: a replica whose engine died is replaced
+    # after three failed checks in a row.
+    health_check_period_s: float = 5.0
     # Engine replicas send each ingress one message per step; > 0 waits at least this long
     # between messages, so one carries several steps (Ray Serve LLM's stream_batching_interval_ms).
     stream_interval_ms: float = STREAM_INTERVAL_MS
@@ -92,6 +95,9 @@ class AppConfig:
         if not 0 <= self.stream_interval_ms <= 1000:
             raise ParameterError("stream_interval_ms",
                                  f"stream_interval_ms must be in [0, 1000], got {self.stream_interval_ms}")
+        if not 0 < self.health_check_period_s <= 600:
+            raise ParameterError("health_check_period_s",
+                                 f"health_check_period_s must be in (0, 600], got {self.health_check_period_s}")
         if self.replica_num_cpus < 0:
             raise ParameterError("replica_num_cpus", f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
         if self.replica_num_gpus is not None and self.replica_num_gpus < 0:
@@ -209,7 +215,7 @@ def build_app(cfg: AppConfig):
     engine_options = dict(
         max_ongoing_requests=cfg.max_ongoing_requests,
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-        health_check_period_s=5.0,
+        health_check_period_s=cfg.health_check_period_s,
         request_router_config=router,
     )
 

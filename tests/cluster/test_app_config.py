@@ -42,6 +42,7 @@ def _cfg(model: str, **kw) -> AppConfig:
     ({"prefill_replicas": 9}, "prefill_replicas"),  # above max_replicas (8)
     ({"stream_interval_ms": -1}, "stream_interval_ms"),
     ({"stream_interval_ms": 5000}, "stream_interval_ms"),
+    ({"health_check_period_s": 0}, "health_check_period_s"),
     ({"scale_timeout_s": 0}, "scale_timeout_s"),
     ({"api_keys": ("",)}, "api_keys"),
 ])

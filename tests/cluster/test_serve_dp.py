@@ -31,7 +31,8 @@ def app(deploy, moe_model):
 
     cfg = AppConfig(engine_args=EngineArgs(model=moe_model, data_parallel_size=2, enable_expert_parallel=True,
                                            **ENGINE),
-                    mode="colocated", served_model_name=NAME, app_name=APP, replica_num_cpus=0)
+                    mode="colocated", served_model_name=NAME, app_name=APP, replica_num_cpus=0,
+                    health_check_period_s=1.0)  # the kill test waits on three failed checks
     return deploy(cfg)
 
 

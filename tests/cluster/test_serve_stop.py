@@ -146,6 +146,7 @@ def test_stop_path_drains_the_stream_then_ends_every_process_within_the_bound(se
         assert time.monotonic() < deadline, f"port {srv.port} is not HAProxy's: {listeners(srv.port)}"
         time.sleep(0.1)
     tokens_at_signal = stream.tokens
+    names = {pid: cmdline(pid) for pid in srv.tree}  # to say which ones went, should the stream fail
 
     t0 = time.monotonic()
     if stop == "SIGINT to the main process":
@@ -157,7 +158,9 @@ def test_stop_path_drains_the_stream_then_ends_every_process_within_the_bound(se
 
     stream.join(BOUND_S)
     assert tokens_at_signal < STREAM_TOKENS  # the signal came mid-stream ...
-    assert (stream.error, stream.done, stream.tokens, stream.finish_reason) == (None, True, STREAM_TOKENS, "length")
+    assert (stream.error, stream.done, stream.tokens, stream.finish_reason) == (None, True, STREAM_TOKENS, "length"), (
+        f"{tokens_at_signal} tokens at the signal; gone by now: "
+        f"{[names[p][:80] for p in srv.tree if not running(p, srv.tree[p])]}\n{_tail(srv.log)}")
     left = wait_for_gone(srv.tree, t0 + BOUND_S)
     took = time.monotonic() - t0
     assert not left, f"still running {took:.1f} s after {stop}: {[cmdline(p) for p in left]}\n{_tail(srv.log)}"

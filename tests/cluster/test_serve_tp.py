@@ -28,7 +28,8 @@ def app(deploy, tiny_model):
     from engine import EngineArgs
 
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, tensor_parallel_size=TP, **ENGINE),
-                    mode="pd", served_model_name=NAME, app_name=APP, replica_num_cpus=0)
+                    mode="pd", served_model_name=NAME, app_name=APP, replica_num_cpus=0,
+                    health_check_period_s=1.0)  # the kill test waits on three failed checks
     return deploy(cfg)
 
 
