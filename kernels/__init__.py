@@ -1,7 +1,8 @@
 """Kernels behind the contract of ARCHITECTURE.md §3.
 
 `get_ops(backend)` returns the implementation the engine calls: "torch" (the references in
-`kernels.reference`, which are the specification and the CPU path) or "triton" (the kernels in
+`kernels.reference`, which are the specification, and the CPU path: there paged attention's
+short query runs go to native C, `kernels.cpu`) or "triton" (the kernels in
 `kernels.triton_kernels`, for CUDA; on CPU only under TRITON_INTERPRET=1, as the tests run them).
 """
 
@@ -24,7 +25,12 @@ def get_ops(backend: str = "torch", device_type: str = "cpu") -> SimpleNamespace
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
-        return SimpleNamespace(**{name: getattr(reference, name) for name in _OPS})
+        ops = SimpleNamespace(**{name: getattr(reference, name) for name in _OPS})
+        if device_type == "cpu":
+            from kernels import cpu
+
+            ops.paged_attention = cpu.paged_attention
+        return ops
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "kernel_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 set before "
