@@ -1,8 +1,8 @@
 """Kernels behind the contract of ARCHITECTURE.md §3.
 
 `get_ops(backend)` returns the implementation the engine calls: "torch" (the references in
-`kernels.reference`, which are the specification, and the CPU path: there paged attention's
-short query runs go to native C, `kernels.cpu`) or "triton" (the kernels in
+`kernels.reference`, which are the specification, and on CPU the C kernels of `kernels.cpu`
+with the same contract) or "triton" (the kernels in
 `kernels.triton_kernels`, for CUDA; on CPU only under TRITON_INTERPRET=1, as the tests run them).
 """
 
@@ -29,7 +29,8 @@ def get_ops(backend: str = "torch", device_type: str = "cpu") -> SimpleNamespace
         if device_type == "cpu":
             from kernels import cpu
 
-            ops.paged_attention = cpu.paged_attention
+            for name in ("paged_attention", "rms_norm", "silu_and_mul", "rotary_embedding", "reshape_and_cache"):
+                setattr(ops, name, getattr(cpu, name))
         return ops
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
