@@ -22,16 +22,42 @@
 #define CHUNK 32        /* keys per step of the online softmax (multiple of 8) */
 #define MAX_HD 16384    /* H * D of the accumulators on the stack; the caller checks */
 
-/* D % 8 == 0; two accumulators so consecutive FMAs do not wait on each other. */
-static inline float dot(const float *a, const float *b, int64_t D) {
-    v8 s0 = {0}, s1 = {0};
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-        s0 += load8(a + d) * load8(b + d);
-        s1 += load8(a + d + 8) * load8(b + d + 8);
+/* The 8 sums of the lanes of a[0..7], as one vector: a transpose-and-add in three rounds,
+ * cheaper than eight separate horizontal sums. */
+static inline v8 sum8x8(const v8 a[8]) {
+    v8 t[4], u[2];
+    for (int i = 0; i < 4; i++)
+        t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* Scores of keys k[0..n) (rows token_stride apart, 1 <= n <= 8) against q, times scale;
+ * lanes past n are -inf. Always eight rows (the missing ones repeat the last) so the
+ * accumulators stay in registers. */
+static inline v8 scores8(const float *q, const float *k, int64_t n, int64_t token_stride,
+                         int64_t D, float scale) {
+    const float *row[8];
+    for (int j = 0; j < 8; j++) row[j] = k + (j < n ? j : n - 1) * token_stride;
+    v8 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = splat(0.0f);
+    for (int64_t d = 0; d < D; d += 8) {
+        const v8 qd = load8(q + d);
+        for (int j = 0; j < 8; j++) acc[j] += qd * load8(row[j] + d);
     }
-    if (d < D) s0 += load8(a + d) * load8(b + d);
-    return hsum(s0 + s1);
+    v8 s = sum8x8(acc) * splat(scale);
+    for (int64_t j = n; j < 8; j++) s[j] = -INFINITY;
+    return s;
+}
+
+static inline float max8(v8 x) {
+    float m = x[0];
+    for (int j = 1; j < 8; j++) m = x[j] > m ? x[j] : m;
+    return m;
 }
 
 /* All H heads of one query token over its first `visible` context positions. */
@@ -42,7 +68,7 @@ static void attend_token(const float *q, int64_t q_stride_h, const float *kc, co
     const int64_t token_stride = Hkv * D;
     float acc[MAX_HD];
     float m[MAX_HD / 8], l[MAX_HD / 8];
-    float scores[CHUNK];
+    v8 p[CHUNK / 8];
     for (int64_t i = 0; i < H * D; i++) acc[i] = 0.0f;
     for (int64_t h = 0; h < H; h++) {
         m[h] = -INFINITY;
@@ -55,16 +81,26 @@ static void attend_token(const float *q, int64_t q_stride_h, const float *kc, co
         if (n > CHUNK) n = CHUNK;
         if (n > visible - start) n = visible - start;
         const int64_t base = ((int64_t)blocks[start / block_size] * block_size + off) * token_stride;
+        const int64_t nvec = (n + 7) / 8;
+        if (off == 0 && start + block_size < visible) {
+            /* Blocks sit anywhere in the cache: ask for the next one while this one computes. */
+            const int64_t next = (int64_t)blocks[start / block_size + 1] * block_size * token_stride;
+            for (int64_t i = 0; i < block_size * token_stride; i += 16) {
+                __builtin_prefetch(kc + next + i);
+                __builtin_prefetch(vc + next + i);
+            }
+        }
         for (int64_t h = 0; h < H; h++) {
             const int64_t kvh = h / group;
-            const float *qh = q + h * q_stride_h;
             const float *k = kc + base + kvh * D;
             const float *v = vc + base + kvh * D;
             float *a = acc + h * D;
             float cmax = -INFINITY;
-            for (int64_t j = 0; j < n; j++) {
-                scores[j] = dot(qh, k + j * token_stride, D) * scale;
-                if (scores[j] > cmax) cmax = scores[j];
+            for (int64_t c = 0; c < nvec; c++) {
+                const int64_t rows = n - 8 * c < 8 ? n - 8 * c : 8;
+                p[c] = scores8(q + h * q_stride_h, k + 8 * c * token_stride, rows, token_stride, D, scale);
+                const float cm = max8(p[c]);
+                cmax = cm > cmax ? cm : cmax;
             }
             if (cmax > m[h]) {
                 const float corr = expf(m[h] - cmax);
@@ -72,18 +108,19 @@ static void attend_token(const float *q, int64_t q_stride_h, const float *kc, co
                 for (int64_t d = 0; d < D; d += 8) store8(a + d, load8(a + d) * splat(corr));
                 m[h] = cmax;
             }
-            float psum = 0.0f;
-            for (int64_t j = 0; j < n; j += 8) {
-                v8 p = exp8(load8(scores + j) - splat(m[h]));
-                for (int64_t lane = n - j; lane < 8; lane++) p[lane] = 0.0f; /* past the chunk */
-                store8(scores + j, p);
-                psum += hsum(p);
+            v8 psum = splat(0.0f);
+            for (int64_t c = 0; c < nvec; c++) {
+                v8 e = exp8(p[c] - splat(m[h]));
+                for (int64_t j = n - 8 * c; j < 8; j++) e[j] = 0.0f; /* past the chunk */
+                p[c] = e;
+                psum += e;
             }
-            l[h] += psum;
-            for (int64_t j = 0; j < n; j++) {
-                const v8 pj = splat(scores[j]);
-                const float *vj = v + j * token_stride;
-                for (int64_t d = 0; d < D; d += 8) store8(a + d, load8(a + d) + pj * load8(vj + d));
+            l[h] += hsum(psum);
+            const float *pj = (const float *)p;
+            for (int64_t d = 0; d < D; d += 8) {
+                v8 ad = load8(a + d);
+                for (int64_t j = 0; j < n; j++) ad += splat(pj[j]) * load8(v + j * token_stride + d);
+                store8(a + d, ad);
             }
         }
         start += n;
