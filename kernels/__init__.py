@@ -28,7 +28,9 @@ def get_ops(backend: str = "torch", device_type: str = "cpu") -> SimpleNamespace
         ops = SimpleNamespace(**{name: getattr(reference, name) for name in _OPS})
         if device_type == "cpu":
             from kernels import cpu
+            from kernels.cpu.build import library
 
+            library()  # built now, while the engine starts, not inside its first step
             for name in ("paged_attention", "rms_norm", "silu_and_mul", "rotary_embedding", "reshape_and_cache"):
                 setattr(ops, name, getattr(cpu, name))
         return ops
