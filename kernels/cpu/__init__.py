@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels import reference
+import kernels.reference as reference
 from kernels.cpu.build import library
 
 # Longer runs of query tokens are prefills: SDPA's GEMMs beat per-query dot products there.
