@@ -1,7 +1,8 @@
 """Kernels behind the contract of ARCHITECTURE.md §3.
 
 `get_ops(backend)` returns the implementation the engine calls: "torch" (the references in
-`kernels.reference`, which are the specification and the CPU path) or "triton" (the kernels in
+`kernels.reference`, which are the specification, and on CPU the C kernels of `kernels.cpu`
+with the same contract) or "triton" (the kernels in
 `kernels.triton_kernels`, for CUDA; on CPU only under TRITON_INTERPRET=1, as the tests run them).
 """
 
@@ -24,7 +25,15 @@ def get_ops(backend: str = "torch", device_type: str = "cpu") -> SimpleNamespace
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
-        return SimpleNamespace(**{name: getattr(reference, name) for name in _OPS})
+        ops = SimpleNamespace(**{name: getattr(reference, name) for name in _OPS})
+        if device_type == "cpu":
+            from kernels import cpu
+            from kernels.cpu.build import library
+
+            library()  # built now, while the engine starts, not inside its first step
+            for name in ("paged_attention", "rms_norm", "silu_and_mul", "rotary_embedding", "reshape_and_cache"):
+                setattr(ops, name, getattr(cpu, name))
+        return ops
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "kernel_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 set before "

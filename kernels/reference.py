@@ -53,10 +53,17 @@ def paged_attention(
     decode_rows = [r for r in range(len(ctx)) if starts[r + 1] - starts[r] == 1]
     if decode_rows:
         _decode_attention(q, key_cache, value_cache, block_table, starts, ctx, decode_rows, scale, out)
-    for r in range(len(ctx)):
+    multi_token_rows = [r for r in range(len(ctx)) if starts[r + 1] - starts[r] > 1]
+    prefill_attention(q, key_cache, value_cache, block_table, starts, ctx, multi_token_rows, scale, out)
+    return out
+
+
+def prefill_attention(q, key_cache, value_cache, block_table, starts: list[int], ctx: list[int],
+                      rows: list[int], scale: float, out: torch.Tensor) -> None:
+    """paged_attention for `rows` (each with more than one query token), one request at a
+    time: causal SDPA over its gathered context, written into `out`."""
+    for r in rows:
         q_len = starts[r + 1] - starts[r]
-        if q_len <= 1:
-            continue
         k, v = _gather_context(key_cache, value_cache, block_table[r : r + 1], ctx[r])  # [1, Hkv, L, D]
         qr = q[starts[r] : starts[r + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         if q_len == ctx[r]:
@@ -69,7 +76,6 @@ def paged_attention(
                 qr.float(), k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
             )
         out[starts[r] : starts[r + 1]] = o[0].transpose(0, 1).to(out.dtype)
-    return out
 
 
 def _gather_context(key_cache, value_cache, block_table, max_len):

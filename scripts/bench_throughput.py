@@ -3,13 +3,15 @@ the same requests, measured side by side in one run (these machines are noisy).
 
 CPU mode (default): HF runs batches of --hf-batch-size left-padded prompts, each batch
 generating up to its longest requested output (EOS ignored); useful output tokens are counted
-for both.
+for both. Engine and HF runs alternate --repeats times in one process; the ratio of the best
+runs and of the medians is printed.
 
 GPU mode (--gpu): decode tokens/s and model-bandwidth utilisation (weights + KV read per decode
 step / step time / peak HBM bandwidth) at batch 1 and 64 on the `1b` preset, with CUDA graphs,
 and HF `generate` on the same GPU and requests beside it.
 
     python scripts/bench_throughput.py                 # CPU, bench preset, made on first use
+    python scripts/bench_throughput.py --preset tiny   # or small
     python scripts/bench_throughput.py --model DIR --num-requests 128
     python scripts/bench_throughput.py --default-model   # SmolLM2-135M-Instruct (GGUF Q4_1)
     python scripts/bench_throughput.py --gpu [--model DIR] [--peak-gbps 4800]
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -37,22 +40,33 @@ def make_requests(n: int, vocab: int, seed: int, prompt_range, output_range):
     return reqs
 
 
-def run_engine(model: str, reqs, dtype: str, max_num_seqs: int, max_num_batched_tokens: int | None) -> tuple[float, int]:
+def engine_runner(model: str, reqs, dtype: str, max_num_seqs: int, max_num_batched_tokens: int | None):
+    """A warmed-up engine; the returned callable runs all `reqs` once -> (seconds, output tokens)."""
     from engine import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, enable_prefix_caching=False,
               max_num_batched_tokens=max_num_batched_tokens)
     llm.generate([{"prompt_token_ids": reqs[0][0]}], SamplingParams(max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == sum(o for _, o in reqs), "engine produced a different number of tokens"
-    return elapsed, produced
+
+    def run() -> tuple[float, int]:
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert produced == sum(o for _, o in reqs), "engine produced a different number of tokens"
+        return elapsed, produced
+
+    return run
 
 
-def run_hf(model: str, reqs, dtype: str, batch_size: int) -> tuple[float, int]:
+def run_engine(model: str, reqs, dtype: str, max_num_seqs: int, max_num_batched_tokens: int | None) -> tuple[float, int]:
+    return engine_runner(model, reqs, dtype, max_num_seqs, max_num_batched_tokens)()
+
+
+def hf_runner(model: str, reqs, dtype: str, batch_size: int):
+    """HF `generate` loaded and warmed up; the returned callable runs all `reqs` once in
+    left-padded batches -> (seconds, output tokens)."""
     from transformers import AutoModelForCausalLM
 
     from engine.models.gguf_file import hf_pretrained_args
@@ -82,12 +96,20 @@ def run_hf(model: str, reqs, dtype: str, batch_size: int) -> tuple[float, int]:
     useful = sum(len(p) + o for p, o in reqs)
     print(f"HF computes {computed} token positions for {useful} useful ones "
           f"(padding factor {computed / useful:.2f}x)")
-    t0 = time.perf_counter()
-    for i in range(0, len(reqs), batch_size):
-        generate(reqs[i : i + batch_size])
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, sum(o for _, o in reqs)
+
+    def run() -> tuple[float, int]:
+        t0 = time.perf_counter()
+        for batch in batches:
+            generate(batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, sum(o for _, o in reqs)
+
+    return run
+
+
+def run_hf(model: str, reqs, dtype: str, batch_size: int) -> tuple[float, int]:
+    return hf_runner(model, reqs, dtype, batch_size)()
 
 
 def gpu_decode_run(model: str, batch: int, prompt_len: int, output_len: int, vocab: int, eager: bool):
@@ -160,8 +182,9 @@ def gpu_main(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="model dir or .gguf file (default: bench preset, made on "
-                    "first use)")
+    ap.add_argument("--model", default=None, help="model dir or .gguf file (default: the --preset model, made "
+                    "on first use)")
+    ap.add_argument("--preset", default="bench", choices=("tiny", "small", "bench"))
     ap.add_argument("--default-model", action="store_true",
                     help="the default model of pdserve (SmolLM2-135M-Instruct, GGUF), dequantized by both")
     ap.add_argument("--num-requests", type=int, default=64)
@@ -173,6 +196,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3, help="engine and HF runs, alternated")
     ap.add_argument("--gpu", action="store_true", help="GPU mode: decode MBU at batch 1/64 and HF beside")
     ap.add_argument("--gpu-output-len", type=int, default=256)
     ap.add_argument("--peak-gbps", type=float, default=None)
@@ -184,19 +208,33 @@ def main() -> None:
     from cluster.default_model import default_model, ensure_preset_model
     from engine.models.arch import load_arch
 
-    model = default_model() if args.default_model else args.model or ensure_preset_model("bench")
+    if args.default_model:
+        model = default_model()
+    else:
+        model = args.model or ensure_preset_model(args.preset)
     vocab = load_arch(model).vocab_size - 64
     reqs = make_requests(args.num_requests, vocab, args.seed, args.prompt_len, args.output_len)
     print(f"model={model} requests={len(reqs)} prompt_tokens={sum(len(p) for p, _ in reqs)} "
           f"output_tokens={sum(o for _, o in reqs)} torch_threads={torch.get_num_threads()}")
-    t_eng, n_eng = run_engine(model, reqs, args.dtype, args.max_num_seqs, args.max_num_batched_tokens)
-    print(f"pdserve engine : {n_eng / t_eng:8.1f} output tok/s  ({t_eng:.1f} s)")
-    if args.skip_hf:
-        return
-    t_hf, n_hf = run_hf(model, reqs, args.dtype, args.hf_batch_size)
-    print(f"HF generate    : {n_hf / t_hf:8.1f} output tok/s  ({t_hf:.1f} s, batch {args.hf_batch_size})")
-    print(f"ratio engine/HF: {(n_eng / t_eng) / (n_hf / t_hf):.2f}x")
-
+    engine = engine_runner(model, reqs, args.dtype, args.max_num_seqs, args.max_num_batched_tokens)
+    hf = None if args.skip_hf else hf_runner(model, reqs, args.dtype, args.hf_batch_size)
+    # Alternated, so a burst of load elsewhere on the machine hits both sides alike; the best
+    # run of each side is the one least disturbed.
+    rates: dict[str, list[float]] = {"pdserve engine": [], "HF generate": []}
+    for i in range(args.repeats):
+        for name, run in (("pdserve engine", engine), ("HF generate", hf)):
+            if run is None:
+                continue
+            seconds, tokens = run()
+            rates[name].append(tokens / seconds)
+            print(f"run {i + 1}/{args.repeats} {name:<14}: {tokens / seconds:8.1f} output tok/s ({seconds:.1f} s)")
+    for name, r in rates.items():
+        if r:
+            print(f"{name:<14}: best {max(r):8.1f}, median {statistics.median(r):8.1f} output tok/s")
+    if hf is not None:
+        print(f"ratio engine/HF: best {max(rates['pdserve engine']) / max(rates['HF generate']):.2f}x, "
+              f"median {statistics.median(rates['pdserve engine']) / statistics.median(rates['HF generate']):.2f}x "
+              f"(HF batch {args.hf_batch_size})")
 
 if __name__ == "__main__":
     main()

@@ -17,6 +17,7 @@ from torch import nn
 from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
 from engine.models.arch import ModelArch
 from engine.models.attention_metadata import AttentionMetadata
+from engine.models.cpu_linear import pack_model_linears, pack_weight, packed_linear
 from engine.models.moe import SparseMoE
 from engine.models.parallel import (
     ColumnParallelLinear,
@@ -117,7 +118,10 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         # The LM head splits the vocabulary like the embedding (same rows when tied).
         self.lm_head = (None if arch.tie_word_embeddings
-                        else nn.Linear(arch.hidden_size, self.embed_tokens.num_embeddings, bias=False))
+                        else ColumnParallelLinear(arch.hidden_size, self.embed_tokens.num_embeddings, bias=False))
+        # Tied embeddings on CPU: a oneDNN-packed copy of the table for the logits (the
+        # embedding lookup keeps the dense one).
+        self.tied_head: torch.Tensor | None = None
         # fp32 table, kept out of the state dict (it is derived, not loaded).
         self.register_buffer(
             "cos_sin", cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling_dict),
@@ -141,5 +145,19 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, vocab] fp32 logits; under tensor parallelism on rank 0 only (None elsewhere)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return parallel_logits(hidden, weight, self.arch.vocab_size, self.tp)
+        if self.lm_head is not None:
+            local = self.lm_head.matmul(hidden)
+        elif self.tied_head is not None:
+            local = packed_linear(hidden, self.tied_head, None)
+        else:
+            local = nn.functional.linear(hidden, self.embed_tokens.weight)
+        return parallel_logits(local, self.arch.vocab_size, self.tp)
+
+    def pack_cpu_weights(self) -> int:
+        """Pack the projections and the logits head for oneDNN (engine.models.cpu_linear);
+        returns how many weights were packed (none where it does not apply)."""
+        n = pack_model_linears(self)
+        if self.lm_head is None:
+            self.tied_head = pack_weight(self.embed_tokens.weight)
+            n += self.tied_head is not None
+        return n

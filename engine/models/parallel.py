@@ -22,6 +22,7 @@ from torch import nn
 from engine.distributed import TPGroup
 from engine.errors import ParameterError
 from engine.models.arch import ModelArch
+from engine.models.cpu_linear import PackedLinearMixin, packed_linear
 
 
 def check_tp_size(arch: ModelArch, tp: int, expert_parallel: bool = False) -> None:
@@ -131,12 +132,18 @@ class ShardLayout:
         return max(0, min(self.vocab_per_rank, self.arch.vocab_size - self.vocab_start))
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(PackedLinearMixin, nn.Linear):
     """y[:, local outputs] = x @ W_local^T + b_local. The caller sizes `out_features` for one
-    rank (fused QKV or gate/up: the local slice of each part, concatenated)."""
+    rank (fused QKV or gate/up: the local slice of each part, concatenated). On CPU the
+    weight may be packed for oneDNN (engine.models.cpu_linear)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
+        return super().forward(x)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(PackedLinearMixin, nn.Linear):
     """y = all_reduce(x_local @ W_local^T) + b: each rank holds the input-feature columns
     that match its column-parallel producer; the bias (replicated) is added once, after the
     sum."""
@@ -147,8 +154,10 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
+            if self.packed_weight is not None:
+                return packed_linear(x, self.packed_weight, self.bias)
             return super().forward(x)
-        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -170,11 +179,11 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(x.masked_fill(~mine.unsqueeze(-1), 0.0))
 
 
-def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
-                    tp: TPGroup) -> torch.Tensor | None:
-    """hidden [N, hidden] @ the local vocab rows -> full fp32 logits [N, vocab] on rank 0
-    (None on the others), gathered so rank 0 samples over the whole vocabulary."""
-    logits = nn.functional.linear(hidden, weight).float()  # [N, vocab / tp]
+def parallel_logits(local_logits: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.Tensor | None:
+    """This rank's logits [N, vocab / tp] (hidden @ its vocab rows) -> full fp32 logits
+    [N, vocab] on rank 0 (None on the others), gathered so rank 0 samples over the whole
+    vocabulary."""
+    logits = local_logits.float()
     if tp.size == 1:
         return logits
     full = tp.gather_to_driver(logits)

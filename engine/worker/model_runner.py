@@ -54,6 +54,8 @@ class ModelRunner:
         self.kernel_block_size = kernel_block_size
         self.max_model_len = max_model_len
         self.model = load_model(model_dir, arch, ops, device, dtype, max_model_len, tp, ep)
+        if device.type == "cpu":
+            self.model.pack_cpu_weights()
         # KV heads this rank caches (all of them on one rank).
         self.num_kv_heads = self.model.layout.num_kv_heads
         self.sampler = Sampler()

@@ -144,7 +144,7 @@ def test_paged_attention_small_tiles_cover_long_prefill():
 def test_get_ops_selects_backends_and_refuses_triton_on_cpu_without_interpreter(monkeypatch):
     import kernels
 
-    assert kernels.get_ops("torch").paged_attention is ref.paged_attention
+    assert kernels.get_ops("torch", "cuda").paged_attention is ref.paged_attention
     assert kernels.get_ops("triton", "cpu").paged_attention is tk.paged_attention  # interpreter on
     assert kernels.default_backend("cuda") == "triton" and kernels.default_backend("cpu") == "torch"
     monkeypatch.delenv("TRITON_INTERPRET")
