@@ -15,12 +15,11 @@ from kernels import reference as ref
 from kernels.cpu import build
 from tests.kernels.test_reference import _naive_attention, _paged_inputs, one_token_per_page
 
-needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                    reason="no C compiler")
 
-
-@needs_compiler
-def test_native_library_builds_where_a_compiler_exists():
+def test_native_library_builds():
+    # The set-up machines have gcc (a machine without a compiler runs the references, which
+    # the other kernel tests cover); here the C kernels must build and be the ones tested.
+    assert shutil.which("cc") or shutil.which("gcc"), "no C compiler on this machine"
     assert build.library() is not None
 
 
@@ -31,7 +30,6 @@ def test_cpu_ops_route_through_the_native_wrappers():
     assert ops.fused_moe is ref.fused_moe
 
 
-@needs_compiler
 @pytest.mark.parametrize("H, Hkv", [(4, 4), (8, 2), (9, 3), (4, 1)])
 @pytest.mark.parametrize("D", [8, 64, 80])
 def test_native_matches_naive_on_decodes_short_chunks_and_prefills(H, Hkv, D):
@@ -44,7 +42,6 @@ def test_native_matches_naive_on_decodes_short_chunks_and_prefills(H, Hkv, D):
     torch.testing.assert_close(out, _naive_attention(q, dense, q_lens, ctx_lens, scale), atol=1e-5, rtol=1e-5)
 
 
-@needs_compiler
 def test_native_matches_reference_on_a_large_decode_batch_with_page_size_one():
     g = torch.Generator().manual_seed(7)
     ctx_lens = torch.randint(1, 300, (64,), generator=g).tolist()
@@ -58,7 +55,6 @@ def test_native_matches_reference_on_a_large_decode_batch_with_page_size_one():
                                atol=1e-5, rtol=1e-5)
 
 
-@needs_compiler
 def test_native_reads_strided_queries_and_writes_only_into_out():
     q_lens, ctx_lens = [1, 2, 1], [20, 6, 35]
     q, kc, vc, table, qsl, seq_lens, _ = _paged_inputs(q_lens, ctx_lens, 4, 2, 16, 16, 8, seed=3)
@@ -91,7 +87,6 @@ def _close(a, b):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-@needs_compiler
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("shape", [(5, 96), (70, 512), (3, 4, 64)])
 def test_rms_norm_matches_reference(with_residual, shape):
@@ -110,14 +105,12 @@ def test_rms_norm_matches_reference(with_residual, shape):
     assert torch.equal(x, before[0])
 
 
-@needs_compiler
 def test_rms_norm_reads_strided_rows():
     x = torch.randn(6, 80)[:, :64]
     w = torch.rand(64) + 0.5
     _close(cpu.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
 
 
-@needs_compiler
 def test_silu_and_mul_matches_reference_over_the_whole_exp_range():
     x = torch.linspace(-120, 120, 40 * 64).view(40, 64)
     x[::3] = torch.randn(14, 64) * 4
@@ -126,7 +119,6 @@ def test_silu_and_mul_matches_reference_over_the_whole_exp_range():
     _close(cpu.silu_and_mul(strided), ref.silu_and_mul(strided))
 
 
-@needs_compiler
 @pytest.mark.parametrize("rot", [64, 32])  # full and partial rotary
 def test_rotary_neox_matches_reference_on_fused_qkv_views(rot):
     from engine.models.rotary import cos_sin_cache
@@ -142,7 +134,6 @@ def test_rotary_neox_matches_reference_on_fused_qkv_views(rot):
         _close(a, b)
 
 
-@needs_compiler
 def test_reshape_and_cache_writes_slots_and_skips_padding_from_strided_views():
     qkv = torch.randn(7, (4 + 2 * 2) * 16)
     _, k, v = qkv.split([64, 32, 32], dim=-1)
