@@ -34,10 +34,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.serve_bench.server import ServerProcess, free_port, server_command  # noqa: E402
 
 
-def run_guidellm(guidellm: str, url: str, model: str, args, out_json: str) -> dict:
+def tokenizer_dir(model: str, tmp: str) -> str:
+    """A directory guidellm's tokenizer loader can read: the model's own, or for a GGUF file
+    the tokenizer transformers builds from it, saved once."""
+    if not model.endswith(".gguf"):
+        return model
+    from transformers import AutoTokenizer
+
+    out = os.path.join(tmp, "tokenizer")
+    AutoTokenizer.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model)).save_pretrained(out)
+    return out
+
+
+def run_guidellm(guidellm: str, url: str, model: str, tokenizer: str, args, out_json: str) -> dict:
     cmd = [
         guidellm, "run",
         "--backend", f"kind=openai_http,target={url},model={model}",
+        "--tokenizer", f"kind=hf_auto,model={tokenizer}",
         "--profile", f"kind=concurrent,streams={args.concurrency}",
         "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
         "--constraint", f"kind=max_requests,count={args.requests}",
@@ -96,7 +109,8 @@ def bench_mode(mode: str, model: str, guidellm: str, args, tmp: str) -> dict:
     server = ServerProcess(server_command(mode, port, model, None, model, args.server_args.split()), log)
     try:
         server.wait_ready(url, args.start_timeout)
-        return run_guidellm(guidellm, url, model, args, os.path.join(tmp, f"guidellm-{mode}.json"))
+        return run_guidellm(guidellm, url, model, tokenizer_dir(model, tmp), args,
+                            os.path.join(tmp, f"guidellm-{mode}.json"))
     finally:
         server.stop()
 
@@ -104,7 +118,10 @@ def bench_mode(mode: str, model: str, guidellm: str, args, tmp: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--guidellm", default=shutil.which("guidellm"), help="the guidellm executable")
-    ap.add_argument("--model", default=None, help="model dir (default: the --preset model, made on first use)")
+    ap.add_argument("--model", default=None, help="model dir or .gguf file (default: the --preset model, made "
+                    "on first use)")
+    ap.add_argument("--default-model", action="store_true",
+                    help="the default model of pdserve (SmolLM2-135M-Instruct, GGUF)")
     ap.add_argument("--preset", default="small", choices=("tiny", "small", "bench"))
     ap.add_argument("--modes", default="colocated,pd")
     ap.add_argument("--concurrency", type=int, default=8)
@@ -122,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
                  "and pass --guidellm PATH")
     from cluster.default_model import ensure_preset_model
 
+    if args.default_model:
+        from cluster.default_model import default_model
+
+        args.model = default_model()
     model = os.path.abspath(args.model or ensure_preset_model(args.preset))
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-guidellm-") as tmp:
