@@ -12,7 +12,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import shutil
 import tempfile
 import threading
 import traceback
@@ -30,7 +29,7 @@ from engine.dp.core_loop import WAKE, DPCoreLoop
 from engine.dp.cores import DPCores, register_dp_backend
 from engine.dp.messages import CoreFailed, CoreReady, Shutdown
 from engine.errors import EngineDeadError, ParameterError
-from engine.executor.multiproc import stop_processes
+from engine.executor.multiproc import reap_children
 from engine.kv_connector import KVConnectorFactory
 
 _STOP_GRACE_S = 10.0
@@ -114,17 +113,9 @@ def _gpu_slices(config: EngineConfig, size: int) -> list[str] | None:
 
 
 def _reap(procs: list[BaseProcess], conns: list[Connection], store_dir: str, stopping: threading.Event) -> None:
-    """Ask every core to stop, then stop_processes; no process outlives the front end."""
+    """Ask every core to stop, then reap_children; no process outlives the front end."""
     stopping.set()
-    for conn in conns:
-        try:
-            conn.send(Shutdown())
-        except OSError:
-            pass
-    stop_processes(procs, _STOP_GRACE_S)
-    for conn in conns:
-        conn.close()
-    shutil.rmtree(store_dir, ignore_errors=True)
+    reap_children(procs, conns, lambda conn: conn.send(Shutdown()), store_dir, _STOP_GRACE_S)
 
 
 def run_core(config: EngineConfig, dp: DPPlacement, control_init: str | None, conn: Connection,

@@ -148,12 +148,19 @@ def _reap(procs: list[BaseProcess], conns: list[Connection], store_dir: str) -> 
     """Ask every rank to stop, then terminate and finally kill what is left; join all, so no
     process outlives the executor (not even as a zombie)."""
     stop = pickle.dumps((SHUTDOWN, (), {}))
+    reap_children(procs, conns, lambda conn: conn.send_bytes(stop), store_dir, _STOP_GRACE_S)
+
+
+def reap_children(procs: list[BaseProcess], conns: list[Connection], send_stop, store_dir: str,
+                  grace_s: float) -> None:
+    """Send each child its stop message (a closed pipe is a child already gone), stop_processes,
+    close the pipes and remove the rendezvous directory."""
     for conn in conns:
         try:
-            conn.send_bytes(stop)
+            send_stop(conn)
         except OSError:
             pass
-    stop_processes(procs, _STOP_GRACE_S)
+    stop_processes(procs, grace_s)
     for conn in conns:
         conn.close()
     shutil.rmtree(store_dir, ignore_errors=True)
