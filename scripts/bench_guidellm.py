@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -58,7 +59,12 @@ def run_guidellm(guidellm: str, url: str, model: str, tokenizer: str, args, out_
         "--output", f"kind=json,path={out_json}",
         "--disable-progress",
     ]
+    # guidellm shares the machine with the server: its own CPU seconds are reported beside the
+    # throughput (children's usage grows once the run is waited for, and only this one is).
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=args.timeout)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    loadgen_cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     with open(out_json) as f:
         bench = json.load(f)["benchmarks"][0]
     m = bench["metrics"]
@@ -78,6 +84,7 @@ def run_guidellm(guidellm: str, url: str, model: str, tokenizer: str, args, out_
         "ttft_p95_ms": ok("time_to_first_token_ms")["percentiles"]["p95"],
         "itl_p50_ms": ok("inter_token_latency_ms")["percentiles"]["p50"],
         "itl_p95_ms": ok("inter_token_latency_ms")["percentiles"]["p95"],
+        "loadgen_cpu_s": loadgen_cpu_s,
     }
 
 
@@ -154,12 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     offline = results["offline"]["tok_s"]
     print(f"\nmodel={model} concurrency={args.concurrency} requests={args.requests} "
           f"prompt={prompt_tokens} tokens output={args.output_tokens} tokens")
-    print(f"{'':<10} {'tok/s':>8} {'HTTP/offline':>13} {'TTFT p50/p95 ms':>18} {'ITL p50/p95 ms':>16}")
+    print(f"{'':<10} {'tok/s':>8} {'HTTP/offline':>13} {'TTFT p50/p95 ms':>18} {'ITL p50/p95 ms':>16} "
+          f"{'guidellm CPU-s / run s':>23}")
     print(f"{'offline':<10} {offline:8.1f} {'':>13}")
     for mode in args.modes.split(","):
         r = results[mode]
         print(f"{mode:<10} {r['tok_s']:8.1f} {r['tok_s'] / offline:12.2f}x "
-              f"{r['ttft_p50_ms']:8.0f} /{r['ttft_p95_ms']:7.0f} {r['itl_p50_ms']:7.1f} /{r['itl_p95_ms']:6.1f}")
+              f"{r['ttft_p50_ms']:8.0f} /{r['ttft_p95_ms']:7.0f} {r['itl_p50_ms']:7.1f} /{r['itl_p95_ms']:6.1f} "
+              f"{r['loadgen_cpu_s']:11.1f} / {r['seconds']:.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
