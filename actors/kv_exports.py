@@ -6,10 +6,12 @@ from __future__ import annotations
 
 
 class ServesKVExports:
-    """Mixed into an actor class whose `_kv_worker()` returns its Worker (or None)."""
+    """Mixed into an actor class, which overrides `_kv_worker()` to return the Worker whose
+    connector holds its exports."""
 
     def _kv_worker(self):
-        raise NotImplementedError
+        """The Worker holding this actor's exports; None: it holds none (nothing to take)."""
+        return None
 
     def _connector(self):
         worker = self._kv_worker()
