@@ -7,11 +7,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import traceback
 from typing import NoReturn
 
 from engine.args import EngineArgs
+
+# Blocked in the Ray node that `pdserve serve` starts (see run_serve).
+NODE_BLOCKED_SIGNALS = {signal.SIGTERM, signal.SIGHUP}
 
 
 def add_serve_parser(sub) -> None:
@@ -177,9 +181,14 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
             remove_app_store(cfg.app_name)
 
     def teardown() -> None:
-        if ray.is_initialized() and not address:
+        if address:
+            ray.shutdown()  # attached to a cluster: disconnect, nothing else is ours to stop
+            return
+        if ray.is_initialized():
             serve.shutdown()
-        ray.shutdown()
+        # Not ray.shutdown(): it SIGTERMs each node daemon and waits 1 s for it, and they
+        # block SIGTERM (NODE_BLOCKED_SIGNALS). Serve is down, the node holds nothing worth a
+        # graceful exit, and the stopper SIGKILLs this process tree next.
 
     try:
         stopper.install()
@@ -188,7 +197,15 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
 
             connect(log_to_driver=False)  # bounded; token auth picked up; one-line failures
         else:  # "local": a Ray of our own, even when `ray start` left a cluster to attach to
-            ray.init(address="local", namespace="pdserve", include_dashboard=False, log_to_driver=False)
+            # Ray's node daemons inherit this thread's signal mask, and so do the workers its
+            # raylet starts: with SIGTERM and SIGHUP blocked there, a signal sent to every
+            # process (systemd's KillMode=control-group, `kill -- -PGID`) reaches only this
+            # driver, which drains the app as for a SIGTERM to it alone (cluster.shutdown).
+            masked = signal.pthread_sigmask(signal.SIG_BLOCK, NODE_BLOCKED_SIGNALS)
+            try:
+                ray.init(address="local", namespace="pdserve", include_dashboard=False, log_to_driver=False)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, masked)
         stopper.install()  # ray.init replaced the SIGTERM handler
         stopper.watch_ray_node()
         serve.start(http_options={"host": args.host, "port": args.port})

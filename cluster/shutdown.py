@@ -5,17 +5,19 @@ The stop paths and what they reach:
 - Ctrl-C (SIGINT to the terminal's foreground group): the driver and Ray's node daemons, which
   block SIGINT, so in effect the driver only.
 - SIGTERM to the driver only (docker stop, Kubernetes, systemd KillMode=mixed).
-- SIGTERM to every process at once (systemd's default KillMode=control-group, `kill -- -PGID`).
-  The raylet unregisters its node at once (and exits ~10 s later), the dashboard and log
-  monitor exit, so Serve can no longer stop its actors; the GCS stays up, and Ray workers
-  (proxy, controller, replicas) never run a Python SIGTERM handler (their main thread sits in
-  the core worker's task loop), so they would outlive the driver. They do go on serving the
-  requests they hold.
+- SIGTERM to the process group (`kill -- -PGID`): `pdserve serve` starts its Ray node with
+  SIGTERM and SIGHUP blocked (cluster.serve_cli), and every Ray process inherits that mask, so
+  again only the driver acts on it. Before that, the raylet unregistered its node at once and
+  exited, taking Serve's workers and their streams with it, at its own pace.
+- SIGTERM to every process of the cgroup (systemd's default KillMode=control-group): as the
+  group, except for HAProxy, the HTTP front, which sets its own signal mask and stops at once
+  on SIGTERM, ending open connections. README: use KillMode=mixed.
 
-So the driver does not trust anything it waits on. The graceful part (delete the app: Serve
-stops routing to it and lets in-flight requests finish; then stop Serve and Ray) runs in a
-thread, and the main thread, which keeps handling signals, waits for it until the drain
-deadline, or, when Ray's node got the signal too, until no HTTP connection is open. Then it
+Still the driver does not trust anything it waits on. The graceful part (delete the app: Serve
+stops routing to it and lets in-flight requests finish; then stop Serve) runs in a thread, and
+the main thread, which keeps handling signals, waits for it until the drain deadline, or, when
+Ray's node died anyway (a daemon killed outright, or a Ray started without the mask), until no
+HTTP connection is open. Then it
 SIGKILLs what is left of its own process tree (no SIGTERM first: each process has had its
 graceful chance, and Ray workers would not act on it). This process is made a child
 subreaper before Ray starts, so workers orphaned by a dead raylet are re-parented to it
@@ -233,7 +235,7 @@ class BoundedShutdown:
                 drained.set()
                 log(f"app deleted after {self._elapsed():.1f} s")
                 teardown()
-                log(f"Serve and Ray stopped after {self._elapsed():.1f} s")
+                log(f"teardown done after {self._elapsed():.1f} s")
             except BaseException as e:  # noqa: BLE001 - a failed step ends in the kill below
                 log(f"graceful shutdown failed: {e!r}")
             finally:
@@ -249,15 +251,15 @@ class BoundedShutdown:
                 clean = False
                 break
             if not drained.is_set() and self._ray_node_lost():
-                # Every process got the signal (systemd, kill -- -PGID): Ray's node is going down
-                # and cannot stop the app, but Serve's proxy and replicas still finish the
+                # Ray's node is going down (a daemon was killed, or it did not block SIGTERM) and
+                # cannot stop the app, but Serve's proxy and replicas may still finish the
                 # requests they hold, so their HTTP connections are the drain.
                 open_now = http_connections(self.http_port)
                 if open_now == 0:
-                    log("Ray's node got the signal too; no request in flight, killing what is left")
+                    log("Ray's node went down; no request in flight, killing what is left")
                     break
                 if not told:
-                    log(f"Ray's node got the signal too; waiting for {open_now} open HTTP connections")
+                    log(f"Ray's node went down; waiting for {open_now} open HTTP connections")
                     told = True
             done.wait(min(_POLL_S, remaining))
         clean = clean and not self._forced

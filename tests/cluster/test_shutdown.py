@@ -140,8 +140,9 @@ def test_a_second_signal_skips_the_rest_of_the_drain(stand_in):
 
 
 def test_signal_to_the_group_ends_the_drain_once_no_http_client_is_connected(stand_in):
-    # The daemon dies of the group's SIGTERM, as Ray's dashboard does: Ray can no longer
-    # drain the app, so with no connection on the HTTP port there is nothing to wait for.
+    # The daemon dies of the group's SIGTERM, as Ray's did before pdserve blocked SIGTERM in
+    # its node: Ray can no longer drain the app, so with no connection on the HTTP port there
+    # is nothing to wait for.
     s = stand_in(60, "hang")
     os.killpg(s.proc.pid, signal.SIGTERM)
     code, took = s.exit_within(10)
@@ -156,7 +157,7 @@ def test_signal_to_the_group_waits_for_open_http_connections(stand_in):
         client = socket.create_connection(("127.0.0.1", port))
         conn, _ = server.accept()
         os.killpg(s.proc.pid, signal.SIGTERM)
-        assert "waiting for 1 open HTTP connections" in s.wait_log("Ray's node got the signal too")
+        assert "waiting for 1 open HTTP connections" in s.wait_log("Ray's node went down")
         assert s.proc.poll() is None
         client.close()
         conn.close()
