@@ -26,7 +26,6 @@ from engine.models.parallel import (
     VocabParallelEmbedding,
     parallel_logits,
 )
-from engine.models.rotary import cos_sin_cache
 
 
 class RMSNorm(nn.Module):
@@ -122,11 +121,11 @@ class CausalLM(nn.Module):
         # Tied embeddings on CPU: a oneDNN-packed copy of the table for the logits (the
         # embedding lookup keeps the dense one).
         self.tied_head: torch.Tensor | None = None
-        # fp32 table, kept out of the state dict (it is derived, not loaded).
-        self.register_buffer(
-            "cos_sin", cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling_dict),
-            persistent=False,
-        )
+        # fp32 rope table, kept out of the state dict (it is derived, not loaded). The model is
+        # built on the meta device, where computing it would only import torch._dynamo (~2 s
+        # per engine start): the loader fills it (cos_sin_cache) once the model is real.
+        self.register_buffer("cos_sin", torch.empty(max_positions, arch.head_dim, dtype=torch.float32),
+                             persistent=False)
 
     def forward(
         self,

@@ -166,7 +166,11 @@ class VocabParallelEmbedding(nn.Embedding):
     embeds to zeros here and the all-reduce takes the owning rank's row."""
 
     def __init__(self, layout: ShardLayout, hidden_size: int, tp: TPGroup) -> None:
-        super().__init__(layout.vocab_per_rank if tp.size > 1 else layout.arch.vocab_size, hidden_size)
+        rows = layout.vocab_per_rank if tp.size > 1 else layout.arch.vocab_size
+        # An explicit (uninitialised) weight skips nn.Embedding's normal_() init: the loader
+        # fills every row, and normal_ on the meta device imports torch._dynamo (~2 s of
+        # every engine start).
+        super().__init__(rows, hidden_size, _weight=torch.empty(rows, hidden_size))
         self.tp = tp
         self.vocab_start = layout.vocab_start
 
