@@ -1,8 +1,9 @@
-"""Tensor parallel on Ray ("ray" executor, the default inside the cluster): prefill and decode
-actors of two rank actors each, the prompt KV moved rank by rank (each rank's heads). Tokens
-equal Hugging Face; nothing leaks; a killed rank fails its engine with an error, not a hang.
-One P/D pair for the module (each start makes a placement group and two rank actors that load
-torch); the last test kills a decode rank."""
+"""Tensor parallel on Ray ("ray" executor, the default inside the cluster) in an engine actor
+outside Serve: the executor makes its own placement group for its two rank actors. Tokens equal
+Hugging Face; a killed rank fails its engine with an error, not a hang, and takes its survivor
+and its group with it. One colocated actor for the module (each start makes a placement group
+and two rank actors that load torch); the last test kills a rank. P/D with tensor-parallel
+roles, one KV shard per rank per request, runs behind Serve in tests/cluster/test_serve_tp.py."""
 
 from __future__ import annotations
 
@@ -11,66 +12,58 @@ import asyncio
 import pytest
 import ray as ray_module
 
-from actors import create_worker, pd_generate
+from actors import create_worker
+from actors.orchestrate import colocated_generate
 from engine import EngineArgs, SamplingParams
-from kvstore.store_actor import create_store
-from tests.actors.helpers import assert_no_leaks, collect
+from tests.actors.helpers import collect
 from tests.engine.hf_reference import hf_greedy, random_prompts
 
 ENGINE = {"max_model_len": 256, "num_kv_blocks": 64, "tensor_parallel_size": 2, "max_num_batched_tokens": 128}
 
 
 @pytest.fixture(scope="module")
-def tp_pd(ray_local, tiny_model):
+def tp_worker(ray_local, tiny_model):
     ray = ray_local
-    store = create_store()
-    prefill = create_worker(EngineArgs(tiny_model, **ENGINE), "prefill", store=store)
-    decode = create_worker(EngineArgs(tiny_model, **ENGINE), "decode", store=store)
-    ray.get([prefill.ping.remote(), decode.ping.remote()])
     groups = _live_placement_groups(ray)
-    yield ray, store, prefill, decode
-    ray.get([prefill.shutdown.remote(), decode.shutdown.remote()])
-    for actor in (prefill, decode, store):
-        ray.kill(actor)
-    assert _live_placement_groups(ray) == groups - 2  # each engine removed its own group
+    worker = create_worker(EngineArgs(tiny_model, **ENGINE), "colocated")
+    ray.get(worker.ping.remote())
+    assert _live_placement_groups(ray) == groups + 1  # the executor's own group
+    yield ray, worker
+    ray.kill(worker)
 
 
 def _live_placement_groups(ray) -> int:
     return sum(1 for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED")
 
 
-def test_pd_with_tp2_roles_equals_transformers_and_moves_kv_per_rank(tp_pd, tiny_model):
-    ray, store, prefill, decode = tp_pd
-    assert len(ray.get(decode.tensor_parallel_ranks.remote())) == 2
+def test_tp2_ranks_answer_like_transformers_and_free_every_block(tp_worker, tiny_model):
+    ray, worker = tp_worker
+    assert len(ray.get(worker.tensor_parallel_ranks.remote())) == 2
     prompts = random_prompts([4, 19, 45], 1000, seed=31)
     params = SamplingParams(temperature=0, max_tokens=8)
 
     async def main():
-        return await asyncio.gather(*[collect(pd_generate(prefill, decode, store, {"prompt_token_ids": p},
-                                                          params, f"tp{i}")) for i, p in enumerate(prompts)])
+        return await asyncio.gather(*[collect(colocated_generate(worker, {"prompt_token_ids": p}, params, f"tp{i}"))
+                                      for i, p in enumerate(prompts)])
 
     outs = asyncio.run(main())
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_model, prompts, 8)
-    # One shard per rank per request, each half of the heads.
-    exported, loaded = ray.get([prefill.kv_transfer_stats.remote(), decode.kv_transfer_stats.remote()])
-    assert exported["exports"] == loaded["loads"] == 2 * len(prompts)
-    assert exported["bytes_out"] == loaded["bytes_in"] > 0 and loaded["load_failures"] == 0
-    assert_no_leaks(ray, store, prefill, decode)
+    load = ray.get(worker.load.remote())
+    assert load["running"] == load["waiting"] == 0 and load["free_blocks"] == load["total_blocks"]
 
 
-# Last: it kills a rank of the module's decode engine.
-def test_a_killed_decode_rank_fails_the_request_and_the_health_check(tp_pd):
-    ray, store, prefill, decode = tp_pd
-    ranks = ray.get(decode.tensor_parallel_ranks.remote())
+# Last: it kills a rank of the module's engine.
+def test_a_killed_rank_fails_the_request_and_the_health_check_and_removes_the_group(tp_worker):
+    ray, worker = tp_worker
+    ranks = ray.get(worker.tensor_parallel_ranks.remote())
     groups = _live_placement_groups(ray)
     ray.kill(ranks[1])
     params = SamplingParams(temperature=0, max_tokens=8)
     with pytest.raises(Exception, match="tensor-parallel rank 1"):
-        asyncio.run(collect(pd_generate(prefill, decode, store, {"prompt_token_ids": [5, 6, 7, 8]}, params, "dead")))
+        asyncio.run(collect(colocated_generate(worker, {"prompt_token_ids": [5, 6, 7, 8]}, params, "dead")))
     with pytest.raises(ray_module.exceptions.RayTaskError, match="rank 1"):
-        ray.get(decode.check_health.remote())
+        ray.get(worker.check_health.remote())
     # The survivor is killed with it and the engine's placement group removed.
     with pytest.raises(ray_module.exceptions.RayActorError):
         ray.get(ranks[0].ping.remote(), timeout=60)
     assert _live_placement_groups(ray) == groups - 1
-    assert ray.get(prefill.check_health.remote()) is None  # the other role is untouched
