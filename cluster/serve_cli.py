@@ -198,9 +198,9 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
             connect(log_to_driver=False)  # bounded; token auth picked up; one-line failures
         else:  # "local": a Ray of our own, even when `ray start` left a cluster to attach to
             # Ray's node daemons inherit this thread's signal mask, and so do the workers its
-            # raylet starts: with SIGTERM and SIGHUP blocked there, a signal sent to every
-            # process (systemd's KillMode=control-group, `kill -- -PGID`) reaches only this
-            # driver, which drains the app as for a SIGTERM to it alone (cluster.shutdown).
+            # raylet starts: with SIGTERM and SIGHUP blocked there, a signal sent to the whole
+            # group (`kill -- -PGID`) reaches only this driver, which drains the app as for a
+            # SIGTERM to it alone (cluster.shutdown). HAProxy sets its own mask.
             masked = signal.pthread_sigmask(signal.SIG_BLOCK, NODE_BLOCKED_SIGNALS)
             try:
                 ray.init(address="local", namespace="pdserve", include_dashboard=False, log_to_driver=False)

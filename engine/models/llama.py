@@ -122,8 +122,8 @@ class CausalLM(nn.Module):
         # embedding lookup keeps the dense one).
         self.tied_head: torch.Tensor | None = None
         # fp32 rope table, kept out of the state dict (it is derived, not loaded). The model is
-        # built on the meta device, where computing it would only import torch._dynamo (~2 s
-        # per engine start): the loader fills it (cos_sin_cache) once the model is real.
+        # built on the meta device, where computing it is wasted (and runs torch's Python
+        # reference ops): the loader fills it (cos_sin_cache) once the model is real.
         self.register_buffer("cos_sin", torch.empty(max_positions, arch.head_dim, dtype=torch.float32),
                              persistent=False)
 

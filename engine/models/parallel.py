@@ -168,8 +168,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, layout: ShardLayout, hidden_size: int, tp: TPGroup) -> None:
         rows = layout.vocab_per_rank if tp.size > 1 else layout.arch.vocab_size
         # An explicit (uninitialised) weight skips nn.Embedding's normal_() init: the loader
-        # fills every row, and normal_ on the meta device imports torch._dynamo (~2 s of
-        # every engine start).
+        # fills every row, and normal_ on the meta device runs torch's Python reference ops.
         super().__init__(rows, hidden_size, _weight=torch.empty(rows, hidden_size))
         self.tp = tp
         self.vocab_start = layout.vocab_start

@@ -1,8 +1,7 @@
 """`pdserve serve` as it is stopped in production: in its own session, with a streamed request
-in flight, by SIGINT (Ctrl-C), SIGTERM to the main process (docker, Kubernetes) or SIGTERM to
-the whole process group (`kill -- -PGID`). The stream finishes, then every
-process that was below the server is gone within --shutdown-timeout-s and nothing listens on
-its port any more."""
+in flight, by SIGTERM to the main process (docker, Kubernetes) or to the whole process group
+(`kill -- -PGID`). The stream finishes, then every process that was below the server is gone
+within --shutdown-timeout-s and nothing listens on its port any more."""
 
 from __future__ import annotations
 
