@@ -43,7 +43,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 class PackedLinearMixin:
     """For nn.Linear subclasses: `pack()` swaps the dense weight for a packed one, and
-    `matmul(x)` is x @ W^T (no bias) with whichever the layer holds."""
+    `linear(x, bias)` is x @ W^T (+ bias) with whichever the layer holds."""
 
     packed_weight: torch.Tensor | None = None
 
@@ -55,10 +55,10 @@ class PackedLinearMixin:
         self.weight = None
         return True
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, None)
-        return nn.functional.linear(x, self.weight)
+            return packed_linear(x, self.packed_weight, bias)
+        return nn.functional.linear(x, self.weight, bias)
 
 
 def pack_model_linears(model: nn.Module) -> int:

@@ -145,7 +145,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, vocab] fp32 logits; under tensor parallelism on rank 0 only (None elsewhere)."""
         if self.lm_head is not None:
-            local = self.lm_head.matmul(hidden)
+            local = self.lm_head.linear(hidden)
         elif self.tied_head is not None:
             local = packed_linear(hidden, self.tied_head, None)
         else:

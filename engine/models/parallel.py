@@ -22,7 +22,7 @@ from torch import nn
 from engine.distributed import TPGroup
 from engine.errors import ParameterError
 from engine.models.arch import ModelArch
-from engine.models.cpu_linear import PackedLinearMixin, packed_linear
+from engine.models.cpu_linear import PackedLinearMixin
 
 
 def check_tp_size(arch: ModelArch, tp: int, expert_parallel: bool = False) -> None:
@@ -138,9 +138,7 @@ class ColumnParallelLinear(PackedLinearMixin, nn.Linear):
     weight may be packed for oneDNN (engine.models.cpu_linear)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.bias)
-        return super().forward(x)
+        return self.linear(x, self.bias)
 
 
 class RowParallelLinear(PackedLinearMixin, nn.Linear):
@@ -154,10 +152,8 @@ class RowParallelLinear(PackedLinearMixin, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            if self.packed_weight is not None:
-                return packed_linear(x, self.packed_weight, self.bias)
-            return super().forward(x)
-        y = self.tp.all_reduce(self.matmul(x))
+            return self.linear(x, self.bias)
+        y = self.tp.all_reduce(self.linear(x))
         return y if self.bias is None else y + self.bias
 
 
