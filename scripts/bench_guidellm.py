@@ -35,16 +35,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.serve_bench.server import ServerProcess, free_port, server_command  # noqa: E402
 
 
-def tokenizer_dir(model: str, tmp: str) -> str:
+def tokenizer_dir(model: str) -> str:
     """A directory guidellm's tokenizer loader can read: the model's own, or for a GGUF file
-    the tokenizer transformers builds from it, saved once."""
-    if not model.endswith(".gguf"):
-        return model
-    from transformers import AutoTokenizer
+    the tokenizer pdserve converted from it (its cache, engine.models.gguf_tokenizer)."""
+    from engine.models.gguf_file import find_gguf
 
-    out = os.path.join(tmp, "tokenizer")
-    AutoTokenizer.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model)).save_pretrained(out)
-    return out
+    gguf = find_gguf(model)
+    if gguf is None:
+        return model
+    from engine.models.gguf_tokenizer import gguf_tokenizer_dir
+
+    return gguf_tokenizer_dir(gguf)
 
 
 def run_guidellm(guidellm: str, url: str, model: str, tokenizer: str, args, out_json: str) -> dict:
@@ -109,14 +110,14 @@ def run_offline(model: str, prompt_tokens: int, args) -> dict:
     return {"output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
-def bench_mode(mode: str, model: str, guidellm: str, args, tmp: str) -> dict:
+def bench_mode(mode: str, model: str, tokenizer: str, guidellm: str, args, tmp: str) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = os.path.join(tmp, f"serve-{mode}.log")
     server = ServerProcess(server_command(mode, port, model, None, model, args.server_args.split()), log)
     try:
         server.wait_ready(url, args.start_timeout)
-        return run_guidellm(guidellm, url, model, tokenizer_dir(model, tmp), args,
+        return run_guidellm(guidellm, url, model, tokenizer, args,
                             os.path.join(tmp, f"guidellm-{mode}.json"))
     finally:
         server.stop()
@@ -152,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         args.model = default_model()
     model = os.path.abspath(args.model or ensure_preset_model(args.preset))
     results: dict[str, dict] = {}
+    tokenizer = tokenizer_dir(model)
     with tempfile.TemporaryDirectory(prefix="bench-guidellm-") as tmp:
         for mode in args.modes.split(","):
-            results[mode] = bench_mode(mode, model, args.guidellm, args, tmp)
+            results[mode] = bench_mode(mode, model, tokenizer, args.guidellm, args, tmp)
             print(f"{mode}: {json.dumps(results[mode])}", flush=True)
     prompt_tokens = round(next(iter(results.values()))["prompt_tokens"])
     results["offline"] = run_offline(model, prompt_tokens, args)

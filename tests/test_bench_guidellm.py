@@ -9,19 +9,18 @@ import os
 from scripts.bench_guidellm import tokenizer_dir
 
 
-def test_a_gguf_models_tokenizer_is_saved_where_guidellm_can_load_it(tmp_path):
+def test_a_gguf_models_tokenizer_is_saved_where_guidellm_can_load_it():
     from transformers import AutoTokenizer
 
     from cluster.default_model import default_model
 
     gguf = default_model()
-    saved = tokenizer_dir(gguf, str(tmp_path))
+    saved = tokenizer_dir(gguf)
     assert saved != gguf and os.path.isdir(saved)
     text = "The capital of France is Paris. Ünïcödé, emoji 🙂 and   spaces."
     oracle = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     assert AutoTokenizer.from_pretrained(saved)(text)["input_ids"] == oracle(text)["input_ids"]
 
 
-def test_a_model_directory_is_its_own_tokenizer_dir(tiny_model, tmp_path):
-    assert tokenizer_dir(tiny_model, str(tmp_path)) == tiny_model
-    assert os.listdir(tmp_path) == []
+def test_a_model_directory_is_its_own_tokenizer_dir(tiny_model):
+    assert tokenizer_dir(tiny_model) == tiny_model

@@ -43,6 +43,16 @@ def load_gguf_tokenizer(path: str):
     return tokenizer
 
 
+def gguf_tokenizer_dir(path: str) -> str:
+    """The cached tokenizer directory of a GGUF file, converted now if need be: for tools that
+    load a tokenizer by directory (a load generator, say)."""
+    load_gguf_tokenizer(path)
+    cached = _cache_dir(path)
+    if not os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        raise OSError(f"could not cache the tokenizer of {path} in {cached}")
+    return cached
+
+
 def _save(tokenizer, cached: str) -> None:
     """Write to a private directory, then rename: concurrent replicas converting the same
     file never see a half-written entry, and the first rename wins."""
