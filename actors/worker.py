@@ -44,10 +44,11 @@ def cluster_engine_args(engine_args: EngineArgs) -> EngineArgs:
 
 
 def engine_config_for_role(engine_args: EngineArgs, role: str):
-    """The engine config a worker of `role` runs. A prefill worker samples one token per
-    request, so it never speculates (a proposer there would only draft for the decode side);
-    decode and colocated workers keep the speculative config."""
-    config = engine_args.create_engine_config()
+    """The engine config a worker of `role` runs: a serving engine's defaults
+    (engine.config.resolved_token_budget). A prefill worker samples one token per request,
+    so it never speculates (a proposer there would only draft for the decode side); decode
+    and colocated workers keep the speculative config."""
+    config = engine_args.create_engine_config(usage_context="serving")
     if role == "prefill":
         config = dataclasses.replace(config, speculative=None)
     return config

@@ -57,7 +57,7 @@ class EngineArgs:
     # scheduler
     max_num_seqs: int = _arg(256, "most requests in one step")
     max_num_batched_tokens: int | None = _arg(None, "token budget of one step (default: 8192 on "
-                                              "CUDA, 2048 on CPU)")
+                                              "CUDA; on CPU 512 when serving, 2048 offline)")
     long_prefill_token_threshold: int = _arg(0, "chunk prompts longer than this per step (0: off)")
     scheduling_policy: str = _arg("fcfs", "order of the waiting queue", POLICIES)
     # multimodal
@@ -140,8 +140,10 @@ class EngineArgs:
         return cls(**values)
 
     # ---- to the engine ------------------------------------------------------------------
-    def create_engine_config(self) -> EngineConfig:
-        """The frozen per-layer configs; every value is validated there (ParameterError)."""
+    def create_engine_config(self, usage_context: str = "offline") -> EngineConfig:
+        """The frozen per-layer configs; every value is validated there (ParameterError).
+        `usage_context`: "serving" for engines behind the server (engine.config.USAGE_CONTEXTS),
+        which changes defaults only."""
         if not isinstance(self.model, str) or not self.model:
             raise ParameterError("model", f"model must be a model directory or .gguf file, got {self.model!r}")
         return EngineConfig(
@@ -160,6 +162,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 scheduling_policy=self.scheduling_policy,
+                usage_context=usage_context,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
