@@ -97,10 +97,10 @@ class SchedulerConfig:
 # cache (+25% throughput on the 2-core benchmark). Serving, 512: a step's prompts all get
 # their first token when the step ends, and on CPU a step costs what its tokens cost, so a
 # 2048-token step made every prompt of a burst wait for the whole burst and, in P/D, left the
-# decode engine idle meanwhile. Measured on SmolLM2 (2-core CPU, 8 streams of 286-token
-# prompts, 64 tokens out, README "Token budget when serving"): P/D 29.8 -> 35.3 tok/s, TTFT
-# median 8.8 -> 2.6 s; colocated 27.6 -> 29.2 tok/s, 8.6 -> 3.6 s. Offline the smaller
-# budget was no faster, so LLM and batch jobs keep 2048.
+# decode engine idle meanwhile. On SmolLM2 at 8 streams (README "Token budget when serving"):
+# P/D +14-31% tok/s and a 3-4x lower median TTFT; colocated a 2x lower median TTFT for a
+# 20-50% higher median ITL. Offline the smaller budget was no faster, so LLM and batch jobs
+# keep 2048.
 _CPU_TOKEN_BUDGET = {"offline": 2048, "serving": 512}
 _CUDA_TOKEN_BUDGET = 8192
 
