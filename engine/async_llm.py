@@ -48,9 +48,11 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs,
-                         kv_connector_factory: KVConnectorFactory | None = None) -> AsyncLLM:
-        return cls(engine_args.create_engine_config(), kv_connector_factory)
+    def from_engine_args(cls, engine_args: EngineArgs, kv_connector_factory: KVConnectorFactory | None = None,
+                         usage_context: str = "serving") -> AsyncLLM:
+        """An AsyncLLM is what serving code runs, so it takes the serving defaults
+        (engine.config.resolved_token_budget) unless told otherwise."""
+        return cls(engine_args.create_engine_config(usage_context), kv_connector_factory)
 
     # ---- engine thread ------------------------------------------------------------------
     def _busy_loop(self) -> None:

@@ -80,8 +80,9 @@ class SchedulerConfig:
     # 0 disables the cap; a positive value chunks long prefills to at most this many tokens.
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
-    # "serving" for the engines behind `pdserve serve` and the P/D actors, "offline" for
-    # LLM, batch jobs and the bench scripts: only the default token budget differs.
+    # "serving" for the engines behind `pdserve serve`, the P/D actors and
+    # AsyncLLM.from_engine_args; "offline" for LLM, batch jobs and the bench scripts: only
+    # the default token budget differs.
     usage_context: str = "offline"
 
     def __post_init__(self) -> None:

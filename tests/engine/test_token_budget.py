@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM
+from engine import LLM, AsyncLLM
 from engine.args import EngineArgs
 from engine.config import SchedulerConfig, resolved_token_budget
 from engine.errors import ParameterError
@@ -35,3 +35,11 @@ def test_unknown_usage_context_names_the_field_and_the_choices():
 def test_the_llm_class_keeps_the_offline_budget(tiny_model):
     llm = LLM(tiny_model, num_kv_blocks=64, max_model_len=1024)
     assert llm.engine.core.scheduler_config.max_num_batched_tokens == 2048
+
+
+def test_async_llm_from_engine_args_takes_the_serving_budget(tiny_model):
+    engine = AsyncLLM.from_engine_args(EngineArgs(tiny_model, num_kv_blocks=64, max_model_len=1024))
+    try:
+        assert engine.engine.core.scheduler_config.max_num_batched_tokens == 512
+    finally:
+        engine.shutdown()
