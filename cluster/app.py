@@ -10,6 +10,7 @@ config): the Coordinator changes replica counts through Serve's external-scaling
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from ray import serve
@@ -19,6 +20,7 @@ from actors.ray_executor import PLACEMENT_STRATEGY, replica_bundles
 from actors.worker import cluster_engine_args
 from cluster.auth import digest, keys_from
 from cluster.autoscale import build_config
+from cluster.capacity import auto_replica_cpus, node_cpus
 from cluster.coordinator import SCALE_TIMEOUT_S, Coordinator
 from cluster.default_model import default_model, require_model_dir, served_name
 from cluster.ingress import Ingress
@@ -58,7 +60,10 @@ class AppConfig:
     stream_interval_ms: float = STREAM_INTERVAL_MS
     prefix_affinity: bool = False
     routing_stats_period_s: float = 0.5
-    replica_num_cpus: float = 1.0
+    # CPUs Ray reserves per engine replica, which are also its torch threads (Ray sets
+    # OMP_NUM_THREADS to them). None: 1 with GPUs; on CPU the cluster's CPUs shared among the
+    # engine replicas (cluster.capacity.auto_replica_cpus), resolved when the app is built.
+    replica_num_cpus: float | None = None
     replica_num_gpus: float | None = None  # None: see num_gpus
     # Tensor-parallel size of each P/D role (None: engine_args.tensor_parallel_size). Each rank
     # moves its own heads of the prompt KV, so the two must be equal (refused otherwise).
@@ -98,7 +103,7 @@ class AppConfig:
         if not 0 < self.health_check_period_s <= 600:
             raise ParameterError("health_check_period_s",
                                  f"health_check_period_s must be in (0, 600], got {self.health_check_period_s}")
-        if self.replica_num_cpus < 0:
+        if self.replica_num_cpus is not None and self.replica_num_cpus < 0:
             raise ParameterError("replica_num_cpus", f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
         if self.replica_num_gpus is not None and self.replica_num_gpus < 0:
             raise ParameterError("replica_num_gpus", f"replica_num_gpus must be >= 0, got {self.replica_num_gpus}")
@@ -162,6 +167,29 @@ class AppConfig:
             self.engine_args, tensor_parallel_size=self.tensor_parallel_size(role),
             data_parallel_size=self.data_parallel_size(role)))
 
+    def replica_cpus(self) -> float:
+        """CPUs each engine replica reserves (its ranks' and cores' threads included)."""
+        if self.replica_num_cpus is not None:
+            return self.replica_num_cpus
+        if self._engines_on_gpus():
+            return 1.0  # the engine's own host thread; the GPU does the work
+        raise RuntimeError("replica_num_cpus is sized from the cluster on CPU: use AppConfig.sized_for first")
+
+    def sized_for(self, node_cpus: list[float]) -> AppConfig:
+        """This config with `replica_num_cpus` decided for a cluster of these nodes' CPUs
+        (unchanged when it was given, or on GPUs). An app that scales itself shares the CPUs
+        among its largest replica counts, so scaling up finds room."""
+        if self.replica_num_cpus is not None or self._engines_on_gpus():
+            return self
+        autoscaling = build_config(self.autoscale, self.max_replica_map()).enabled
+        replicas = sum((self.max_replica_map() if autoscaling else self.targets()).values())
+        return dataclasses.replace(self, replica_num_cpus=auto_replica_cpus(node_cpus, replicas))
+
+    def _engines_on_gpus(self) -> bool:
+        # A GPU reservation given explicitly counts too: a CPU-only head node (where this runs)
+        # may deploy replicas onto GPU workers.
+        return self.uses_gpus() or (self.replica_num_gpus or 0.0) > 0
+
     def uses_gpus(self) -> bool:
         if self.engine_args.device != "auto":
             return self.engine_args.device == "cuda"
@@ -193,19 +221,33 @@ class AppConfig:
         if dp == 1 and (tp == 1 or args.distributed_executor_backend != "ray"):
             return None
         return replica_bundles("cuda" if self.uses_gpus() else "cpu", dp * tp,
-                               {"CPU": self.replica_num_cpus, "GPU": self.num_gpus(role)})
+                               {"CPU": self.replica_cpus(), "GPU": self.num_gpus(role)})
+
+    def engine_actor_options(self, role: str) -> dict:
+        """Ray actor options of `role`'s replicas. CPU engines get OMP_WAIT_POLICY=PASSIVE
+        (unless the environment names a policy): by default OpenMP's idle threads spin
+        between parallel regions, taking the cores the ingress, the proxy and the other
+        role's engine need on the same node (README, "Threads of CPU engine replicas"). It
+        must be in the process's environment before torch loads OpenMP, hence runtime_env;
+        rank and core actors the replica starts inherit it."""
+        options = {"num_cpus": self.replica_cpus(), "num_gpus": self.num_gpus(role)}
+        if not self._engines_on_gpus():
+            policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+            options["runtime_env"] = {"env_vars": {"OMP_WAIT_POLICY": policy}}
+        return options
 
     def replica_resources(self) -> dict[str, float]:
         """What the largest replica of any role reserves in all, its ranks' bundles included
         (the Coordinator's capacity checks before scaling)."""
         totals = []
         for role in self.targets():
-            bundles = self.placement_bundles(role) or [{"CPU": self.replica_num_cpus, "GPU": self.num_gpus(role)}]
+            bundles = self.placement_bundles(role) or [{"CPU": self.replica_cpus(), "GPU": self.num_gpus(role)}]
             totals.append({name: sum(b.get(name, 0.0) for b in bundles) for name in ("CPU", "GPU")})
         return {name: max(t[name] for t in totals) for name in ("CPU", "GPU")}
 
 
 def build_app(cfg: AppConfig):
+    cfg = cfg.sized_for(node_cpus())  # Ray is connected by now
     router = RequestRouterConfig(
         request_router_class=LeastLoadRouter,
         request_router_kwargs={"prefix_affinity": cfg.prefix_affinity},
@@ -220,8 +262,7 @@ def build_app(cfg: AppConfig):
     )
 
     def engine(name: str, role: str, replicas: int):
-        options = dict(engine_options, ray_actor_options={"num_cpus": cfg.replica_num_cpus,
-                                                          "num_gpus": cfg.num_gpus(role)})
+        options = dict(engine_options, ray_actor_options=cfg.engine_actor_options(role))
         bundles = cfg.placement_bundles(role)
         if bundles is not None:
             # Serve reserves the replica and its rank actors together, and replaces them together.

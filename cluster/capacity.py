@@ -37,3 +37,26 @@ def free_resources() -> dict[str, float]:
 
     free = ray.available_resources()
     return {"CPU": float(free.get("CPU", 0.0)), "GPU": float(free.get("GPU", 0.0))}
+
+
+def auto_replica_cpus(node_cpus: list[float], engine_replicas: int) -> float:
+    """CPUs (hence torch threads: Ray sets OMP_NUM_THREADS to the reservation) of each CPU
+    engine replica when none were given: the cluster's CPUs shared evenly among the app's
+    engine replicas, no more than the largest node has (a replica lives on one node), at least
+    one. A CPU engine is compute-bound and its threads are its speed, so a lone replica takes
+    its node (vLLM's CPU backend binds every core of a single engine likewise); two processes
+    given the same cores measured slower than each on its own half (README, "Threads of CPU
+    engine replicas")."""
+    if engine_replicas < 1:
+        raise ValueError(f"engine_replicas must be >= 1, got {engine_replicas}")
+    cpus = [c for c in node_cpus if c > 0]
+    if not cpus:
+        return 1.0
+    return float(max(1, int(min(max(cpus), sum(cpus) / engine_replicas))))
+
+
+def node_cpus() -> list[float]:
+    """CPUs of each live node of the connected Ray cluster."""
+    import ray
+
+    return [float(n["Resources"].get("CPU", 0.0)) for n in ray.nodes() if n.get("Alive")]

@@ -39,7 +39,9 @@ def add_serve_parser(sub) -> None:
                    help="require `Authorization: Bearer KEY` on /v1/*, /scale and /status "
                         "(repeatable; PDSERVE_API_KEY, comma-separated, adds more)")
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
-    p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica")
+    p.add_argument("--replica-cpus", type=float, default=None,
+                   help="CPUs Ray reserves per engine replica, also its torch threads (default: 1 with GPUs; on "
+                        "CPU the cluster's CPUs shared among the engine replicas, at most one node's)")
     p.add_argument("--replica-gpus", type=float, default=None,
                    help="GPUs the engine replica actor itself reserves (default on a CUDA machine: 1; with "
                         "tensor parallel over Ray actors 0, each rank actor reserves its own GPU)")
@@ -160,6 +162,7 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
     from ray import serve
 
     from cluster.app import build_app
+    from cluster.capacity import node_cpus
     from cluster.shutdown import BoundedShutdown, StopServing, become_subreaper
     from kvstore.store_actor import remove_app_store
 
@@ -209,12 +212,14 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
         stopper.install()  # ray.init replaced the SIGTERM handler
         stopper.watch_ray_node()
         serve.start(http_options={"host": args.host, "port": args.port})
+        cfg = cfg.sized_for(node_cpus())
         serve.run(build_app(cfg), name=cfg.app_name, route_prefix="/", blocking=False,
                   external_scaler_enabled=True)
         url = f"http://{args.host}:{args.port}"
         chat = json.dumps({"model": cfg.model_name, "max_tokens": 64, "messages": [
             {"role": "user", "content": "What is the capital of France?"}]})
-        print(f"\npdserve is up ({cfg.mode}, model '{cfg.model_name}', HTTP front: {front}) at {url}\n"
+        print(f"\npdserve is up ({cfg.mode}, model '{cfg.model_name}', HTTP front: {front}, "
+              f"{cfg.replica_cpus():g} CPUs per engine replica) at {url}\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"       -d '{chat}'\n"
               f"Ctrl-C stops it.", flush=True)

@@ -313,3 +313,82 @@ def test_data_parallel_sizes_are_checked_with_their_names(tiny_model):
         with pytest.raises(ParameterError) as exc:
             AppConfig.from_flat({"model": tiny_model, "mode": "pd", name: 0})
         assert exc.value.field == name
+
+
+# --- CPUs of engine replicas --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("node_cpus, replicas, expected", [
+    ([2.0], 1, 2.0),                # a lone colocated replica takes its node
+    ([2.0], 2, 1.0),                # P/D on one node: a core each
+    ([16.0], 3, 5.0),               # floor of an even share
+    ([1.0], 2, 1.0),                # never below one
+    ([16.0, 16.0, 16.0], 2, 16.0),  # no more than one node holds
+    ([16.0, 16.0, 16.0], 6, 8.0),
+    ([0.0, 8.0], 1, 8.0),           # a node without CPUs counts for nothing
+    ([], 1, 1.0),
+])
+def test_auto_replica_cpus_shares_the_cluster_among_replicas(node_cpus, replicas, expected):
+    from cluster.capacity import auto_replica_cpus
+
+    assert auto_replica_cpus(node_cpus, replicas) == expected
+
+
+def test_auto_replica_cpus_refuses_no_replicas():
+    from cluster.capacity import auto_replica_cpus
+
+    with pytest.raises(ValueError, match="engine_replicas"):
+        auto_replica_cpus([4.0], 0)
+
+
+def test_cpu_replicas_are_sized_from_the_cluster_when_not_given(tiny_model):
+    colocated = _cfg(tiny_model, mode="colocated")
+    assert colocated.replica_num_cpus is None
+    with pytest.raises(RuntimeError, match="sized_for"):
+        colocated.replica_cpus()  # on CPU there is no answer before the cluster is known
+    sized = colocated.sized_for([2.0])
+    assert sized.replica_cpus() == 2.0 and sized.replica_resources() == {"CPU": 2.0, "GPU": 0.0}
+    assert sized.sized_for([64.0]) is sized  # decided once
+    pd = _cfg(tiny_model, mode="pd", prefill_replicas=1, decode_replicas=2)
+    assert pd.sized_for([6.0]).replica_cpus() == 2.0  # three engine replicas
+    # Given: kept whatever the cluster, 0 included.
+    assert _cfg(tiny_model, mode="colocated", replica_num_cpus=0).sized_for([8.0]).replica_cpus() == 0.0
+    assert _cfg(tiny_model, mode="colocated", replica_num_cpus=3).sized_for([8.0]).replica_cpus() == 3.0
+
+
+def test_an_autoscaling_app_shares_cpus_among_its_largest_replica_counts(tiny_model):
+    """Sized for the initial replicas, a scaled-up replica would find no CPU left."""
+    cfg = _cfg(tiny_model, mode="pd", max_replicas=4, autoscale={"enabled": True})
+    assert cfg.sized_for([16.0]).replica_cpus() == 2.0  # 16 CPUs over 4 + 4 replicas
+    assert _cfg(tiny_model, mode="pd", max_replicas=4).sized_for([16.0]).replica_cpus() == 8.0
+
+
+def test_gpu_replicas_reserve_one_cpu_by_default(tiny_model, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = _cfg(tiny_model, mode="colocated")
+    assert cfg.replica_cpus() == 1.0 and cfg.sized_for([64.0]) is cfg
+
+
+def test_replicas_given_gpus_reserve_one_cpu_from_a_cpu_only_head(tiny_model):
+    """ray up: the head (which builds the app) has no GPU, the workers do."""
+    cfg = _cfg(tiny_model, mode="pd", replica_num_gpus=1)
+    assert cfg.replica_cpus() == 1.0 and cfg.sized_for([64.0, 8.0]) is cfg
+
+
+def test_cpu_engine_replicas_let_idle_openmp_threads_sleep(tiny_model, monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cfg = _cfg(tiny_model, mode="pd").sized_for([2.0])
+    for role in ("prefill", "decode"):
+        assert cfg.engine_actor_options(role) == {
+            "num_cpus": 1.0, "num_gpus": 0.0, "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the operator's choice wins
+    assert cfg.engine_actor_options("decode")["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "ACTIVE"}}
+
+
+def test_gpu_engine_replicas_keep_their_environment(tiny_model, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _cfg(tiny_model, mode="colocated").engine_actor_options("colocated") == {"num_cpus": 1.0, "num_gpus": 1.0}
