@@ -64,6 +64,9 @@ class AppConfig:
     # OMP_NUM_THREADS to them). None: 1 with GPUs; on CPU the cluster's CPUs shared among the
     # engine replicas (cluster.capacity.auto_replica_cpus), resolved when the app is built.
     replica_num_cpus: float | None = None
+    # Torch threads of each engine replica when they should differ from its CPUs (None: the
+    # same). More threads than CPUs lets replicas sharing a node use each other's idle cores.
+    replica_num_threads: int | None = None
     replica_num_gpus: float | None = None  # None: see num_gpus
     # Tensor-parallel size of each P/D role (None: engine_args.tensor_parallel_size). Each rank
     # moves its own heads of the prompt KV, so the two must be equal (refused otherwise).
@@ -105,6 +108,8 @@ class AppConfig:
                                  f"health_check_period_s must be in (0, 600], got {self.health_check_period_s}")
         if self.replica_num_cpus is not None and self.replica_num_cpus < 0:
             raise ParameterError("replica_num_cpus", f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
+        if self.replica_num_threads is not None:
+            check_int("replica_num_threads", self.replica_num_threads)
         if self.replica_num_gpus is not None and self.replica_num_gpus < 0:
             raise ParameterError("replica_num_gpus", f"replica_num_gpus must be >= 0, got {self.replica_num_gpus}")
         for role, n in self.targets().items():
@@ -224,16 +229,21 @@ class AppConfig:
                                {"CPU": self.replica_cpus(), "GPU": self.num_gpus(role)})
 
     def engine_actor_options(self, role: str) -> dict:
-        """Ray actor options of `role`'s replicas. CPU engines get OMP_WAIT_POLICY=PASSIVE
+        """Ray actor options of `role`'s replicas: their CPUs, GPUs, and environment (threads
+        when `replica_num_threads` is given). CPU engines get OMP_WAIT_POLICY=PASSIVE
         (unless the environment names a policy): by default OpenMP's idle threads spin
         between parallel regions, taking the cores the ingress, the proxy and the other
         role's engine need on the same node (README, "Threads of CPU engine replicas"). It
         must be in the process's environment before torch loads OpenMP, hence runtime_env;
         rank and core actors the replica starts inherit it."""
         options = {"num_cpus": self.replica_cpus(), "num_gpus": self.num_gpus(role)}
+        env = {}
         if not self._engines_on_gpus():
-            policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
-            options["runtime_env"] = {"env_vars": {"OMP_WAIT_POLICY": policy}}
+            env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+        if self.replica_num_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.replica_num_threads)  # Ray keeps a value already set
+        if env:
+            options["runtime_env"] = {"env_vars": env}
         return options
 
     def replica_resources(self) -> dict[str, float]:

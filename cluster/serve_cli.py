@@ -42,6 +42,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--replica-cpus", type=float, default=None,
                    help="CPUs Ray reserves per engine replica, also its torch threads (default: 1 with GPUs; on "
                         "CPU the cluster's CPUs shared among the engine replicas, at most one node's)")
+    p.add_argument("--replica-threads", type=int, default=None,
+                   help="torch threads of each engine replica (default: its CPUs); more than its CPUs lets "
+                        "replicas on one node use each other's idle cores")
     p.add_argument("--replica-gpus", type=float, default=None,
                    help="GPUs the engine replica actor itself reserves (default on a CUDA machine: 1; with "
                         "tensor parallel over Ray actors 0, each rank actor reserves its own GPU)")
@@ -126,6 +129,7 @@ def _config(args: argparse.Namespace):
         colocated_replicas=args.replicas, served_model_name=args.served_model_name, app_name=args.app_name,
         load_failure_policy=args.load_failure_policy, max_pending_requests=args.max_pending_requests,
         prefix_affinity=args.prefix_affinity, replica_num_cpus=args.replica_cpus,
+        replica_num_threads=args.replica_threads,
         replica_num_gpus=args.replica_gpus, max_replicas=args.max_replicas,
         prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
         decode_tensor_parallel_size=args.decode_tensor_parallel_size,
@@ -218,8 +222,11 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
         url = f"http://{args.host}:{args.port}"
         chat = json.dumps({"model": cfg.model_name, "max_tokens": 64, "messages": [
             {"role": "user", "content": "What is the capital of France?"}]})
-        print(f"\npdserve is up ({cfg.mode}, model '{cfg.model_name}', HTTP front: {front}, "
-              f"{cfg.replica_cpus():g} CPUs per engine replica) at {url}\n"
+        cpus = cfg.replica_cpus()
+        sizing = f"{cpus:g} CPU{'' if cpus == 1 else 's'} per engine replica"
+        if cfg.replica_num_threads is not None:
+            sizing += f", {cfg.replica_num_threads} torch threads"
+        print(f"\npdserve is up ({cfg.mode}, model '{cfg.model_name}', HTTP front: {front}, {sizing}) at {url}\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"       -d '{chat}'\n"
               f"Ctrl-C stops it.", flush=True)

@@ -194,6 +194,9 @@ class Bench:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         extra = ["--stream-interval-ms", f"{interval_ms:g}"] + shlex.split(args.server_args)
+        if "--replica-cpus" not in extra:
+            # CPU seconds compare only at equal threads: more threads spend more CPU per token.
+            extra += ["--replica-cpus", str(args.offline_threads)]
         cmd = server_command(mode, port, self.model, None, None, extra)
         log_path = os.path.join(log_dir, f"server-{mode}-{interval_ms:g}ms.log")
         print(f"\n[{mode} {interval_ms:g} ms] {shlex.join(cmd)}\n  log: {log_path}", flush=True)
@@ -244,8 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--intervals", default="0,10,50", help="colocated --stream-interval-ms sweep ('' for none)")
     ap.add_argument("--bytes-prompts", type=_ints, default=[256, 8192], help="prompt lengths of the message sizes")
     ap.add_argument("--bytes-requests", type=int, default=8, help="requests run together for the message sizes")
-    ap.add_argument("--offline-threads", type=int, default=1, help="torch threads of the offline engine; 1 "
-                    "is what an engine replica gets as shipped (Ray sets OMP_NUM_THREADS to its num_cpus, 1)")
+    ap.add_argument("--offline-threads", type=int, default=1, help="torch threads of the offline engine, and "
+                    "the server's --replica-cpus unless --server-args names one (Ray sets a replica's "
+                    "OMP_NUM_THREADS to its CPUs)")
     ap.add_argument("--idle-s", type=float, default=30.0, help="idle window per server before its loads "
                     "(CPU per minute by role with no requests; 0 skips)")
     ap.add_argument("--skip-offline", action="store_true")

@@ -38,6 +38,8 @@ def _cfg(model: str, **kw) -> AppConfig:
     ({"load_failure_policy": "x"}, "load_failure_policy"),
     ({"replica_num_cpus": -1}, "replica_num_cpus"),
     ({"replica_num_cpus": -0.5}, "replica_num_cpus"),
+    ({"replica_num_threads": 0}, "replica_num_threads"),
+    ({"replica_num_threads": 1.5}, "replica_num_threads"),
     ({"replica_num_gpus": -1}, "replica_num_gpus"),
     ({"prefill_replicas": 9}, "prefill_replicas"),  # above max_replicas (8)
     ({"stream_interval_ms": -1}, "stream_interval_ms"),
@@ -392,3 +394,18 @@ def test_gpu_engine_replicas_keep_their_environment(tiny_model, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert _cfg(tiny_model, mode="colocated").engine_actor_options("colocated") == {"num_cpus": 1.0, "num_gpus": 1.0}
+
+
+def test_replica_threads_given_reach_the_engine_processes_environment(tiny_model, monkeypatch):
+    """Ray keeps an OMP_NUM_THREADS already in a worker's environment (it sets one only when
+    none is), and the replica's rank and core actors inherit its runtime_env."""
+    import torch
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cfg = _cfg(tiny_model, mode="pd", replica_num_threads=2).sized_for([2.0])
+    assert cfg.engine_actor_options("prefill") == {
+        "num_cpus": 1.0, "num_gpus": 0.0,
+        "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "2"}}}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = _cfg(tiny_model, mode="colocated", replica_num_threads=4)
+    assert gpu.engine_actor_options("colocated")["runtime_env"] == {"env_vars": {"OMP_NUM_THREADS": "4"}}

@@ -44,6 +44,8 @@ def test_flags_reach_the_app_config(tiny_model):
     assert cfg.replica_num_cpus is None  # sized from the cluster once Ray is up (cluster.capacity)
     given = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--replica-cpus", "3"]))
     assert given.replica_num_cpus == 3.0
+    threads = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--replica-threads", "2"]))
+    assert threads.replica_num_threads == 2 and cfg.replica_num_threads is None
 
 
 def test_tensor_parallel_flags_reach_each_role(tiny_model):
