@@ -56,6 +56,21 @@ class AsyncLLM:
 
     # ---- engine thread ------------------------------------------------------------------
     def _busy_loop(self) -> None:
+        try:
+            self._serve_forever()
+        except BaseException as e:  # a bug here, not in a step: still fail everything, never hang
+            self._die(e)
+            raise
+
+    def _die(self, e: BaseException) -> None:
+        """The engine is unusable: fail every stream and queued call, loudly (the replica's
+        health check reports `_errored`, so Serve replaces it)."""
+        self._errored = e
+        for rid in list(self._streams):
+            self._post(rid, e)
+        self._fail_pending()
+
+    def _serve_forever(self) -> None:
         while True:
             # Block when there is nothing to do: no requests, or the last step found nothing
             # schedulable (all waiting for remote KV; a KV arrival posts _WAKE).
@@ -75,20 +90,24 @@ class AsyncLLM:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # the engine is unusable: fail every stream, loudly
-                self._errored = e
-                for rid in list(self._streams):
-                    self._post(rid, e)
-                self._fail_pending()
+            except Exception as e:
+                self._die(e)
                 return
             self._post_step(outputs)
 
     def _handle(self, item: tuple[Callable, tuple, Future]) -> None:
         fn, args, fut = item
+        # A caller that went away before its call ran cancelled it (asyncio.wrap_future passes
+        # the cancellation on): the call is skipped, and its future could take no result. An
+        # abort must run whatever its caller does, so callers shield theirs.
+        if not fut.set_running_or_notify_cancel():
+            return
         try:
-            fut.set_result(fn(*args))
+            result = fn(*args)
         except BaseException as e:
             fut.set_exception(e)
+        else:
+            fut.set_result(result)
 
     def _post(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -132,7 +151,7 @@ class AsyncLLM:
                 item = self._inputs.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, tuple) and not item[2].done():
+            if isinstance(item, tuple) and item[2].set_running_or_notify_cancel():
                 item[2].set_exception(RuntimeError(f"engine is dead: {self._errored!r}"))
 
     async def generate(
@@ -214,8 +233,13 @@ class AsyncLLM:
         if request_id in self._sinks:
             self._sinks.discard(request_id)
             self._streams.pop(request_id, None)
-        await asyncio.wrap_future(self.call(self.engine.abort_request, request_id))
-        self._post(request_id, _ABORTED)
+        fut = self.call(self.engine.abort_request, request_id)
+        try:
+            # Shielded: a caller cancelled meanwhile (Serve cancels a call whose client left)
+            # must not cancel the abort itself, or the request would keep its KV blocks.
+            await asyncio.shield(asyncio.wrap_future(fut))
+        finally:
+            self._post(request_id, _ABORTED)
 
     async def load(self) -> dict:
         return await asyncio.wrap_future(self.call(self.engine.core.load))

@@ -131,3 +131,74 @@ def test_a_call_queued_while_the_engine_step_fails_is_failed_not_left_waiting():
         queued.result(timeout=60)
     with pytest.raises(RuntimeError, match="engine is dead"):  # and every later call at once
         eng.call(lambda: None).result(timeout=0)
+
+
+def _gate(engine):
+    """Hold the engine thread in a call until the returned event is set: calls made
+    meanwhile wait in its queue, as they do behind a long step."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        release.wait(60)
+
+    engine.call(hold)
+    assert entered.wait(60)
+    return release
+
+
+def test_a_cancelled_abort_still_aborts_and_the_engine_thread_lives(engine, offline):
+    """Serve cancels a call whose caller left (`CALL abort CANCELLED`). That cancellation once
+    reached the engine thread's future, which then raised InvalidStateError and killed the
+    thread: every later request hung."""
+    core = engine.engine.core
+
+    async def main():
+        outs = []
+
+        async def consume():
+            async for out in engine.generate("The river ran", SamplingParams(max_tokens=100, ignore_eos=True),
+                                             request_id="x"):
+                outs.append(out)
+                if len(outs) == 2:
+                    release = _gate(engine)
+                    abort = asyncio.ensure_future(engine.abort("x"))
+                    await asyncio.sleep(0)  # the abort is queued behind the gate
+                    abort.cancel()  # its caller goes away first
+                    release.set()
+                    with pytest.raises(asyncio.CancelledError):
+                        await asyncio.wait_for(abort, 60)
+
+        await asyncio.wait_for(consume(), timeout=60)
+        return outs
+
+    outs = asyncio.run(main())
+    assert not outs[-1].finished
+    assert engine._thread.is_alive()
+    text, ids, _ = asyncio.run(asyncio.wait_for(_collect(engine, PROMPTS[0]), 60))  # still serving, exactly
+    assert ids == offline[PROMPTS[0]].token_ids and text == offline[PROMPTS[0]].text
+    assert not core.has_unfinished_requests()
+    assert core.kv_cache_manager.get_num_free_blocks() == core.num_kv_blocks
+
+
+def test_a_request_whose_submit_was_cancelled_is_never_added(engine, offline):
+    core = engine.engine.core
+    seen = []
+
+    async def main():
+        release = _gate(engine)
+        submit = asyncio.ensure_future(engine.submit("The river ran", PARAMS, "gone", seen.append))
+        await asyncio.sleep(0)  # queued behind the gate
+        submit.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(submit, 60)
+        return await asyncio.wait_for(_collect(engine, PROMPTS[0]), 60)  # the thread went on
+
+    text, ids, _ = asyncio.run(main())
+    assert ids == offline[PROMPTS[0]].token_ids and text == offline[PROMPTS[0]].text
+    assert seen == [] and "gone" not in engine._streams
+    assert not core.has_unfinished_requests()
+    assert core.kv_cache_manager.get_num_free_blocks() == core.num_kv_blocks
