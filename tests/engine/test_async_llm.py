@@ -84,23 +84,25 @@ def test_streamed_text_never_leaks_a_stop_string(engine, offline):
     assert text == last.outputs[0].text == full[: full.index(stop)]
 
 
+def _stream_then(engine, after_two) -> list:
+    """Stream request "x" and await `after_two()` once it has two outputs (aborting it from
+    outside); the outputs the stream gave, bounded by 60 s."""
+    outs = []
+
+    async def consume():
+        async for out in engine.generate("The river ran", SamplingParams(max_tokens=100, ignore_eos=True),
+                                         request_id="x"):
+            outs.append(out)
+            if len(outs) == 2:
+                await after_two()
+
+    asyncio.run(asyncio.wait_for(consume(), timeout=60))
+    return outs
+
+
 def test_abort_from_outside_ends_the_stream(engine):
     core = engine.engine.core
-
-    async def main():
-        outs = []
-
-        async def consume():
-            async for out in engine.generate("The river ran", SamplingParams(max_tokens=100, ignore_eos=True),
-                                             request_id="x"):
-                outs.append(out)
-                if len(outs) == 2:
-                    await engine.abort("x")
-
-        await asyncio.wait_for(consume(), timeout=60)
-        return outs
-
-    outs = asyncio.run(main())
+    outs = _stream_then(engine, lambda: engine.abort("x"))
     assert len(outs) >= 2 and not outs[-1].finished
     assert not core.has_unfinished_requests()
     assert core.kv_cache_manager.get_num_free_blocks() == core.num_kv_blocks
@@ -155,26 +157,16 @@ def test_a_cancelled_abort_still_aborts_and_the_engine_thread_lives(engine, offl
     thread: every later request hung."""
     core = engine.engine.core
 
-    async def main():
-        outs = []
+    async def cancelled_abort():
+        release = _gate(engine)
+        abort = asyncio.ensure_future(engine.abort("x"))
+        await asyncio.sleep(0)  # the abort is queued behind the gate
+        abort.cancel()  # its caller goes away first
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(abort, 60)
 
-        async def consume():
-            async for out in engine.generate("The river ran", SamplingParams(max_tokens=100, ignore_eos=True),
-                                             request_id="x"):
-                outs.append(out)
-                if len(outs) == 2:
-                    release = _gate(engine)
-                    abort = asyncio.ensure_future(engine.abort("x"))
-                    await asyncio.sleep(0)  # the abort is queued behind the gate
-                    abort.cancel()  # its caller goes away first
-                    release.set()
-                    with pytest.raises(asyncio.CancelledError):
-                        await asyncio.wait_for(abort, 60)
-
-        await asyncio.wait_for(consume(), timeout=60)
-        return outs
-
-    outs = asyncio.run(main())
+    outs = _stream_then(engine, cancelled_abort)
     assert not outs[-1].finished
     assert engine._thread.is_alive()
     text, ids, _ = asyncio.run(asyncio.wait_for(_collect(engine, PROMPTS[0]), 60))  # still serving, exactly
