@@ -24,6 +24,7 @@ from cluster.capacity import auto_replica_cpus, node_cpus
 from cluster.coordinator import SCALE_TIMEOUT_S, Coordinator
 from cluster.default_model import default_model, require_model_dir, served_name
 from cluster.ingress import Ingress
+from cluster.prefill_placement import LocalPrefillRule
 from cluster.replica import EngineServer
 from cluster.router import LeastLoadRouter
 from engine.args import EngineArgs
@@ -37,6 +38,7 @@ POLICIES = ("fail", "recompute")
 # engines by a quarter to almost half, TTFT unchanged (the first message is never held);
 # 10 ms never coalesced there (README "Server CPU per output token").
 STREAM_INTERVAL_MS = 50.0
+LOCAL_PREFILL_QUEUE = 2
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,12 @@ class AppConfig:
     # between messages, so one carries several steps (Ray Serve LLM's stream_batching_interval_ms).
     stream_interval_ms: float = STREAM_INTERVAL_MS
     prefix_affinity: bool = False
+    # Conditional disaggregation (cluster.prefill_placement): once the prefill replicas hold this
+    # many of an ingress's prompts each, its next prompt may prefill on its decode replica
+    # (the shorter queue); 0: always on a prefill replica.
+    local_prefill_queue: int = LOCAL_PREFILL_QUEUE
+    # P/D prompts of at most this many tokens prefill on their decode replica (0: none).
+    max_local_prefill_length: int = 0
     routing_stats_period_s: float = 0.5
     # CPUs Ray reserves per engine replica, which are also its torch threads (Ray sets
     # OMP_NUM_THREADS to them). None: 1 with GPUs; on CPU the cluster's CPUs shared among the
@@ -94,6 +102,8 @@ class AppConfig:
         for name in ("prefill_replicas", "decode_replicas", "colocated_replicas", "max_pending_requests",
                      "max_ongoing_requests", "max_replicas"):
             check_int(name, getattr(self, name))
+        check_int("local_prefill_queue", self.local_prefill_queue, minimum=0)
+        check_int("max_local_prefill_length", self.max_local_prefill_length, minimum=0)
         require_model_dir(self.engine_args.model)
         self.engine_args.create_engine_config()  # every engine field, checked before Ray starts
         if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
@@ -295,6 +305,7 @@ def build_app(cfg: AppConfig):
     settings = {"mode": cfg.mode, "engine_args": cfg.engine_args, "served_model_name": cfg.model_name,
                 "max_pending_requests": cfg.max_pending_requests, "load_failure_policy": cfg.load_failure_policy,
                 "app_name": cfg.app_name,
+                "local_prefill": LocalPrefillRule(cfg.local_prefill_queue, cfg.max_local_prefill_length),
                 # Digests only: the keys themselves never enter the Serve config or its logs.
                 "api_key_digests": [digest(k) for k in keys_from(cfg.api_keys)]}
     return serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=cfg.max_pending_requests * 2,

@@ -28,6 +28,7 @@ from cluster.front_streams import ReplicaStreams
 from cluster.http_errors import OpenAIError, install_error_handlers, overloaded, replica_error
 from cluster.metrics import AppMetrics
 from cluster.pd_serve import serve_colocated_generate, serve_pd_generate
+from cluster.prefill_placement import PrefillPlacement, RoleCounts
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.streams import merge, timed
 from engine.args import EngineArgs
@@ -64,6 +65,7 @@ class Ingress:
         ingress_id = f"ingress-{serve.get_replica_context().replica_id.unique_id}"
         self.streams = ReplicaStreams(decode if self.mode == "pd" else prefill, ingress_id)
         self.metrics = AppMetrics(self.model_name, self.mode)
+        self.placement = PrefillPlacement(settings["local_prefill"], RoleCounts(coordinator))
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
         self.created = int(time.time())
 
@@ -140,10 +142,16 @@ class Ingress:
         self._pending.pop(token, None)  # idempotent: stream end and finalizer may both call it
 
     def _run(self, prompt: dict, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
-        if self.mode == "pd":
-            return serve_pd_generate(self.prefill, self.streams, self.store, prompt, params, request_id,
-                                     self.load_failure_policy)
-        return serve_colocated_generate(self.streams, prompt, params, request_id)
+        def local():  # prefilled and decoded on one replica of the decode (or colocated) deployment
+            return serve_colocated_generate(self.streams, prompt, params, request_id)
+
+        if self.mode != "pd":
+            return local()
+        return self.placement.run(
+            len(prompt["prompt_token_ids"]),
+            lambda: serve_pd_generate(self.prefill, self.streams, self.store, prompt, params, request_id,
+                                      self.load_failure_policy),
+            local, self.metrics.local_prefill)
 
     async def _sse(self, gens, chunks, token) -> AsyncIterator[str]:
         try:

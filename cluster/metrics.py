@@ -25,6 +25,8 @@ from engine.metrics.names import MetricDef
 DEFAULT_MAX_MODEL_LEN = 1 << 20
 
 REQUESTS = MetricDef("pdserve:requests", "counter", "Requests answered, by status (ok, error, cancelled)")
+LOCAL_PREFILLS = MetricDef("pdserve:local_prefills", "counter",
+                           "P/D prompts prefilled on their decode replica (conditional disaggregation)")
 REPLICAS = MetricDef("pdserve:replicas", "gauge", "Engine replicas reporting, by role")
 # Keys of a replica report's "kv_transfer" dict.
 KV_TRANSFER: dict[str, MetricDef] = {
@@ -118,6 +120,7 @@ class AppMetrics:
         self._generation_tokens = counter(names.GENERATION_TOKENS).labels(**self._labels)
         self._success = counter(names.REQUEST_SUCCESS, ("finished_reason",))
         self._requests = counter(REQUESTS, ("status",))
+        self._local_prefills = counter(LOCAL_PREFILLS).labels(**self._labels)
         self._replicas = _ReplicaFigures(model_name)
         self.registry.register(self._replicas)
 
@@ -132,6 +135,9 @@ class AppMetrics:
             self._success.labels(**self._labels, finished_reason=finished_reason).inc()
             self._prompt_len.observe(prompt_tokens)
             self._generation_len.observe(generated_tokens)
+
+    def local_prefill(self) -> None:
+        self._local_prefills.inc()
 
     def render(self, replica_reports: list[dict]) -> bytes:
         self._replicas.reports = replica_reports

@@ -39,6 +39,12 @@ def add_serve_parser(sub) -> None:
                    help="require `Authorization: Bearer KEY` on /v1/*, /scale and /status "
                         "(repeatable; PDSERVE_API_KEY, comma-separated, adds more)")
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
+    p.add_argument("--local-prefill-queue", type=int, default=None, metavar="N",
+                   help="P/D: once the prefill replicas hold N prompts each, the next prompt may prefill on "
+                        "its decode replica, whichever queue is shorter (0: never; default: "
+                        "AppConfig.local_prefill_queue)")
+    p.add_argument("--max-local-prefill-length", type=int, default=0, metavar="TOKENS",
+                   help="P/D: prompts of at most this many tokens prefill on their decode replica (0: none)")
     p.add_argument("--replica-cpus", type=float, default=None,
                    help="CPUs Ray reserves per engine replica, also its torch threads (default: 1 with GPUs; on "
                         "CPU the cluster's CPUs shared among the engine replicas, at most one node's)")
@@ -122,13 +128,16 @@ def _config(args: argparse.Namespace):
 
     extra = {} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}
     extra["api_keys"] = keys_from(args.api_key)
+    if args.local_prefill_queue is not None:
+        extra["local_prefill_queue"] = args.local_prefill_queue
     return AppConfig(
         **extra,
         engine_args=EngineArgs.from_cli_args(args, model=args.model or default_model()),
         mode=args.mode, prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
         colocated_replicas=args.replicas, served_model_name=args.served_model_name, app_name=args.app_name,
         load_failure_policy=args.load_failure_policy, max_pending_requests=args.max_pending_requests,
-        prefix_affinity=args.prefix_affinity, replica_num_cpus=args.replica_cpus,
+        prefix_affinity=args.prefix_affinity, max_local_prefill_length=args.max_local_prefill_length,
+        replica_num_cpus=args.replica_cpus,
         replica_num_threads=args.replica_threads,
         replica_num_gpus=args.replica_gpus, max_replicas=args.max_replicas,
         prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,

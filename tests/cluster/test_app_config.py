@@ -42,6 +42,9 @@ def _cfg(model: str, **kw) -> AppConfig:
     ({"replica_num_threads": 1.5}, "replica_num_threads"),
     ({"replica_num_gpus": -1}, "replica_num_gpus"),
     ({"prefill_replicas": 9}, "prefill_replicas"),  # above max_replicas (8)
+    ({"local_prefill_queue": -1}, "local_prefill_queue"),
+    ({"local_prefill_queue": 1.5}, "local_prefill_queue"),
+    ({"max_local_prefill_length": -1}, "max_local_prefill_length"),
     ({"stream_interval_ms": -1}, "stream_interval_ms"),
     ({"stream_interval_ms": 5000}, "stream_interval_ms"),
     ({"health_check_period_s": 0}, "health_check_period_s"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.app import LOCAL_PREFILL_QUEUE
 from cluster.cli import build_parser, main
 from cluster.serve_cli import _config
 from engine.args import EngineArgs
@@ -46,6 +47,10 @@ def test_flags_reach_the_app_config(tiny_model):
     assert given.replica_num_cpus == 3.0
     threads = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--replica-threads", "2"]))
     assert threads.replica_num_threads == 2 and cfg.replica_num_threads is None
+    placement = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--local-prefill-queue", "0",
+                                                   "--max-local-prefill-length", "64"]))
+    assert (placement.local_prefill_queue, placement.max_local_prefill_length) == (0, 64)
+    assert (cfg.local_prefill_queue, cfg.max_local_prefill_length) == (LOCAL_PREFILL_QUEUE, 0)
 
 
 def test_tensor_parallel_flags_reach_each_role(tiny_model):
@@ -86,6 +91,7 @@ def test_speculative_config_reaches_the_engine_args(tiny_model):
     (["--decode-replicas", "-1"], "decode_replicas"),
     (["--max-pending-requests", "0"], "max_pending_requests"),
     (["--replica-gpus", "-1"], "replica_num_gpus"),
+    (["--local-prefill-queue", "-1"], "local_prefill_queue"),
     (["--block-size", "0"], "block_size"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--shutdown-timeout-s", "0"], "shutdown_timeout_s"),

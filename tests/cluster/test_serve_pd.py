@@ -14,11 +14,12 @@ import requests
 import torch
 
 from tests.cluster import structured_checks
-from tests.cluster.helpers import ENGINE, assert_no_leaks, metric_value, sse_events
+from tests.cluster.helpers import ENGINE, assert_no_leaks, metric_value, sse_events, wait_for
 from tests.engine.hf_reference import _hf_model, hf_greedy
 
 APP = "pdtest"
 NAME = "tiny-test"
+SHORT = 3
 PROMPTS = ["The river ran quietly past", "A good engineer measures before", "Hello! How can I help you",
            "Once upon a time there was a small village by the sea where"]
 
@@ -28,8 +29,10 @@ def app(deploy, tiny_model):
     from cluster.app import AppConfig
     from engine import EngineArgs
 
+    # Prompts of at most SHORT tokens prefill on their decode replica (conditional disaggregation).
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE),
-                    mode="pd", served_model_name=NAME, app_name=APP, replica_num_cpus=0)
+                    mode="pd", served_model_name=NAME, app_name=APP, replica_num_cpus=0,
+                    max_local_prefill_length=SHORT)
     return deploy(cfg)
 
 
@@ -295,6 +298,27 @@ def test_metrics_exposes_latencies_and_replica_figures(app, client):
         assert f'vllm:num_requests_waiting{{model_name="{NAME}",replica="{role}-' in text
     assert metric_value(app, "pdserve:kv_transfer_exports_total", role="prefill") > 0
     assert metric_value(app, "pdserve:kv_transfer_bytes_in_total", role="decode") > 0
+
+
+def test_a_short_prompt_is_prefilled_and_decoded_on_one_decode_replica(app, client, tiny_model, tokenizer):
+    ids = tokenizer.encode("Hi")
+    assert len(ids) <= SHORT < len(tokenizer.encode(PROMPTS[0]))
+    exports = metric_value(app, "pdserve:kv_transfer_exports_total", role="prefill")
+    local = metric_value(app, "pdserve:local_prefills_total")
+    expected, n = _hf_text(tiny_model, tokenizer, ids, 12)
+    plain = client.completions.create(model=NAME, prompt="Hi", max_tokens=12, temperature=0)
+    streamed = list(client.completions.create(model=NAME, prompt="Hi", max_tokens=12, temperature=0, stream=True))
+    assert plain.choices[0].text == expected and plain.usage.completion_tokens == n
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+    assert metric_value(app, "pdserve:local_prefills_total") == local + 2
+    # Then one prompt over the prefill replica: once the replica's report shows its export, it
+    # shows every export before it too (cumulative), and the short prompts made none.
+    client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    wait_for(lambda: metric_value(app, "pdserve:kv_transfer_exports_total", role="prefill") >= exports + 1,
+             "the prefill replica to report its export", 30, 0.2)
+    assert metric_value(app, "pdserve:kv_transfer_exports_total", role="prefill") == exports + 1
+    assert metric_value(app, "pdserve:local_prefills_total") == local + 2
+    assert_no_leaks(app, APP, {"prefill", "decode"})
 
 
 def test_null_fields_reused_ids_and_a_prompt_filling_the_context(app, tokenizer, tiny_model):
