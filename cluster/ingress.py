@@ -65,7 +65,8 @@ class Ingress:
         ingress_id = f"ingress-{serve.get_replica_context().replica_id.unique_id}"
         self.streams = ReplicaStreams(decode if self.mode == "pd" else prefill, ingress_id)
         self.metrics = AppMetrics(self.model_name, self.mode)
-        self.placement = PrefillPlacement(settings["local_prefill"], RoleCounts(coordinator))
+        self.placement = (PrefillPlacement(settings["local_prefill"], RoleCounts(coordinator))
+                          if self.mode == "pd" else None)
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
         self.created = int(time.time())
 
