@@ -102,8 +102,9 @@ class PrefillPlacement:
         side = "local" if is_local else "remote"
         self.in_flight[side] += 1
         counted = True
+        outputs = local() if is_local else remote()
         try:
-            async for out in (local() if is_local else remote()):
+            async for out in outputs:
                 if counted:
                     counted = False
                     self.in_flight[side] -= 1
@@ -111,3 +112,6 @@ class PrefillPlacement:
         finally:
             if counted:
                 self.in_flight[side] -= 1
+            # Closed now, not when collected: a request left early is aborted on its replicas
+            # before this returns.
+            await outputs.aclose()

@@ -31,15 +31,19 @@ class _Gate:
     def __init__(self) -> None:
         self.release = asyncio.Event()
         self.started: list[str] = []
+        self.closed = 0  # halves whose cleanup ran (where a real one aborts its request)
 
     def half(self, side: str, fail: bool = False):
         async def gen():
             self.started.append(side)
-            await self.release.wait()
-            if fail:
-                raise RuntimeError(f"{side} failed")
-            yield f"{side}-first"
-            yield f"{side}-last"
+            try:
+                await self.release.wait()
+                if fail:
+                    raise RuntimeError(f"{side} failed")
+                yield f"{side}-first"
+                yield f"{side}-last"
+            finally:
+                self.closed += 1
         return gen
 
 
@@ -96,7 +100,7 @@ def test_a_request_leaving_or_failing_before_its_first_token_is_no_longer_counte
         with pytest.raises(asyncio.CancelledError):
             await first
         await left.aclose()
-        assert p.in_flight["remote"] == 0
+        assert p.in_flight["remote"] == 0 and gate.closed == 1  # its request closed with it, at once
 
         failing = p.run(100, gate.half("remote", fail=True), gate.half("local", fail=True))
         gate.release.set()
@@ -104,10 +108,15 @@ def test_a_request_leaving_or_failing_before_its_first_token_is_no_longer_counte
             await failing.__anext__()
         assert p.in_flight == {"remote": 0, "local": 0}
 
+        reading = p.run(100, gate.half("remote"), gate.half("local"))
+        assert await reading.__anext__() == "remote-first"
+        await reading.aclose()  # the client goes away mid-stream
+        assert gate.closed == 3  # its request closed at once, not when collected
+
         never_started = p.run(100, gate.half("remote"), gate.half("local"))
         assert p.in_flight["remote"] == 0  # decided and counted only when it starts
         await never_started.aclose()
-        assert gate.started == ["remote", "remote"]
+        assert gate.started == ["remote", "remote", "remote"]
 
     asyncio.run(run())
 
