@@ -271,9 +271,10 @@ def test_unknown_model_is_404(app, client):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
-def test_disconnect_mid_stream_aborts_both_sides(app):
+@pytest.mark.parametrize("prompt", [PROMPTS[3], "Hi"], ids=["disaggregated", "prefilled-on-decode"])
+def test_disconnect_mid_stream_aborts_both_sides(app, prompt):
     cancelled = metric_value(app, "pdserve:requests_total", status="cancelled")
-    body = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
     r = requests.post(f"{app}/v1/completions", json=body, stream=True, timeout=60)
     lines = r.iter_lines()
     got = 0
