@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from actors.orchestrate import PDRequestError, pd_flow
 from cluster.front_streams import REPLICA_ERRORS, ReplicaStreams
@@ -65,3 +66,16 @@ def serve_pd_generate(prefill_handle, decode_streams: ReplicaStreams, store, pro
 def serve_colocated_generate(streams: ReplicaStreams, prompt, params: SamplingParams, request_id: str
                              ) -> AsyncIterator[RequestOutput]:
     return streams.generate(prompt, params, request_id)
+
+
+async def serve_local_generate(decode_streams: ReplicaStreams, prompt, params: SamplingParams,
+                               request_id: str) -> AsyncIterator[RequestOutput]:
+    """A P/D request prefilled on its decode replica (cluster.prefill_placement): a plain
+    request there. An engine-side failure is an error, as pd_flow makes it on the disaggregated
+    path, so a request's outcome never depends on where its prompt ran."""
+    async with aclosing(decode_streams.generate(prompt, params, request_id)) as outputs:
+        async for out in outputs:
+            c = out.outputs[0]
+            if out.finished and c.finish_reason == "error":
+                raise PDRequestError(f"decode failed: {c.stop_reason}")
+            yield out

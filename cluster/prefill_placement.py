@@ -4,8 +4,8 @@ generate its tokens (conditional disaggregation, after NVIDIA Dynamo's disaggreg
 Disaggregation keeps prompts off the decode replicas, so their inter-token latency stays
 steady. In a burst it has a price: every prompt queues on the prefill replicas while the
 decode replicas wait for work, so the last prompt's first token comes after the whole burst's
-prefill on the prefill replicas alone (on 2 CPU cores at concurrency 8: TTFT p95 11-15 s in
-P/D, 8-9 s colocated). Once the prefill replicas are that busy, a prompt is better prefilled
+prefill on the prefill replicas alone (on 2 CPU cores at concurrency 8: TTFT p95 13.5-17.9 s
+in P/D, 7.7-10.8 s colocated). Once the prefill replicas are that busy, a prompt is better prefilled
 where it will be decoded; the decode replica runs a request without KV transfer params as a
 plain request, and its answer is the same.
 
@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 # Least time between two refreshes of the replica counts (a scale takes longer than this).
 COUNTS_PERIOD_S = 5.0
+# A Coordinator that does not answer by then is asked again at the next refresh.
+COUNTS_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,10 @@ class RoleCounts:
 
     async def _refresh(self) -> None:
         try:
-            replicas = await self._coordinator.replicas.remote()
-        except Exception as e:  # the coordinator restarting: keep the last counts
-            logger.debug("replica counts not refreshed: %s", e)
-            return
-        self._counts = Counter(r["role"] for r in replicas)
+            replicas = await asyncio.wait_for(self._coordinator.replicas.remote(), COUNTS_TIMEOUT_S)
+            self._counts = Counter(r["role"] for r in replicas)
+        except Exception as e:  # the coordinator restarting or slow: keep the last counts
+            logger.warning("replica counts not refreshed (kept %s): %s", dict(self._counts), e)
 
 
 class PrefillPlacement:
@@ -97,12 +98,12 @@ class PrefillPlacement:
         """One request's outputs: decided when it starts (a request never started is never
         counted), and counted in flight on its side until its first output or its end."""
         is_local = self.choose_local(prompt_len)
+        outputs = local() if is_local else remote()
         if is_local:
             on_local()
         side = "local" if is_local else "remote"
         self.in_flight[side] += 1
         counted = True
-        outputs = local() if is_local else remote()
         try:
             async for out in outputs:
                 if counted:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from cluster.metrics import AppMetrics
 from engine.outputs import RequestOutput
@@ -56,18 +57,20 @@ async def timed(outputs: AsyncIterator[RequestOutput], metrics: AppMetrics,
     last_token_at: float | None = None
     status, last = "error", None
     try:
-        async for out in outputs:
-            if out.delta_token_ids:
-                now = time.monotonic()
-                if last_token_at is None:
-                    metrics.ttft.observe(now - start)
-                    if "queue_time_s" in out.metrics:
-                        metrics.queue.observe(out.metrics["queue_time_s"])
-                else:
-                    metrics.itl.observe(now - last_token_at)
-                last_token_at = now
-            last = out
-            yield out
+        # aclosing: a request left early is closed (aborted on its replicas) now, not when collected.
+        async with aclosing(outputs):
+            async for out in outputs:
+                if out.delta_token_ids:
+                    now = time.monotonic()
+                    if last_token_at is None:
+                        metrics.ttft.observe(now - start)
+                        if "queue_time_s" in out.metrics:
+                            metrics.queue.observe(out.metrics["queue_time_s"])
+                    else:
+                        metrics.itl.observe(now - last_token_at)
+                    last_token_at = now
+                last = out
+                yield out
         status = "ok"
     except (asyncio.CancelledError, GeneratorExit):
         status = "cancelled"

@@ -95,3 +95,29 @@ def test_parameter_errors_are_400_naming_the_request_field(body, field, param):
 def test_other_errors_pass_through_rejecting():
     with pytest.raises(KeyError), rejecting(COMPLETION):
         raise KeyError("not a validation error")
+
+
+def test_timed_closes_the_request_it_times_when_it_is_closed():
+    from cluster.metrics import AppMetrics
+    from cluster.streams import timed
+    from engine.outputs import CompletionOutput, RequestOutput
+
+    closed = []
+
+    async def request():
+        try:
+            for t in range(3):
+                yield RequestOutput("r", None, [1], [CompletionOutput(0, "", [t])], finished=False,
+                                    delta_token_ids=[t])
+        finally:
+            closed.append(True)  # where a real request aborts itself on its replicas
+
+    async def run():
+        metrics = AppMetrics("m", "pd")
+        stream = timed(request(), metrics, 1)
+        await stream.__anext__()
+        await stream.aclose()  # the client goes away mid-stream
+        assert closed == [True]  # at once, not when the request's generator is collected
+        assert b'pdserve:requests_total{mode="pd",model_name="m",status="cancelled"} 1.0' in metrics.render([])
+
+    asyncio.run(run())

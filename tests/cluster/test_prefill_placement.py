@@ -154,18 +154,85 @@ def test_role_counts_refresh_in_the_background_and_survive_a_coordinator_failure
         coordinator = _Coordinator(["prefill", "prefill", "decode"])
         counts = RoleCounts(coordinator, period_s=3600)
         assert counts("prefill") == 1  # not waited for: one until the Coordinator answers
-        await asyncio.sleep(0)
+        await counts._refreshing
         assert (counts("prefill"), counts("decode"), counts("colocated")) == (2, 1, 1)
-        await asyncio.sleep(0)
-        assert coordinator.calls == 1  # not asked again within the period
+        assert counts._refreshing.done() and coordinator.calls == 1  # not asked again within the period
         coordinator.board = ["decode", "decode", "decode"]
         counts.period_s = 0
         counts("decode")
-        await asyncio.sleep(0)
+        await counts._refreshing
         assert (counts("prefill"), counts("decode")) == (1, 3)  # none reporting counts as one
         coordinator.board = RuntimeError("coordinator restarting")
-        counts("decode")
-        await asyncio.sleep(0)
+        await counts._refreshing  # the refresh the line above started
         assert counts("decode") == 3  # the last counts stay
+        assert coordinator.calls == 3
+
+    asyncio.run(run())
+
+
+def test_a_coordinator_that_never_answers_is_given_up_and_asked_again(monkeypatch):
+    import cluster.prefill_placement as placement
+
+    monkeypatch.setattr(placement, "COUNTS_TIMEOUT_S", 0.01)
+
+    class Silent:
+        calls = 0
+
+        def __init__(self) -> None:
+            self.replicas = self
+
+        def remote(self):
+            Silent.calls += 1
+            return asyncio.Event().wait()  # never answers
+
+    async def run():
+        counts = RoleCounts(Silent(), period_s=0)
+        assert counts("prefill") == 1
+        await counts._refreshing  # ends by its timeout, not by an answer
+        assert counts("prefill") == 1 and Silent.calls == 1
+        await counts._refreshing  # the next decision asked again
+        assert Silent.calls == 2
+
+    asyncio.run(run())
+
+
+def _out(token: int, finish: str | None = None, stop_reason=None):
+    from engine.outputs import CompletionOutput, RequestOutput
+
+    return RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", [token], finish, stop_reason)],
+                         finished=finish is not None, delta_token_ids=[token])
+
+
+class _Streams:
+    """A decode deployment's ReplicaStreams that replays `outs`, noting when it is closed."""
+
+    def __init__(self, outs) -> None:
+        self.outs, self.closed = outs, False
+
+    async def generate(self, prompt, params, request_id):
+        try:
+            for out in self.outs:
+                yield out
+        finally:
+            self.closed = True
+
+
+def test_an_engine_failure_on_the_local_path_is_an_error_as_on_the_disaggregated_one():
+    from actors.orchestrate import PDRequestError
+    from cluster.pd_serve import serve_local_generate
+
+    async def run():
+        ok = _Streams([_out(5), _out(6, "length")])
+        assert [o.delta_token_ids for o in [x async for x in serve_local_generate(ok, {}, None, "r")]] == [[5], [6]]
+        failing = _Streams([_out(5), _out(0, "error", "grammar failed to compile")])
+        with pytest.raises(PDRequestError, match="grammar failed"):
+            async for _ in serve_local_generate(failing, {}, None, "r"):
+                pass
+        assert failing.closed
+        left = _Streams([_out(5), _out(6), _out(7, "length")])
+        gen = serve_local_generate(left, {}, None, "r")
+        await gen.__anext__()
+        await gen.aclose()
+        assert left.closed  # closed with it, at once
 
     asyncio.run(run())
