@@ -39,9 +39,10 @@ POLICIES = ("fail", "recompute")
 # 10 ms never coalesced there (README "Server CPU per output token").
 STREAM_INTERVAL_MS = 50.0
 # Prompts per prefill replica before a P/D prompt may prefill on its decode replica. Measured
-# on 2 CPU cores at concurrency 8 over four rounds: TTFT p95 9.0 s against 15.8 s with strict
-# disaggregation and 9.4 s colocated, throughput within noise, median ITL up to a third higher
-# (README "Conditional disaggregation"); 1 moved more prompts for no better p95.
+# on 2 CPU cores at concurrency 8 over four rounds: mean TTFT p95 9.0 s against 15.8 s with
+# strict disaggregation and 9.4 s colocated, throughput within noise, median ITL 1-41% higher
+# (README "Conditional disaggregation"); 1 moved more prompts for no better p95. Not measured
+# on GPUs.
 LOCAL_PREFILL_QUEUE = 2
 
 

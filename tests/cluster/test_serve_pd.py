@@ -29,10 +29,11 @@ def app(deploy, tiny_model):
     from cluster.app import AppConfig
     from engine import EngineArgs
 
-    # Prompts of at most SHORT tokens prefill on their decode replica (conditional disaggregation).
+    # Prompts of at most SHORT tokens prefill on their decode replica; every other one is
+    # disaggregated whatever the load (queue 0), so the P/D path is what the other tests test.
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE),
                     mode="pd", served_model_name=NAME, app_name=APP, replica_num_cpus=0,
-                    max_local_prefill_length=SHORT)
+                    local_prefill_queue=0, max_local_prefill_length=SHORT)
     return deploy(cfg)
 
 
@@ -304,6 +305,7 @@ def test_metrics_exposes_latencies_and_replica_figures(app, client):
 def test_a_short_prompt_is_prefilled_and_decoded_on_one_decode_replica(app, client, tiny_model, tokenizer):
     ids = tokenizer.encode("Hi")
     assert len(ids) <= SHORT < len(tokenizer.encode(PROMPTS[0]))
+    assert_no_leaks(app, APP, {"prefill", "decode"})  # reports made now, with every earlier export
     exports = metric_value(app, "pdserve:kv_transfer_exports_total", role="prefill")
     local = metric_value(app, "pdserve:local_prefills_total")
     expected, n = _hf_text(tiny_model, tokenizer, ids, 12)
