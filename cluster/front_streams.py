@@ -16,6 +16,7 @@ on its replica by a call routed to that replica.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator
 
@@ -126,7 +127,11 @@ class ReplicaStreams:
 
     def _ensure_subscribed(self, replica: str, idle_closes: int = 0) -> None:
         if replica not in self._subs:
-            self._subs[replica] = asyncio.ensure_future(self._pump(replica, idle_closes))
+            # In a context of its own. Created in the context of the HTTP request that needed it,
+            # the call would be that request's child, and Serve cancels a request's children when
+            # its client leaves: every other request on that replica would lose its messages.
+            self._subs[replica] = asyncio.get_running_loop().create_task(
+                self._pump(replica, idle_closes), context=contextvars.Context())
 
     async def _pump(self, replica: str, idle_closes: int) -> None:
         error: BaseException | None = None
@@ -139,7 +144,10 @@ class ReplicaStreams:
                 self.deltas += len(batch)
                 self._dispatch(batch)
         except asyncio.CancelledError:
-            raise
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # close(): this ingress is going away
+            # The call was cancelled, not this task: handled as a close (listen again, bounded).
         except Exception as e:
             error = e
         finally:

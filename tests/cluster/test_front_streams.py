@@ -5,6 +5,7 @@ another replica when nothing came back yet; otherwise the failure reaches the ca
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from types import SimpleNamespace
 
 import pytest
@@ -97,3 +98,44 @@ def test_after_output_or_on_another_failure_the_error_reaches_the_caller():
     with pytest.raises(PDRequestError, match="no longer holds"):
         _run(handle)
     assert handle.submits == ["A"]  # tokens were delivered: never run again elsewhere
+
+
+# Stands for Serve's request context: set while the ingress serves one HTTP request.
+SERVING = contextvars.ContextVar("serving", default=None)
+
+
+class RecordingReplicas(StandInReplicas):
+    """Notes the context each subscription runs in; its first subscription is cancelled from
+    outside (as Serve cancels a leaving request's child calls) when `cancel_first`."""
+
+    def __init__(self, plan, cancel_first: bool = False) -> None:
+        super().__init__(plan)
+        self.cancel_first = cancel_first
+        self.contexts: list[object] = []
+
+    async def _subscribe(self, ingress_id, replica=None):
+        self.contexts.append(SERVING.get())
+        if self.cancel_first and len(self.contexts) == 1:
+            raise asyncio.CancelledError  # the call, not the ingress's task, is cancelled
+        async for batch in super()._subscribe(ingress_id, replica):
+            yield batch
+
+
+def test_the_subscription_is_no_child_of_the_request_that_opened_it():
+    async def main():
+        SERVING.set("http-request-1")  # the request whose submit needs the subscription
+        handle = RecordingReplicas([("A", _done())])
+        streams = ReplicaStreams(handle, "ingress-test")
+        outs = [o async for o in streams.generate(PROMPT, SamplingParams(max_tokens=2), "r1")]
+        await streams.close()
+        return handle, outs
+
+    handle, outs = asyncio.run(asyncio.wait_for(main(), 30))
+    assert handle.contexts == [None] and outs[-1].finished
+
+
+def test_a_subscription_cancelled_from_outside_is_opened_again():
+    handle = RecordingReplicas([("A", _done())], cancel_first=True)
+    out = _run(handle)
+    assert len(handle.contexts) == 2  # listened again, and the request got its tokens
+    assert out.finished and out.outputs[0].token_ids == [7, 8]
