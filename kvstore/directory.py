@@ -39,7 +39,9 @@ class DirectoryStats:
     rejected_full: int
 
 
-# A release that precedes its registration comes from a caller that gave up seconds earlier.
+# How long a released or expired id stays closed. A release that precedes its registration
+# comes from a caller that gave up seconds earlier; a lookup of a released or expired one comes
+# from a consumer that was about to load it.
 _TOMBSTONE_S = 60.0
 _MAX_TOMBSTONES = 100_000
 
@@ -59,8 +61,9 @@ class TransferDirectory:
         self.max_transfers = max_transfers
         self._clock = clock
         self._entries: dict[str, TransferEntry] = {}
-        # Ids released before they were registered (the requester gave up while the producer
-        # was still exporting): a later registration is refused, so it cannot leak.
+        # Ids released or expired: a later registration is refused, so it cannot leak (the
+        # requester gave up while the producer was still exporting), and a consumer looking one
+        # up learns at once that it is gone instead of waiting for a registration.
         self._tombstones: dict[str, float] = {}
         # Ids whose registration was refused or abandoned by the producer, with the reason (a
         # consumer looking one up learns why, instead of waiting for it).
@@ -109,8 +112,8 @@ class TransferDirectory:
         return entry[1] if entry is not None else None
 
     def is_closed(self, transfer_id: str) -> bool:
-        """Released or rejected (or, for a tensor-parallel shard, its whole transfer was
-        released): no registration of it will ever be accepted."""
+        """Released, expired or rejected (or, for a tensor-parallel shard, its whole transfer
+        was released): no registration of it will ever be accepted."""
         base = base_transfer_id(transfer_id)
         return transfer_id in self._tombstones or transfer_id in self._rejected or base in self._tombstones
 
@@ -120,11 +123,14 @@ class TransferDirectory:
         if entry is not None:
             self._bytes -= entry.nbytes
             self._counts["released"] += 1
-        else:
-            self._tombstones[transfer_id] = self._clock() + _TOMBSTONE_S
-            if len(self._tombstones) > _MAX_TOMBSTONES:
-                del self._tombstones[next(iter(self._tombstones))]
+        self._close(transfer_id)
         return entry
+
+    def _close(self, transfer_id: str) -> None:
+        self._tombstones.pop(transfer_id, None)  # re-inserted last: insertion order stays expiry order
+        self._tombstones[transfer_id] = self._clock() + _TOMBSTONE_S
+        if len(self._tombstones) > _MAX_TOMBSTONES:
+            del self._tombstones[next(iter(self._tombstones))]
 
     def release_with_shards(self, transfer_id: str) -> list[TransferEntry]:
         """Release a transfer and every live shard of it (kvstore.shards): whoever releases a
@@ -156,6 +162,7 @@ class TransferDirectory:
             del self._entries[e.transfer_id]
             self._bytes -= e.nbytes
             self._counts["expired"] += 1
+            self._close(e.transfer_id)
         return expired
 
     def stats(self) -> DirectoryStats:

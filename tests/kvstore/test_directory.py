@@ -121,3 +121,38 @@ def test_releasing_a_transfer_releases_its_rank_shards_and_closes_late_ones():
     with pytest.raises(ValueError, match="was released before its shard"):
         d.put(shard_transfer_id("t", 1), "prefill-0.rank1", 10, 4, location="r1")
     assert d.is_closed(shard_transfer_id("t", 1))
+
+
+def test_a_released_or_expired_transfer_is_closed_so_lookups_need_not_wait():
+    """A consumer that looks up a transfer released or expired before it came (its lease ran
+    out, or a peer released it) learns at once that it is gone: the store waits for a
+    registration only while the id is not closed (kvstore.store_actor.lookup)."""
+    d, clock = _dir(lease_s=10.0)
+    d.put("claimed", "p", 1, 1, None)
+    d.put("unclaimed", "p", 1, 1, None)
+    d.release("claimed")
+    assert d.is_closed("claimed") and not d.is_closed("unclaimed")
+    clock.now += 10.0
+    assert [e.transfer_id for e in d.sweep()] == ["unclaimed"]
+    assert d.is_closed("unclaimed")
+    with pytest.raises(ValueError, match="released"):
+        d.put("unclaimed", "p", 1, 1, None)  # a producer's late retry cannot bring it back
+    clock.now += 61.0
+    d.sweep()
+    assert not d.is_closed("claimed")  # closed ids are forgotten after the tombstone TTL
+
+
+def test_a_lookup_of_a_released_transfer_answers_without_waiting(ray_local):
+    """At the store actor: a lookup with a long registration wait returns None for a released
+    transfer instead of waiting it out (it waited the whole 10 s before)."""
+    from kvstore.store_actor import create_store
+
+    store = create_store()
+    try:
+        # `refs`: bytes the producer already put (so the store asks no producer for them).
+        ray_local.get(store.register.remote("t", "p", None, 1, 1, refs=[ray_local.put(b"kv")]))
+        ray_local.get(store.release.remote("t"))
+        # The wait is 1 h, the call's bound 60 s: only a store that knows "t" is closed answers.
+        assert ray_local.get(store.lookup.remote("t", 3600.0), timeout=60) is None
+    finally:
+        ray_local.kill(store)
