@@ -27,7 +27,7 @@ from cluster.completions import create_completion
 from cluster.front_streams import ReplicaStreams
 from cluster.http_errors import OpenAIError, install_error_handlers, overloaded, replica_error
 from cluster.metrics import AppMetrics
-from cluster.pd_serve import serve_colocated_generate, serve_local_generate, serve_pd_generate
+from cluster.pd_serve import serve_pd_generate, serve_plain_generate
 from cluster.prefill_placement import PrefillPlacement, RoleCounts
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.streams import merge, timed
@@ -144,12 +144,12 @@ class Ingress:
 
     def _run(self, prompt: dict, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         if self.mode != "pd":
-            return serve_colocated_generate(self.streams, prompt, params, request_id)
+            return serve_plain_generate(self.streams, prompt, params, request_id)
         return self.placement.run(
             len(prompt["prompt_token_ids"]),
             lambda: serve_pd_generate(self.prefill, self.streams, self.store, prompt, params, request_id,
                                       self.load_failure_policy),
-            lambda: serve_local_generate(self.streams, prompt, params, request_id),
+            lambda: serve_plain_generate(self.streams, prompt, params, request_id),
             self.metrics.local_prefill)
 
     async def _sse(self, gens, chunks, token) -> AsyncIterator[str]:

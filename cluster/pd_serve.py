@@ -63,19 +63,17 @@ def serve_pd_generate(prefill_handle, decode_streams: ReplicaStreams, store, pro
                    load_failure_policy)
 
 
-def serve_colocated_generate(streams: ReplicaStreams, prompt, params: SamplingParams, request_id: str
-                             ) -> AsyncIterator[RequestOutput]:
-    return streams.generate(prompt, params, request_id)
-
-
-async def serve_local_generate(decode_streams: ReplicaStreams, prompt, params: SamplingParams,
-                               request_id: str) -> AsyncIterator[RequestOutput]:
-    """A P/D request prefilled on its decode replica (cluster.prefill_placement): a plain
-    request there. An engine-side failure is an error, as pd_flow makes it on the disaggregated
-    path, so a request's outcome never depends on where its prompt ran."""
-    async with aclosing(decode_streams.generate(prompt, params, request_id)) as outputs:
+async def serve_plain_generate(streams: ReplicaStreams, prompt, params: SamplingParams, request_id: str
+                               ) -> AsyncIterator[RequestOutput]:
+    """A request run whole on one engine replica: every request in colocated mode, and a P/D
+    request prefilled on its decode replica (cluster.prefill_placement). An engine-side failure
+    (finish_reason "error": a KV load, or a data-parallel core that could not take the request)
+    is an error, as pd_flow makes it on the disaggregated path, so the client gets a 503 in
+    OpenAI's error shape, never a 200 carrying a partial answer, whatever the mode and wherever
+    the prompt ran."""
+    async with aclosing(streams.generate(prompt, params, request_id)) as outputs:
         async for out in outputs:
             c = out.outputs[0]
             if out.finished and c.finish_reason == "error":
-                raise PDRequestError(f"decode failed: {c.stop_reason}")
+                raise PDRequestError(f"the engine failed the request: {c.stop_reason}")
             yield out

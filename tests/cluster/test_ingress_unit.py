@@ -121,3 +121,44 @@ def test_timed_closes_the_request_it_times_when_it_is_closed():
         assert b'pdserve:requests_total{mode="pd",model_name="m",status="cancelled"} 1.0' in metrics.render([])
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_colocated_engine_failure_is_a_503_never_a_200_with_a_partial_answer(stream):
+    """The engine replica ends a request with finish_reason "error" (a data-parallel core could
+    not take it): in colocated mode the client gets a 503 in OpenAI's error shape (streamed:
+    an error event), as in P/D mode, not a 200 whose answer stops short."""
+    import json
+
+    from cluster.metrics import AppMetrics
+    from engine.outputs import CompletionOutput, RequestOutput
+
+    class Streams:
+        async def generate(self, prompt, params, request_id):
+            yield RequestOutput(request_id, None, [1], [CompletionOutput(0, "a", [5])], finished=False,
+                                delta_token_ids=[5])
+            yield RequestOutput(request_id, None, [1], [CompletionOutput(0, "a", [5], finish_reason="error",
+                                                                         stop_reason="core 1 failed")],
+                                finished=True)
+
+    ing = _ingress(4)
+    ing.mode, ing.streams, ing.metrics = "colocated", Streams(), AppMetrics("m", "colocated")
+
+    async def chunks(merged):
+        async for _, out in merged:
+            yield {"text": out.outputs[0].text}
+
+    async def run():
+        response = await ing.respond([{"prompt_token_ids": [1]}], [None], "r", stream, chunks, lambda finals: {})
+        events = [e async for e in response.body_iterator]
+        return events
+
+    if not stream:
+        with pytest.raises(OpenAIError) as e:
+            asyncio.run(run())
+        assert e.value.status == 503 and "core 1 failed" in e.value.message
+    else:
+        events = asyncio.run(run())
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 503 and "core 1 failed" in error["message"] and events[-1] == "data: [DONE]\n\n"
+    assert ing.pending == 0

@@ -217,20 +217,20 @@ class _Streams:
             self.closed = True
 
 
-def test_an_engine_failure_on_the_local_path_is_an_error_as_on_the_disaggregated_one():
+def test_an_engine_failure_on_a_plain_request_is_an_error_as_on_the_disaggregated_path():
     from actors.orchestrate import PDRequestError
-    from cluster.pd_serve import serve_local_generate
+    from cluster.pd_serve import serve_plain_generate
 
     async def run():
         ok = _Streams([_out(5), _out(6, "length")])
-        assert [o.delta_token_ids for o in [x async for x in serve_local_generate(ok, {}, None, "r")]] == [[5], [6]]
+        assert [o.delta_token_ids for o in [x async for x in serve_plain_generate(ok, {}, None, "r")]] == [[5], [6]]
         failing = _Streams([_out(5), _out(0, "error", "grammar failed to compile")])
         with pytest.raises(PDRequestError, match="grammar failed"):
-            async for _ in serve_local_generate(failing, {}, None, "r"):
+            async for _ in serve_plain_generate(failing, {}, None, "r"):
                 pass
         assert failing.closed
         left = _Streams([_out(5), _out(6), _out(7, "length")])
-        gen = serve_local_generate(left, {}, None, "r")
+        gen = serve_plain_generate(left, {}, None, "r")
         await gen.__anext__()
         await gen.aclose()
         assert left.closed  # closed with it, at once
