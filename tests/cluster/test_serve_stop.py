@@ -1,7 +1,12 @@
-"""`pdserve serve` as it is stopped in production: in its own session, with a streamed request
-in flight, by SIGTERM to the main process (docker, Kubernetes) or to the whole process group
-(`kill -- -PGID`). The stream finishes, then every process that was below the server is gone
-within --shutdown-timeout-s and nothing listens on its port any more."""
+"""`pdserve serve` as it runs and is stopped in production: in its own session, behind HAProxy.
+
+- Clients that leave mid-stream stall nobody else's stream (the ingress's per-replica
+  subscription must not belong to the request that opened it: Serve cancels a leaving client's
+  calls, cluster/front_streams.py).
+- Stopped with a streamed request in flight, by SIGTERM to the main process (docker,
+  Kubernetes) or to the whole process group (`kill -- -PGID`): the stream finishes, then every
+  process that was below the server is gone within --shutdown-timeout-s and nothing listens on
+  its port any more."""
 
 from __future__ import annotations
 
@@ -126,8 +131,10 @@ def _tail(path: str, n: int = 30) -> str:
     ("colocated", "SIGTERM to the main process"),
     ("pd", "SIGTERM to the process group"),
 ])
-def test_stop_path_drains_the_stream_then_ends_every_process_within_the_bound(server, tiny_model, mode, stop):
+def test_leaving_clients_stall_no_stream_and_the_stop_path_drains_then_ends_every_process(
+        server, tiny_model, mode, stop):
     srv = server(mode)
+    assert_a_client_leaving_stalls_no_other_stream(srv.url, os.path.basename(tiny_model))
     stream = Stream(srv.url, os.path.basename(tiny_model))
     stream.start()
     assert stream.started.wait(120) and stream.error is None, stream.error
@@ -173,6 +180,34 @@ def test_stop_path_drains_the_stream_then_ends_every_process_within_the_bound(se
         time.sleep(0.1)
     assert not listeners(srv.port)
     print(f"{mode}, {stop}: {len(srv.tree)} processes, all gone {took:.1f} s after the signal")
+
+
+def assert_a_client_leaving_stalls_no_other_stream(url: str, model: str) -> None:
+    """The first request on a fresh server opens the ingress's subscription to its engine
+    replica; three more streams join it; then the first client leaves. The three must still
+    get every token (before the fix they stalled until the read timeout: the subscription was
+    the leaving request's child call, which Serve cancelled with it)."""
+    def open_stream(max_tokens: int):
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        r = requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60)
+        r.raise_for_status()
+        lines = r.iter_lines(decode_unicode=True)
+        return r, lines, [next(line for line in lines if line.startswith("data: "))]
+
+    leaving = open_stream(400)
+    others = [open_stream(256) for _ in range(3)]
+    leaving[0].close()  # the client goes away mid-stream
+    texts = []
+    for r, lines, events in others:  # every read is bounded by the 60 s timeout above
+        events += [line for line in lines if line.startswith("data: ")]
+        r.close()
+        assert events[-1] == "data: [DONE]", events[-3:]
+        chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+        assert chunks[-1]["usage"]["completion_tokens"] == 256
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        texts.append("".join(c["choices"][0]["text"] for c in chunks if c["choices"]))
+    assert texts[0] and texts.count(texts[0]) == 3  # greedy: the same prompt, the same text
 
 
 def sigterm_blocked(pid: int) -> bool:
