@@ -56,6 +56,7 @@ class ReplicaStreams:
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> its deltas (or an error)
         self._where: dict[str, str] = {}  # request id -> replica holding it
         self._subs: dict[str, asyncio.Task] = {}  # replica -> its subscription's pump
+        self._closing = False  # close() called: a cancelled pump ends instead of listening again
         self.messages = 0  # received, for tests and benchmarks
         self.deltas = 0
 
@@ -130,8 +131,9 @@ class ReplicaStreams:
             # In a context of its own. Created in the context of the HTTP request that needed it,
             # the call would be that request's child, and Serve cancels a request's children when
             # its client leaves: every other request on that replica would lose its messages.
-            self._subs[replica] = asyncio.get_running_loop().create_task(
-                self._pump(replica, idle_closes), context=contextvars.Context())
+            # (A task copies the context current at its creation; Python 3.10 has no context=.)
+            self._subs[replica] = contextvars.Context().run(
+                asyncio.get_running_loop().create_task, self._pump(replica, idle_closes))
 
     async def _pump(self, replica: str, idle_closes: int) -> None:
         error: BaseException | None = None
@@ -144,8 +146,7 @@ class ReplicaStreams:
                 self.deltas += len(batch)
                 self._dispatch(batch)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
+            if self._closing:
                 raise  # close(): this ingress is going away
             # The call was cancelled, not this task: handled as a close (listen again, bounded).
         except Exception as e:
@@ -177,6 +178,7 @@ class ReplicaStreams:
                 q.put_nowait(delta)
 
     async def close(self) -> None:
+        self._closing = True
         for task in list(self._subs.values()):
             task.cancel()
         await asyncio.gather(*self._subs.values(), return_exceptions=True)
