@@ -39,6 +39,8 @@ def add_serve_parser(sub) -> None:
                    help="require `Authorization: Bearer KEY` on /v1/*, /scale and /status "
                         "(repeatable; PDSERVE_API_KEY, comma-separated, adds more)")
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
+    p.add_argument("--disable-access-log", action="store_true",
+                   help="no line per HTTP request in the ingress's Serve log (vLLM: --disable-uvicorn-access-log)")
     p.add_argument("--local-prefill-queue", type=int, default=None, metavar="N",
                    help="P/D: once the prefill replicas hold N prompts each, the next prompt may prefill on "
                         "its decode replica, whichever queue is shorter (0: never; default: "
@@ -136,7 +138,8 @@ def _config(args: argparse.Namespace):
         mode=args.mode, prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
         colocated_replicas=args.replicas, served_model_name=args.served_model_name, app_name=args.app_name,
         load_failure_policy=args.load_failure_policy, max_pending_requests=args.max_pending_requests,
-        prefix_affinity=args.prefix_affinity, max_local_prefill_length=args.max_local_prefill_length,
+        prefix_affinity=args.prefix_affinity, disable_access_log=args.disable_access_log,
+        max_local_prefill_length=args.max_local_prefill_length,
         replica_num_cpus=args.replica_cpus,
         replica_num_threads=args.replica_threads,
         replica_num_gpus=args.replica_gpus, max_replicas=args.max_replicas,

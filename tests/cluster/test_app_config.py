@@ -412,3 +412,17 @@ def test_replica_threads_given_reach_the_engine_processes_environment(tiny_model
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     gpu = _cfg(tiny_model, mode="colocated", replica_num_threads=4)
     assert gpu.engine_actor_options("colocated")["runtime_env"] == {"env_vars": {"OMP_NUM_THREADS": "4"}}
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_only_the_ingress_writes_access_lines_unless_disabled(tiny_model, monkeypatch, disable):
+    """Serve's access log: the ingress's per HTTP request (on by default, as uvicorn's in
+    vLLM); never the calls between pdserve's deployments."""
+    import cluster.app
+
+    monkeypatch.setattr(cluster.app, "node_cpus", lambda: [2.0])
+    ingress = cluster.app.build_app(_cfg(tiny_model, mode="pd", disable_access_log=disable))._bound_deployment
+    assert ingress.logging_config["enable_access_log"] is not disable
+    internal = {d._bound_deployment.name: d._bound_deployment.logging_config["enable_access_log"]
+                for d in ingress.init_args[:3]}
+    assert internal == {"Prefill": False, "Decode": False, "Coordinator": False}

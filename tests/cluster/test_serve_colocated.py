@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import os
+import uuid
+
 import pytest
 import requests
 
 from tests.cluster import structured_checks
-from tests.cluster.helpers import ENGINE, assert_no_leaks, metric_value, sse_events
+from tests.cluster.helpers import ENGINE, assert_no_leaks, metric_value, sse_events, wait_for
 from tests.engine.hf_reference import hf_greedy
 
 APP = "colotest"
@@ -48,6 +51,31 @@ def test_colocated_greedy_equals_hf(app, tiny_model):
         assert r.choices[0].text == expected
     status = requests.get(f"{app}/status", timeout=10).json()
     assert status["target"] == {"colocated": 1} and len(status["colocated"]) == 1
+
+
+def _serve_log_text(deployment: str) -> str:
+    import glob
+
+    import ray
+
+    logs = os.path.join(ray._private.worker._global_node.get_logs_dir_path(), "serve")
+    return "".join(open(path).read() for path in glob.glob(os.path.join(logs, f"replica_{APP}_{deployment}_*.log")))
+
+
+def test_access_log_has_the_http_requests_and_none_of_the_internal_calls(app):
+    """The ingress logs each HTTP request (as uvicorn does in vLLM); the engine replica's
+    per-request submit calls and the coordinator's calls are not logged (cluster.app)."""
+    request_id = f"access-log-{uuid.uuid4().hex}"
+    r = requests.post(f"{app}/v1/completions", headers={"X-Request-Id": request_id},
+                      json={"model": NAME, "prompt": "Log me", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+    # Serve writes the line once the response has gone out: bounded wait for it.
+    wait_for(lambda: f"{request_id} -- POST /v1/completions 200" in _serve_log_text("Ingress"),
+             "the ingress's access line", timeout_s=30)
+    engine_log = _serve_log_text("Colocated")
+    assert engine_log, "the engine replica's Serve log exists"
+    assert "CALL submit" not in engine_log and request_id not in engine_log
+    assert "CALL " not in _serve_log_text("Coordinator")
 
 
 def test_n_choices_stream_and_whole_agree_and_equal_the_seeded_singles(app, tiny_model):
