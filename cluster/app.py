@@ -295,6 +295,9 @@ def build_app(cfg: AppConfig):
         request_router_config=router,
     )
 
+    # The window of the replicas' latency figures is the autoscaler's look-back period.
+    latency_window_s = build_config(cfg.autoscale, cfg.max_replica_map()).look_back_period_s
+
     def engine(name: str, role: str, replicas: int):
         options = dict(engine_options, ray_actor_options=cfg.engine_actor_options(role))
         bundles = cfg.placement_bundles(role)
@@ -303,7 +306,8 @@ def build_app(cfg: AppConfig):
             options.update(placement_group_bundles=bundles, placement_group_strategy=PLACEMENT_STRATEGY)
         return serve.deployment(EngineServer, name=name, num_replicas=replicas, **options).bind(
             engine_args=cfg.role_engine_args(role), role=role, app_name=cfg.app_name,
-            load_failure_policy=cfg.load_failure_policy, stream_interval_ms=cfg.stream_interval_ms)
+            load_failure_policy=cfg.load_failure_policy, stream_interval_ms=cfg.stream_interval_ms,
+            latency_window_s=latency_window_s)
 
     coordinator = serve.deployment(Coordinator, name="Coordinator", num_replicas=1, logging_config=_NO_ACCESS_LOG,
                                    ray_actor_options={"num_cpus": 0}).bind(

@@ -22,6 +22,10 @@ class AutoscaleConfig:
     interval_s: float = 2.0
     ttft_p90_target_s: float = 1.0
     itl_p90_target_s: float = 0.1
+    # The replicas' TTFT/ITL p90 cover this many seconds of samples (Ray Serve's autoscaling
+    # `look_back_period_s`): shorter follows load faster, longer is steadier. After traffic
+    # stops a role counts as idle once its window empties.
+    look_back_period_s: float = 10.0
     min_replicas: dict = field(default_factory=lambda: {"prefill": 1, "decode": 1, "colocated": 1})
     max_replicas: dict = field(default_factory=lambda: {"prefill": 4, "decode": 4, "colocated": 4})
     queue_per_replica_high: float = 8.0  # waiting requests per replica that count as pressure
@@ -33,7 +37,7 @@ class AutoscaleConfig:
     cooldown_ticks: int = 5
 
     def __post_init__(self) -> None:
-        for name in ("interval_s", "ttft_p90_target_s", "itl_p90_target_s"):
+        for name in ("interval_s", "ttft_p90_target_s", "itl_p90_target_s", "look_back_period_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"autoscale {name} must be > 0, got {getattr(self, name)}")
         for name in ("up_ticks", "down_ticks"):

@@ -40,7 +40,8 @@ class ReplicaGone(RuntimeError):
 class EngineServer:
     def __init__(self, engine_args: EngineArgs, role: str, app_name: str = "pdserve",
                  load_failure_policy: str = "fail", coordinator: str | None = "Coordinator",
-                 store_kwargs: dict | None = None, stream_interval_ms: float = 0.0) -> None:
+                 store_kwargs: dict | None = None, stream_interval_ms: float = 0.0,
+                 latency_window_s: float = 10.0) -> None:
         ctx = serve.get_replica_context()
         self.role = role
         self.app_name = app_name
@@ -57,8 +58,8 @@ class EngineServer:
         self._forwarded_at = 0.0
         # Latency as this replica sees it (the autoscaler's signals): time to the first token
         # of a prefill (queue + compute) and gaps between streamed tokens.
-        self.ttft = LatencyWindow()
-        self.itl = LatencyWindow()
+        self.ttft = LatencyWindow(latency_window_s)
+        self.itl = LatencyWindow(latency_window_s)
         self._timing: dict[str, tuple[float, float | None]] = {}  # request id -> (start, last token)
         self.hub = StepHub(stream_interval_ms / 1000.0, on_output=self._observe)
 

@@ -69,6 +69,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--autoscale", action="store_true", help="scale prefill/decode on TTFT/ITL targets")
     p.add_argument("--ttft-p90-target-ms", type=float, default=1000.0)
     p.add_argument("--itl-p90-target-ms", type=float, default=100.0)
+    p.add_argument("--look-back-period-s", type=float, default=10.0,
+                   help="seconds of latency samples behind the autoscaler's TTFT/ITL p90 (Serve's look_back_period_s)")
     p.add_argument("--shutdown-timeout-s", type=float, default=30.0,
                    help="from SIGINT/SIGTERM until every process this server started is gone; in-flight "
                         "requests may finish until min(5, timeout/4) s before it, the rest is killed")
@@ -148,7 +150,8 @@ def _config(args: argparse.Namespace):
         prefill_data_parallel_size=args.prefill_data_parallel_size,
         decode_data_parallel_size=args.decode_data_parallel_size,
         autoscale={"enabled": args.autoscale, "ttft_p90_target_s": args.ttft_p90_target_ms / 1000,
-                   "itl_p90_target_s": args.itl_p90_target_ms / 1000},
+                   "itl_p90_target_s": args.itl_p90_target_ms / 1000,
+                   "look_back_period_s": args.look_back_period_s},
     )
 
 

@@ -426,3 +426,14 @@ def test_only_the_ingress_writes_access_lines_unless_disabled(tiny_model, monkey
     internal = {d._bound_deployment.name: d._bound_deployment.logging_config["enable_access_log"]
                 for d in ingress.init_args[:3]}
     assert internal == {"Prefill": False, "Decode": False, "Coordinator": False}
+
+
+@pytest.mark.parametrize("autoscale, window", [(None, 10.0), ({"enabled": True, "look_back_period_s": 2.5}, 2.5)])
+def test_the_replicas_latency_windows_are_the_autoscalers_look_back_period(tiny_model, monkeypatch, autoscale,
+                                                                          window):
+    import cluster.app
+
+    monkeypatch.setattr(cluster.app, "node_cpus", lambda: [2.0])
+    ingress = cluster.app.build_app(_cfg(tiny_model, mode="pd", autoscale=autoscale))._bound_deployment
+    engines = [d._bound_deployment for d in ingress.init_args[:2]]
+    assert [e.init_kwargs["latency_window_s"] for e in engines] == [window, window]

@@ -97,6 +97,7 @@ def test_roles_are_decided_independently():
 
 @pytest.mark.parametrize("kw,needle", [
     ({"ttft_p90_target_s": 0}, "ttft_p90_target_s"),
+    ({"look_back_period_s": 0}, "look_back_period_s"),
     ({"up_ticks": 0}, "up_ticks"),
     ({"cooldown_ticks": -1}, "cooldown_ticks"),
     ({"kv_usage_low": 0.9, "kv_usage_high": 0.5}, "kv_usage_low"),

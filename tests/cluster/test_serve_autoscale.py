@@ -14,7 +14,7 @@ from tests.cluster.helpers import ENGINE, assert_no_leaks, wait_for
 APP = "autotest"
 NAME = "tiny-auto"
 AUTOSCALE = {"enabled": True, "interval_s": 0.5, "ttft_p90_target_s": 0.001, "itl_p90_target_s": 10.0,
-             "up_ticks": 2, "down_ticks": 3, "cooldown_ticks": 2,
+             "up_ticks": 2, "down_ticks": 3, "cooldown_ticks": 2, "look_back_period_s": 3.0,
              "max_replicas": {"prefill": 2, "decode": 2, "colocated": 1}}
 
 

@@ -42,6 +42,9 @@ def test_flags_reach_the_app_config(tiny_model):
     assert (cfg.mode, cfg.prefill_replicas, cfg.decode_replicas, cfg.model_name) == ("colocated", 2, 3, "m")
     assert cfg.engine_args.dtype == "float32" and cfg.engine_args.num_kv_blocks == 77
     assert cfg.prefix_affinity and cfg.num_gpus() == 1
+    assert cfg.autoscale["look_back_period_s"] == 10.0
+    look = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--look-back-period-s", "4"]))
+    assert look.autoscale["look_back_period_s"] == 4.0
     assert not cfg.disable_access_log
     assert _config(build_parser().parse_args(["serve", "--model", tiny_model, "--disable-access-log"])).disable_access_log
     assert cfg.replica_num_cpus is None  # sized from the cluster once Ray is up (cluster.capacity)
