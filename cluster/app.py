@@ -61,6 +61,9 @@ class AppConfig:
     served_model_name: str | None = None
     app_name: str = "pdserve"
     load_failure_policy: str = "fail"
+    # Ingress replicas (vLLM's --api-server-count): each tokenizes, validates and streams its
+    # share of the HTTP requests in a process of its own; /metrics shows their sum.
+    api_server_count: int = 1
     max_pending_requests: int = 1024  # per ingress replica; beyond it: 503 + Retry-After
     max_ongoing_requests: int = 1024  # per engine replica (Serve's own cap)
     graceful_shutdown_timeout_s: float = 60.0
@@ -112,7 +115,8 @@ class AppConfig:
                                  f"{type(self.engine_args).__name__}")
         check_choice("mode", self.mode, MODES)
         check_choice("load_failure_policy", self.load_failure_policy, POLICIES)
-        for name in ("prefill_replicas", "decode_replicas", "colocated_replicas", "max_pending_requests",
+        for name in ("prefill_replicas", "decode_replicas", "colocated_replicas", "api_server_count",
+                     "max_pending_requests",
                      "max_ongoing_requests", "max_replicas"):
             check_int(name, getattr(self, name))
         check_int("local_prefill_queue", self.local_prefill_queue, minimum=0)
@@ -326,7 +330,8 @@ def build_app(cfg: AppConfig):
                 "local_prefill": LocalPrefillRule(cfg.local_prefill_queue, cfg.max_local_prefill_length),
                 # Digests only: the keys themselves never enter the Serve config or its logs.
                 "api_key_digests": [digest(k) for k in keys_from(cfg.api_keys)]}
-    return serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=cfg.max_pending_requests * 2,
+    return serve.deployment(Ingress, name="Ingress", num_replicas=cfg.api_server_count,
+                            max_ongoing_requests=cfg.max_pending_requests * 2,
                             graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                             logging_config={"enable_access_log": not cfg.disable_access_log},
                             ray_actor_options={"num_cpus": 0}).bind(first, second, coordinator, settings)

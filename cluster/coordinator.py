@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from cluster.autoscale import PolicyState, RoleSignal, build_config, decide
 from cluster.capacity import describe, free_resources, needed_for, shortfall
+from cluster.metrics_merge import Snapshot, add
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,9 @@ class Coordinator:
         self.max_replicas = {r: int((max_replicas or {}).get(r, 8)) for r in self.roles}
         self.autoscale = build_config(autoscale, self.max_replicas)
         self.board = Board()
+        # Each ingress replica's latest request metrics; kept after it stops (cluster.metrics_merge).
+        # One small snapshot per ingress replica ever started.
+        self.ingress_metrics: dict[str, Snapshot] = {}
         if control is None:
             from cluster.serve_control import ServeControl
 
@@ -135,6 +139,16 @@ class Coordinator:
 
     async def replicas(self) -> list[dict]:
         return self.board.live()
+
+    # ---- the ingress replicas' request metrics (cluster.metrics_merge) ---------------------
+    async def report_ingress_metrics(self, ingress_id: str, snapshot: Snapshot) -> None:
+        self.ingress_metrics[ingress_id] = snapshot
+
+    async def scrape(self, ingress_id: str, snapshot: Snapshot) -> tuple[list[dict], Snapshot]:
+        """For `GET /metrics` on `ingress_id`, which sends its fresh snapshot: the engine
+        replicas' figures and the request metrics of every ingress replica, summed."""
+        self.ingress_metrics[ingress_id] = snapshot
+        return self.board.live(), add(self.ingress_metrics.values())
 
     # ---- scaling ----------------------------------------------------------------------------
     async def _sync_targets(self) -> None:

@@ -16,13 +16,13 @@ on its replica by a call routed to that replica.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 from collections.abc import AsyncIterator
 
 import ray
 
 from actors.orchestrate import PDRequestError
+from cluster.streams import detached_task
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import DeltaAccumulator, RequestDelta, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -128,12 +128,10 @@ class ReplicaStreams:
 
     def _ensure_subscribed(self, replica: str, idle_closes: int = 0) -> None:
         if replica not in self._subs:
-            # In a context of its own. Created in the context of the HTTP request that needed it,
-            # the call would be that request's child, and Serve cancels a request's children when
-            # its client leaves: every other request on that replica would lose its messages.
-            # (A task copies the context current at its creation; Python 3.10 has no context=.)
-            self._subs[replica] = contextvars.Context().run(
-                asyncio.get_running_loop().create_task, self._pump(replica, idle_closes))
+            # Detached from the HTTP request that needed it: otherwise a client leaving would
+            # cancel the subscription, and every other request on that replica would lose its
+            # messages.
+            self._subs[replica] = detached_task(self._pump(replica, idle_closes))
 
     async def _pump(self, replica: str, idle_closes: int) -> None:
         error: BaseException | None = None

@@ -10,7 +10,9 @@ cluster/completions.py and cluster/chat.py, errors in cluster/http_errors.py.
 
 # No `from __future__ import annotations`: FastAPI must see the body models as real types
 # (Serve's class-based ingress re-wraps the methods, and string annotations are not resolved).
+import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 import weakref
@@ -30,12 +32,22 @@ from cluster.metrics import AppMetrics
 from cluster.pd_serve import serve_pd_generate, serve_plain_generate
 from cluster.prefill_placement import PrefillPlacement, RoleCounts
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.streams import merge, timed
+from cluster.streams import detached_task, merge, timed
 from engine.args import EngineArgs
 from engine.llm_engine import front_end
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvstore.store_actor import app_store
+
+logger = logging.getLogger(__name__)
+# How often an ingress replica whose request metrics changed sends them to the Coordinator
+# (a scrape of another replica shows them that stale at most; its own are always fresh). No
+# hand-over when a replica stops: Serve stops the Coordinator with the app, and a call to it
+# then waits out its bound, which would add that to every shutdown; a replaced replica's
+# requests of its last period are the only ones not counted.
+_METRICS_PUSH_S = 2.0
+# Bound on each call to the Coordinator for the metrics (a restarting one is skipped).
+_METRICS_CALL_S = 10.0
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 install_error_handlers(app)
@@ -62,9 +74,10 @@ class Ingress:
         self.text_of = fmt.TokenText(self.tokenizer)
         self.store = app_store(settings["app_name"]) if self.mode == "pd" else None
         # Decode (or colocated) outputs arrive as one message per engine step per replica.
-        ingress_id = f"ingress-{serve.get_replica_context().replica_id.unique_id}"
-        self.streams = ReplicaStreams(decode if self.mode == "pd" else prefill, ingress_id)
+        self.ingress_id = f"ingress-{serve.get_replica_context().replica_id.unique_id}"
+        self.streams = ReplicaStreams(decode if self.mode == "pd" else prefill, self.ingress_id)
         self.metrics = AppMetrics(self.model_name, self.mode)
+        self._pusher: asyncio.Task | None = None  # sends self.metrics to the Coordinator on change
         self.placement = (PrefillPlacement(settings["local_prefill"], RoleCounts(coordinator))
                           if self.mode == "pd" else None)
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
@@ -107,6 +120,8 @@ class Ingress:
             raise OpenAIError(400, f"the request holds {what} = {len(prompts)} sequences; at most "
                               f"{self.max_pending} per request", param="n" if n > 1 else "prompt")
         token = self._admit(len(prompts))
+        if self._pusher is None:
+            self._pusher = detached_task(self._push_metrics())
         # Engine ids are unique even when a client reuses its request_id (it stays the response id).
         suffix = uuid.uuid4().hex[:8]
         gens = [timed(self._run(p, pp, f"{request_id}-{i}-{suffix}"), self.metrics, len(p["prompt_token_ids"]))
@@ -163,6 +178,20 @@ class Ingress:
             self._release(token)
         yield fmt.sse("[DONE]")
 
+    # ---- request metrics of several ingress replicas (cluster.metrics_merge) -------------
+    async def _push_metrics(self) -> None:
+        sent = 0
+        while True:
+            await asyncio.sleep(_METRICS_PUSH_S)  # a period, not a wait on an event
+            if self.metrics.answered != sent:
+                sent = self.metrics.answered
+                try:
+                    await asyncio.wait_for(self.coordinator.report_ingress_metrics.remote(
+                        self.ingress_id, self.metrics.snapshot()), _METRICS_CALL_S)
+                except Exception as e:  # a restarting coordinator: sent again at the next period
+                    sent = -1
+                    logger.debug("request metrics not sent: %s", e)
+
     # ---- routes -------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest) -> Response:
@@ -193,8 +222,8 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics_text(self) -> Response:
-        replicas = await self.coordinator.replicas.remote()
-        return Response(self.metrics.render(replicas), media_type="text/plain; version=0.0.4; charset=utf-8")
+        replicas, requests = await self.coordinator.scrape.remote(self.ingress_id, self.metrics.snapshot())
+        return Response(self.metrics.render(replicas, requests), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/status")
     async def status(self) -> dict:

@@ -6,7 +6,8 @@ Names follow vLLM wherever vLLM has the metric (`vllm:time_to_first_token_second
 (KV transfer, request status, replicas per role, autoscaling signals) are `pdserve:`.
 
 Request latencies (TTFT, ITL, E2E, queue time) are observed where the client's request is
-seen whole: the ingress. Engine figures come from the Coordinator's board of replica reports,
+seen whole: the ingress; with several ingress replicas a scrape shows their sum
+(cluster.metrics_merge). Engine figures come from the Coordinator's board of replica reports,
 labelled by role and replica, and are turned into metric families at scrape time. All text is
 produced by prometheus_client.
 """
@@ -18,6 +19,7 @@ from collections import Counter as Tally
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from cluster.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
 from engine.metrics import names
 from engine.metrics.names import MetricDef
 
@@ -121,13 +123,19 @@ class AppMetrics:
         self._success = counter(names.REQUEST_SUCCESS, ("finished_reason",))
         self._requests = counter(REQUESTS, ("status",))
         self._local_prefills = counter(LOCAL_PREFILLS).labels(**self._labels)
+        self.answered = 0  # requests recorded (tells the ingress its snapshot changed)
+        # What a scrape renders: the request metrics of every ingress replica, then the engines'.
+        self._requests_of_all = SnapshotCollector()
         self._replicas = _ReplicaFigures(model_name)
-        self.registry.register(self._replicas)
+        self._scrape = CollectorRegistry()
+        self._scrape.register(self._requests_of_all)
+        self._scrape.register(self._replicas)
 
     def request_done(self, status: str, prompt_tokens: int, generated_tokens: int,
                      finished_reason: str | None = None) -> None:
         """One request answered: `status` ok / error / cancelled; `finished_reason` (stop,
         length, ...) when the engine finished it, which is what vLLM counts as a success."""
+        self.answered += 1
         self._requests.labels(**self._labels, status=status).inc()
         self._prompt_tokens.inc(prompt_tokens)
         self._generation_tokens.inc(generated_tokens)
@@ -139,6 +147,13 @@ class AppMetrics:
     def local_prefill(self) -> None:
         self._local_prefills.inc()
 
-    def render(self, replica_reports: list[dict]) -> bytes:
+    def snapshot(self) -> Snapshot:
+        """This replica's request metrics, as plain data (cluster.metrics_merge)."""
+        return snapshot_of(self.registry)
+
+    def render(self, replica_reports: list[dict], requests: Snapshot | None = None) -> bytes:
+        """The exposition text: `requests` (the request metrics of all ingress replicas,
+        summed; default: this one's) and the engine replicas' figures."""
+        self._requests_of_all.snapshot = self.snapshot() if requests is None else requests
         self._replicas.reports = replica_reports
-        return generate_latest(self.registry)
+        return generate_latest(self._scrape)

@@ -30,6 +30,8 @@ def add_serve_parser(sub) -> None:
                    help="default: SmolLM2-135M-Instruct for the default model, else the model "
                         "directory's name or the .gguf file's name without .gguf")
     p.add_argument("--load-failure-policy", default="fail", choices=["fail", "recompute"])
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="ingress replicas: processes that tokenize, validate and stream HTTP requests")
     p.add_argument("--max-pending-requests", type=int, default=1024,
                    help="requests in flight per ingress before answering 503")
     p.add_argument("--stream-interval-ms", type=float, default=None,
@@ -140,6 +142,7 @@ def _config(args: argparse.Namespace):
         mode=args.mode, prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
         colocated_replicas=args.replicas, served_model_name=args.served_model_name, app_name=args.app_name,
         load_failure_policy=args.load_failure_policy, max_pending_requests=args.max_pending_requests,
+        api_server_count=args.api_server_count,
         prefix_affinity=args.prefix_affinity, disable_access_log=args.disable_access_log,
         max_local_prefill_length=args.max_local_prefill_length,
         replica_num_cpus=args.replica_cpus,

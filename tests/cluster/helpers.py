@@ -87,6 +87,21 @@ def metric_value(url: str, name: str, **labels) -> float:
     return total
 
 
+def serve_logs(app_name: str, deployment: str) -> list[str]:
+    """The text of each Serve replica log of `deployment` in `app_name` (this Ray session)."""
+    import glob
+
+    import ray
+
+    logs = os.path.join(ray._private.worker._global_node.get_logs_dir_path(), "serve")
+    paths = sorted(glob.glob(os.path.join(logs, f"replica_{app_name}_{deployment}_*.log")))
+    texts = []
+    for path in paths:
+        with open(path) as f:
+            texts.append(f.read())
+    return texts
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,13 +1,16 @@
 """API keys (cluster.auth): the check on its own, and through a Serve app with the official
-openai client."""
+openai client. The app runs two ingress replicas (`api_server_count`), so the keys are
+checked by each, and `/metrics` must show the requests of both whichever answers."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
 from cluster.auth import ENV_VAR, ApiKeyCheck, digest, keys_from
-from tests.cluster.helpers import ENGINE
+from tests.cluster.helpers import ENGINE, metric_value, serve_logs, wait_for
 
 APP = "keytest"
 NAME = "tiny-keys"
@@ -44,8 +47,42 @@ def app(deploy, tiny_model):
     from engine import EngineArgs
 
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE), mode="colocated", served_model_name=NAME,
-                    app_name=APP, replica_num_cpus=0, api_keys=KEYS)
+                    app_name=APP, replica_num_cpus=0, api_keys=KEYS, api_server_count=2)
     return deploy(cfg)
+
+
+def test_metrics_count_the_requests_of_every_ingress_replica_whichever_answers(app):
+    """First in the module: nothing was counted before. 24 requests, 6 at a time, spread by
+    Serve over the two ingress replicas; every scrape (each reaches either replica) must
+    then count all of them, never fewer than the last one did."""
+    from ray import serve
+
+    assert serve.status().applications[APP].deployments["Ingress"].replica_states == {"RUNNING": 2}
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+
+    def one(i):
+        r = requests.post(f"{app}/v1/completions", headers=auth, timeout=60, json={
+            "model": NAME, "prompt": f"request {i}", "max_tokens": 2, "stream": i % 2 == 0})
+        assert r.status_code == 200, r.text
+        return r.text
+
+    with ThreadPoolExecutor(6) as pool:
+        assert all(pool.map(one, range(24)))
+
+    def served():  # per replica, from its access lines (written once each response went out)
+        return [t.count("POST /v1/completions 200") for t in serve_logs(APP, "Ingress")]
+
+    wait_for(lambda: sum(served()) == 24, "the ingress replicas' access lines", timeout_s=30)
+    assert len(served()) == 2 and min(served()) > 0, served()  # both replicas took some
+
+    def ok_count():
+        return metric_value(app, "pdserve:requests_total", status="ok")
+
+    # The replica that answers a scrape counts itself now, the other as of its last push (2 s).
+    wait_for(lambda: ok_count() == 24, "both ingress replicas' requests in /metrics", timeout_s=30, interval_s=0.5)
+    counts = [ok_count() for _ in range(8)]
+    assert counts == [24] * 8
+    assert metric_value(app, "vllm:e2e_request_latency_seconds_count") == 24
 
 
 def test_serve_app_answers_401_without_a_valid_key_and_serves_with_one(app):

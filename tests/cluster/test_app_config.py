@@ -34,6 +34,8 @@ def _cfg(model: str, **kw) -> AppConfig:
     ({"colocated_replicas": -1}, "colocated_replicas"),
     ({"prefill_replicas": 1.5}, "prefill_replicas"),
     ({"max_pending_requests": 0}, "max_pending_requests"),
+    ({"api_server_count": 0}, "api_server_count"),
+    ({"api_server_count": 1.5}, "api_server_count"),
     ({"max_ongoing_requests": 0}, "max_ongoing_requests"),
     ({"load_failure_policy": "x"}, "load_failure_policy"),
     ({"replica_num_cpus": -1}, "replica_num_cpus"),
@@ -421,8 +423,10 @@ def test_only_the_ingress_writes_access_lines_unless_disabled(tiny_model, monkey
     import cluster.app
 
     monkeypatch.setattr(cluster.app, "node_cpus", lambda: [2.0])
-    ingress = cluster.app.build_app(_cfg(tiny_model, mode="pd", disable_access_log=disable))._bound_deployment
+    ingress = cluster.app.build_app(_cfg(tiny_model, mode="pd", disable_access_log=disable,
+                                         api_server_count=3))._bound_deployment
     assert ingress.logging_config["enable_access_log"] is not disable
+    assert ingress.num_replicas == 3  # api_server_count
     internal = {d._bound_deployment.name: d._bound_deployment.logging_config["enable_access_log"]
                 for d in ingress.init_args[:3]}
     assert internal == {"Prefill": False, "Decode": False, "Coordinator": False}

@@ -18,6 +18,7 @@ from engine.errors import ParameterError
 def _ingress(limit: int) -> Ingress:
     ing = object.__new__(Ingress)
     ing._pending, ing.max_pending = {}, limit
+    ing._pusher = None
     return ing
 
 

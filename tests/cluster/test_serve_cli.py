@@ -45,7 +45,8 @@ def test_flags_reach_the_app_config(tiny_model):
     assert cfg.autoscale["look_back_period_s"] == 10.0
     look = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--look-back-period-s", "4"]))
     assert look.autoscale["look_back_period_s"] == 4.0
-    assert not cfg.disable_access_log
+    assert not cfg.disable_access_log and cfg.api_server_count == 1
+    assert _config(build_parser().parse_args(["serve", "--model", tiny_model, "--api-server-count", "2"])).api_server_count == 2
     assert _config(build_parser().parse_args(["serve", "--model", tiny_model, "--disable-access-log"])).disable_access_log
     assert cfg.replica_num_cpus is None  # sized from the cluster once Ray is up (cluster.capacity)
     given = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--replica-cpus", "3"]))

@@ -3,14 +3,20 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
 import requests
 
 from tests.cluster import structured_checks
-from tests.cluster.helpers import ENGINE, assert_no_leaks, metric_value, sse_events, wait_for
+from tests.cluster.helpers import (
+    ENGINE,
+    assert_no_leaks,
+    metric_value,
+    serve_logs,
+    sse_events,
+    wait_for,
+)
 from tests.engine.hf_reference import hf_greedy
 
 APP = "colotest"
@@ -54,12 +60,7 @@ def test_colocated_greedy_equals_hf(app, tiny_model):
 
 
 def _serve_log_text(deployment: str) -> str:
-    import glob
-
-    import ray
-
-    logs = os.path.join(ray._private.worker._global_node.get_logs_dir_path(), "serve")
-    return "".join(open(path).read() for path in glob.glob(os.path.join(logs, f"replica_{APP}_{deployment}_*.log")))
+    return "".join(serve_logs(APP, deployment))
 
 
 def test_access_log_has_the_http_requests_and_none_of_the_internal_calls(app):
