@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass, field
 
 from ray import serve
@@ -326,7 +327,7 @@ def build_app(cfg: AppConfig):
         first, second = engine("Colocated", "colocated", cfg.colocated_replicas), None
     settings = {"mode": cfg.mode, "engine_args": cfg.engine_args, "served_model_name": cfg.model_name,
                 "max_pending_requests": cfg.max_pending_requests, "load_failure_policy": cfg.load_failure_policy,
-                "app_name": cfg.app_name,
+                "app_name": cfg.app_name, "created": int(time.time()),
                 "local_prefill": LocalPrefillRule(cfg.local_prefill_queue, cfg.max_local_prefill_length),
                 # Digests only: the keys themselves never enter the Serve config or its logs.
                 "api_key_digests": [digest(k) for k in keys_from(cfg.api_keys)]}

@@ -81,7 +81,8 @@ class Ingress:
         self.placement = (PrefillPlacement(settings["local_prefill"], RoleCounts(coordinator))
                           if self.mode == "pd" else None)
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
-        self.created = int(time.time())
+        # When the app was built: the same on every ingress replica (`/v1/models` answers alike).
+        self.created = settings.get("created", int(time.time()))
 
     # ---- what the routes share ----------------------------------------------------------
     def check_model(self, model: str) -> None:

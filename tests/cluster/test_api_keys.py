@@ -83,6 +83,9 @@ def test_metrics_count_the_requests_of_every_ingress_replica_whichever_answers(a
     counts = [ok_count() for _ in range(8)]
     assert counts == [24] * 8
     assert metric_value(app, "vllm:e2e_request_latency_seconds_count") == 24
+    # Either replica answers /v1/models alike (its `created` is the app's, not the replica's).
+    models = {requests.get(f"{app}/v1/models", headers=auth, timeout=30).text for _ in range(8)}
+    assert len(models) == 1, models
 
 
 def test_serve_app_answers_401_without_a_valid_key_and_serves_with_one(app):
