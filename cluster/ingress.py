@@ -46,8 +46,11 @@ logger = logging.getLogger(__name__)
 # then waits out its bound, which would add that to every shutdown; a replaced replica's
 # requests of its last period are the only ones not counted.
 _METRICS_PUSH_S = 2.0
-# Bound on each call to the Coordinator for the metrics (a restarting one is skipped).
-_METRICS_CALL_S = 10.0
+# Bound on each call to the Coordinator (/health, /metrics, /status, the metrics push): Serve
+# holds a call to a deployment with no running replica (a Coordinator being replaced) until one
+# runs. Past it: a 503 with Retry-After. /scale may wait on Serve's controller: a longer bound.
+_COORDINATOR_CALL_S = 10.0
+_SCALE_CALL_S = 30.0
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 install_error_handlers(app)
@@ -58,6 +61,7 @@ install_api_key_check(app, lambda: _api_keys)
 
 @serve.ingress(app)
 class Ingress:
+    coordinator_call_s = _COORDINATOR_CALL_S  # an attribute: Serve's wrapper copies the module's globals
     def __init__(self, prefill, decode, coordinator, settings: dict) -> None:
         global _api_keys
         _api_keys = ApiKeyCheck(settings.get("api_key_digests", ()))
@@ -188,10 +192,19 @@ class Ingress:
                 sent = self.metrics.answered
                 try:
                     await asyncio.wait_for(self.coordinator.report_ingress_metrics.remote(
-                        self.ingress_id, self.metrics.snapshot()), _METRICS_CALL_S)
+                        self.ingress_id, self.metrics.snapshot()), self.coordinator_call_s)
                 except Exception as e:  # a restarting coordinator: sent again at the next period
                     sent = -1
                     logger.debug("request metrics not sent: %s", e)
+
+    async def _ask_coordinator(self, method: str, *args, timeout_s: float | None = None):
+        timeout_s = self.coordinator_call_s if timeout_s is None else timeout_s
+        try:
+            # Shielded: past the bound the client gets its 503, but the call is not cancelled
+            # inside the Coordinator (a scale half applied would be worse than a late one).
+            return await asyncio.wait_for(asyncio.shield(getattr(self.coordinator, method).remote(*args)), timeout_s)
+        except Exception as e:  # gone, restarting, or too slow: not an answer the client can use
+            raise overloaded(f"coordinator unavailable: {type(e).__name__}") from e
 
     # ---- routes -------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -204,10 +217,7 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        try:
-            replicas = await self.coordinator.replicas.remote()
-        except Exception as e:  # the coordinator restarting: not healthy yet
-            raise overloaded(f"coordinator unavailable: {type(e).__name__}") from e
+        replicas = await self._ask_coordinator("replicas")  # a 503 while it restarts: not healthy yet
         roles = {r["role"] for r in replicas}
         needed = {"prefill", "decode"} if self.mode == "pd" else {"colocated"}
         if not needed <= roles:
@@ -223,12 +233,12 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics_text(self) -> Response:
-        replicas, requests = await self.coordinator.scrape.remote(self.ingress_id, self.metrics.snapshot())
+        replicas, requests = await self._ask_coordinator("scrape", self.ingress_id, self.metrics.snapshot())
         return Response(self.metrics.render(replicas, requests), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/status")
     async def status(self) -> dict:
-        return await self.coordinator.status.remote()
+        return await self._ask_coordinator("status")
 
     @app.post("/scale")
     async def scale(self, request: Request) -> JSONResponse:
@@ -237,5 +247,5 @@ class Ingress:
             body = await request.json()
         except ValueError as e:
             raise OpenAIError(400, f"malformed JSON body: {e}") from e
-        code, payload = await self.coordinator.scale.remote(body)
+        code, payload = await self._ask_coordinator("scale", body, timeout_s=_SCALE_CALL_S)
         return JSONResponse(payload, status_code=code)

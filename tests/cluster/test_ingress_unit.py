@@ -163,3 +163,56 @@ def test_a_colocated_engine_failure_is_a_503_never_a_200_with_a_partial_answer(s
         error = json.loads(events[-2].removeprefix("data: "))["error"]
         assert error["code"] == 503 and "core 1 failed" in error["message"] and events[-1] == "data: [DONE]\n\n"
     assert ing.pending == 0
+
+
+class _HungCoordinator:
+    """Every call waits until `release` is set (a Coordinator being replaced: Serve holds calls
+    to a deployment with no running replica); `finished` lists the calls that ran to the end."""
+
+    def __init__(self):
+        self.release = asyncio.Event()
+        self.finished: list[str] = []
+
+    def __getattr__(self, method):
+        hung = self
+
+        class _Method:
+            def remote(self, *args):
+                async def call():
+                    await hung.release.wait()
+                    hung.finished.append(method)
+                    return (202, {}) if method == "scale" else {}
+                return call()
+
+        return _Method()
+
+
+def test_a_hung_coordinator_is_a_503_within_the_bound_and_a_scale_is_not_cut_short():
+    from cluster.metrics import AppMetrics
+
+    ing = _ingress(4)
+    ing.coordinator_call_s = 0.05
+    ing.coordinator, ing.mode, ing.ingress_id = _HungCoordinator(), "colocated", "ingress-x"
+    ing.metrics = AppMetrics("m", "colocated")
+
+    class Body:
+        async def json(self):
+            return {"colocated": 2}
+
+    async def run():
+        for call in (ing.health(), ing.status(), ing.metrics_text()):
+            with pytest.raises(OpenAIError) as e:
+                await asyncio.wait_for(call, 30)  # the test's own bound; the route's is 0.05 s
+            assert e.value.status == 503 and "coordinator unavailable: TimeoutError" in e.value.message
+            assert e.value.headers["Retry-After"]
+        with pytest.raises(OpenAIError) as e:
+            await asyncio.wait_for(ing._ask_coordinator("scale", {}, timeout_s=0.05), 30)
+        assert e.value.status == 503
+        ing.coordinator.release.set()
+        for _ in range(100):  # the shielded calls finish once the coordinator answers
+            if "scale" in ing.coordinator.finished:
+                break
+            await asyncio.sleep(0.01)
+        assert "scale" in ing.coordinator.finished
+
+    asyncio.run(run())
