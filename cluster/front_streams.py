@@ -88,6 +88,12 @@ class ReplicaStreams:
                     # engine): run the request on a replica that stays. Bounded.
                     resubmits += 1
                     logger.info("resubmitting %s: %s", request_id, item)
+                    # Without the prompt's KV: the leaving replica may have loaded it, or
+                    # dropped the load when it stopped; either releases the transfer, and a
+                    # second load would fail the request (seen under scale-down, CI). The new
+                    # replica computes the prompt itself; the P/D flow releases the transfer.
+                    if kv_transfer_params is not None:
+                        kv_transfer_params = kv_transfer_params.computed_locally()
                     submitted = asyncio.ensure_future(self._submit(prompt, params, request_id, kv_transfer_params))
                     try:
                         replica = await asyncio.shield(submitted)

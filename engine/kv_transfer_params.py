@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,13 @@ class KVTransferParams:
     # Ranks of the producer: each exported the shard of its own heads (kvstore.shards), which
     # only a consumer of as many ranks can load.
     tensor_parallel_size: int = 1
+
+    def computed_locally(self) -> KVTransferParams:
+        """The same continuation with no transfer to load: the consumer computes the prompt
+        itself (its last `num_prior_output_tokens` stay output for detokenization and seeded
+        sampling). For a request sent to another consumer after the first may have loaded,
+        and so released, the transfer."""
+        return replace(self, transfer_id=None, num_tokens=0, source=None, transport=None)
 
     @property
     def loads_remote_kv(self) -> bool:

@@ -27,6 +27,7 @@ class StandInReplicas:
         self.plan = list(plan)
         self.behaviour: dict[str, object] = {}
         self.submits: list[str] = []
+        self.kv_params: list[object] = []  # each submit's kv_transfer_params
         self.aborts: list[tuple[str, str]] = []
         self.submit = SimpleNamespace(remote=self._submit)
         self.abort = SimpleNamespace(remote=self._abort)
@@ -38,6 +39,7 @@ class StandInReplicas:
     async def _submit(self, prompt, params, request_id, ingress_id, kv_transfer_params):
         replica, behaviour = self.plan.pop(0)
         self.submits.append(replica)
+        self.kv_params.append(kv_transfer_params)
         self.behaviour[replica] = behaviour
         return replica
 
@@ -53,11 +55,11 @@ class StandInReplicas:
             yield batch
 
 
-def _run(handle, request_id="r1"):
+def _run(handle, request_id="r1", kv_transfer_params=None):
     async def main():
         streams = ReplicaStreams(handle, "ingress-test")
         last = None
-        async for out in streams.generate(PROMPT, SamplingParams(max_tokens=2), request_id):
+        async for out in streams.generate(PROMPT, SamplingParams(max_tokens=2), request_id, kv_transfer_params):
             last = out
         await streams.close()
         return last
@@ -74,6 +76,21 @@ def test_a_request_whose_replica_left_routing_before_any_output_runs_on_another(
     handle = StandInReplicas([("A", gone), ("B", _done())])
     out = _run(handle)
     assert handle.submits == ["A", "B"]
+    assert out.finished and out.outputs[0].token_ids == [7, 8]
+
+
+def test_a_decode_resubmitted_elsewhere_computes_its_prompt_instead_of_loading_the_kv_again():
+    """The leaving replica may have loaded (and so released) the transfer before it left; a
+    second load would fail the request. The P/D flow releases the transfer either way."""
+    from engine.kv_transfer_params import KVTransferParams
+
+    gone = RuntimeError("ReplicaGone: replica A is gone (this is B)")
+    handle = StandInReplicas([("A", gone), ("B", _done())])
+    kv = KVTransferParams(transfer_id="t1", num_tokens=3, num_prior_output_tokens=1)
+    assert kv.loads_remote_kv
+    out = _run(handle, kv_transfer_params=kv)
+    assert handle.submits == ["A", "B"] and handle.kv_params == [kv, kv.computed_locally()]
+    assert not handle.kv_params[1].loads_remote_kv
     assert out.finished and out.outputs[0].token_ids == [7, 8]
 
 

@@ -152,6 +152,34 @@ def test_load_failure_with_fail_policy_is_an_explicit_error(tiny_model):
     _assert_no_leaks(p, d, transport=transport)
 
 
+def test_a_decode_computed_locally_gives_the_colocated_tokens_and_text_and_releases_nothing(pd_pair, tiny_model):
+    """A decode request resubmitted to another replica (cluster.front_streams) carries
+    `computed_locally()` params: no load, and the same continuation as the decode that loads
+    the KV (seeded sampling, tokens, text, logprobs), whose tokens equal the colocated run."""
+    p, d, transport = pd_pair
+    colocated = _engine(tiny_model)
+    prompt = random_prompts([21], 1000, seed=28)[0]
+    for seed in (1, 2):
+        params = SamplingParams(temperature=1.0, top_p=0.9, seed=seed, max_tokens=10, ignore_eos=True, logprobs=2)
+        p.add_request(f"p{seed}", {"prompt_token_ids": prompt}, prefill_params(params),
+                      kv_transfer_params=prefill_kv_params(params))
+        first = _run(p, f"p{seed}")
+        kv = decode_kv_params(first.kv_transfer_params)
+        rest = decode_prompt(prompt, first.outputs[0].token_ids[0])
+        d.add_request(f"local{seed}", rest, decode_params(params), kv_transfer_params=kv.computed_locally())
+        local = _run(d, f"local{seed}").outputs[0]
+        assert transport.live_transfers == 1 and _worker_side(d).stats["loads"] == seed - 1  # untouched
+        d.add_request(f"loaded{seed}", rest, decode_params(params), kv_transfer_params=kv)
+        loaded = _run(d, f"loaded{seed}").outputs[0]
+        assert _worker_side(d).stats["loads"] == seed and transport.live_transfers == 0
+        assert (local.token_ids, local.text) == (loaded.token_ids, loaded.text)
+        assert [sorted(p) for p in local.logprobs] == [sorted(p) for p in loaded.logprobs]
+        colocated.add_request(f"c{seed}", {"prompt_token_ids": prompt}, params)
+        ref = _run(colocated, f"c{seed}").outputs[0]
+        assert list(first.outputs[0].token_ids) + list(local.token_ids) == list(ref.token_ids)
+    _assert_no_leaks(p, d, transport=transport)
+
+
 def test_load_failure_with_recompute_policy_gives_the_same_tokens(tiny_model):
     p, d, transport = _pd_with_failing_fetch(tiny_model, "recompute")
     prompt = random_prompts([30], 1000, seed=24)[0]
