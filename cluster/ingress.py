@@ -191,11 +191,10 @@ class Ingress:
             if self.metrics.answered != sent:
                 sent = self.metrics.answered
                 try:
-                    await asyncio.wait_for(self.coordinator.report_ingress_metrics.remote(
-                        self.ingress_id, self.metrics.snapshot()), self.coordinator_call_s)
-                except Exception as e:  # a restarting coordinator: sent again at the next period
+                    await self._ask_coordinator("report_ingress_metrics", self.ingress_id, self.metrics.snapshot())
+                except OpenAIError as e:  # a restarting coordinator: sent again at the next period
                     sent = -1
-                    logger.debug("request metrics not sent: %s", e)
+                    logger.debug("request metrics not sent: %s", e.message)
 
     async def _ask_coordinator(self, method: str, *args, timeout_s: float | None = None):
         timeout_s = self.coordinator_call_s if timeout_s is None else timeout_s
