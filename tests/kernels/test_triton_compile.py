@@ -85,7 +85,10 @@ def compile_fused_moe(dtype: str, upcast: bool):
 
 
 def main() -> None:
-    for case in [(1, False, 128, 4), (4, False, 64, 7), (1, True, 256, 1)]:
+    # (splits, upcast, head_dim, group). The fp32 (upcast) path is compiled at head_dim 64: at
+    # 256 the same code takes ~18 s of LLVM/ptxas time (fp32 tiles twice as wide), which no
+    # other check needs; head_dim 256 is compiled on the bf16 path.
+    for case in [(1, False, 128, 4), (4, False, 64, 7), (1, False, 256, 1), (2, True, 64, 4)]:
         compile_paged_attention(*case)
         print("compiled paged_attention", case)
     compile_split_reduce()
@@ -104,7 +107,7 @@ def test_all_kernels_compile_for_hopper():
     proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_triton_compile"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 7
+    assert proc.stdout.count("compiled") == 8
 
 
 if __name__ == "__main__":
