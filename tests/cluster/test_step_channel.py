@@ -117,6 +117,42 @@ def test_stream_interval_coalesces_steps_into_fewer_messages(engine, offline):
     assert any(len(d.token_ids) > 1 for b in coalesced for d in b)
 
 
+def test_first_and_last_deltas_are_not_held_by_the_interval(engine, offline):
+    """With an interval far longer than the run, each request's first delta (its first token)
+    and its last (the finish) still go out at once; only the deltas between wait, so each
+    request arrives in two pieces. Held like the others, the run would take minutes: the
+    bound below is a fraction of the interval."""
+    prompts = random_prompts([21, 17], 1000, seed=12)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 23)]
+    expected = [offline.generate([{"prompt_token_ids": p}], sp)[0] for p, sp in zip(prompts, params)]
+
+    async def main():
+        hub = StepHub(600.0, linger_s=0.2)
+        accs, finals, messages = {}, {}, []
+        for i, (ids, sp) in enumerate(zip(prompts, params)):
+            rid = f"urgent-{i}"
+            accs[rid] = DeltaAccumulator(rid, None, ids, False)
+            await engine.submit({"prompt_token_ids": ids}, sp, rid, hub.sink("ingress-u", rid))
+
+        async def consume():
+            async for batch in hub.subscribe("ingress-u", engine.abort):
+                messages.append(batch)
+                for d in batch:
+                    finals[d.request_id] = accs[d.request_id].add(d)
+        await asyncio.wait_for(consume(), 60)
+        return messages, [finals[rid] for rid in accs]
+
+    messages, finals = asyncio.run(main())
+    _assert_same(finals, expected)
+    for i in range(2):
+        mine = [d for b in messages for d in b if d.request_id == f"urgent-{i}"]
+        assert len(mine[0].token_ids) == 1 and not mine[0].finished  # the first token, alone
+        # Then the rest in one piece, held until the finish, even while the other request's
+        # first or last delta went out (those go alone, not with everything pending).
+        assert len(mine) == 2 and mine[1].finished
+    assert len(messages) <= 4
+
+
 def test_message_size_does_not_grow_with_the_prompt(engine):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     sizes = {}
