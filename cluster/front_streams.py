@@ -69,8 +69,11 @@ class ReplicaStreams:
                                params.logprobs is not None)
         finished = False
         resubmits = 0
-        submitted = asyncio.ensure_future(self._submit(prompt, params, request_id, kv_transfer_params))
-        try:
+        submitted: asyncio.Future | None = None
+
+        async def submit() -> None:
+            nonlocal submitted, finished
+            submitted = asyncio.ensure_future(self._submit(prompt, params, request_id, kv_transfer_params))
             try:
                 # Shielded: if this request is left while the call is on its way, the call still
                 # completes, and the finally below learns where to abort it.
@@ -80,6 +83,9 @@ class ReplicaStreams:
                 raise PDRequestError(f"replica unavailable: {e}", replica_died=True) from e
             self._where[request_id] = replica
             self._ensure_subscribed(replica)
+
+        try:
+            await submit()
             while not finished:
                 item = await q.get()
                 if (isinstance(item, ReplicaUnrouted) and not acc.token_ids
@@ -94,14 +100,7 @@ class ReplicaStreams:
                     # replica computes the prompt itself; the P/D flow releases the transfer.
                     if kv_transfer_params is not None:
                         kv_transfer_params = kv_transfer_params.computed_locally()
-                    submitted = asyncio.ensure_future(self._submit(prompt, params, request_id, kv_transfer_params))
-                    try:
-                        replica = await asyncio.shield(submitted)
-                    except REPLICA_ERRORS as e:
-                        finished = True
-                        raise PDRequestError(f"replica unavailable: {e}", replica_died=True) from e
-                    self._where[request_id] = replica
-                    self._ensure_subscribed(replica)
+                    await submit()
                     continue
                 if isinstance(item, BaseException):
                     finished = True  # its replica is gone with it
@@ -118,7 +117,7 @@ class ReplicaStreams:
         finally:
             self._queues.pop(request_id, None)
             replica = self._where.pop(request_id, None)
-            if not finished and replica is None:
+            if not finished and replica is None and submitted is not None:
                 try:  # left during the submit call: where did it go?
                     replica = await asyncio.wait_for(asyncio.shield(submitted), _SUBMIT_WAIT_S)
                 except BaseException:
