@@ -127,6 +127,10 @@ class EngineCore:
                           if kv_connector_factory is not None else None)
         self.idle = True
         self.last_step_ran_model = False  # whether the last step was a forward pass
+        # Cumulative: forward passes and the tokens they ran (prompt and generated), so a reader
+        # sees how full the steps were (pdserve:engine_steps / engine_step_tokens).
+        self.num_steps = 0
+        self.num_scheduled_tokens = 0
         self.structured_output_manager = StructuredOutputManager(
             self._structured_output_backend, self.arch.vocab_size, sc.max_num_seqs)
         self._wakeup = None
@@ -224,6 +228,9 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         self.last_step_ran_model = not scheduler_output.is_empty
+        if self.last_step_ran_model:
+            self.num_steps += 1
+            self.num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         # Nothing was computed (e.g. every request waits for remote KV) and no transfer
         # finished: the driver loop may block until woken.
         self.idle = scheduler_output.is_empty and runner_output.kv_connector_output is None
@@ -275,6 +282,8 @@ class EngineCore:
             "prefix_cache_queries": self.kv_cache_manager.stats.queries,
             "prefix_cache_hits": self.kv_cache_manager.stats.hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_scheduled_tokens": self.num_scheduled_tokens,
             **self._encoder_figures(),
             **self._spec_figures(),
         }

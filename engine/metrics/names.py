@@ -82,6 +82,10 @@ ENGINE_FIGURES: dict[str, MetricDef] = {
                                       "Prompt tokens looked up in the prefix cache"),
     "prefix_cache_hits": MetricDef("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache"),
     "num_preemptions": MetricDef("vllm:num_preemptions", "counter", "Requests preempted by the scheduler"),
+    "num_steps": MetricDef("pdserve:engine_steps", "counter", "Engine steps that ran a forward pass"),
+    "num_scheduled_tokens": MetricDef("pdserve:engine_step_tokens", "counter",
+                                      "Tokens those steps ran, prompt and generated (divided by "
+                                      "pdserve:engine_steps: tokens per step)"),
     "free_blocks": MetricDef("pdserve:kv_cache_free_blocks", "gauge", "Free KV cache blocks"),
     "total_blocks": MetricDef("pdserve:kv_cache_total_blocks", "gauge", "KV cache blocks in all"),
     "encoder_cache_queries": MetricDef("pdserve:encoder_cache_queries", "counter",

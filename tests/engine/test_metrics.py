@@ -162,3 +162,17 @@ def test_spec_decode_figures_become_counters_per_position():
     per_pos = {m.labels["position"]: m.value for m in snap if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos"}
     assert per_pos == {"0": 3, "1": 2, "2": 0}
     assert not [m for m in StatsRecorder("m", 64).snapshot({}) if m.name.startswith("vllm:spec_decode")]
+
+
+def test_engine_steps_and_their_tokens_count_what_ran(llm):
+    """pdserve:engine_steps / engine_step_tokens: one request alone runs a step for its prompt
+    (giving the first token), then one step per further token, each running the token before."""
+    names_ = (names.ENGINE_FIGURES["num_steps"].name, names.ENGINE_FIGURES["num_scheduled_tokens"].name)
+    before = [_one(llm.get_metrics(), n).value for n in names_]
+    ids = list(range(200, 237))
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)[0]
+    after = [_one(llm.get_metrics(), n).value for n in names_]
+    assert len(out.outputs[0].token_ids) == 5
+    assert after[0] - before[0] == 5
+    assert after[1] - before[1] == (len(ids) - out.num_cached_tokens) + 4
