@@ -178,8 +178,7 @@ class StepHub:
                 if wait > 0:
                     await ch.hold(wait)  # coalescing interval (a rate, not a synchronisation)
                     if ch.error is not None:
-                        ended = True
-                        raise EngineFailed(f"engine failed: {ch.error!r}")
+                        continue  # raised at the top of the loop
                     if time.monotonic() < last_sent + self.stream_interval_s:
                         # Cut short by a first or last delta: send those alone; the others
                         # keep the interval's schedule (last_sent unchanged).

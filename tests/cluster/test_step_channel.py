@@ -183,3 +183,32 @@ def test_a_front_end_that_goes_away_leaves_nothing_running(engine):
         assert not hub.channels and not hub.owner
 
     asyncio.run(main())
+
+
+def test_an_engine_failure_ends_a_held_subscription_at_once():
+    """The engine's error cuts the interval short too: the subscription raises EngineFailed
+    instead of holding it (and the ingress's requests) for the rest of a 600 s interval."""
+    from cluster.step_channel import EngineFailed
+    from engine.outputs import CompletionOutput, RequestOutput
+
+    def out(tokens: list[int]) -> RequestOutput:
+        return RequestOutput(request_id="f", prompt=None, prompt_token_ids=[5, 6],
+                             outputs=[CompletionOutput(0, "", tokens)], finished=False,
+                             delta_token_ids=tokens[-1:])
+
+    async def main():
+        hub = StepHub(600.0, linger_s=0.2)
+        put = hub.sink("ingress-f", "f")
+        stream = hub.subscribe("ingress-f", lambda rid: asyncio.sleep(0))
+        put(out([1]))
+        first = await asyncio.wait_for(stream.__anext__(), 30)  # the first token: not held
+        put(out([1, 2]))  # held for the interval
+        nxt = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the subscription is now holding
+        put(RuntimeError("boom"))
+        with pytest.raises(EngineFailed, match="boom"):
+            await asyncio.wait_for(nxt, 30)
+        return first
+
+    first = asyncio.run(main())
+    assert [d.token_ids for d in first] == [[1]]
