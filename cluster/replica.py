@@ -49,8 +49,13 @@ class EngineServer:
         self.replica_id = f"{role}-{self.unique_id}"
         store = None if role == "colocated" else app_store(app_name, **(store_kwargs or {}))
         self.store = store
+        # The engine hands outputs over at half the stream interval (the first and last
+        # tokens at once): the subscription holds them that long anyway, and a token waits
+        # at most 1.5 intervals instead of 1, for one event-loop wake-up per half interval
+        # instead of one per step (AsyncLLM post_interval_s).
         self.worker = EngineWorker(engine_args, role, self.replica_id, store, "object_store",
-                                   load_failure_policy, store_pulls=False)
+                                   load_failure_policy, store_pulls=False,
+                                   post_interval_s=stream_interval_ms / 2000.0)
         self._coordinator = (serve.get_deployment_handle(coordinator, app_name)
                              if coordinator else None)
         self._seq = 0
