@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # After the path set-up above, so the script runs from any directory.
 from scripts.serve_bench import BenchError  # noqa: E402
-from scripts.serve_bench.client import first_model_id, run_load  # noqa: E402
+from scripts.serve_bench.client import engine_steps, first_model_id, run_load  # noqa: E402
 from scripts.serve_bench.cpu_report import (  # noqa: E402
     ServerRun,
     bytes_table,
@@ -154,10 +154,12 @@ class Bench:
         self.quiet(f"{mode} c{c}")
         offline = self.offline(prompts, c)
         items = [WorkItem(p, args.output_tokens) for p in prompts]
+        steps0 = engine_steps(url)
         before, busy0, cpu0 = snapshot(root), system_busy_s(), time.process_time()
         records, wall = asyncio.run(run_load(url, served, items, rate=None, concurrency=c, seed=args.seed,
                                              timeout_s=args.timeout, warmup=0))
         after, busy1, client = snapshot(root), system_busy_s(), time.process_time() - cpu0
+        steps = {role: n - steps0.get(role, 0.0) for role, n in settled_engine_steps(url).items()}
         seen.update(before)
         seen.update(after)
         cpu = cpu_by_role(before, after, root)
@@ -166,7 +168,7 @@ class Bench:
             raise BenchError(f"{summary['failed']} requests failed: {summary['errors']}")
         others = max(busy1 - busy0 - sum(cpu.seconds.values()) - client, 0.0)
         run = ServerRun(mode, c, interval_ms, summary, cpu.seconds, cpu.exited, client,
-                        sum(rec.chunks for rec in records), others, offline)
+                        sum(rec.chunks for rec in records), others, offline, steps)
         print(f"[{run.label} {interval_ms:g} ms #{r}] {run.tokens} tokens in {wall:.1f} s: "
               f"{summary['output_throughput']:.0f} tok/s, server {run.ms(run.whole_s):.2f} CPU ms/token "
               f"(outside engines {run.ms(run.outside_s):.2f}); other processes {others:.1f} CPU s", flush=True)
@@ -218,6 +220,21 @@ class Bench:
             for pid in end_leftovers(seen):
                 print(f"warning: server process {pid} ({seen[pid].cmdline[:60]}) outlived the server; "
                       f"killed it", file=sys.stderr)
+
+
+def settled_engine_steps(url: str, quiet_s: float = 1.0, bound_s: float = 10.0) -> dict[str, float]:
+    """The engines' step counters once they stop moving: replicas report them with their
+    routing stats (every 0.5 s, cluster.app), so the last steps of a window reach /metrics up
+    to that much after its last response. Read after the CPU snapshot, so not measured."""
+    last, since, t_end = engine_steps(url), time.monotonic(), time.monotonic() + bound_s
+    while time.monotonic() < t_end:
+        time.sleep(0.25)  # a polling period (bounded by bound_s), not a synchronisation
+        now = engine_steps(url)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return last
 
 
 def _ints(text: str) -> list[int]:

@@ -178,3 +178,33 @@ def test_goal_lines_hold_each_run_to_its_mode_and_concurrency_bounds():
     lines = goal_lines([_run("colocated", 8, 0.9, 0.3), _run("pd", 64, 1.0, 0.35)], sizes)
     # colocated c8: 1.2x <= 1.25x, 0.3 ms <= 0.5; P/D c64: 1.35x <= 1.4x, 0.35 ms > 0.2; bytes +6.7%
     assert [line.split(":")[0] for line in lines] == ["PASS", "PASS", "PASS", "FAIL", "PASS"]
+
+
+def test_served_engine_steps_are_read_per_role_from_the_exported_metrics():
+    """The text parsed is what prometheus_client writes for the replicas' step counters."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from scripts.serve_bench.client import steps_by_role
+
+    registry = CollectorRegistry()
+    steps = Counter("pdserve:engine_steps", "Engine steps that ran a forward pass",
+                    ["model_name", "role", "replica"], registry=registry)
+    steps.labels("m", "decode", "d1").inc(800)
+    steps.labels("m", "decode", "d2").inc(31)
+    steps.labels("m", "prefill", "p1").inc(51)
+    other = Counter("pdserve:engine_step_tokens", "Tokens", ["role"], registry=registry)
+    other.labels("decode").inc(13284)
+    assert steps_by_role(generate_latest(registry).decode()) == {"decode": 831.0, "prefill": 51.0}
+
+
+def test_the_hop_table_puts_served_steps_beside_the_offline_engines():
+    from scripts.serve_bench.cpu_report import hop_table
+
+    run = _run("pd", 8, 1.0, 0.3)
+    run.engine_steps = {"decode": 831.0, "prefill": 51.0}
+    run.offline.forward_steps = 769
+    colocated = _run("colocated", 64, 1.0, 0.3)
+    colocated.engine_steps = {"colocated": 337.0}
+    colocated.offline.forward_steps = 264
+    table = hop_table([run, colocated])
+    assert "decode 831 + prefill 51 / 769" in table and "337 / 264" in table

@@ -192,6 +192,27 @@ def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, str]:
         return e.code, e.read().decode("utf-8", errors="replace")
 
 
+def engine_steps(url: str) -> dict[str, float]:
+    """Forward passes so far of each engine role (`pdserve:engine_steps` on /metrics, summed
+    over the role's replicas); {} when the server does not export them."""
+    status, body = http_get(f"{url}/metrics", timeout_s=10.0)
+    if status != 200:
+        raise BenchError(f"GET {url}/metrics: HTTP {status} {body[:200]}")
+    return steps_by_role(body)
+
+
+def steps_by_role(metrics_text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    steps: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "pdserve:engine_steps_total":
+                role = sample.labels.get("role", "?")
+                steps[role] = steps.get(role, 0.0) + sample.value
+    return steps
+
+
 def first_model_id(url: str) -> str:
     """The first model id listed by GET /v1/models."""
     try:

@@ -5,7 +5,7 @@ lines. Tables are Markdown, so they paste into the README as printed."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scripts.serve_bench.offline import MessageSizes, OfflineRun
 from scripts.serve_bench.proc_cpu import ROLE_GROUPS, group_seconds
@@ -28,6 +28,9 @@ class ServerRun:
     sse_chunks: int  # text chunks the clients received
     others_cpu_s: float = 0.0  # every other process on the machine in the window (noise)
     offline: OfflineRun | None = None  # the offline engine on the same prompts, just before
+    # Forward passes of each engine role over the window (pdserve:engine_steps): fewer rows
+    # per step than offline means more steps, each paying for the weights, for the same tokens.
+    engine_steps: dict[str, float] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -104,10 +107,22 @@ def hop_table(runs: list[ServerRun]) -> str:
         step_msgs = o.steps / o.output_tokens if o and run.interval_ms == 0 else math.nan
         rows.append([run.label, _f(run.sse_chunks / run.tokens if run.tokens else math.nan),
                      _f(run.ms(proxy)), _f(1e6 * proxy / run.sse_chunks if run.sse_chunks else math.nan, ".0f"),
-                     _f(run.ms(ingress)), _f(step_msgs, ".3f"), _f(excess_ms)])
+                     _f(run.ms(ingress)), _f(step_msgs, ".3f"), _f(excess_ms), steps_cell(run)])
     return _table(["run", "SSE chunks / token", "proxy ms / token", "proxy µs / chunk",
-                   "ingress ms / token", "replica messages / token", "engine replica - offline ms / token"],
-                  rows)
+                   "ingress ms / token", "replica messages / token", "engine replica - offline ms / token",
+                   "engine steps served / offline"], rows)
+
+
+def steps_cell(run: ServerRun) -> str:
+    """The served engines' forward passes (by role when several) against the offline
+    engine's on the same requests, e.g. "337 / 264" or "decode 831 + prefill 51 / 769"."""
+    if not run.engine_steps:
+        return "-"
+    if len(run.engine_steps) == 1:
+        served = f"{next(iter(run.engine_steps.values())):.0f}"
+    else:
+        served = " + ".join(f"{role} {n:.0f}" for role, n in sorted(run.engine_steps.items()))
+    return f"{served} / {run.offline.forward_steps}" if run.offline else served
 
 
 def interval_table(runs: list[ServerRun]) -> str:

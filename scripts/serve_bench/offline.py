@@ -21,6 +21,7 @@ class OfflineRun:
     wall_s: float
     steps: int  # engine steps that produced at least one output
     others_cpu_s: float = 0.0  # every other process on the machine in the window (noise)
+    forward_steps: int = 0  # engine steps that ran a forward pass (pdserve:engine_steps)
 
     @property
     def cpu_ms_per_token(self) -> float:
@@ -72,10 +73,11 @@ def measure_offline(engine, prompts: list[str], max_tokens: int, concurrency: in
     """CPU and wall time of the engine alone on the benchmark's requests, after a warm-up on
     other prompts (the measured ones must not be in the prefix cache)."""
     run_closed_loop(engine, warm[:concurrency], 4, concurrency, f"warm-c{concurrency}")
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    cpu0, t0, forward0 = time.process_time(), time.perf_counter(), engine.core.num_steps
     tokens, steps = run_closed_loop(engine, prompts, max_tokens, concurrency, f"run-c{concurrency}")
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
-    return OfflineRun(concurrency, len(prompts), tokens, cpu, wall, steps)
+    return OfflineRun(concurrency, len(prompts), tokens, cpu, wall, steps,
+                      forward_steps=engine.core.num_steps - forward0)
 
 
 @dataclass(frozen=True)
