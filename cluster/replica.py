@@ -83,7 +83,7 @@ class EngineServer:
         first = True
         async for out in self.worker.generate(prompt, params, request_id, kv_transfer_params):
             if out.delta_token_ids:
-                now = time.monotonic()
+                now = out.emitted_at or time.monotonic()
                 if not first:
                     self.itl.add(now - last)
                 elif self.role == "colocated":
@@ -117,7 +117,9 @@ class EngineServer:
         if start is None:
             return
         if out.delta_token_ids:
-            now = time.monotonic()
+            # When the step made it, not when it was handed over: outputs held for the
+            # stream interval arrive several steps at once, and their gaps are the steps'.
+            now = out.emitted_at or time.monotonic()
             if last is not None:
                 self.itl.add(now - last)
             elif self.role == "colocated":

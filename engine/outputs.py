@@ -40,6 +40,10 @@ class RequestOutput:
     # The prompt's image placeholders and hashes, never pixels: what a P/D decode side needs
     # to hash its prompt blocks as the prefill side did (vLLM reports placeholders here too).
     multi_modal_features: MultiModalFeatures | None = None
+    # time.monotonic() when the engine step that produced it ended: latency measured where the
+    # output is consumed would otherwise include how long it waited to be handed over
+    # (AsyncLLM's post_interval_s holds outputs, then hands several steps over at once).
+    emitted_at: float | None = None
 
 
 @dataclass(slots=True)

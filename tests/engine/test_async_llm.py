@@ -251,6 +251,9 @@ def test_a_post_interval_hands_over_first_tokens_and_the_end_at_once_and_holds_t
         assert [len(h) for h in handovers] == [1, PARAMS.max_tokens - 1]
         assert handovers[0][0].delta_token_ids == offline[PROMPTS[0]].token_ids[:1]
         assert handovers[1][-1].finished
+    # Each output keeps the time its own step ended, whenever it was handed over.
+    times = [out.emitted_at for out in got]
+    assert all(a < b for a, b in zip(times, times[1:]))
 
 
 def test_outputs_held_for_an_aborted_request_are_never_delivered(tiny_model):
