@@ -51,8 +51,9 @@ class EngineServer:
         self.store = store
         # The engine hands outputs over at half the stream interval (the first and last
         # tokens at once): the subscription holds them that long anyway, and a token waits
-        # at most 1.5 intervals instead of 1, for one event-loop wake-up per half interval
-        # instead of one per step (AsyncLLM post_interval_s).
+        # at most about 1.5 intervals (plus a step in progress) instead of 1, for one
+        # event-loop wake-up per half interval instead of one per step (AsyncLLM
+        # post_interval_s).
         self.worker = EngineWorker(engine_args, role, self.replica_id, store, "object_store",
                                    load_failure_policy, store_pulls=False,
                                    post_interval_s=stream_interval_ms / 2000.0)

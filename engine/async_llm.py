@@ -57,18 +57,22 @@ class AsyncLLM:
         self.engine.core.set_kv_wakeup(lambda: self._inputs.put(_WAKE))
         # request id -> (event loop, callable taking each of its outputs on that loop)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[object], None]]] = {}
-        # Requests added with `submit`: their entry goes when their last output is posted.
+        # Requests added with `submit`: their entry goes when their last output is delivered.
         self._sinks: set[str] = set()
+        # Sinks whose last output is on its way to their loop (set by the engine thread, cleared
+        # on delivery or abort): the engine's error, if it dies meanwhile, is not posted to them.
+        self._ending: set[str] = set()
         self._errored: BaseException | None = None
         self._thread = threading.Thread(target=self._busy_loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, kv_connector_factory: KVConnectorFactory | None = None,
-                         usage_context: str = "serving") -> AsyncLLM:
+                         usage_context: str = "serving", post_interval_s: float = 0.0) -> AsyncLLM:
         """An AsyncLLM is what serving code runs, so it takes the serving defaults
         (engine.config.resolved_token_budget) unless told otherwise."""
-        return cls(engine_args.create_engine_config(usage_context), kv_connector_factory)
+        return cls(engine_args.create_engine_config(usage_context), kv_connector_factory,
+                   post_interval_s=post_interval_s)
 
     # ---- engine thread ------------------------------------------------------------------
     def _busy_loop(self) -> None:
@@ -84,7 +88,8 @@ class AsyncLLM:
         self._errored = e
         self._flush()  # what earlier steps produced goes out before the error
         for rid in list(self._streams):
-            self._post(rid, e)
+            if rid not in self._ending:  # nothing after a finished output
+                self._post(rid, e)
         self._fail_pending()
 
     def _serve_forever(self) -> None:
@@ -100,6 +105,7 @@ class AsyncLLM:
                     item = self._inputs.get(block=block, timeout=_IDLE_POLL_S if waiting_only and block else None)
                     block = False
                     if item is _STOP:
+                        self._flush()  # what was produced still goes out
                         return
                     if item is not _WAKE:
                         self._handle(item)
@@ -145,7 +151,7 @@ class AsyncLLM:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            by_loop.setdefault(stream[0], []).append((stream[1], out))
+            by_loop.setdefault(stream[0], []).append((stream, out))
             if out.finished:
                 urgent = True
             elif out.delta_token_ids and len(out.outputs[0].token_ids) == len(out.delta_token_ids):
@@ -157,15 +163,29 @@ class AsyncLLM:
         self._last_post = time.monotonic()
         held, self._held = self._held, {}
         for loop, items in held.items():
-            # A request aborted while its outputs were held gets none of them: nothing is
-            # posted after `abort`, which unregisters the stream before the engine hears of it.
-            items = [(put, out) for put, out in items if out.request_id in self._streams]
             for _, out in items:
                 if out.finished and out.request_id in self._sinks:
-                    self._sinks.discard(out.request_id)
-                    self._streams.pop(out.request_id, None)
-            if items:
-                loop.call_soon_threadsafe(_deliver, items)
+                    self._ending.add(out.request_id)
+            try:
+                loop.call_soon_threadsafe(self._deliver, items)
+            except RuntimeError:  # that loop is closed: nobody is left to read these
+                pass
+
+    def _deliver(self, items: list) -> None:
+        """On the event loop: each output to its stream, unless the stream was aborted (or
+        its request id registered anew) since it was produced. Checked here, on the thread
+        `abort` runs on, so nothing reaches a sink after its abort; and a finished sink
+        leaves the table here too, after every earlier hand-over of it was delivered (the
+        loop may run behind the engine by several hand-overs)."""
+        for stream, out in items:
+            rid = out.request_id
+            if self._streams.get(rid) is not stream:
+                continue
+            if out.finished and rid in self._sinks:
+                self._sinks.discard(rid)
+                self._ending.discard(rid)
+                del self._streams[rid]
+            stream[1](out)
 
     # ---- callers ------------------------------------------------------------------------
     def call(self, fn: Callable, *args) -> Future:
@@ -247,9 +267,10 @@ class AsyncLLM:
         kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
         """Add a request whose outputs go to `sink` instead of a stream: called on this event
-        loop with each RequestOutput (all of one step's in one loop callback), or with the
-        exception that killed the engine. Nothing is posted after the finished output, nor
-        after `abort`. Validation errors raise here (nothing was queued)."""
+        loop with each RequestOutput (all of one step's in one loop callback; with a post
+        interval, several steps' in one), or with the exception that killed the engine.
+        Nothing is posted after the finished output, nor after `abort`. Validation errors
+        raise here (nothing was queued)."""
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._streams[request_id] = (asyncio.get_running_loop(), sink)
@@ -269,6 +290,7 @@ class AsyncLLM:
         output (nothing is left waiting on it)."""
         if request_id in self._sinks:
             self._sinks.discard(request_id)
+            self._ending.discard(request_id)
             self._streams.pop(request_id, None)
         fut = self.call(self.engine.abort_request, request_id)
         try:
@@ -292,7 +314,3 @@ class AsyncLLM:
         if not self._thread.is_alive():
             self.engine.core.shutdown()
 
-
-def _deliver(items: list) -> None:
-    for put, item in items:
-        put(item)

@@ -24,7 +24,10 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """The state of one request after a step. `outputs[0]` holds everything so far;
-    `delta_*` fields hold only what this step added (for streaming)."""
+    `delta_*` fields hold only what this step added (for streaming). Its token and logprob
+    lists are the engine's own growing ones (no copy per token): read later (an output held
+    for a post interval, or a slow consumer), they may already hold later steps' tokens, so
+    streaming consumers read the `delta_*` fields."""
 
     request_id: str
     prompt: str | None

@@ -199,14 +199,12 @@ def test_a_request_whose_submit_was_cancelled_is_never_added(engine, offline):
 def _spy_handovers(loop) -> list[list]:
     """Record each hand-over of outputs from the engine thread to `loop` (one loop wake-up
     each), as the list of outputs it carried."""
-    from engine import async_llm
-
     handovers: list[list] = []
     post = loop.call_soon_threadsafe
 
     def spy(callback, *args, **kwargs):
-        if callback is async_llm._deliver:
-            handovers.append([out for _, out in args[0]])
+        if getattr(callback, "__func__", None) is AsyncLLM._deliver:
+            handovers.append([item[1] for item in args[0]])
         return post(callback, *args, **kwargs)
 
     loop.call_soon_threadsafe = spy
@@ -275,13 +273,48 @@ def test_outputs_held_for_an_aborted_request_are_never_delivered(tiny_model):
         while core.num_steps < steps + 3:  # each call runs between two steps: no sleeping
             await asyncio.wrap_future(eng.call(lambda: None))
         await eng.abort("a")
-        await eng.load()  # the engine thread went idle after the abort: anything held went then
+        # Until the engine thread itself finds no work: it hands over whatever it holds before
+        # it blocks, and this call (answered after that) reaches us after those hand-overs.
+        while await asyncio.wrap_future(eng.call(eng.engine.has_work)):
+            pass
         return got
 
     try:
         got = asyncio.run(asyncio.wait_for(main(), 120))
         assert len(got) == 1 and len(got[0].delta_token_ids) == 1 and not got[0].finished
+        assert not eng._held  # handed over when the engine went idle, and dropped for the abort
         assert not core.has_unfinished_requests()
         assert core.kv_cache_manager.get_num_free_blocks() == core.num_kv_blocks
     finally:
         eng.shutdown()
+
+
+def test_a_loop_running_behind_the_engine_still_gets_every_output_once(tiny_model, offline):
+    """The event loop may run several hand-overs behind the engine thread (a busy replica).
+    Here it is held inside the first output's callback until the engine has finished the
+    request: every hand-over queued meanwhile, the last one with the finish, must still be
+    delivered in order, none dropped because the request already left the engine."""
+    eng = _serving_engine(tiny_model, 0.0)  # a hand-over per step: the most there can be
+    core = eng.engine.core
+
+    async def main():
+        got, done = [], asyncio.Event()
+
+        def sink(out):
+            got.append(out)
+            if len(got) == 1:  # block this loop until the engine is done with the request
+                while eng.call(core.has_unfinished_requests).result(timeout=60):
+                    pass  # each call is answered between two steps: no sleeping
+            if out.finished:
+                done.set()
+
+        await eng.submit(PROMPTS[0], PARAMS, "a", sink)
+        await asyncio.wait_for(done.wait(), 60)
+        return got
+
+    try:
+        got = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        eng.shutdown()
+    assert [i for out in got for i in out.delta_token_ids] == offline[PROMPTS[0]].token_ids
+    assert [out.finished for out in got] == [False] * (len(got) - 1) + [True]
