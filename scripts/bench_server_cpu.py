@@ -166,6 +166,12 @@ class Bench:
         summary = summarise(records, float("inf"), float("inf"), wall)
         if summary["failed"]:
             raise BenchError(f"{summary['failed']} requests failed: {summary['errors']}")
+        # EOS is ignored, so every answer has exactly the tokens asked for: fewer means the
+        # stream lost some (a figure over lost tokens would look faster, not wrong).
+        wrong = [rec.completion_tokens for rec in records if rec.completion_tokens != args.output_tokens]
+        if wrong:
+            raise BenchError(f"{len(wrong)} of {len(records)} answers had other than {args.output_tokens} "
+                             f"tokens ({sorted(set(wrong))[:5]}): the server lost or added tokens")
         others = max(busy1 - busy0 - sum(cpu.seconds.values()) - client, 0.0)
         run = ServerRun(mode, c, interval_ms, summary, cpu.seconds, cpu.exited, client,
                         sum(rec.chunks for rec in records), others, offline, steps)
