@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
 import socket
@@ -73,6 +74,10 @@ class ServerProcess:
                 last = f"HTTP {status} {body[:100]}"
             except OSError as e:  # refused / reset while starting
                 last = str(e)
+            except http.client.HTTPException as e:
+                # Not HTTP: something else took the port between free_port() and the server's
+                # bind (a Ray daemon's gRPC port); the server then fails to bind and exits.
+                last = f"not an HTTP answer on {url}: {e!r}"[:200]
             time.sleep(1.0)
         raise BenchError(f"server not ready after {deadline_s:g} s ({last}); "
                          f"log {self.log_path}:\n{_log_tail(self.log_path)}")
