@@ -66,7 +66,6 @@ class EngineWorker:
         engine_cls=AsyncLLM,
         transport_timeout_s: float = 60.0,
         store_pulls: bool = True,
-        post_interval_s: float = 0.0,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -100,10 +99,7 @@ class EngineWorker:
                                                         config.cache.block_size, load_failure_policy)
                     return self.connectors[side]
 
-        # How often the engine thread hands outputs to this actor's event loop
-        # (AsyncLLM's post_interval_s): a serving replica that coalesces its messages anyway
-        # spares its engine a wake-up per step.
-        self.engine = engine_cls(config, factory, post_interval_s=post_interval_s)
+        self.engine = engine_cls(config, factory)
         if self.transport is not None:
             self.transport.warm_up(producer=role == "prefill")
 

@@ -49,14 +49,8 @@ class EngineServer:
         self.replica_id = f"{role}-{self.unique_id}"
         store = None if role == "colocated" else app_store(app_name, **(store_kwargs or {}))
         self.store = store
-        # The engine hands outputs over at half the stream interval (the first and last
-        # tokens at once): the subscription holds them that long anyway, and a token waits
-        # at most about 1.5 intervals (plus a step in progress) instead of 1, for one
-        # event-loop wake-up per half interval instead of one per step (AsyncLLM
-        # post_interval_s).
         self.worker = EngineWorker(engine_args, role, self.replica_id, store, "object_store",
-                                   load_failure_policy, store_pulls=False,
-                                   post_interval_s=stream_interval_ms / 2000.0)
+                                   load_failure_policy, store_pulls=False)
         self._coordinator = (serve.get_deployment_handle(coordinator, app_name)
                              if coordinator else None)
         self._seq = 0
@@ -84,7 +78,7 @@ class EngineServer:
         first = True
         async for out in self.worker.generate(prompt, params, request_id, kv_transfer_params):
             if out.delta_token_ids:
-                now = out.emitted_at or time.monotonic()
+                now = time.monotonic()
                 if not first:
                     self.itl.add(now - last)
                 elif self.role == "colocated":
@@ -118,9 +112,7 @@ class EngineServer:
         if start is None:
             return
         if out.delta_token_ids:
-            # When the step made it, not when it was handed over: outputs held for the
-            # stream interval arrive several steps at once, and their gaps are the steps'.
-            now = out.emitted_at or time.monotonic()
+            now = time.monotonic()
             if last is not None:
                 self.itl.add(now - last)
             elif self.role == "colocated":

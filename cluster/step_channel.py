@@ -1,12 +1,11 @@
 """Replica side of the per-step messages (ARCHITECTURE.md §7, engine -> front end).
 
 An engine replica keeps one `FrontEndChannel` per ingress replica that sent it requests. The
-engine hands over its outputs in one event-loop callback (AsyncLLM.submit): every step, or
-with an interval every half interval and at once for first tokens and finishes (AsyncLLM's
-post_interval_s; cluster.replica). The channel turns them into RequestDeltas and wakes the
-ingress's subscription, which sends everything gathered since its last message as one list.
-So a step that advanced 30 requests of one ingress is one Ray message carrying 30 small
-deltas, not 30 messages each carrying the whole prompt and the cumulative output.
+engine hands over each step's outputs in one event-loop callback (AsyncLLM.submit); the
+channel turns them into RequestDeltas and wakes the ingress's subscription, which sends
+everything gathered since its last message as one list. So a step that advanced 30 requests
+of one ingress is one Ray message carrying 30 small deltas, not 30 messages each carrying the
+whole prompt and the cumulative output.
 
 With `stream_interval_s` > 0 the subscription waits that long after a message before sending
 the next, so a message may carry several steps (the model of Ray Serve LLM's

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -35,44 +34,25 @@ _IDLE_POLL_S = 0.05
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, kv_connector_factory: KVConnectorFactory | None = None,
-                 engine: LLMEngine | None = None, post_interval_s: float = 0.0) -> None:
-        """Over a new LLMEngine for `config` (with a KV connector, if any), or over `engine`.
-
-        `post_interval_s` > 0: outputs reach their event loops at most that often, except a
-        request's first tokens and its end (posted with the step that made them) and whatever
-        is held when the engine runs out of work. Each hand-over wakes the loop's thread,
-        which then contends for the GIL with the engine thread in the middle of its forward
-        pass: one wake per step cost the engine 4-10% more CPU per token (README "Engine
-        hand-overs"). A server that coalesces streamed tokens anyway (--stream-interval-ms)
-        loses nothing by it."""
+                 engine: LLMEngine | None = None) -> None:
+        """Over a new LLMEngine for `config` (with a KV connector, if any), or over `engine`."""
         self.engine = engine or LLMEngine(config, kv_connector_factory)
-        if post_interval_s < 0:
-            raise ValueError(f"post_interval_s must be >= 0, got {post_interval_s}")
-        self.post_interval_s = post_interval_s
-        # Engine thread only: outputs not yet handed over, per loop, and when the last
-        # hand-over was.
-        self._held: dict[asyncio.AbstractEventLoop, list] = {}
-        self._last_post = 0.0
         self._inputs: queue.Queue = queue.Queue()
         self.engine.core.set_kv_wakeup(lambda: self._inputs.put(_WAKE))
         # request id -> (event loop, callable taking each of its outputs on that loop)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[object], None]]] = {}
-        # Requests added with `submit`: their entry goes when their last output is delivered.
+        # Requests added with `submit`: their entry goes when their last output is posted.
         self._sinks: set[str] = set()
-        # Sinks whose last output is on its way to their loop (set by the engine thread, cleared
-        # on delivery or abort): the engine's error, if it dies meanwhile, is not posted to them.
-        self._ending: set[str] = set()
         self._errored: BaseException | None = None
         self._thread = threading.Thread(target=self._busy_loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, kv_connector_factory: KVConnectorFactory | None = None,
-                         usage_context: str = "serving", post_interval_s: float = 0.0) -> AsyncLLM:
+                         usage_context: str = "serving") -> AsyncLLM:
         """An AsyncLLM is what serving code runs, so it takes the serving defaults
         (engine.config.resolved_token_budget) unless told otherwise."""
-        return cls(engine_args.create_engine_config(usage_context), kv_connector_factory,
-                   post_interval_s=post_interval_s)
+        return cls(engine_args.create_engine_config(usage_context), kv_connector_factory)
 
     # ---- engine thread ------------------------------------------------------------------
     def _busy_loop(self) -> None:
@@ -86,10 +66,8 @@ class AsyncLLM:
         """The engine is unusable: fail every stream and queued call, loudly (the replica's
         health check reports `_errored`, so Serve replaces it)."""
         self._errored = e
-        self._flush()  # what earlier steps produced goes out before the error
         for rid in list(self._streams):
-            if rid not in self._ending:  # nothing after a finished output
-                self._post(rid, e)
+            self._post(rid, e)
         self._fail_pending()
 
     def _serve_forever(self) -> None:
@@ -98,14 +76,11 @@ class AsyncLLM:
             # schedulable (all waiting for remote KV; a KV arrival posts _WAKE).
             waiting_only = self.engine.core.idle and self.engine.has_work()
             block = not self.engine.has_work() or waiting_only
-            if block and self._held:
-                self._flush()  # nothing else will come soon: never hold outputs while idle
             try:
                 while True:
                     item = self._inputs.get(block=block, timeout=_IDLE_POLL_S if waiting_only and block else None)
                     block = False
                     if item is _STOP:
-                        self._flush()  # what was produced still goes out
                         return
                     if item is not _WAKE:
                         self._handle(item)
@@ -141,51 +116,19 @@ class AsyncLLM:
             loop.call_soon_threadsafe(put, item)
 
     def _post_step(self, outputs: list[RequestOutput]) -> None:
-        """Hand outputs over with one callback per event loop, not one per request: the loop
-        then sees the whole step at once (a per-step message can carry all of it). With a
-        post interval, a step's outputs wait for the next hand-over unless one of them is a
-        first token or an end."""
-        by_loop = self._held
-        urgent = False
+        """Hand a step's outputs over with one callback per event loop, not one per request:
+        the loop then sees the whole step at once (a per-step message can carry all of it)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            by_loop.setdefault(stream[0], []).append((stream, out))
-            if out.finished:
-                urgent = True
-            elif out.delta_token_ids and len(out.outputs[0].token_ids) == len(out.delta_token_ids):
-                urgent = True  # its first tokens: the client's time to first token
-        if urgent or time.monotonic() - self._last_post >= self.post_interval_s:
-            self._flush()
-
-    def _flush(self) -> None:
-        self._last_post = time.monotonic()
-        held, self._held = self._held, {}
-        for loop, items in held.items():
-            for _, out in items:
-                if out.finished and out.request_id in self._sinks:
-                    self._ending.add(out.request_id)
-            try:
-                loop.call_soon_threadsafe(self._deliver, items)
-            except RuntimeError:  # that loop is closed: nobody is left to read these
-                pass
-
-    def _deliver(self, items: list) -> None:
-        """On the event loop: each output to its stream, unless the stream was aborted (or
-        its request id registered anew) since it was produced. Checked here, on the thread
-        `abort` runs on, so nothing reaches a sink after its abort; and a finished sink
-        leaves the table here too, after every earlier hand-over of it was delivered (the
-        loop may run behind the engine by several hand-overs)."""
-        for stream, out in items:
-            rid = out.request_id
-            if self._streams.get(rid) is not stream:
-                continue
-            if out.finished and rid in self._sinks:
-                self._sinks.discard(rid)
-                self._ending.discard(rid)
-                del self._streams[rid]
-            stream[1](out)
+            by_loop.setdefault(stream[0], []).append((stream[1], out))
+            if out.finished and out.request_id in self._sinks:
+                self._sinks.discard(out.request_id)
+                self._streams.pop(out.request_id, None)
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     # ---- callers ------------------------------------------------------------------------
     def call(self, fn: Callable, *args) -> Future:
@@ -267,10 +210,9 @@ class AsyncLLM:
         kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
         """Add a request whose outputs go to `sink` instead of a stream: called on this event
-        loop with each RequestOutput (all of one step's in one loop callback; with a post
-        interval, several steps' in one), or with the exception that killed the engine.
-        Nothing is posted after the finished output, nor after `abort`. Validation errors
-        raise here (nothing was queued)."""
+        loop with each RequestOutput (all of one step's in one loop callback), or with the
+        exception that killed the engine. Nothing is posted after the finished output, nor
+        after `abort`. Validation errors raise here (nothing was queued)."""
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._streams[request_id] = (asyncio.get_running_loop(), sink)
@@ -290,7 +232,6 @@ class AsyncLLM:
         output (nothing is left waiting on it)."""
         if request_id in self._sinks:
             self._sinks.discard(request_id)
-            self._ending.discard(request_id)
             self._streams.pop(request_id, None)
         fut = self.call(self.engine.abort_request, request_id)
         try:
@@ -314,3 +255,7 @@ class AsyncLLM:
         if not self._thread.is_alive():
             self.engine.core.shutdown()
 
+
+def _deliver(items: list) -> None:
+    for put, item in items:
+        put(item)

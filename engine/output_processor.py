@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -53,7 +52,6 @@ class OutputProcessor:
         string matched."""
         outputs: list[RequestOutput] = []
         stopped_by_string: list[str] = []
-        now = time.monotonic()
         for co in core_outputs:
             state = self.states.get(co.request_id)
             if state is None:
@@ -111,7 +109,6 @@ class OutputProcessor:
                     kv_transfer_params=co.kv_transfer_params,
                     # Only the first output carries it (the queue time is known by then).
                     metrics=_metrics(state.request) if first else {},
-                    emitted_at=now,
                 )
             )
             if finished:

@@ -24,10 +24,7 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """The state of one request after a step. `outputs[0]` holds everything so far;
-    `delta_*` fields hold only what this step added (for streaming). Its token and logprob
-    lists are the engine's own growing ones (no copy per token): read later (an output held
-    for a post interval, or a slow consumer), they may already hold later steps' tokens, so
-    streaming consumers read the `delta_*` fields."""
+    `delta_*` fields hold only what this step added (for streaming)."""
 
     request_id: str
     prompt: str | None
@@ -43,10 +40,6 @@ class RequestOutput:
     # The prompt's image placeholders and hashes, never pixels: what a P/D decode side needs
     # to hash its prompt blocks as the prefill side did (vLLM reports placeholders here too).
     multi_modal_features: MultiModalFeatures | None = None
-    # time.monotonic() when the engine step that produced it ended: latency measured where the
-    # output is consumed would otherwise include how long it waited to be handed over
-    # (AsyncLLM's post_interval_s holds outputs, then hands several steps over at once).
-    emitted_at: float | None = None
 
 
 @dataclass(slots=True)

@@ -46,7 +46,7 @@ def shared(ray_local, tiny_model):
 class HangingEngine:
     """A fake engine whose requests never finish until aborted."""
 
-    def __init__(self, config, connector, post_interval_s: float = 0.0) -> None:
+    def __init__(self, config, connector) -> None:
         self.requests: dict[str, asyncio.Event] = {}
 
     async def generate(self, prompt, params, request_id=None, **kw):

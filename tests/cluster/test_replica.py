@@ -67,26 +67,3 @@ def test_routing_stats_carry_load_and_a_fresh_sequence_number_and_reach_the_coor
     d = asyncio.run(server.record_routing_stats())
     assert [r["seq"] for r in coordinator.reports] == [a["seq"], c["seq"], d["seq"]]
     assert a["kv_transfer"] == {}  # no connector on this stand-in
-
-
-def test_latency_is_taken_from_when_the_steps_made_the_tokens_not_when_they_were_handed_over():
-    """With a stream interval the engine hands several steps' outputs over at once; the
-    autoscaler's ITL signal must still see the steps' gaps (10 ms here), not zeros and one
-    interval-long gap."""
-    from engine.outputs import CompletionOutput, RequestOutput
-
-    server = _server()
-    server.role = "colocated"
-    submitted = 1000.0
-    server._timing = {"r": (submitted, None)}
-
-    def out(i: int, t: float, finished: bool = False) -> RequestOutput:
-        return RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", list(range(i + 1)))], finished,
-                             delta_token_ids=[i], emitted_at=t)
-
-    for i in range(6):  # delivered back to back, as one hand-over does
-        server._observe(out(i, submitted + 0.05 + 0.01 * i, finished=i == 5))
-    assert server.ttft.percentile(0.5) == pytest.approx(0.05)
-    assert server.itl.percentile(0.1) == pytest.approx(0.01)
-    assert server.itl.percentile(0.9) == pytest.approx(0.01)
-    assert "r" not in server._timing  # forgotten once finished

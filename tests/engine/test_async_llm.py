@@ -196,106 +196,12 @@ def test_a_request_whose_submit_was_cancelled_is_never_added(engine, offline):
     assert core.kv_cache_manager.get_num_free_blocks() == core.num_kv_blocks
 
 
-def _spy_handovers(loop) -> list[list]:
-    """Record each hand-over of outputs from the engine thread to `loop` (one loop wake-up
-    each), as the list of outputs it carried."""
-    handovers: list[list] = []
-    post = loop.call_soon_threadsafe
-
-    def spy(callback, *args, **kwargs):
-        if getattr(callback, "__func__", None) is AsyncLLM._deliver:
-            handovers.append([item[1] for item in args[0]])
-        return post(callback, *args, **kwargs)
-
-    loop.call_soon_threadsafe = spy
-    return handovers
-
-
-def _serving_engine(tiny_model, post_interval_s: float) -> AsyncLLM:
-    config = EngineArgs(tiny_model, max_model_len=128).create_engine_config("serving")
-    return AsyncLLM(config, post_interval_s=post_interval_s)
-
-
-@pytest.mark.parametrize("interval", [0.0, 600.0])
-def test_a_post_interval_hands_over_first_tokens_and_the_end_at_once_and_holds_the_rest(tiny_model, offline,
-                                                                                        interval):
-    """Every step's outputs at once without an interval; with one (600 s, so only the
-    first-token and finishing outputs can cut it short) a request is two hand-overs: its first
-    token alone, then everything else with its end. The tokens are the same either way."""
-    eng = _serving_engine(tiny_model, interval)
-
-    async def main():
-        handovers = _spy_handovers(asyncio.get_running_loop())
-        got, done = [], asyncio.Event()
-
-        def sink(out):
-            got.append(out)
-            if out.finished:
-                done.set()
-
-        await eng.submit(PROMPTS[0], PARAMS, "a", sink)
-        await asyncio.wait_for(done.wait(), 60)
-        return handovers, got
-
-    try:
-        handovers, got = asyncio.run(main())
-    finally:
-        eng.shutdown()
-    assert [i for out in got for i in out.delta_token_ids] == offline[PROMPTS[0]].token_ids
-    assert got[-1].finished and got[-1].outputs[0].text == offline[PROMPTS[0]].text
-    if interval == 0:
-        assert [len(h) for h in handovers] == [1] * PARAMS.max_tokens  # one per step
-    else:
-        assert [len(h) for h in handovers] == [1, PARAMS.max_tokens - 1]
-        assert handovers[0][0].delta_token_ids == offline[PROMPTS[0]].token_ids[:1]
-        assert handovers[1][-1].finished
-    # Each output keeps the time its own step ended, whenever it was handed over.
-    times = [out.emitted_at for out in got]
-    assert all(a < b for a, b in zip(times, times[1:]))
-
-
-def test_outputs_held_for_an_aborted_request_are_never_delivered(tiny_model):
-    """`abort` promises that nothing reaches the sink after it: outputs the interval was
-    holding for that request are dropped, and its KV blocks are freed."""
-    eng = _serving_engine(tiny_model, 600.0)
-    core = eng.engine.core
-
-    async def main():
-        got, first = [], asyncio.Event()
-
-        def sink(out):
-            got.append(out)
-            first.set()
-
-        await eng.submit(PROMPTS[1], SamplingParams(max_tokens=100, ignore_eos=True), "a", sink)
-        await asyncio.wait_for(first.wait(), 60)
-        steps = core.num_steps
-        while core.num_steps < steps + 3:  # each call runs between two steps: no sleeping
-            await asyncio.wrap_future(eng.call(lambda: None))
-        await eng.abort("a")
-        # Until the engine thread itself finds no work: it hands over whatever it holds before
-        # it blocks, and this call (answered after that) reaches us after those hand-overs.
-        while await asyncio.wrap_future(eng.call(eng.engine.has_work)):
-            pass
-        return got
-
-    try:
-        got = asyncio.run(asyncio.wait_for(main(), 120))
-        assert len(got) == 1 and len(got[0].delta_token_ids) == 1 and not got[0].finished
-        assert not eng._held  # handed over when the engine went idle, and dropped for the abort
-        assert not core.has_unfinished_requests()
-        assert core.kv_cache_manager.get_num_free_blocks() == core.num_kv_blocks
-    finally:
-        eng.shutdown()
-
-
-def test_a_loop_running_behind_the_engine_still_gets_every_output_once(tiny_model, offline):
-    """The event loop may run several hand-overs behind the engine thread (a busy replica).
-    Here it is held inside the first output's callback until the engine has finished the
-    request: every hand-over queued meanwhile, the last one with the finish, must still be
-    delivered in order, none dropped because the request already left the engine."""
-    eng = _serving_engine(tiny_model, 0.0)  # a hand-over per step: the most there can be
-    core = eng.engine.core
+def test_a_loop_running_behind_the_engine_still_gets_every_output_once(engine, offline):
+    """The event loop may run several steps behind the engine thread (a busy replica). Here
+    it is held inside the first output's callback until the engine has finished the request:
+    every hand-over queued meanwhile, the last one with the finish, must still be delivered
+    in order, none dropped because the request already left the engine."""
+    core = engine.engine.core
 
     async def main():
         got, done = [], asyncio.Event()
@@ -303,18 +209,15 @@ def test_a_loop_running_behind_the_engine_still_gets_every_output_once(tiny_mode
         def sink(out):
             got.append(out)
             if len(got) == 1:  # block this loop until the engine is done with the request
-                while eng.call(core.has_unfinished_requests).result(timeout=60):
+                while engine.call(core.has_unfinished_requests).result(timeout=60):
                     pass  # each call is answered between two steps: no sleeping
             if out.finished:
                 done.set()
 
-        await eng.submit(PROMPTS[0], PARAMS, "a", sink)
+        await engine.submit(PROMPTS[0], PARAMS, "a", sink)
         await asyncio.wait_for(done.wait(), 60)
         return got
 
-    try:
-        got = asyncio.run(asyncio.wait_for(main(), 120))
-    finally:
-        eng.shutdown()
+    got = asyncio.run(asyncio.wait_for(main(), 120))
     assert [i for out in got for i in out.delta_token_ids] == offline[PROMPTS[0]].token_ids
     assert [out.finished for out in got] == [False] * (len(got) - 1) + [True]
