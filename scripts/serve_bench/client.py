@@ -10,6 +10,8 @@ import time
 import urllib.error
 import urllib.request
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from scripts.serve_bench import BenchError
 from scripts.serve_bench.records import RequestRecord
 from scripts.serve_bench.sse import SSEDecoder, chunk_error, chunk_text
@@ -202,8 +204,6 @@ def engine_steps(url: str) -> dict[str, float]:
 
 
 def steps_by_role(metrics_text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     steps: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
