@@ -16,7 +16,7 @@ needs_onednn = pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reas
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+@pytest.mark.parametrize("rows", [0, 1, 7, 16, 17, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_projection_equals_the_dense_one(rows, bias):
     torch.manual_seed(0)
@@ -25,6 +25,44 @@ def test_packed_projection_equals_the_dense_one(rows, bias):
     expected = layer(x)
     assert layer.pack() and layer.weight is None
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_row_buckets_bound_the_shapes_and_the_padding():
+    sizes = [cpu_linear.row_bucket(rows) for rows in range(0, 4097)]
+    assert sizes[:17] == list(range(17))  # decode-sized steps run at their own shape
+    for rows, size in enumerate(sizes):
+        assert rows <= size <= rows * 1.125, rows  # at most 12.5% padding
+        assert cpu_linear.row_bucket(size) == size  # a bucket is its own bucket
+    assert sizes == sorted(sizes)
+    # 16 exact sizes, then 8 per doubling: 17..4096 is 8 doublings.
+    assert len(set(sizes[1:])) == 16 + 8 * 8
+
+
+@needs_onednn
+def test_onednn_sees_only_bucketed_row_counts_and_rows_come_back_unpadded(monkeypatch):
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(24, 40, bias=True)
+    dense = layer.weight.detach().clone()
+    assert layer.pack()
+    seen = []
+    real = cpu_linear._onednn_linear
+
+    def spy(x, packed, bias):
+        seen.append(x.shape[0])
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(cpu_linear, "_onednn_linear", spy)
+    for rows in range(1, 300):
+        x = torch.randn(rows, 24)
+        out = layer(x)
+        assert out.shape == (rows, 40)
+        torch.testing.assert_close(out, x @ dense.T + layer.bias, atol=1e-5, rtol=1e-5)
+    assert len(seen) == 299 and set(seen) <= {cpu_linear.row_bucket(rows) for rows in range(1, 300)}
+    assert len(set(seen)) == 16 + 8 * 4 + 2  # 1..16, four doublings to 256, then 288 and 320
+    # Leading dimensions are flattened for the bucket and restored after.
+    x = torch.randn(3, 7, 24)
+    torch.testing.assert_close(layer(x), x @ dense.T + layer.bias, atol=1e-5, rtol=1e-5)
+    assert seen[-1] == cpu_linear.row_bucket(21) == 22
 
 
 def test_packing_skips_what_onednn_does_not_run():
