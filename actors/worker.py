@@ -19,6 +19,7 @@ from actors.dp_cores import RayCores  # registers data_parallel_backend="ray"
 from actors.ray_executor import RayExecutor  # registers distributed_executor_backend="ray"
 from engine import AsyncLLM, EngineArgs, SamplingParams
 from engine.dp.client import DPEngineClient
+from engine.dp.mp_cores import MPCores
 from engine.kv_connector import KVConnectorRole
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import RequestOutput
@@ -131,6 +132,12 @@ class EngineWorker:
         """Handles of this engine's data-parallel core actors (empty without data parallelism)."""
         cores = getattr(self._core(), "cores", None)
         return cores.core_actors if isinstance(cores, RayCores) else []
+
+    def engine_core_pids(self) -> list[int]:
+        """Pids of this engine's core processes (engine_core_process, or data-parallel cores on
+        the "mp" backend); empty when the core runs in this process."""
+        cores = getattr(self._core(), "cores", None)
+        return list(cores.pids) if isinstance(cores, MPCores) else []
 
     async def _ask_core(self, method: str):
         """core.method() on the engine thread (a DPEngineClient asks every core)."""

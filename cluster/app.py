@@ -149,6 +149,10 @@ class AppConfig:
                      "decode_data_parallel_size"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
+        if self.mode == "pd" and self.engine_args.engine_core_process:
+            raise ParameterError("engine_core_process", "engine_core_process is for --mode colocated: a P/D "
+                                 "replica's engine core moves KV through the cluster's store from the replica's "
+                                 "own process")
         if self.mode == "pd" and self.tensor_parallel_size("prefill") != self.tensor_parallel_size("decode"):
             raise ParameterError(
                 "decode_tensor_parallel_size",

@@ -151,6 +151,13 @@ class EngineServer:
         """Handles of this replica's data-parallel core actors (empty with one core)."""
         return self.worker.data_parallel_cores()
 
+    def processes(self) -> dict:
+        """This replica's pid and its engine core processes' (--engine-core-process; none
+        when the core runs in the replica's own process), for operators and tests."""
+        import os
+
+        return {"replica": os.getpid(), "engine_cores": self.worker.engine_core_pids()}
+
     async def check_health(self) -> None:
         await self.worker.check_health()
 

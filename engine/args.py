@@ -90,6 +90,10 @@ class EngineArgs:
         "placed by one placement group); default: mp offline, ray in the cluster", DP_BACKENDS)
     enable_expert_parallel: bool = _arg(False, "partition each MoE layer's experts whole over "
                                         "data_parallel_size x tensor_parallel_size ranks (MoE models only)")
+    engine_core_process: bool = _arg(False, "run the engine core (scheduler, KV cache, model) in a child "
+                                     "process, as vLLM V1 does, so the front end's Python threads never hold "
+                                     "the GIL the engine loop needs; one core, no KV connector (not for P/D "
+                                     "replicas)")
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -170,6 +174,7 @@ class EngineArgs:
                 data_parallel_size=self.data_parallel_size,
                 data_parallel_backend=self.data_parallel_backend,
                 enable_expert_parallel=self.enable_expert_parallel,
+                engine_core_process=self.engine_core_process,
             ),
             multimodal=MultiModalConfig(
                 limit_mm_per_prompt=_image_limit(self.limit_mm_per_prompt),

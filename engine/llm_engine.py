@@ -43,10 +43,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, kv_connector_factory: KVConnectorFactory | None = None) -> None:
         self.config = config
         model_dir = config.model.model
-        # First: it validates the model path. Several data-parallel cores: each in its own
-        # process (or actor), this front end routing requests to them.
+        # First: it validates the model path. Several data-parallel cores, or one in a process
+        # of its own (engine_core_process): each in its own process (or actor), this front end
+        # routing requests to them.
+        parallel = config.parallel
+        if parallel.engine_core_process and kv_connector_factory is not None:
+            raise ParameterError("engine_core_process", "a KV connector (P/D transfer) talks to the cluster's KV "
+                                 "store from the engine core, which must then stay in the replica's process: "
+                                 "engine_core_process is for colocated engines only")
         self.core: EngineCore | DPEngineClient = (
-            EngineCore(config, kv_connector_factory) if config.parallel.data_parallel_size == 1
+            EngineCore(config, kv_connector_factory)
+            if parallel.data_parallel_size == 1 and not parallel.engine_core_process
             else DPEngineClient(config, kv_connector_factory))
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)

@@ -78,6 +78,19 @@ def test_a_reused_pid_counts_as_a_new_process_and_the_old_one_as_exited():
     assert cpu.exited == 1
 
 
+def test_an_engine_replicas_own_child_processes_count_as_that_replica():
+    spawn = "/venv/bin/python -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)"
+    samples = {1: _sample(1, 1.0, "serve", ppid=0),
+               2: _sample(2, 3.0, "ray::ServeReplica:pdserve:Colocated", ppid=1),
+               3: _sample(3, 7.0, spawn, ppid=2),  # its engine core (--engine-core-process)
+               4: _sample(4, 0.5, spawn, ppid=3),  # a tensor-parallel rank of that core
+               5: _sample(5, 0.25, "/usr/bin/something", ppid=1),  # not below an engine
+               6: _sample(6, 0.5, "ray::ServeReplica:pdserve:Ingress", ppid=1),
+               7: _sample(7, 0.125, spawn, ppid=6)}  # below the ingress: not an engine's
+    cpu = cpu_by_role({}, samples, root=1)
+    assert cpu.seconds == pytest.approx({"driver": 1.0, "engine:colocated": 10.5, "other": 0.375, "ingress": 0.5})
+
+
 def test_roles_group_into_proxy_ingress_engine_store_control_ray():
     groups = group_seconds({"engine:prefill": 1.0, "engine:decode": 2.0, "serve controller": 0.5,
                             "coordinator": 0.25, "ray daemons": 0.5, "ray idle workers": 0.5, "proxy": 1.0})

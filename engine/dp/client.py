@@ -1,5 +1,6 @@
 """DPEngineClient: what the LLMEngine drives instead of one EngineCore when
-data_parallel_size > 1 (and so what LLM and AsyncLLM run on).
+data_parallel_size > 1, or when one core runs in a child process (engine_core_process); and
+so what LLM and AsyncLLM run on.
 
 Requests go to the core the coordinator picks (least loaded; waves for lockstep groups);
 aborts to the core that holds the request. Each core runs its own loop and sends one CoreStep
@@ -19,7 +20,7 @@ from engine.config import EngineConfig
 from engine.core import check_parallel, resolve_device
 from engine.dp import mp_cores  # noqa: F401  (registers the "mp" backend)
 from engine.dp.coordinator import DPCoordinator
-from engine.dp.cores import START_TIMEOUT_S, dp_backend
+from engine.dp.cores import START_TIMEOUT_S, core_label, dp_backend
 from engine.dp.messages import (
     AbortRequests,
     AddRequest,
@@ -91,7 +92,8 @@ class DPEngineClient:
                 raise EngineDeadError(f"data-parallel cores {missing} did not start within {START_TIMEOUT_S:.0f} s") \
                     from None
             if isinstance(message, CoreFailed):
-                raise EngineDeadError(f"data-parallel core {message.rank} failed to start:\n{message.message}")
+                raise EngineDeadError(f"{core_label(self.config.parallel, message.rank)} failed to start:\n"
+                                      f"{message.message}")
             if isinstance(message, CoreReady):
                 ready[message.rank] = message
         return ready[0]
@@ -173,7 +175,7 @@ class DPEngineClient:
         elif isinstance(message, CallResult):
             self._results[message.call_id] = message
         elif isinstance(message, CoreFailed):
-            self._fail(f"data-parallel core {message.rank} failed:\n{message.message}")
+            self._fail(f"{core_label(self.config.parallel, message.rank)} failed:\n{message.message}")
 
     # ---- calls on every core ------------------------------------------------------------
     def _call_all(self, method: str, *args) -> list:

@@ -47,6 +47,12 @@ def register_dp_backend(name: str, cls: type[DPCores]) -> None:
     _BACKENDS[name] = cls
 
 
+def core_label(parallel, rank: int) -> str:
+    """How errors name a core: a lone core run apart from its front end (engine_core_process)
+    is not a data-parallel one to the user who asked for it."""
+    return "the engine core process" if parallel.engine_core_process else f"data-parallel core {rank}"
+
+
 def dp_backend(name: str) -> type[DPCores]:
     if name not in _BACKENDS:
         raise ParameterError(

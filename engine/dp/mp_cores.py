@@ -26,7 +26,7 @@ from engine.core import EngineCore, resolve_device
 from engine.distributed import COLLECTIVE_TIMEOUT, DPPlacement
 from engine.dp.control import DPControlGroup
 from engine.dp.core_loop import WAKE, DPCoreLoop
-from engine.dp.cores import DPCores, register_dp_backend
+from engine.dp.cores import DPCores, core_label, register_dp_backend
 from engine.dp.messages import CoreFailed, CoreReady, Shutdown
 from engine.errors import EngineDeadError, ParameterError
 from engine.executor.multiproc import reap_children
@@ -66,6 +66,9 @@ class MPCores(DPCores):
             self.conns.append(parent)
             threading.Thread(target=self._read, args=(rank,), name=f"pdserve-dp{rank}-reader", daemon=True).start()
 
+    def _label(self, rank: int) -> str:
+        return core_label(self.config.parallel, rank)
+
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -80,7 +83,7 @@ class MPCores(DPCores):
             self.outbox.put(message)
         if not self._stopping.is_set():
             proc.join(1.0)  # for its exit code
-            self.outbox.put(CoreFailed(rank, f"data-parallel core {rank} (pid {proc.pid}) exited with code "
+            self.outbox.put(CoreFailed(rank, f"{self._label(rank)} (pid {proc.pid}) exited with code "
                                              f"{proc.exitcode}"))
 
     def send(self, rank: int, message: object) -> None:
@@ -88,12 +91,12 @@ class MPCores(DPCores):
             with self._lock:
                 self.conns[rank].send(message)
         except OSError as e:
-            raise EngineDeadError(f"data-parallel core {rank} (pid {self.procs[rank].pid}) is gone: {e}") from None
+            raise EngineDeadError(f"{self._label(rank)} (pid {self.procs[rank].pid}) is gone: {e}") from None
 
     def check_health(self) -> None:
         for rank, proc in enumerate(self.procs):
             if not proc.is_alive():
-                raise EngineDeadError(f"data-parallel core {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+                raise EngineDeadError(f"{self._label(rank)} (pid {proc.pid}) exited with code {proc.exitcode}")
 
     def shutdown(self) -> None:
         self._finalizer()

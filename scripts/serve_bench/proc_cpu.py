@@ -134,6 +134,25 @@ class RoleCPU:
     exited: int  # processes of the first snapshot gone by the second (their last CPU is lost)
 
 
+def role_in_tree(pid: int, samples: dict[int, ProcSample], root: int) -> str:
+    """`classify` of a process in a snapshot, except that a process it cannot name below an
+    engine replica counts as that replica's: an engine core in a process of its own
+    (--engine-core-process) or its ranks. Titles change while tasks run (`ray::IDLE` becomes
+    an actor), so the latest snapshot names the role."""
+    role = classify(samples[pid].cmdline, is_root=pid == root)
+    seen = {pid}
+    parent = samples[pid].ppid
+    while role == "other" and parent in samples and parent not in seen:
+        above = classify(samples[parent].cmdline, is_root=parent == root)
+        if above.startswith("engine:"):
+            return above
+        if above != "other":
+            break
+        seen.add(parent)
+        parent = samples[parent].ppid
+    return role
+
+
 def cpu_by_role(before: dict[int, ProcSample], after: dict[int, ProcSample], root: int) -> RoleCPU:
     """CPU seconds each role spent between two snapshots of one tree. A process born in
     between counts from zero; a pid reused by another process counts as born."""
@@ -142,8 +161,7 @@ def cpu_by_role(before: dict[int, ProcSample], after: dict[int, ProcSample], roo
     for pid, s in after.items():
         prev = before.get(pid)
         base = prev.cpu_s if prev is not None and prev.start_ticks == s.start_ticks else 0.0
-        # Titles change while tasks run (`ray::IDLE` becomes an actor); the later one is the role.
-        role = classify(s.cmdline, is_root=pid == root)
+        role = role_in_tree(pid, after, root)
         seconds[role] = seconds.get(role, 0.0) + max(s.cpu_s - base, 0.0)
         processes[role] = processes.get(role, 0) + 1
     exited = sum(1 for pid, s in before.items()
