@@ -149,10 +149,8 @@ class AppConfig:
                      "decode_data_parallel_size"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
-        if self.mode == "pd" and self.engine_args.engine_core_process:
-            raise ParameterError("engine_core_process", "engine_core_process is for --mode colocated: a P/D "
-                                 "replica's engine core moves KV through the cluster's store from the replica's "
-                                 "own process")
+        if self.engine_args.engine_core_process:
+            self._check_core_process()
         if self.mode == "pd" and self.tensor_parallel_size("prefill") != self.tensor_parallel_size("decode"):
             raise ParameterError(
                 "decode_tensor_parallel_size",
@@ -160,6 +158,19 @@ class AppConfig:
                 f"prefill_tensor_parallel_size={self.tensor_parallel_size('prefill')}: each rank moves its "
                 "own shard of the KV heads, which only a decode replica split the same way can load",
             )
+
+    def _check_core_process(self) -> None:
+        if self.mode == "pd":
+            raise ParameterError("engine_core_process", "engine_core_process is for --mode colocated: a P/D "
+                                 "replica's engine core moves KV through the cluster's store from the replica's "
+                                 "own process")
+        if self.engine_args.tensor_parallel_size > 1:
+            # The cluster places a replica's ranks as Ray actors (its GPUs reserved with them),
+            # which a core in a plain child process cannot own.
+            raise ParameterError("engine_core_process", "engine_core_process serves one rank per replica in the "
+                                 f"cluster; got tensor_parallel_size={self.engine_args.tensor_parallel_size}")
+        for role in self.targets():  # the engine config each replica will build, checked now
+            self.role_engine_args(role).create_engine_config()
 
     @classmethod
     def from_flat(cls, args: dict) -> AppConfig:

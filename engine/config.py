@@ -184,7 +184,7 @@ class ParallelConfig:
         if self.distributed_executor_backend == "ray":
             raise ParameterError("engine_core_process", "the engine core's child process is not a Ray worker, so "
                                  "its tensor-parallel ranks cannot be Ray actors: give distributed_executor_backend "
-                                 "'mp' or 'uni' (or leave engine_core_process off)")
+                                 "'mp' (or leave engine_core_process off)")
 
     @property
     def executor_backend(self) -> str:

@@ -52,6 +52,7 @@ class DPEngineClient:
         self.config = config
         parallel = config.parallel
         self.size = parallel.data_parallel_size
+        self._cores_label = "the engine core process" if parallel.engine_core_process else "data-parallel cores"
         self.arch = load_arch(config.model.model)
         # Here, before any core starts, so a bad size is the user's ParameterError.
         check_parallel(self.arch, resolve_device(config.model.device), parallel)
@@ -73,7 +74,7 @@ class DPEngineClient:
             deadline = time.monotonic() + START_TIMEOUT_S
             while any(f is None for f in self._figures):  # every core's first figures
                 if time.monotonic() > deadline:
-                    raise EngineDeadError("data-parallel cores sent no figures after starting")
+                    raise EngineDeadError(f"{self._cores_label} sent no figures after starting")
                 self._pump(_STEP_WAIT_S)
         except BaseException:
             self.cores.shutdown()
@@ -89,7 +90,7 @@ class DPEngineClient:
                 message = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 missing = sorted(set(range(self.size)) - set(ready))
-                raise EngineDeadError(f"data-parallel cores {missing} did not start within {START_TIMEOUT_S:.0f} s") \
+                raise EngineDeadError(f"{self._cores_label} {missing} did not start within {START_TIMEOUT_S:.0f} s") \
                     from None
             if isinstance(message, CoreFailed):
                 raise EngineDeadError(f"{core_label(self.config.parallel, message.rank)} failed to start:\n"
@@ -189,13 +190,14 @@ class DPEngineClient:
         deadline = time.monotonic() + _CALL_TIMEOUT_S
         while not all(i in self._results for i in ids):
             if time.monotonic() > deadline:
-                self._fail(f"data-parallel cores did not answer {method!r} within {_CALL_TIMEOUT_S:.0f} s")
+                self._fail(f"{self._cores_label} did not answer {method!r} within {_CALL_TIMEOUT_S:.0f} s")
             self._pump(min(_STEP_WAIT_S, max(0.0, deadline - time.monotonic())))
             self._check()
         results = [self._results.pop(i) for i in ids]
         for result in results:
             if result.error is not None:
-                raise RuntimeError(f"data-parallel core {result.rank} failed in {method!r}:\n{result.error}")
+                raise RuntimeError(f"{core_label(self.config.parallel, result.rank)} failed in {method!r}:\n"
+                                   f"{result.error}")
         return [r.value for r in results]
 
     def load(self, fresh: bool = True) -> dict:
@@ -216,9 +218,10 @@ class DPEngineClient:
         total["kv_usage"] = (blocks - total.get("free_blocks", 0)) / blocks if blocks else 0.0
         queries = total.get("prefix_cache_queries", 0)
         total["prefix_cache_hit_rate"] = total.get("prefix_cache_hits", 0) / queries if queries else 0.0
-        total["data_parallel"] = [
-            {"rank": r, "waiting": f["waiting"], "running": f["running"], "requests": f["dp_requests"],
-             "dummy_steps": f["dp_dummy_steps"], "wave": f["dp_wave"]} for r, f in enumerate(per_core)]
+        if not self.config.parallel.engine_core_process:  # one core apart is not data parallelism
+            total["data_parallel"] = [
+                {"rank": r, "waiting": f["waiting"], "running": f["running"], "requests": f["dp_requests"],
+                 "dummy_steps": f["dp_dummy_steps"], "wave": f["dp_wave"]} for r, f in enumerate(per_core)]
         return total
 
     def reset_prefix_cache(self) -> bool:

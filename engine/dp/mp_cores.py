@@ -46,9 +46,10 @@ class MPCores(DPCores):
         self.conns: list[Connection] = []
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self.dir = tempfile.mkdtemp(prefix="pdserve-dp-")
-        self._finalizer = weakref.finalize(self, _reap, self.procs, self.conns, self.dir, self._stopping)
         lockstep = config.parallel.lockstep
+        # Rendezvous files of a lockstep group's process groups; independent cores need none.
+        self.dir = tempfile.mkdtemp(prefix="pdserve-dp-") if lockstep else None
+        self._finalizer = weakref.finalize(self, _reap, self.procs, self.conns, self.dir, self._stopping)
         world = f"file://{self.dir}/world" if lockstep else None
         control = f"file://{self.dir}/control" if lockstep else None
         # The cores share this node's cores; each core's tensor-parallel ranks share its share.
@@ -115,7 +116,8 @@ def _gpu_slices(config: EngineConfig, size: int) -> list[str] | None:
     return [",".join(ids[r * tp:(r + 1) * tp]) for r in range(size)]
 
 
-def _reap(procs: list[BaseProcess], conns: list[Connection], store_dir: str, stopping: threading.Event) -> None:
+def _reap(procs: list[BaseProcess], conns: list[Connection], store_dir: str | None,
+          stopping: threading.Event) -> None:
     """Ask every core to stop, then reap_children; no process outlives the front end."""
     stopping.set()
     reap_children(procs, conns, lambda conn: conn.send(Shutdown()), store_dir, _STOP_GRACE_S)

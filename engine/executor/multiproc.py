@@ -151,10 +151,10 @@ def _reap(procs: list[BaseProcess], conns: list[Connection], store_dir: str) -> 
     reap_children(procs, conns, lambda conn: conn.send_bytes(stop), store_dir, _STOP_GRACE_S)
 
 
-def reap_children(procs: list[BaseProcess], conns: list[Connection], send_stop, store_dir: str,
+def reap_children(procs: list[BaseProcess], conns: list[Connection], send_stop, store_dir: str | None,
                   grace_s: float) -> None:
     """Send each child its stop message (a closed pipe is a child already gone), stop_processes,
-    close the pipes and remove the rendezvous directory."""
+    close the pipes and remove the rendezvous directory (if any)."""
     for conn in conns:
         try:
             send_stop(conn)
@@ -163,7 +163,8 @@ def reap_children(procs: list[BaseProcess], conns: list[Connection], send_stop, 
     stop_processes(procs, grace_s)
     for conn in conns:
         conn.close()
-    shutil.rmtree(store_dir, ignore_errors=True)
+    if store_dir is not None:
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def stop_processes(procs: list[BaseProcess], grace_s: float) -> None:

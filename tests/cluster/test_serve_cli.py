@@ -104,6 +104,7 @@ def test_speculative_config_reaches_the_engine_args(tiny_model):
     (["--decode-tensor-parallel-size", "2"], "decode_tensor_parallel_size"),  # prefill's is 1
     (["--engine-core-process"], "engine_core_process"),  # P/D (the default mode)
     (["--mode", "colocated", "--engine-core-process", "--data-parallel-size", "2"], "engine_core_process"),
+    (["--mode", "colocated", "--engine-core-process", "--tensor-parallel-size", "2"], "engine_core_process"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
     (["--speculative-config", '{"method": "eagle"}'], "speculative_config.method"),
 ])
