@@ -52,7 +52,6 @@ class DPEngineClient:
         self.config = config
         parallel = config.parallel
         self.size = parallel.data_parallel_size
-        self._cores_label = "the engine core process" if parallel.engine_core_process else "data-parallel cores"
         self.arch = load_arch(config.model.model)
         # Here, before any core starts, so a bad size is the user's ParameterError.
         check_parallel(self.arch, resolve_device(config.model.device), parallel)
@@ -74,7 +73,7 @@ class DPEngineClient:
             deadline = time.monotonic() + START_TIMEOUT_S
             while any(f is None for f in self._figures):  # every core's first figures
                 if time.monotonic() > deadline:
-                    raise EngineDeadError(f"{self._cores_label} sent no figures after starting")
+                    raise EngineDeadError(f"{core_label(self.config.parallel)} sent no figures after starting")
                 self._pump(_STEP_WAIT_S)
         except BaseException:
             self.cores.shutdown()
@@ -90,7 +89,7 @@ class DPEngineClient:
                 message = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 missing = sorted(set(range(self.size)) - set(ready))
-                raise EngineDeadError(f"{self._cores_label} {missing} did not start within {START_TIMEOUT_S:.0f} s") \
+                raise EngineDeadError(f"{core_label(self.config.parallel)} {missing} did not start within {START_TIMEOUT_S:.0f} s") \
                     from None
             if isinstance(message, CoreFailed):
                 raise EngineDeadError(f"{core_label(self.config.parallel, message.rank)} failed to start:\n"
@@ -190,7 +189,7 @@ class DPEngineClient:
         deadline = time.monotonic() + _CALL_TIMEOUT_S
         while not all(i in self._results for i in ids):
             if time.monotonic() > deadline:
-                self._fail(f"{self._cores_label} did not answer {method!r} within {_CALL_TIMEOUT_S:.0f} s")
+                self._fail(f"{core_label(self.config.parallel)} did not answer {method!r} within {_CALL_TIMEOUT_S:.0f} s")
             self._pump(min(_STEP_WAIT_S, max(0.0, deadline - time.monotonic())))
             self._check()
         results = [self._results.pop(i) for i in ids]

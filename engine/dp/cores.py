@@ -47,10 +47,12 @@ def register_dp_backend(name: str, cls: type[DPCores]) -> None:
     _BACKENDS[name] = cls
 
 
-def core_label(parallel, rank: int) -> str:
-    """How errors name a core: a lone core run apart from its front end (engine_core_process)
-    is not a data-parallel one to the user who asked for it."""
-    return "the engine core process" if parallel.engine_core_process else f"data-parallel core {rank}"
+def core_label(parallel, rank: int | None = None) -> str:
+    """How errors name a core (or, without a rank, the cores): a lone core run apart from its
+    front end (engine_core_process) is not a data-parallel one to the user who asked for it."""
+    if parallel.engine_core_process:
+        return "the engine core process"
+    return "data-parallel cores" if rank is None else f"data-parallel core {rank}"
 
 
 def dp_backend(name: str) -> type[DPCores]:

@@ -16,6 +16,7 @@ import pytest
 from engine import LLM, AsyncLLM, EngineArgs, SamplingParams
 from engine.errors import EngineDeadError, ParameterError
 from engine.llm_engine import LLMEngine
+from tests.cluster.helpers import proc_stat, running
 from tests.engine.hf_reference import hf_greedy, random_prompts
 
 MAX_NEW = 10
@@ -26,25 +27,14 @@ def _greedy(n: int = MAX_NEW) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n)
 
 
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat after the command name ([state, ppid, ...]), None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    return text[text.rfind(")") + 2:].split()
-
-
 def _gone_within(pid: int, seconds: float) -> bool:
     """`pid` (the process started at the time read now) exits within `seconds`; a zombie left
     unreaped by a container's init counts as gone, a reused pid does not count as alive."""
-    first = _stat(pid)
+    first = proc_stat(pid)
     start = first[19] if first else None
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        st = _stat(pid)
-        if st is None or st[0] == "Z" or st[19] != start:
+        if not running(pid, start):
             return True
         time.sleep(0.05)  # polling a pid for its exit: there is nothing to wait on
     return False
