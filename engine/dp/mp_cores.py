@@ -21,6 +21,7 @@ from multiprocessing.process import BaseProcess
 
 import torch
 
+from engine.child_signals import apply_blocked_signals, process_blocked_signals
 from engine.config import EngineConfig
 from engine.core import EngineCore, resolve_device
 from engine.distributed import COLLECTIVE_TIMEOUT, DPPlacement
@@ -56,11 +57,12 @@ class MPCores(DPCores):
         threads = max(1, torch.get_num_threads() // self.size)
         devices = _gpu_slices(config, self.size)
         ctx = mp.get_context("spawn")  # fork would copy the front end's threads
+        blocked = process_blocked_signals()  # engine.child_signals: the replica's, not this thread's
         for rank in range(self.size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=run_core, name=f"pdserve-dp{rank}", daemon=False,
                                args=(config, DPPlacement(rank, self.size, world), control, child, threads,
-                                     devices[rank] if devices else None))
+                                     devices[rank] if devices else None, blocked))
             proc.start()
             child.close()
             self.procs.append(proc)
@@ -124,8 +126,9 @@ def _reap(procs: list[BaseProcess], conns: list[Connection], store_dir: str | No
 
 
 def run_core(config: EngineConfig, dp: DPPlacement, control_init: str | None, conn: Connection,
-             num_threads: int, cuda_devices: str | None) -> None:
+             num_threads: int, cuda_devices: str | None, blocked_signals: set[int] | None = None) -> None:
     """Process entry point of one core."""
+    apply_blocked_signals(blocked_signals)
     if cuda_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices  # before CUDA is first touched
     torch.set_num_threads(num_threads)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from engine.child_signals import process_blocked_signals
 from engine.distributed import COLLECTIVE_TIMEOUT
 from engine.errors import EngineDeadError, ParameterError
 from engine.executor.base import RankGroupExecutor, WorkerConfig
@@ -59,11 +60,12 @@ class MultiprocExecutor(RankGroupExecutor):
         ctx = mp.get_context("spawn")  # fork would copy a CUDA context and the engine's threads
         threads = max(1, torch.get_num_threads() // size)
         init_method = "file://" + os.path.join(store_dir, "store")
+        blocked = process_blocked_signals()  # engine.child_signals: the process's, not this thread's
         for rank in range(size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=run_worker, name=f"pdserve-tp{rank}", daemon=True,
-                args=(config, rank, size, init_method, child, _COLLECTIVE_TIMEOUT_S, threads),
+                args=(config, rank, size, init_method, child, _COLLECTIVE_TIMEOUT_S, threads, blocked),
             )
             proc.start()
             child.close()
