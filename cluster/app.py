@@ -22,7 +22,7 @@ from actors.worker import cluster_engine_args
 from cluster.auth import digest, keys_from
 from cluster.autoscale import build_config
 from cluster.capacity import auto_replica_cpus, node_cpus
-from cluster.coordinator import SCALE_TIMEOUT_S, Coordinator
+from cluster.coordinator import DEPLOYMENTS, SCALE_TIMEOUT_S, Coordinator
 from cluster.default_model import default_model, require_model_dir, served_name
 from cluster.ingress import Ingress
 from cluster.prefill_placement import LocalPrefillRule
@@ -109,6 +109,14 @@ class AppConfig:
     # The ingress's one line per HTTP request in Serve's replica log (like uvicorn's access log
     # in vLLM, on by default). The internal calls between deployments are never logged.
     disable_access_log: bool = False
+    # Colocated mode: each ingress replica runs its own engine (its core in a child process)
+    # instead of calling an engine deployment, so an HTTP request takes no hop between
+    # replicas (Ray Serve LLM's direct streaming; vLLM's API server + engine core). The proxy
+    # spreads requests over the replicas; `colocated_replicas` counts them (cluster.direct).
+    # None: on in colocated mode unless something needs an engine deployment behind the
+    # ingress (api_server_count > 1, prefix_affinity, tensor or data parallel); True insists
+    # (and refuses those), False keeps the engine deployment.
+    direct_streaming: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine_args, EngineArgs):
@@ -149,6 +157,11 @@ class AppConfig:
                      "decode_data_parallel_size"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
+        if self.direct_streaming not in (None, True, False):
+            raise ParameterError("direct_streaming", f"direct_streaming must be true, false or null (auto), "
+                                 f"got {self.direct_streaming!r}")
+        if self.direct_streaming:
+            self._check_direct()
         if self.engine_args.engine_core_process:
             self._check_core_process()
         if self.mode == "pd" and self.tensor_parallel_size("prefill") != self.tensor_parallel_size("decode"):
@@ -158,6 +171,34 @@ class AppConfig:
                 f"prefill_tensor_parallel_size={self.tensor_parallel_size('prefill')}: each rank moves its "
                 "own shard of the KV heads, which only a decode replica split the same way can load",
             )
+
+    @property
+    def direct(self) -> bool:
+        """Whether the ingress replicas run the colocated engines themselves (cluster.direct)."""
+        if self.direct_streaming is not None:
+            return self.direct_streaming
+        args = self.engine_args
+        return (self.mode == "colocated" and self.api_server_count == 1 and not self.prefix_affinity
+                and args.tensor_parallel_size == 1 and args.data_parallel_size == 1
+                and args.data_parallel_backend != "ray" and args.distributed_executor_backend != "ray")
+
+    def _check_direct(self) -> None:
+        def refuse(why: str) -> None:
+            raise ParameterError("direct_streaming", f"direct_streaming {why}")
+
+        if self.mode != "colocated":
+            refuse(f"is for --mode colocated (got mode={self.mode!r}): a P/D request spans two replicas")
+        if self.api_server_count != 1:
+            refuse(f"makes every colocated replica its own HTTP server: scale with colocated_replicas, "
+                   f"not api_server_count (got {self.api_server_count})")
+        if self.prefix_affinity:
+            refuse("leaves spreading requests over the replicas to the HTTP proxy: prefix_affinity "
+                   "needs pdserve's router between the ingress and the engines")
+        args = self.engine_args
+        if args.tensor_parallel_size > 1 or args.data_parallel_size > 1:
+            refuse("runs one engine core per replica in a child process; got "
+                   f"tensor_parallel_size={args.tensor_parallel_size}, data_parallel_size={args.data_parallel_size}")
+        self.role_engine_args("colocated").create_engine_config()  # with its core process
 
     def _check_core_process(self) -> None:
         if self.mode == "pd":
@@ -211,9 +252,14 @@ class AppConfig:
     def role_engine_args(self, role: str) -> EngineArgs:
         """The engine of `role`'s replicas; its ranks (tp > 1) and data-parallel cores (dp > 1)
         are Ray actors unless the config names another backend."""
-        return cluster_engine_args(dataclasses.replace(
+        args = cluster_engine_args(dataclasses.replace(
             self.engine_args, tensor_parallel_size=self.tensor_parallel_size(role),
             data_parallel_size=self.data_parallel_size(role)))
+        if self.direct:
+            # The ingress's event loop serves HTTP: its engine must not hold the GIL while it
+            # steps (measured: an engine thread in the ingress cost throughput, README).
+            args = dataclasses.replace(args, engine_core_process=True)
+        return args
 
     def replica_cpus(self) -> float:
         """CPUs each engine replica reserves (its ranks' and cores' threads included)."""
@@ -318,26 +364,32 @@ def build_app(cfg: AppConfig):
     # The window of the replicas' latency figures is the autoscaler's look-back period.
     latency_window_s = build_config(cfg.autoscale, cfg.max_replica_map()).look_back_period_s
 
+    def server_kwargs(role: str) -> dict:
+        return dict(engine_args=cfg.role_engine_args(role), role=role, app_name=cfg.app_name,
+                    load_failure_policy=cfg.load_failure_policy, stream_interval_ms=cfg.stream_interval_ms,
+                    latency_window_s=latency_window_s)
+
     def engine(name: str, role: str, replicas: int):
         options = dict(engine_options, ray_actor_options=cfg.engine_actor_options(role))
         bundles = cfg.placement_bundles(role)
         if bundles is not None:
             # Serve reserves the replica and its rank actors together, and replaces them together.
             options.update(placement_group_bundles=bundles, placement_group_strategy=PLACEMENT_STRATEGY)
-        return serve.deployment(EngineServer, name=name, num_replicas=replicas, **options).bind(
-            engine_args=cfg.role_engine_args(role), role=role, app_name=cfg.app_name,
-            load_failure_policy=cfg.load_failure_policy, stream_interval_ms=cfg.stream_interval_ms,
-            latency_window_s=latency_window_s)
+        return serve.deployment(EngineServer, name=name, num_replicas=replicas, **options).bind(**server_kwargs(role))
 
+    # With direct streaming the colocated engines are the ingress replicas themselves.
+    deployments = dict(DEPLOYMENTS, colocated="Ingress") if cfg.direct else DEPLOYMENTS
     coordinator = serve.deployment(Coordinator, name="Coordinator", num_replicas=1, logging_config=_NO_ACCESS_LOG,
                                    ray_actor_options={"num_cpus": 0}).bind(
         cfg.mode, cfg.app_name, cfg.targets(), cfg.max_replica_map(), dict(cfg.autoscale or {}),
         scale_timeout_s=cfg.scale_timeout_s,
         replica_resources=cfg.replica_resources(),
-        cluster_autoscaling=cfg.cluster_autoscaling)
+        cluster_autoscaling=cfg.cluster_autoscaling, deployments=deployments)
     if cfg.mode == "pd":
         first, second = engine("Prefill", "prefill", cfg.prefill_replicas), engine("Decode", "decode",
                                                                                    cfg.decode_replicas)
+    elif cfg.direct:
+        first = second = None
     else:
         first, second = engine("Colocated", "colocated", cfg.colocated_replicas), None
     settings = {"mode": cfg.mode, "engine_args": cfg.engine_args, "served_model_name": cfg.model_name,
@@ -346,11 +398,19 @@ def build_app(cfg: AppConfig):
                 "local_prefill": LocalPrefillRule(cfg.local_prefill_queue, cfg.max_local_prefill_length),
                 # Digests only: the keys themselves never enter the Serve config or its logs.
                 "api_key_digests": [digest(k) for k in keys_from(cfg.api_keys)]}
-    return serve.deployment(Ingress, name="Ingress", num_replicas=cfg.api_server_count,
-                            max_ongoing_requests=cfg.max_pending_requests * 2,
+    ingress_options = dict(num_replicas=cfg.api_server_count, ray_actor_options={"num_cpus": 0})
+    if cfg.direct:
+        # Each ingress replica is an engine replica: it reserves what one needs, and Serve
+        # replaces it when its engine dies (cluster.direct).
+        settings["direct"] = {"server_kwargs": server_kwargs("colocated"),
+                              "report_period_s": cfg.routing_stats_period_s}
+        ingress_options = dict(num_replicas=cfg.colocated_replicas,
+                               ray_actor_options=cfg.engine_actor_options("colocated"),
+                               health_check_period_s=cfg.health_check_period_s)
+    return serve.deployment(Ingress, name="Ingress", max_ongoing_requests=cfg.max_pending_requests * 2,
                             graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                             logging_config={"enable_access_log": not cfg.disable_access_log},
-                            ray_actor_options={"num_cpus": 0}).bind(first, second, coordinator, settings)
+                            **ingress_options).bind(first, second, coordinator, settings)
 
 
 def build(args: dict):

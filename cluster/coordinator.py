@@ -95,8 +95,11 @@ class Coordinator:
     def __init__(self, mode: str = "pd", app_name: str = "pdserve", targets: dict | None = None,
                  max_replicas: dict | None = None, autoscale: dict | None = None, control=None,
                  scale_timeout_s: float = SCALE_TIMEOUT_S, replica_resources: dict | None = None,
-                 cluster_autoscaling: bool = False, resources=None) -> None:
+                 cluster_autoscaling: bool = False, resources=None, deployments: dict | None = None) -> None:
         self.mode = mode
+        # role -> the Serve deployment of its replicas (colocated ones are the ingress's with
+        # direct streaming, cluster.direct)
+        self.deployments = dict(deployments or DEPLOYMENTS)
         self.app_name = app_name
         self.roles = ("prefill", "decode") if mode == "pd" else ("colocated",)
         self.targets = {r: int((targets or {}).get(r, 1)) for r in self.roles}
@@ -163,7 +166,7 @@ class Coordinator:
             logger.exception("could not read Serve's replica counts")
             return
         for role in self.roles:
-            counts = states.get(DEPLOYMENTS[role], {})
+            counts = states.get(self.deployments[role], {})
             live = sum(n for state, n in counts.items() if state not in ("STOPPING", "STOPPED"))
             if live and live != self.targets[role]:
                 logger.info("%s runs %d replicas (configured %d): adopting it", role, live, self.targets[role])
@@ -174,7 +177,7 @@ class Coordinator:
         cannot change under the check)."""
         if not self.scaling:
             return False
-        if await self.control.settled({DEPLOYMENTS[r]: n for r, n in self.targets.items()}):
+        if await self.control.settled({self.deployments[r]: n for r, n in self.targets.items()}):
             self.scaling = False
             self.stuck = None
             logger.info("scaling done: %s", self.targets)
@@ -192,7 +195,7 @@ class Coordinator:
         for role, n in targets.items():
             if n != self.targets[role]:
                 self.scaling = True
-                await self.control.set_replicas(DEPLOYMENTS[role], n)  # raises if Serve refuses
+                await self.control.set_replicas(self.deployments[role], n)  # raises if Serve refuses
                 self.targets[role] = n
         self.scaling = True
 
@@ -267,7 +270,7 @@ class Coordinator:
             free = await asyncio.to_thread(self._free) if self.replica_resources else {}
         except Exception as e:  # Serve or Ray busy: say so rather than fail /status
             return {"reason": f"unknown ({type(e).__name__}: {e})"}
-        missing = {r: max(0, n - states.get(DEPLOYMENTS[r], {}).get("RUNNING", 0)) for r, n in self.targets.items()}
+        missing = {r: max(0, n - states.get(self.deployments[r], {}).get("RUNNING", 0)) for r, n in self.targets.items()}
         if not any(missing.values()):
             return {"reason": "replicas stopping", "replicas": missing}
         needed = needed_for(missing, self.replica_resources)

@@ -13,6 +13,7 @@ cluster/completions.py and cluster/chat.py, errors in cluster/http_errors.py.
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 import uuid
 import weakref
@@ -26,6 +27,7 @@ from cluster import openai_format as fmt
 from cluster.auth import ApiKeyCheck, install_api_key_check
 from cluster.chat import create_chat_completion
 from cluster.completions import create_completion
+from cluster.direct import DirectEngine
 from cluster.front_streams import ReplicaStreams
 from cluster.http_errors import OpenAIError, install_error_handlers, overloaded, replica_error
 from cluster.metrics import AppMetrics
@@ -66,7 +68,6 @@ class Ingress:
         global _api_keys
         _api_keys = ApiKeyCheck(settings.get("api_key_digests", ()))
         self.mode = settings["mode"]
-        self.engine_handle = prefill  # the colocated deployment in colocated mode
         self.prefill, self.decode, self.coordinator = prefill, decode, coordinator
         engine_args: EngineArgs = settings["engine_args"]
         self.model_dir = engine_args.model
@@ -79,7 +80,11 @@ class Ingress:
         self.store = app_store(settings["app_name"]) if self.mode == "pd" else None
         # Decode (or colocated) outputs arrive as one message per engine step per replica.
         self.ingress_id = f"ingress-{serve.get_replica_context().replica_id.unique_id}"
-        self.streams = ReplicaStreams(decode if self.mode == "pd" else prefill, self.ingress_id)
+        # --direct-streaming: this replica's own engine (cluster.direct) stands in for the
+        # colocated deployment, behind the same streams.
+        self.direct = DirectEngine(**settings["direct"]) if settings.get("direct") else None
+        engines = self.direct.handle if self.direct is not None else decode if self.mode == "pd" else prefill
+        self.streams = ReplicaStreams(engines, self.ingress_id)
         self.metrics = AppMetrics(self.model_name, self.mode)
         self._pusher: asyncio.Task | None = None  # sends self.metrics to the Coordinator on change
         self.placement = (PrefillPlacement(settings["local_prefill"], RoleCounts(coordinator))
@@ -87,6 +92,32 @@ class Ingress:
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
         # When the app was built: the same on every ingress replica (`/v1/models` answers alike).
         self.created = settings.get("created", int(time.time()))
+        if self.direct is not None:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                # Serve runs a sync constructor in a thread; its first health check, made right
+                # after the constructor, runs on the loop and starts the reports.
+                pass
+            else:
+                self.direct.start_reporting()
+
+    # ---- this replica's own engine (--direct-streaming), called by Serve ------------------
+    async def check_health(self) -> None:
+        if self.direct is not None:
+            await self.direct.check_health()  # raises once the engine (or its core) died
+
+    def processes(self) -> dict:
+        """This replica's pid and its engine core processes' (none without --direct-streaming),
+        for operators and tests."""
+        if self.direct is not None:
+            return self.direct.server.processes()
+        return {"replica": os.getpid(), "engine_cores": []}
+
+    async def __del__(self) -> None:
+        # Serve has let in-flight requests finish (graceful_shutdown_timeout_s).
+        if self.direct is not None:
+            await self.direct.shutdown()
 
     # ---- what the routes share ----------------------------------------------------------
     def check_model(self, model: str) -> None:

@@ -41,6 +41,11 @@ def add_serve_parser(sub) -> None:
                    help="require `Authorization: Bearer KEY` on /v1/*, /scale and /status "
                         "(repeatable; PDSERVE_API_KEY, comma-separated, adds more)")
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
+    p.add_argument("--direct-streaming", action=argparse.BooleanOptionalAction, default=None,
+                   help="colocated: each replica serves HTTP itself with its engine core in a child process "
+                        "(no hop between an ingress and an engine replica; --replicas counts them). Default: "
+                        "on in colocated mode unless --api-server-count > 1, --prefix-affinity, tensor or data "
+                        "parallel need an engine deployment behind the ingress")
     p.add_argument("--disable-access-log", action="store_true",
                    help="no line per HTTP request in the ingress's Serve log (vLLM: --disable-uvicorn-access-log)")
     p.add_argument("--local-prefill-queue", type=int, default=None, metavar="N",
@@ -144,6 +149,7 @@ def _config(args: argparse.Namespace):
         load_failure_policy=args.load_failure_policy, max_pending_requests=args.max_pending_requests,
         api_server_count=args.api_server_count,
         prefix_affinity=args.prefix_affinity, disable_access_log=args.disable_access_log,
+        direct_streaming=args.direct_streaming,
         max_local_prefill_length=args.max_local_prefill_length,
         replica_num_cpus=args.replica_cpus,
         replica_num_threads=args.replica_threads,
@@ -244,7 +250,8 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
         sizing = f"{cpus:g} CPU{'' if cpus == 1 else 's'} per engine replica"
         if cfg.replica_num_threads is not None:
             sizing += f", {cfg.replica_num_threads} torch threads"
-        print(f"\npdserve is up ({cfg.mode}, model '{cfg.model_name}', HTTP front: {front}, {sizing}) at {url}\n"
+        mode = f"{cfg.mode}, direct streaming" if cfg.direct else cfg.mode
+        print(f"\npdserve is up ({mode}, model '{cfg.model_name}', HTTP front: {front}, {sizing}) at {url}\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"       -d '{chat}'\n"
               f"Ctrl-C stops it.", flush=True)

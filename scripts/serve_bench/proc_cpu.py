@@ -137,8 +137,10 @@ class RoleCPU:
 def role_in_tree(pid: int, samples: dict[int, ProcSample], root: int) -> str:
     """`classify` of a process in a snapshot, except that a process it cannot name below an
     engine replica counts as that replica's: an engine core in a process of its own
-    (--engine-core-process) or its ranks. Titles change while tasks run (`ray::IDLE` becomes
-    an actor), so the latest snapshot names the role."""
+    (--engine-core-process) or its ranks. Below an ingress replica it is that replica's
+    colocated engine core (--direct-streaming; the ingress process itself, which also runs
+    the engine's front end, stays "ingress"). Titles change while tasks run (`ray::IDLE`
+    becomes an actor), so the latest snapshot names the role."""
     role = classify(samples[pid].cmdline, is_root=pid == root)
     seen = {pid}
     parent = samples[pid].ppid
@@ -146,6 +148,8 @@ def role_in_tree(pid: int, samples: dict[int, ProcSample], root: int) -> str:
         above = classify(samples[parent].cmdline, is_root=parent == root)
         if above.startswith("engine:"):
             return above
+        if above == "ingress":
+            return "engine:colocated"
         if above != "other":
             break
         seen.add(parent)

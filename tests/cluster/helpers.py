@@ -163,3 +163,62 @@ def listeners(port: int) -> list[str]:
         except OSError:
             continue
     return owners or sorted(inodes)
+
+
+def hf_text(model: str, prompt: str, max_tokens: int) -> str:
+    """Hugging Face's greedy continuation of `prompt` (the oracle of the served text)."""
+    from transformers import AutoTokenizer
+
+    from tests.engine.hf_reference import hf_greedy
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    out = hf_greedy(model, [tokenizer(prompt)["input_ids"]], max_tokens)[0]
+    return tokenizer.decode(out, skip_special_tokens=True)
+
+
+def openai_client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def answers_exactly(client, model: str, prompt: str, expected: str, max_tokens: int = 10):
+    """A check for wait_for: False while the server answers 5xx (a replica being replaced),
+    True once it answers `expected`; a 4xx or a wrong 200 fails the test at once."""
+    import openai
+
+    def check() -> bool:
+        try:
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        except openai.APIStatusError as e:
+            assert e.status_code >= 500  # never a 4xx for a good request
+            return False
+        assert r.choices[0].text == expected  # never a wrong 200
+        return True
+    return check
+
+
+def deployment_processes(deployment: str, app_name: str) -> dict:
+    """`processes()` of a replica of `deployment`: its pid and its engine core processes'."""
+    from ray import serve
+
+    return serve.get_deployment_handle(deployment, app_name).processes.remote().result(timeout_s=30)
+
+
+def kill_core_then_answers_again(url: str, deployment: str, app_name: str, model: str, prompt: str,
+                                 expected: str) -> None:
+    """SIGKILL a replica's engine core process: the next request is a 5xx (never a hang or a
+    wrong 200), then Serve's health check replaces the replica, which answers `expected`."""
+    import signal
+
+    import openai
+    import pytest
+
+    old = deployment_processes(deployment, app_name)
+    os.kill(old["engine_cores"][0], signal.SIGKILL)
+    client = openai_client(url)
+    with pytest.raises(openai.APIStatusError) as failed:
+        client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
+    assert failed.value.status_code >= 500
+    wait_for(answers_exactly(client, model, prompt, expected), "a replaced replica to answer", 180, 2.0)
+    assert deployment_processes(deployment, app_name)["replica"] != old["replica"]

@@ -91,6 +91,48 @@ def test_model_must_be_a_directory(tmp_path):
         _cfg(str(f))
 
 
+@pytest.mark.parametrize("kw, engine_kw, needle", [
+    ({"mode": "pd"}, {}, "--mode colocated"),
+    ({"mode": "colocated", "api_server_count": 2}, {}, "colocated_replicas"),
+    ({"mode": "colocated", "prefix_affinity": True}, {}, "prefix_affinity"),
+    ({"mode": "colocated"}, {"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+    ({"mode": "colocated"}, {"data_parallel_size": 2}, "data_parallel_size=2"),
+])
+def test_direct_streaming_refuses_what_it_cannot_serve(tiny_model, kw, engine_kw, needle):
+    with pytest.raises(ParameterError, match=needle) as e:
+        AppConfig(engine_args=EngineArgs(model=tiny_model, **engine_kw), direct_streaming=True, **kw)
+    assert e.value.field == "direct_streaming"
+
+
+def test_direct_streaming_runs_the_engine_core_in_a_process_of_its_own(tiny_model):
+    cfg = _cfg(tiny_model, mode="colocated", direct_streaming=True, colocated_replicas=2, replica_num_cpus=1)
+    assert cfg.direct and cfg.role_engine_args("colocated").engine_core_process
+    routed = _cfg(tiny_model, mode="colocated", direct_streaming=False)
+    assert not routed.direct and not routed.role_engine_args("colocated").engine_core_process
+    assert cfg.targets() == {"colocated": 2}
+
+
+@pytest.mark.parametrize("kw, engine_kw, direct", [
+    ({"mode": "colocated"}, {}, True),  # the default of colocated mode
+    ({"mode": "pd"}, {}, False),
+    ({"mode": "colocated", "api_server_count": 2}, {}, False),  # HTTP scaled apart from engines
+    ({"mode": "colocated", "prefix_affinity": True}, {}, False),  # needs pdserve's router
+    ({"mode": "colocated"}, {"tensor_parallel_size": 2}, False),
+    ({"mode": "colocated"}, {"data_parallel_size": 2}, False),
+    ({"mode": "colocated"}, {"distributed_executor_backend": "ray"}, False),  # ranks as Ray actors
+])
+def test_direct_streaming_by_default_wherever_nothing_needs_an_engine_deployment(tiny_model, kw, engine_kw, direct):
+    cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **engine_kw), **kw)
+    assert cfg.direct_streaming is None and cfg.direct is direct
+    assert cfg.role_engine_args(next(iter(cfg.targets()))).engine_core_process is direct
+
+
+def test_direct_streaming_takes_only_a_boolean_or_null(tiny_model):
+    with pytest.raises(ParameterError, match="true, false or null") as e:
+        _cfg(tiny_model, mode="colocated", direct_streaming="yes")
+    assert e.value.field == "direct_streaming"
+
+
 def test_valid_config(tiny_model):
     cfg = _cfg(tiny_model, mode="colocated", prefill_replicas=2, decode_replicas=3,
                load_failure_policy="recompute", replica_num_cpus=0)

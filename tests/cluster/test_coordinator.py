@@ -75,6 +75,16 @@ def test_scale_is_202_then_409_until_serve_settles():
     assert code == 400 and body["error"]["param"] == "decode"  # above the configured maximum
 
 
+def test_direct_streaming_scales_the_ingress_deployment():
+    control = FakeControl()
+    coord = Coordinator("colocated", "app", {"colocated": 1}, {"colocated": 4}, control=control,
+                        deployments={"colocated": "Ingress"})
+    code, _ = run(coord.scale({"colocated": 3}))
+    assert code == 202 and control.calls == [("Ingress", 3)]
+    control.settle()
+    assert run(coord.status())["scaling"] is False  # settled on the Ingress deployment's count
+
+
 def test_status_groups_replicas_by_role_with_load_fields():
     coord = Coordinator("pd", "app", control=FakeControl())
     coord._store_stats = lambda: _const({"live_transfers": 3, "bytes": 99})

@@ -3,12 +3,25 @@ bad ones rejected before Ray starts."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from cluster.app import LOCAL_PREFILL_QUEUE
 from cluster.cli import build_parser, main
 from cluster.serve_cli import _config
 from engine.args import EngineArgs
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """`main(["serve", ...])` chooses the HTTP front for a Ray it is about to start by setting
+    Serve's switches in os.environ (cluster.http_front) before it checks the flags; here it then
+    exits, and those switches must not reach a Serve started later in this test session."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_defaults_are_one_prefill_one_decode_on_localhost(tiny_model):
@@ -56,6 +69,12 @@ def test_flags_reach_the_app_config(tiny_model):
     placement = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--local-prefill-queue", "0",
                                                    "--max-local-prefill-length", "64"]))
     assert (placement.local_prefill_queue, placement.max_local_prefill_length) == (0, 64)
+    direct = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--mode", "colocated",
+                                                "--direct-streaming", "--replicas", "2"]))
+    assert direct.direct_streaming and direct.colocated_replicas == 2 and cfg.direct_streaming is None
+    routed = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--mode", "colocated",
+                                                "--no-direct-streaming"]))
+    assert routed.direct_streaming is False and not routed.direct
     assert (cfg.local_prefill_queue, cfg.max_local_prefill_length) == (LOCAL_PREFILL_QUEUE, 0)
 
 
@@ -105,6 +124,11 @@ def test_speculative_config_reaches_the_engine_args(tiny_model):
     (["--engine-core-process"], "engine_core_process"),  # P/D (the default mode)
     (["--mode", "colocated", "--engine-core-process", "--data-parallel-size", "2"], "engine_core_process"),
     (["--mode", "colocated", "--engine-core-process", "--tensor-parallel-size", "2"], "engine_core_process"),
+    (["--direct-streaming"], "direct_streaming"),  # P/D (the default mode)
+    (["--mode", "colocated", "--direct-streaming", "--api-server-count", "2"], "direct_streaming"),
+    (["--mode", "colocated", "--direct-streaming", "--prefix-affinity"], "direct_streaming"),
+    (["--mode", "colocated", "--direct-streaming", "--tensor-parallel-size", "2"], "direct_streaming"),
+    (["--mode", "colocated", "--direct-streaming", "--data-parallel-size", "2"], "direct_streaming"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
     (["--speculative-config", '{"method": "eagle"}'], "speculative_config.method"),
 ])

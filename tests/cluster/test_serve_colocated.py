@@ -30,7 +30,8 @@ def app(deploy, tiny_model):
 
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE),
                     mode="colocated", served_model_name=NAME, app_name=APP,
-                    replica_num_cpus=0, max_pending_requests=2)
+                    replica_num_cpus=0, max_pending_requests=2,
+                    direct_streaming=False)  # the engine deployment behind the ingress (test_serve_direct: without)
     return deploy(cfg)
 
 

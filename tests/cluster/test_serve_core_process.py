@@ -9,17 +9,30 @@ from __future__ import annotations
 import os
 import signal
 
-import openai
 import pytest
 
 from engine import EngineArgs
 from engine.errors import ParameterError
-from tests.cluster.helpers import ENGINE, assert_no_leaks, proc_stat, running, wait_for
-from tests.engine.hf_reference import hf_greedy
+from tests.cluster.helpers import (
+    ENGINE,
+    answers_exactly,
+    assert_no_leaks,
+    deployment_processes,
+    hf_text,
+    kill_core_then_answers_again,
+    openai_client,
+    proc_stat,
+    running,
+    wait_for,
+)
 
 APP = "coreproc"
 NAME = "core-process"
 PROMPT = "The river ran quietly past"
+
+
+def _processes() -> dict:
+    return deployment_processes("Colocated", APP)
 
 
 @pytest.fixture(scope="module")
@@ -32,62 +45,25 @@ def app(deploy, model):
     from cluster.app import AppConfig
 
     cfg = AppConfig(engine_args=EngineArgs(model=model, engine_core_process=True, **ENGINE), mode="colocated",
-                    served_model_name=NAME, app_name=APP, replica_num_cpus=0,
+                    direct_streaming=False, served_model_name=NAME, app_name=APP, replica_num_cpus=0,
                     health_check_period_s=1.0)  # the kill tests wait on failed checks
     return deploy(cfg)
-
-
-def _expected(model: str, prompt: str, max_tokens: int) -> str:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    out = hf_greedy(model, [tokenizer(prompt)["input_ids"]], max_tokens)[0]
-    return tokenizer.decode(out, skip_special_tokens=True)
-
-
-def _processes() -> dict:
-    from ray import serve
-
-    return serve.get_deployment_handle("Colocated", APP).processes.remote().result(timeout_s=30)
-
-
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _answers_again(client: openai.OpenAI, expected: str):
-    def check() -> bool:
-        try:
-            r = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0)
-        except openai.APIStatusError as e:
-            assert e.status_code >= 500  # never a 4xx for a good request
-            return False
-        assert r.choices[0].text == expected  # never a wrong 200
-        return True
-    return check
 
 
 def test_the_replicas_core_is_its_child_and_answers_like_transformers(app, model):
     procs = _processes()
     [core] = procs["engine_cores"]
     assert core != procs["replica"] and int(proc_stat(core)[1]) == procs["replica"]  # its parent
-    client = _client(app)
+    client = openai_client(app)
     text = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
-    assert text == _expected(model, PROMPT, 10)
+    assert text == hf_text(model, PROMPT, 10)
     with client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0, stream=True) as s:
         assert "".join(c.choices[0].text for c in s) == text
     assert_no_leaks(app, APP, {"colocated"})
 
 
 def test_a_killed_core_is_a_5xx_then_serve_replaces_the_replica(app, model):
-    old = _processes()
-    os.kill(old["engine_cores"][0], signal.SIGKILL)
-    client = _client(app)
-    with pytest.raises(openai.APIStatusError) as failed:
-        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0)
-    assert failed.value.status_code >= 500
-    wait_for(_answers_again(client, _expected(model, PROMPT, 10)), "a replaced replica to answer", 180, 2.0)
-    assert _processes()["replica"] != old["replica"]
+    kill_core_then_answers_again(app, "Colocated", APP, NAME, PROMPT, hf_text(model, PROMPT, 10))
 
 
 # Last: it kills the module's replica.
@@ -99,7 +75,8 @@ def test_a_killed_replica_takes_its_core_process_with_it(app, model):
     # It must not outlive its replica: Ray ends a dead worker's children, and the core also
     # stops by itself when its pipe closes (tests/engine/test_engine_core_process.py).
     wait_for(lambda: not running(core, start), "the orphaned core process to exit", 60, 0.2)
-    wait_for(_answers_again(_client(app), _expected(model, PROMPT, 10)), "a replaced replica to answer", 180, 2.0)
+    expected = hf_text(model, PROMPT, 10)
+    wait_for(answers_exactly(openai_client(app), NAME, PROMPT, expected), "a replaced replica to answer", 180, 2.0)
 
 
 def test_p_d_apps_refuse_it_before_anything_starts(model):
