@@ -19,6 +19,7 @@ from ray.serve.config import RequestRouterConfig
 
 from actors.ray_executor import PLACEMENT_STRATEGY, replica_bundles
 from actors.worker import cluster_engine_args
+from cluster.app_checks import check_core_process, check_direct, direct_by_default
 from cluster.auth import digest, keys_from
 from cluster.autoscale import build_config
 from cluster.capacity import auto_replica_cpus, node_cpus
@@ -160,10 +161,10 @@ class AppConfig:
         if self.direct_streaming not in (None, True, False):
             raise ParameterError("direct_streaming", f"direct_streaming must be true, false or null (auto), "
                                  f"got {self.direct_streaming!r}")
-        if self.direct_streaming:
-            self._check_direct()
+        if self.direct:
+            check_direct(self)  # refusals only when asked for; the core process's config always
         if self.engine_args.engine_core_process:
-            self._check_core_process()
+            check_core_process(self)
         if self.mode == "pd" and self.tensor_parallel_size("prefill") != self.tensor_parallel_size("decode"):
             raise ParameterError(
                 "decode_tensor_parallel_size",
@@ -175,43 +176,7 @@ class AppConfig:
     @property
     def direct(self) -> bool:
         """Whether the ingress replicas run the colocated engines themselves (cluster.direct)."""
-        if self.direct_streaming is not None:
-            return self.direct_streaming
-        args = self.engine_args
-        return (self.mode == "colocated" and self.api_server_count == 1 and not self.prefix_affinity
-                and args.tensor_parallel_size == 1 and args.data_parallel_size == 1
-                and args.data_parallel_backend != "ray" and args.distributed_executor_backend != "ray")
-
-    def _check_direct(self) -> None:
-        def refuse(why: str) -> None:
-            raise ParameterError("direct_streaming", f"direct_streaming {why}")
-
-        if self.mode != "colocated":
-            refuse(f"is for --mode colocated (got mode={self.mode!r}): a P/D request spans two replicas")
-        if self.api_server_count != 1:
-            refuse(f"makes every colocated replica its own HTTP server: scale with colocated_replicas, "
-                   f"not api_server_count (got {self.api_server_count})")
-        if self.prefix_affinity:
-            refuse("leaves spreading requests over the replicas to the HTTP proxy: prefix_affinity "
-                   "needs pdserve's router between the ingress and the engines")
-        args = self.engine_args
-        if args.tensor_parallel_size > 1 or args.data_parallel_size > 1:
-            refuse("runs one engine core per replica in a child process; got "
-                   f"tensor_parallel_size={args.tensor_parallel_size}, data_parallel_size={args.data_parallel_size}")
-        self.role_engine_args("colocated").create_engine_config()  # with its core process
-
-    def _check_core_process(self) -> None:
-        if self.mode == "pd":
-            raise ParameterError("engine_core_process", "engine_core_process is for --mode colocated: a P/D "
-                                 "replica's engine core moves KV through the cluster's store from the replica's "
-                                 "own process")
-        if self.engine_args.tensor_parallel_size > 1:
-            # The cluster places a replica's ranks as Ray actors (its GPUs reserved with them),
-            # which a core in a plain child process cannot own.
-            raise ParameterError("engine_core_process", "engine_core_process serves one rank per replica in the "
-                                 f"cluster; got tensor_parallel_size={self.engine_args.tensor_parallel_size}")
-        for role in self.targets():  # the engine config each replica will build, checked now
-            self.role_engine_args(role).create_engine_config()
+        return self.direct_streaming if self.direct_streaming is not None else direct_by_default(self)
 
     @classmethod
     def from_flat(cls, args: dict) -> AppConfig:

@@ -26,10 +26,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from actors.orchestrate import PDRequestError
 from cluster.replica import EngineServer
 from cluster.streams import detached_task
 
 logger = logging.getLogger(__name__)
+# Bound on one figures report (Serve's routing-stats timeout for engine deployments is 5 s).
+_REPORT_TIMEOUT_S = 5.0
 
 
 class _LocalMethod:
@@ -47,12 +50,25 @@ class LocalEngineHandle:
     an EngineServer in this process."""
 
     def __init__(self, server: EngineServer) -> None:
-        self.submit = _LocalMethod(server.submit)
+        self.submit = _LocalMethod(_as_replica_error(server.submit))
         self.subscribe = _LocalMethod(server.subscribe)
         self.abort = _LocalMethod(server.abort)
 
     def options(self, **_options) -> LocalEngineHandle:
         return self  # stream=True: subscribe is an async generator either way
+
+
+def _as_replica_error(submit):
+    """A submit the engine refused is the replica's failure, as a routed call's would be (a
+    RayTaskError there): the request was validated by the ingress, so a dead or failing engine
+    is a 503 with Retry-After, not a 500."""
+
+    async def call(*args, **kwargs):
+        try:
+            return await submit(*args, **kwargs)
+        except Exception as e:
+            raise PDRequestError(f"engine unavailable: {e}", replica_died=True) from e
+    return call
 
 
 class DirectEngine:
@@ -72,12 +88,19 @@ class DirectEngine:
             self._reporter = detached_task(self._report_forever())
 
     async def _report_forever(self) -> None:
+        failing = False
         while True:
             try:
-                # Forwards to the Coordinator when the figures changed, or as a heartbeat.
-                await self.server.record_routing_stats()
+                # Forwards to the Coordinator when the figures changed, or as a heartbeat
+                # (cluster.replica). Bounded as Serve bounds a routing-stats round.
+                await asyncio.wait_for(self.server.record_routing_stats(), _REPORT_TIMEOUT_S)
+                if failing:
+                    logger.warning("engine figures reported again")
+                failing = False
             except Exception as e:  # a dead engine: check_health fails and Serve replaces us
-                logger.debug("figures not reported: %s", e)
+                if not failing:  # the Coordinator drops a replica silent for 10 s: say why
+                    logger.warning("engine figures not reported: %r", e)
+                failing = True
             await asyncio.sleep(self.report_period_s)  # a period, not a wait on an event
 
     async def check_health(self) -> None:
@@ -87,4 +110,5 @@ class DirectEngine:
     async def shutdown(self) -> None:
         if self._reporter is not None:
             self._reporter.cancel()
+            await asyncio.wait([self._reporter], timeout=_REPORT_TIMEOUT_S)
         await self.server.__del__()

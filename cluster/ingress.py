@@ -96,8 +96,8 @@ class Ingress:
             try:
                 asyncio.get_running_loop()
             except RuntimeError:
-                # Serve runs a sync constructor in a thread; its first health check, made right
-                # after the constructor, runs on the loop and starts the reports.
+                # Built off an event loop (Serve 2.60 runs the constructor on the replica's
+                # loop): Serve's first health check, right after construction, starts them.
                 pass
             else:
                 self.direct.start_reporting()
@@ -115,9 +115,11 @@ class Ingress:
         return {"replica": os.getpid(), "engine_cores": []}
 
     async def __del__(self) -> None:
-        # Serve has let in-flight requests finish (graceful_shutdown_timeout_s).
-        if self.direct is not None:
-            await self.direct.shutdown()
+        # Serve has let in-flight requests finish (graceful_shutdown_timeout_s). It calls this
+        # even when the constructor failed part way.
+        direct = getattr(self, "direct", None)
+        if direct is not None:
+            await direct.shutdown()
 
     # ---- what the routes share ----------------------------------------------------------
     def check_model(self, model: str) -> None:

@@ -1,13 +1,17 @@
-"""The signal mask of a process the engine spawns (an engine core, a tensor-parallel rank).
+"""The signal mask of an engine core process spawned in a server replica.
 
-A spawned child starts with the mask of the thread that started it, which is not always the
-process's: Serve runs a replica's constructor on a thread of its own that blocks nothing,
-while the replica process (like every Ray worker pdserve starts) blocks SIGTERM and SIGINT so
-that a signal to the whole process group (systemd's stop, `kill -- -PGID`) reaches only the
-driver, which drains the app. A child started from that thread would die at once instead, and
-take its requests with it. So the parent reads the mask of its process (its main thread's)
-and the child applies it first thing: it then stops when its parent tells it (or goes away),
-as the parent itself does.
+A spawned child does not keep the mask of the process that spawns it (multiprocessing's spawn
+starts it with nothing blocked), while a server replica (like every Ray worker pdserve starts)
+blocks SIGTERM and SIGINT, so that a signal to the whole process group (systemd's stop,
+`kill -- -PGID`) reaches only the driver, which drains the app. A core that did not block them
+would die at once instead, and take its requests with it. So the parent reads its process's
+mask (its main thread's: Serve runs parts of a replica on threads that block nothing) and the
+core applies it first thing; it then stops when its front end tells it, or when its pipe
+closes. (Until then, while the spawned interpreter imports the engine, a group signal still
+ends it: only while it starts, before it holds any request.)
+
+Tensor-parallel ranks of the "mp" executor are left alone: they are daemonic, and
+multiprocessing ends daemonic children at exit with SIGTERM before joining them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,6 @@ def process_blocked_signals() -> set[int]:
 
 
 def apply_blocked_signals(blocked: set[int] | None) -> None:
-    """In the child: block exactly `blocked` (None: leave the inherited mask)."""
+    """In the child: block exactly `blocked` (None: leave its mask as it started)."""
     if blocked is not None:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

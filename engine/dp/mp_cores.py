@@ -57,7 +57,7 @@ class MPCores(DPCores):
         threads = max(1, torch.get_num_threads() // self.size)
         devices = _gpu_slices(config, self.size)
         ctx = mp.get_context("spawn")  # fork would copy the front end's threads
-        blocked = process_blocked_signals()  # engine.child_signals: the replica's, not this thread's
+        blocked = process_blocked_signals()  # the replica's, for each core (engine.child_signals)
         for rank in range(self.size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=run_core, name=f"pdserve-dp{rank}", daemon=False,

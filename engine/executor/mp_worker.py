@@ -12,7 +12,6 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from engine.child_signals import apply_blocked_signals
 from engine.distributed import destroy_tp_group, init_parallel_groups
 from engine.executor.base import WorkerConfig, rank_reply
 from engine.worker.worker import Worker
@@ -21,9 +20,8 @@ SHUTDOWN = "__shutdown__"
 
 
 def run_worker(config: WorkerConfig, rank: int, size: int, init_method: str, conn: Connection,
-               collective_timeout_s: float, num_threads: int, blocked_signals: set[int] | None = None) -> None:
+               collective_timeout_s: float, num_threads: int) -> None:
     """Process entry point. Replies are ("ok", result) or ("error", traceback text)."""
-    apply_blocked_signals(blocked_signals)
     try:
         # Ranks share the node's cores; without this each would start one thread per core.
         torch.set_num_threads(num_threads)

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from engine.child_signals import process_blocked_signals
 from engine.distributed import COLLECTIVE_TIMEOUT
 from engine.errors import EngineDeadError, ParameterError
 from engine.executor.base import RankGroupExecutor, WorkerConfig
@@ -60,12 +59,11 @@ class MultiprocExecutor(RankGroupExecutor):
         ctx = mp.get_context("spawn")  # fork would copy a CUDA context and the engine's threads
         threads = max(1, torch.get_num_threads() // size)
         init_method = "file://" + os.path.join(store_dir, "store")
-        blocked = process_blocked_signals()  # engine.child_signals: the process's, not this thread's
         for rank in range(size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=run_worker, name=f"pdserve-tp{rank}", daemon=True,
-                args=(config, rank, size, init_method, child, _COLLECTIVE_TIMEOUT_S, threads, blocked),
+                args=(config, rank, size, init_method, child, _COLLECTIVE_TIMEOUT_S, threads),
             )
             proc.start()
             child.close()
@@ -170,15 +168,15 @@ def reap_children(procs: list[BaseProcess], conns: list[Connection], send_stop, 
 
 
 def stop_processes(procs: list[BaseProcess], grace_s: float) -> None:
-    """Give processes that were asked to stop `grace_s` to exit, then terminate and finally
-    kill what is left (a rank may sit in a collective with a dead peer); join all, so none
-    outlives its owner, not even as a zombie."""
+    """Give processes that were asked to stop `grace_s` to exit, then kill what is left (a rank
+    may sit in a collective with a dead peer); join all, so none outlives its owner, not even as
+    a zombie. No SIGTERM step: a served engine core blocks it (engine.child_signals), and our
+    children install no handler for it, so it would only add a wait."""
     deadline = time.monotonic() + grace_s
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
-    for signal_step in ("terminate", "kill"):
-        alive = [p for p in procs if p.is_alive()]
-        for proc in alive:
-            getattr(proc, signal_step)()
-        for proc in alive:
-            proc.join(grace_s)
+    alive = [p for p in procs if p.is_alive()]
+    for proc in alive:
+        proc.kill()
+    for proc in alive:
+        proc.join(grace_s)

@@ -183,8 +183,9 @@ def openai_client(url: str):
 
 
 def answers_exactly(client, model: str, prompt: str, expected: str, max_tokens: int = 10):
-    """A check for wait_for: False while the server answers 5xx (a replica being replaced),
-    True once it answers `expected`; a 4xx or a wrong 200 fails the test at once."""
+    """A check for wait_for: False while the server answers 5xx or drops the connection (a
+    replica being replaced: with direct streaming that is the HTTP server itself), True once
+    it answers `expected`; a 4xx or a wrong 200 fails the test at once."""
     import openai
 
     def check() -> bool:
@@ -192,6 +193,8 @@ def answers_exactly(client, model: str, prompt: str, expected: str, max_tokens: 
             r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
         except openai.APIStatusError as e:
             assert e.status_code >= 500  # never a 4xx for a good request
+            return False
+        except openai.APIConnectionError:  # APITimeoutError included
             return False
         assert r.choices[0].text == expected  # never a wrong 200
         return True

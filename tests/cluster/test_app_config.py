@@ -484,3 +484,24 @@ def test_the_replicas_latency_windows_are_the_autoscalers_look_back_period(tiny_
     ingress = cluster.app.build_app(_cfg(tiny_model, mode="pd", autoscale=autoscale))._bound_deployment
     engines = [d._bound_deployment for d in ingress.init_args[:2]]
     assert [e.init_kwargs["latency_window_s"] for e in engines] == [window, window]
+
+
+def test_a_direct_streaming_app_has_no_engine_deployment_and_its_ingress_is_the_engine_replica(
+        tiny_model, monkeypatch):
+    import cluster.app
+
+    monkeypatch.setattr(cluster.app, "node_cpus", lambda: [4.0])
+    cfg = _cfg(tiny_model, mode="colocated", colocated_replicas=2, health_check_period_s=2.0)
+    ingress = cluster.app.build_app(cfg)._bound_deployment
+    prefill, decode, coordinator, settings = ingress.init_args
+    assert prefill is None and decode is None  # no engine deployment behind it
+    assert ingress.num_replicas == 2 and ingress._deployment_config.health_check_period_s == 2.0
+    assert ingress.ray_actor_options["num_cpus"] == 2.0  # an engine replica's share of the 4 CPUs
+    assert ingress.ray_actor_options["runtime_env"]["env_vars"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    server = settings["direct"]["server_kwargs"]
+    assert server["role"] == "colocated" and server["engine_args"].engine_core_process
+    assert settings["direct"]["report_period_s"] == cfg.routing_stats_period_s
+    assert coordinator._bound_deployment.init_kwargs["deployments"]["colocated"] == "Ingress"
+    routed = cluster.app.build_app(_cfg(tiny_model, mode="colocated", direct_streaming=False))._bound_deployment
+    assert routed.init_args[0]._bound_deployment.name == "Colocated" and "direct" not in routed.init_args[3]
+    assert routed.ray_actor_options["num_cpus"] == 0
