@@ -1,4 +1,4 @@
-"""Direct streaming (`--direct-streaming`, colocated mode): each ingress replica owns its engine.
+"""Direct streaming (the colocated default, `--direct-streaming`): an ingress owns its engine.
 
 The HTTP proxy (HAProxy) sends a request straight to an ingress replica, and that replica runs
 it on an engine of its own: the front end (AsyncLLM, detokenization, the per-step channel of
@@ -7,8 +7,8 @@ in a child process (`engine_core_process`), as vLLM's API server and EngineCoreP
 Ray Serve LLM's direct streaming skips its ingress hop. Gone per request: the routed submit
 call from the ingress to an engine replica (Serve's router, the actor call, the replica's
 request wrapper); per step: the pickled message over a Ray stream. Measured on 2 CPU cores
-(README "Where the rest goes"): whole-server CPU per output token 1.26-1.46x the offline
-engine's against 1.48-1.76x with an engine replica behind the ingress, and 12-17% more
+(README "Where the rest goes"): whole-server CPU per output token 1.25-1.43x the offline
+engine's against 1.55-1.88x with an engine replica behind the ingress, and 15-30% more
 HTTP throughput.
 
 What it gives up: the engine replicas' own router (least load, prefix affinity): HTTP
