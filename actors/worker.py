@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import multiprocessing as mp
 import uuid
 
 import ray
@@ -27,6 +28,7 @@ from kvstore.connector import PDConnector
 from kvstore.connector_factory import PDConnectorFactory
 from kvstore.pd import prefill_kv_params, prefill_params
 from kvstore.transports.object_store import ObjectStoreTransport
+from kvstore.transports.relay import KVRelay, RelayConnectorFactory
 from kvstore.transports.torch_dist import TorchDistTransport
 
 ROLES = ("colocated", "prefill", "decode")
@@ -82,6 +84,7 @@ class EngineWorker:
         tp, dp = engine_args.tensor_parallel_size, engine_args.data_parallel_size
         config = engine_config_for_role(engine_args, role)
         self.transport = None
+        self.relay: KVRelay | None = None
         factory = None
         # Both sides of the connector, once made (the worker side's counters are the stats).
         self.connectors: dict[KVConnectorRole, PDConnector] = {}
@@ -92,6 +95,14 @@ class EngineWorker:
             if tp > 1 or dp > 1:
                 factory = self._remote_factory(transport, pd_role, store, config.cache.block_size,
                                                load_failure_policy, tp, transport_timeout_s)
+            elif config.parallel.engine_core_process:
+                # The core is a plain child process: its connector's transport calls are made
+                # here, by this process's transport (kvstore.transports.relay).
+                self.transport = self._make_transport(transport, store, transport_timeout_s)
+                ours, theirs = mp.get_context("spawn").Pipe()
+                self.relay = KVRelay(self.transport, ours)
+                factory = RelayConnectorFactory(theirs, self.transport.name, pd_role, self.replica_id,
+                                                config.cache.block_size, load_failure_policy)
             else:
                 self.transport = self._make_transport(transport, store, transport_timeout_s)
 
@@ -100,7 +111,12 @@ class EngineWorker:
                                                         config.cache.block_size, load_failure_policy)
                     return self.connectors[side]
 
-        self.engine = engine_cls(config, factory)
+        try:
+            self.engine = engine_cls(config, factory)
+        finally:
+            if isinstance(factory, RelayConnectorFactory):
+                # The core holds its own copy now: ours closed, the relay sees the core's exit.
+                factory.conn.close()
         if self.transport is not None:
             self.transport.warm_up(producer=role == "prefill")
 
@@ -229,6 +245,8 @@ class EngineWorker:
         engine has rank actors: their placement group belongs to the job, not to this actor,
         and would otherwise outlive it."""
         await asyncio.to_thread(self.engine.shutdown)
+        if self.relay is not None:
+            self.relay.close()
 
     def ping(self) -> str:
         return self.replica_id

@@ -47,10 +47,13 @@ class LLMEngine:
         # of its own (engine_core_process): each in its own process (or actor), this front end
         # routing requests to them.
         parallel = config.parallel
-        if parallel.engine_core_process and kv_connector_factory is not None:
-            raise ParameterError("engine_core_process", "a KV connector (P/D transfer) talks to the cluster's KV "
-                                 "store from the engine core, which must then stay in the replica's process: "
-                                 "engine_core_process is for colocated engines only")
+        if (parallel.engine_core_process and kv_connector_factory is not None
+                and not getattr(kv_connector_factory, "spawn_safe", False)):
+            # A relayed connector (kvstore.transports.relay) crosses into the core's process;
+            # one that calls the cluster from wherever it is built cannot.
+            raise ParameterError("engine_core_process", "engine_core_process: this KV connector talks to the "
+                                 "cluster's KV store from the engine core, which must then stay in the "
+                                 "replica's process; a relayed connector (spawn_safe) can run in a core process")
         self.core: EngineCore | DPEngineClient = (
             EngineCore(config, kv_connector_factory)
             if parallel.data_parallel_size == 1 and not parallel.engine_core_process

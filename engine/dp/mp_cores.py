@@ -40,9 +40,13 @@ class MPCores(DPCores):
     def __init__(self, config: EngineConfig, kv_connector_factory: KVConnectorFactory | None,
                  outbox: queue.Queue) -> None:
         super().__init__(config, kv_connector_factory, outbox)
-        if kv_connector_factory is not None:
+        if kv_connector_factory is not None and self.size > 1:
             raise ParameterError("data_parallel_backend", "a KV connector (P/D transfer) with data_parallel_size > 1 "
                                  "needs data_parallel_backend='ray'")
+        if kv_connector_factory is not None and not getattr(kv_connector_factory, "spawn_safe", False):
+            # Only a relayed connector (its calls made by the front end's process) can cross.
+            raise ParameterError("engine_core_process", "engine_core_process: this KV connector cannot run in "
+                                 "a spawned engine core process (it is not spawn_safe)")
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
         self._lock = threading.Lock()
@@ -62,7 +66,7 @@ class MPCores(DPCores):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=run_core, name=f"pdserve-dp{rank}", daemon=False,
                                args=(config, DPPlacement(rank, self.size, world), control, child, threads,
-                                     devices[rank] if devices else None, blocked))
+                                     devices[rank] if devices else None, blocked, kv_connector_factory))
             proc.start()
             child.close()
             self.procs.append(proc)
@@ -126,14 +130,15 @@ def _reap(procs: list[BaseProcess], conns: list[Connection], store_dir: str | No
 
 
 def run_core(config: EngineConfig, dp: DPPlacement, control_init: str | None, conn: Connection,
-             num_threads: int, cuda_devices: str | None, blocked_signals: set[int] | None = None) -> None:
+             num_threads: int, cuda_devices: str | None, blocked_signals: set[int] | None = None,
+             kv_connector_factory: KVConnectorFactory | None = None) -> None:
     """Process entry point of one core."""
     apply_blocked_signals(blocked_signals)
     if cuda_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices  # before CUDA is first touched
     torch.set_num_threads(num_threads)
     try:
-        core = EngineCore(config, dp=dp)
+        core = EngineCore(config, kv_connector_factory, dp=dp)
         control = DPControlGroup(dp.rank, dp.size, control_init, COLLECTIVE_TIMEOUT) if control_init else None
     except BaseException:
         conn.send(CoreFailed(dp.rank, traceback.format_exc()))

@@ -134,8 +134,9 @@ def test_where_a_core_process_cannot_run_is_a_parameter_error(model_factory, kwa
     assert e.value.field == "engine_core_process"
 
 
-def test_a_kv_connector_keeps_the_core_in_process(model_factory):
+def test_a_kv_connector_that_cannot_cross_processes_keeps_the_core_in_process(model_factory):
+    # (A relayed connector can: tests/kvstore/test_relay_transport.py.)
     config = EngineArgs(model=model_factory("llama"), engine_core_process=True, **ENGINE).create_engine_config()
-    with pytest.raises(ParameterError, match="colocated engines only") as e:
+    with pytest.raises(ParameterError, match="spawn_safe") as e:
         LLMEngine(config, kv_connector_factory=lambda side: None)
     assert e.value.field == "engine_core_process"

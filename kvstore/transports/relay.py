@@ -1,0 +1,234 @@
+"""A transport relayed over a pipe: the P/D connector of an engine core in a child process.
+
+An engine core in a process of its own (`engine_core_process`, engine.dp.mp_cores) is not a
+Ray worker: it cannot call the KV store actor or read the object store. Its connector sides
+run there as usual (the scheduler side beside the Scheduler, the worker side beside the model
+runner, which owns the paged cache), but their transport is a `RelayTransport`, which sends
+each call (publish, abandon, fetch, release) to the `KVRelay` in the replica's process; that
+runs it on the real transport (kvstore.transports.object_store) and sends a fetch's bytes
+back. So the connector keeps every rule it has (fetches off the engine thread, loads written
+between steps, failure policy, release exactly once), and the replica's process, a Ray
+worker, keeps every call into Ray, as it does for an in-process core.
+
+On the pipe a tensor is a small header (dtype, shape) followed by its raw bytes, received
+straight into a new tensor's memory: no pickling of the data. A pipe that closes ends the
+relay on both sides: the core's pending fetches fail (TransferError), and the replica's relay
+thread exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+import torch
+
+from engine.kv_transfer_params import KVTransferParams
+from kvstore.connector import PDConnector
+from kvstore.transports.base import KVTransport, TransferError
+
+logger = logging.getLogger(__name__)
+
+
+class _Wire:
+    """One end of the relay pipe: typed messages, a tensor as header + raw bytes, sends from
+    any thread (each header and its bytes stay together)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, *message) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+    def send_tensor(self, head: tuple, kv: torch.Tensor) -> None:
+        kv = kv.detach().to("cpu").contiguous()
+        raw = kv.view(torch.uint8).reshape(-1) if kv.numel() else torch.empty(0, dtype=torch.uint8)
+        with self._lock:
+            self.conn.send((*head, str(kv.dtype).removeprefix("torch."), tuple(kv.shape)))
+            self.conn.send_bytes(raw.numpy())
+
+    def close(self) -> None:
+        """Close this end, waking a thread blocked reading it. (A plain close does not: the
+        blocked read keeps the socket open, and the other end would never see it closed.)"""
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+        self.conn.close()
+
+    def recv(self) -> tuple:
+        return self.conn.recv()
+
+    def recv_tensor(self, dtype: str, shape: tuple) -> torch.Tensor:
+        kind = getattr(torch, dtype)
+        out = torch.empty(shape, dtype=kind)
+        raw = out.view(torch.uint8).reshape(-1) if out.numel() else torch.empty(0, dtype=torch.uint8)
+        n = self.conn.recv_bytes_into(raw.numpy())
+        if n != raw.numel():
+            raise TransferError(f"relayed KV had {n} bytes, its header said {raw.numel()}")
+        return out
+
+
+class RelayTransport(KVTransport):
+    """The core process's side: every call goes to the replica's KVRelay."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self.name = name  # the real transport's: it is what the exported params name
+        self._wire = _Wire(conn)
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._waiting: dict[int, Callable[[object], None]] = {}
+        self._closed: str | None = None
+        threading.Thread(target=self._read, name="pdserve-kv-relay", daemon=True).start()
+
+    def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None:
+        self._wire.send_tensor(("publish", transfer_id, num_tokens), kv)
+
+    def abandon(self, transfer_id: str, reason: str) -> None:
+        self._wire.send("abandon", transfer_id, reason)
+
+    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None]) -> None:
+        fetch_id = next(self._ids)
+        with self._lock:
+            if self._closed is None:
+                self._waiting[fetch_id] = on_done
+        if self._closed is not None:
+            on_done(TransferError(self._closed))
+            return
+        try:
+            self._wire.send("fetch", fetch_id, params)
+        except OSError as e:
+            self._fail_all(f"the replica's KV relay is gone: {e}")
+
+    def release(self, params: KVTransferParams) -> None:
+        try:
+            self._wire.send("release", params)
+        except OSError:
+            pass  # the replica is gone; the store's lease frees the transfer
+
+    @property
+    def outbox_size(self) -> int:
+        return 0  # exports are held by the replica's transport, which answers for them
+
+    def _read(self) -> None:
+        try:
+            while True:
+                kind, fetch_id, *rest = self._wire.recv()
+                result = (self._wire.recv_tensor(*rest) if kind == "fetched"
+                          else TransferError(rest[0]))
+                with self._lock:
+                    on_done = self._waiting.pop(fetch_id, None)
+                if on_done is not None:
+                    on_done(result)
+        except (EOFError, OSError) as e:
+            self._fail_all(f"the replica's KV relay is gone ({type(e).__name__})")
+        except Exception as e:  # a garbled pipe: nothing after it can be trusted
+            logger.exception("KV relay: unreadable message from the replica")
+            self._fail_all(f"the replica's KV relay is gone (unreadable message: {e})")
+            self._wire.close()
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            self._closed = reason
+            waiting, self._waiting = self._waiting, {}
+        for on_done in waiting.values():
+            on_done(TransferError(reason))
+
+
+class KVRelay:
+    """The replica's side: runs the core's transport calls on `transport` (a Ray worker's),
+    on a thread of its own; a fetch's bytes go back over the pipe from the thread the real
+    transport finishes it on."""
+
+    def __init__(self, transport: KVTransport, conn: Connection) -> None:
+        self.transport = transport
+        self._wire = _Wire(conn)
+        self._thread = threading.Thread(target=self._serve, name="pdserve-kv-relay", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                kind, *args = self._wire.recv()
+                if kind == "publish":
+                    transfer_id, num_tokens, dtype, shape = args
+                    self._publish(transfer_id, self._wire.recv_tensor(dtype, shape), num_tokens)
+                elif kind == "fetch":
+                    self._fetch(*args)
+                elif kind in ("abandon", "release"):
+                    try:
+                        getattr(self.transport, kind)(*args)
+                    except Exception:  # the store's lease ends the transfer anyway
+                        logger.exception("KV relay: %s of %s failed", kind, args[0])
+                else:
+                    raise TypeError(f"unknown message {kind!r}")
+        except (EOFError, OSError):
+            pass  # the core process ended (or the replica closed the relay)
+        except Exception:
+            if not self._wire.conn.closed:  # closed under a blocked recv: the replica is stopping
+                # A garbled pipe: the core's fetches fail (its side sees the pipe close).
+                logger.exception("KV relay failed; the engine core's transfers fail from now on")
+                self.close()
+
+    def _publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None:
+        # As the connector does with a local transport: an export that cannot be handed over
+        # is abandoned, so its consumer fails (or recomputes) at once instead of waiting.
+        try:
+            self.transport.publish(transfer_id, kv, num_tokens)
+        except Exception as e:
+            logger.warning("KV export %s failed: %s", transfer_id, e)
+            try:
+                self.transport.abandon(transfer_id, f"KV export failed: {e}")
+            except Exception:
+                logger.exception("KV relay: abandoning %s failed", transfer_id)
+
+    def _fetch(self, fetch_id: int, params: KVTransferParams) -> None:
+        try:
+            self.transport.fetch_async(params, lambda result: self._answer(fetch_id, result))
+        except Exception as e:
+            self._answer(fetch_id, TransferError(f"{type(e).__name__}: {e}"))
+
+    def _answer(self, fetch_id: int, result: object) -> None:
+        try:
+            if isinstance(result, torch.Tensor):
+                self._wire.send_tensor(("fetched", fetch_id), result)
+            else:
+                self._wire.send("failed", fetch_id, str(result))
+        except OSError:
+            pass  # the core is gone, and the request with it
+
+    def close(self) -> None:
+        self._wire.close()
+
+
+class RelayConnectorFactory:
+    """Builds the P/D connector's sides in the engine core process, over one RelayTransport
+    (both sides share it: one reader of the pipe). Crosses into the spawned process with the
+    core's end of the pipe (`spawn_safe`: engine.llm_engine accepts it for engine_core_process)."""
+
+    spawn_safe = True
+
+    def __init__(self, conn: Connection, transport_name: str, pd_role: str, replica_id: str, block_size: int,
+                 load_failure_policy: str) -> None:
+        self.conn = conn
+        self.transport_name = transport_name
+        self.pd_role = pd_role
+        self.replica_id = replica_id
+        self.block_size = block_size
+        self.load_failure_policy = load_failure_policy
+        self._transport: RelayTransport | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_transport": None}
+
+    def __call__(self, side):
+        if self._transport is None:
+            self._transport = RelayTransport(self.conn, self.transport_name)
+        return PDConnector(side, self.pd_role, self._transport, self.replica_id, self.block_size,
+                           self.load_failure_policy)
