@@ -110,11 +110,12 @@ class AppConfig:
     # The ingress's one line per HTTP request in Serve's replica log (like uvicorn's access log
     # in vLLM, on by default). The internal calls between deployments are never logged.
     disable_access_log: bool = False
-    # Colocated mode: each ingress replica runs its own engine (its core in a child process)
-    # instead of calling an engine deployment, so an HTTP request takes no hop between
-    # replicas (Ray Serve LLM's direct streaming; vLLM's API server + engine core). The proxy
-    # spreads requests over the replicas; `colocated_replicas` counts them (cluster.direct).
-    # None: on in colocated mode unless something needs an engine deployment behind the
+    # Each ingress replica runs its own engine (its core in a child process) instead of
+    # calling an engine deployment, so a streamed token takes no hop between replicas (Ray
+    # Serve LLM's direct streaming; vLLM's API server + engine core): the colocated engine, or
+    # in P/D the decode engine (prefills still go to the Prefill deployment). The proxy
+    # spreads requests over the replicas; `colocated_replicas` or `decode_replicas` counts
+    # them (cluster.direct). None: on unless something needs an engine deployment behind the
     # ingress (api_server_count > 1, prefix_affinity, tensor or data parallel); True insists
     # (and refuses those), False keeps the engine deployment.
     direct_streaming: bool | None = None
@@ -175,8 +176,14 @@ class AppConfig:
 
     @property
     def direct(self) -> bool:
-        """Whether the ingress replicas run the colocated engines themselves (cluster.direct)."""
+        """Whether the ingress replicas run the engines of `direct_role` themselves (cluster.direct)."""
         return self.direct_streaming if self.direct_streaming is not None else direct_by_default(self)
+
+    @property
+    def direct_role(self) -> str:
+        """The role whose engines the ingress replicas run with direct streaming: the one that
+        streams tokens (decode in P/D)."""
+        return "decode" if self.mode == "pd" else "colocated"
 
     @classmethod
     def from_flat(cls, args: dict) -> AppConfig:
@@ -220,7 +227,7 @@ class AppConfig:
         args = cluster_engine_args(dataclasses.replace(
             self.engine_args, tensor_parallel_size=self.tensor_parallel_size(role),
             data_parallel_size=self.data_parallel_size(role)))
-        if self.direct:
+        if self.direct and role == self.direct_role:
             # The ingress's event loop serves HTTP: its engine must not hold the GIL while it
             # steps (measured: an engine thread in the ingress cost throughput, README).
             args = dataclasses.replace(args, engine_core_process=True)
@@ -342,8 +349,8 @@ def build_app(cfg: AppConfig):
             options.update(placement_group_bundles=bundles, placement_group_strategy=PLACEMENT_STRATEGY)
         return serve.deployment(EngineServer, name=name, num_replicas=replicas, **options).bind(**server_kwargs(role))
 
-    # With direct streaming the colocated engines are the ingress replicas themselves.
-    deployments = dict(DEPLOYMENTS, colocated="Ingress") if cfg.direct else DEPLOYMENTS
+    # With direct streaming the colocated (or decode) engines are the ingress replicas themselves.
+    deployments = dict(DEPLOYMENTS, **{cfg.direct_role: "Ingress"}) if cfg.direct else DEPLOYMENTS
     coordinator = serve.deployment(Coordinator, name="Coordinator", num_replicas=1, logging_config=_NO_ACCESS_LOG,
                                    ray_actor_options={"num_cpus": 0}).bind(
         cfg.mode, cfg.app_name, cfg.targets(), cfg.max_replica_map(), dict(cfg.autoscale or {}),
@@ -351,8 +358,8 @@ def build_app(cfg: AppConfig):
         replica_resources=cfg.replica_resources(),
         cluster_autoscaling=cfg.cluster_autoscaling, deployments=deployments)
     if cfg.mode == "pd":
-        first, second = engine("Prefill", "prefill", cfg.prefill_replicas), engine("Decode", "decode",
-                                                                                   cfg.decode_replicas)
+        first = engine("Prefill", "prefill", cfg.prefill_replicas)
+        second = None if cfg.direct else engine("Decode", "decode", cfg.decode_replicas)
     elif cfg.direct:
         first = second = None
     else:
@@ -367,10 +374,9 @@ def build_app(cfg: AppConfig):
     if cfg.direct:
         # Each ingress replica is an engine replica: it reserves what one needs, and Serve
         # replaces it when its engine dies (cluster.direct).
-        settings["direct"] = {"server_kwargs": server_kwargs("colocated"),
-                              "report_period_s": cfg.routing_stats_period_s}
-        ingress_options = dict(num_replicas=cfg.colocated_replicas,
-                               ray_actor_options=cfg.engine_actor_options("colocated"),
+        role = cfg.direct_role
+        settings["direct"] = {"server_kwargs": server_kwargs(role), "report_period_s": cfg.routing_stats_period_s}
+        ingress_options = dict(num_replicas=cfg.targets()[role], ray_actor_options=cfg.engine_actor_options(role),
                                health_check_period_s=cfg.health_check_period_s)
     return serve.deployment(Ingress, name="Ingress", max_ongoing_requests=cfg.max_pending_requests * 2,
                             graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,

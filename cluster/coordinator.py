@@ -97,8 +97,8 @@ class Coordinator:
                  scale_timeout_s: float = SCALE_TIMEOUT_S, replica_resources: dict | None = None,
                  cluster_autoscaling: bool = False, resources=None, deployments: dict | None = None) -> None:
         self.mode = mode
-        # role -> the Serve deployment of its replicas (colocated ones are the ingress's with
-        # direct streaming, cluster.direct)
+        # role -> the Serve deployment of its replicas (colocated or decode ones are the
+        # ingress's with direct streaming, cluster.direct)
         self.deployments = dict(deployments or DEPLOYMENTS)
         self.app_name = app_name
         self.roles = ("prefill", "decode") if mode == "pd" else ("colocated",)

@@ -81,7 +81,7 @@ class Ingress:
         # Decode (or colocated) outputs arrive as one message per engine step per replica.
         self.ingress_id = f"ingress-{serve.get_replica_context().replica_id.unique_id}"
         # --direct-streaming: this replica's own engine (cluster.direct) stands in for the
-        # colocated deployment, behind the same streams.
+        # colocated (or decode) deployment, behind the same streams.
         self.direct = DirectEngine(**settings["direct"]) if settings.get("direct") else None
         engines = self.direct.handle if self.direct is not None else decode if self.mode == "pd" else prefill
         self.streams = ReplicaStreams(engines, self.ingress_id)

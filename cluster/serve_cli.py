@@ -42,10 +42,10 @@ def add_serve_parser(sub) -> None:
                         "(repeatable; PDSERVE_API_KEY, comma-separated, adds more)")
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
     p.add_argument("--direct-streaming", action=argparse.BooleanOptionalAction, default=None,
-                   help="colocated: each replica serves HTTP itself with its engine core in a child process "
-                        "(no hop between an ingress and an engine replica; --replicas counts them). Default: "
-                        "on in colocated mode unless --api-server-count > 1, --prefix-affinity, tensor or data "
-                        "parallel need an engine deployment behind the ingress")
+                   help="each colocated (P/D: decode) replica serves HTTP itself with its engine core in a "
+                        "child process (no hop between an ingress and an engine replica; it counts as one of "
+                        "--replicas / --decode-replicas). Default: on unless --api-server-count > 1, "
+                        "--prefix-affinity, tensor or data parallel need an engine deployment behind the ingress")
     p.add_argument("--disable-access-log", action="store_true",
                    help="no line per HTTP request in the ingress's Serve log (vLLM: --disable-uvicorn-access-log)")
     p.add_argument("--local-prefill-queue", type=int, default=None, metavar="N",

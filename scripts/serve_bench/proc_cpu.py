@@ -134,13 +134,18 @@ class RoleCPU:
     exited: int  # processes of the first snapshot gone by the second (their last CPU is lost)
 
 
-def role_in_tree(pid: int, samples: dict[int, ProcSample], root: int) -> str:
+def direct_role(mode: str) -> str:
+    """The engine role an ingress replica runs with --direct-streaming (cluster.app.AppConfig)."""
+    return "decode" if mode == "pd" else "colocated"
+
+
+def role_in_tree(pid: int, samples: dict[int, ProcSample], root: int, direct_role: str = "colocated") -> str:
     """`classify` of a process in a snapshot, except that a process it cannot name below an
     engine replica counts as that replica's: an engine core in a process of its own
     (--engine-core-process) or its ranks. Below an ingress replica it is that replica's
-    colocated engine core (--direct-streaming; the ingress process itself, which also runs
-    the engine's front end, stays "ingress"). Titles change while tasks run (`ray::IDLE`
-    becomes an actor), so the latest snapshot names the role."""
+    engine core of `direct_role` (--direct-streaming: colocated, or decode in P/D; the ingress
+    process itself, which also runs the engine's front end, stays "ingress"). Titles change
+    while tasks run (`ray::IDLE` becomes an actor), so the latest snapshot names the role."""
     role = classify(samples[pid].cmdline, is_root=pid == root)
     seen = {pid}
     parent = samples[pid].ppid
@@ -149,7 +154,7 @@ def role_in_tree(pid: int, samples: dict[int, ProcSample], root: int) -> str:
         if above.startswith("engine:"):
             return above
         if above == "ingress":
-            return "engine:colocated"
+            return f"engine:{direct_role}"
         if above != "other":
             break
         seen.add(parent)
@@ -157,15 +162,17 @@ def role_in_tree(pid: int, samples: dict[int, ProcSample], root: int) -> str:
     return role
 
 
-def cpu_by_role(before: dict[int, ProcSample], after: dict[int, ProcSample], root: int) -> RoleCPU:
+def cpu_by_role(before: dict[int, ProcSample], after: dict[int, ProcSample], root: int,
+                direct_role: str = "colocated") -> RoleCPU:
     """CPU seconds each role spent between two snapshots of one tree. A process born in
-    between counts from zero; a pid reused by another process counts as born."""
+    between counts from zero; a pid reused by another process counts as born. `direct_role`:
+    what an engine core below an ingress replica is (role_in_tree)."""
     seconds: dict[str, float] = {}
     processes: dict[str, int] = {}
     for pid, s in after.items():
         prev = before.get(pid)
         base = prev.cpu_s if prev is not None and prev.start_ticks == s.start_ticks else 0.0
-        role = role_in_tree(pid, after, root)
+        role = role_in_tree(pid, after, root, direct_role)
         seconds[role] = seconds.get(role, 0.0) + max(s.cpu_s - base, 0.0)
         processes[role] = processes.get(role, 0) + 1
     exited = sum(1 for pid, s in before.items()

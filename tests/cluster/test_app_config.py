@@ -92,7 +92,8 @@ def test_model_must_be_a_directory(tmp_path):
 
 
 @pytest.mark.parametrize("kw, engine_kw, needle", [
-    ({"mode": "pd"}, {}, "--mode colocated"),
+    ({"mode": "pd", "api_server_count": 2}, {}, "decode_replicas"),
+    ({"mode": "pd", "decode_data_parallel_size": 2}, {}, "decode replica"),
     ({"mode": "colocated", "api_server_count": 2}, {}, "colocated_replicas"),
     ({"mode": "colocated", "prefix_affinity": True}, {}, "prefix_affinity"),
     ({"mode": "colocated"}, {"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
@@ -110,11 +111,17 @@ def test_direct_streaming_runs_the_engine_core_in_a_process_of_its_own(tiny_mode
     routed = _cfg(tiny_model, mode="colocated", direct_streaming=False)
     assert not routed.direct and not routed.role_engine_args("colocated").engine_core_process
     assert cfg.targets() == {"colocated": 2}
+    # In P/D the ingress runs the decode engines; the prefill replicas keep theirs in process.
+    pd = _cfg(tiny_model, mode="pd", direct_streaming=True, decode_replicas=2, replica_num_cpus=1)
+    assert pd.direct_role == "decode" and pd.role_engine_args("decode").engine_core_process
+    assert not pd.role_engine_args("prefill").engine_core_process
 
 
 @pytest.mark.parametrize("kw, engine_kw, direct", [
     ({"mode": "colocated"}, {}, True),  # the default of colocated mode
-    ({"mode": "pd"}, {}, False),
+    ({"mode": "pd"}, {}, True),  # the decode engines: the default of P/D too
+    ({"mode": "pd", "prefill_data_parallel_size": 2}, {}, True),  # prefill replicas are apart
+    ({"mode": "pd", "decode_data_parallel_size": 2}, {}, False),
     ({"mode": "colocated", "api_server_count": 2}, {}, False),  # HTTP scaled apart from engines
     ({"mode": "colocated", "prefix_affinity": True}, {}, False),  # needs pdserve's router
     ({"mode": "colocated"}, {"tensor_parallel_size": 2}, False),
@@ -124,7 +131,7 @@ def test_direct_streaming_runs_the_engine_core_in_a_process_of_its_own(tiny_mode
 def test_direct_streaming_by_default_wherever_nothing_needs_an_engine_deployment(tiny_model, kw, engine_kw, direct):
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **engine_kw), **kw)
     assert cfg.direct_streaming is None and cfg.direct is direct
-    assert cfg.role_engine_args(next(iter(cfg.targets()))).engine_core_process is direct
+    assert cfg.role_engine_args(cfg.direct_role).engine_core_process is direct
 
 
 def test_direct_streaming_takes_only_a_boolean_or_null(tiny_model):
@@ -482,7 +489,11 @@ def test_the_replicas_latency_windows_are_the_autoscalers_look_back_period(tiny_
 
     monkeypatch.setattr(cluster.app, "node_cpus", lambda: [2.0])
     ingress = cluster.app.build_app(_cfg(tiny_model, mode="pd", autoscale=autoscale))._bound_deployment
-    engines = [d._bound_deployment for d in ingress.init_args[:2]]
+    prefill, _, _, settings = ingress.init_args  # the decode engines are the ingress's own (direct)
+    assert prefill._bound_deployment.init_kwargs["latency_window_s"] == window
+    assert settings["direct"]["server_kwargs"]["latency_window_s"] == window
+    routed = cluster.app.build_app(_cfg(tiny_model, mode="pd", autoscale=autoscale, direct_streaming=False))
+    engines = [d._bound_deployment for d in routed._bound_deployment.init_args[:2]]
     assert [e.init_kwargs["latency_window_s"] for e in engines] == [window, window]
 
 
@@ -505,3 +516,22 @@ def test_a_direct_streaming_app_has_no_engine_deployment_and_its_ingress_is_the_
     routed = cluster.app.build_app(_cfg(tiny_model, mode="colocated", direct_streaming=False))._bound_deployment
     assert routed.init_args[0]._bound_deployment.name == "Colocated" and "direct" not in routed.init_args[3]
     assert routed.ray_actor_options["num_cpus"] == 0
+
+
+def test_a_direct_streaming_pd_app_keeps_its_prefill_deployment_and_its_ingress_is_the_decode_replica(
+        tiny_model, monkeypatch):
+    import cluster.app
+
+    monkeypatch.setattr(cluster.app, "node_cpus", lambda: [6.0])
+    cfg = _cfg(tiny_model, mode="pd", prefill_replicas=1, decode_replicas=2)
+    ingress = cluster.app.build_app(cfg)._bound_deployment
+    prefill, decode, coordinator, settings = ingress.init_args
+    assert prefill._bound_deployment.name == "Prefill" and decode is None
+    assert not prefill._bound_deployment.init_kwargs["engine_args"].engine_core_process
+    assert ingress.num_replicas == 2 and ingress.ray_actor_options["num_cpus"] == 2.0  # 6 CPUs, 3 engines
+    server = settings["direct"]["server_kwargs"]
+    assert server["role"] == "decode" and server["engine_args"].engine_core_process
+    assert coordinator._bound_deployment.init_kwargs["deployments"] == {
+        "prefill": "Prefill", "decode": "Ingress", "colocated": "Colocated"}
+    routed = cluster.app.build_app(_cfg(tiny_model, mode="pd", direct_streaming=False))._bound_deployment
+    assert routed.init_args[1]._bound_deployment.name == "Decode" and "direct" not in routed.init_args[3]

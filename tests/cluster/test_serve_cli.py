@@ -121,10 +121,10 @@ def test_speculative_config_reaches_the_engine_args(tiny_model):
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--shutdown-timeout-s", "0"], "shutdown_timeout_s"),
     (["--decode-tensor-parallel-size", "2"], "decode_tensor_parallel_size"),  # prefill's is 1
-    (["--engine-core-process"], "engine_core_process"),  # P/D (the default mode)
+    (["--engine-core-process", "--tensor-parallel-size", "2"], "engine_core_process"),  # P/D (the default)
     (["--mode", "colocated", "--engine-core-process", "--data-parallel-size", "2"], "engine_core_process"),
     (["--mode", "colocated", "--engine-core-process", "--tensor-parallel-size", "2"], "engine_core_process"),
-    (["--direct-streaming"], "direct_streaming"),  # P/D (the default mode)
+    (["--direct-streaming", "--api-server-count", "2"], "direct_streaming"),  # P/D (the default mode)
     (["--mode", "colocated", "--direct-streaming", "--api-server-count", "2"], "direct_streaming"),
     (["--mode", "colocated", "--direct-streaming", "--prefix-affinity"], "direct_streaming"),
     (["--mode", "colocated", "--direct-streaming", "--tensor-parallel-size", "2"], "direct_streaming"),

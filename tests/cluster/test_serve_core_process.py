@@ -79,10 +79,10 @@ def test_a_killed_replica_takes_its_core_process_with_it(app, model):
     wait_for(answers_exactly(openai_client(app), NAME, PROMPT, expected), "a replaced replica to answer", 180, 2.0)
 
 
-def test_p_d_apps_refuse_it_before_anything_starts(model):
+def test_tensor_parallel_apps_refuse_it_before_anything_starts(model):
     from cluster.app import AppConfig
 
     args = EngineArgs(model=model, engine_core_process=True)
-    with pytest.raises(ParameterError, match="--mode colocated") as e:
-        AppConfig(engine_args=args, mode="pd")
+    with pytest.raises(ParameterError, match="tensor_parallel_size=2") as e:
+        AppConfig(engine_args=args, mode="pd", prefill_tensor_parallel_size=2, decode_tensor_parallel_size=2)
     assert e.value.field == "engine_core_process"

@@ -140,9 +140,11 @@ def test_leaving_clients_stall_no_stream_and_the_stop_path_drains_then_ends_ever
     assert stream.started.wait(120) and stream.error is None, stream.error
     srv.tree.update(process_tree(srv.proc.pid))
     replicas = [pid for pid in srv.tree if "ServeReplica" in cmdline(pid)]
-    # P/D: ingress, prefill, decode, coordinator; colocated (direct streaming, the default):
-    # ingress with its engine, coordinator. The colocated engine core is the ingress's child.
-    assert len(replicas) == (4 if mode == "pd" else 2), [cmdline(p) for p in srv.tree]
+    # Direct streaming (the default): P/D: ingress with its decode engine, prefill, coordinator;
+    # colocated: ingress with its engine, coordinator. The engine core is the ingress's child.
+    assert len(replicas) == (3 if mode == "pd" else 2), [cmdline(p) for p in srv.tree]
+    [ingress] = [pid for pid in replicas if "Ingress" in cmdline(pid)]
+    assert any(int(proc_stat(pid)[1]) == ingress for pid in srv.tree if proc_stat(pid)), "no engine core"
     # The HTTP port is HAProxy's (cluster/http_front.py): the stream reached us through it. Serve
     # reloads HAProxy when its targets change (a new process takes the socket over, `-sf OLD`), so
     # one look can fall between the two owners: look again, bounded.

@@ -1,0 +1,124 @@
+"""P/D with --direct-streaming: every ingress replica is a decode replica (the engine's front
+end in the replica, its core in a child process whose KV connector relays transfers through
+the replica: kvstore.transports.relay), and prompts prefill on the Prefill deployment. Here
+the prefill replicas run their cores in child processes too (--engine-core-process), so their
+exports take the relay as well. Driven by the official openai client; oracles: Hugging Face
+greedy text, the non-streamed answer, the processes' pids, Serve's deployment list, the KV
+connector's counters (the prompt KV loaded, never recomputed), and the replicas' KV figures
+and the store's transfers (no leak). A dead core on either side is a 5xx and a replaced
+replica, never a hang or a wrong 200."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from engine import EngineArgs
+from tests.cluster.helpers import (
+    ENGINE,
+    assert_no_leaks,
+    deployment_processes,
+    hf_text,
+    kill_core_then_answers_again,
+    metric_value,
+    openai_client,
+    proc_stat,
+    replicas,
+    wait_for,
+)
+
+APP = "pddirect"
+NAME = "pd-direct-model"
+PROMPT = "The river ran quietly past"
+ROLES = {"prefill", "decode"}
+
+
+@pytest.fixture(scope="module")
+def model(model_factory) -> str:
+    return model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def app(deploy, model):
+    from cluster.app import AppConfig
+
+    # local_prefill_queue=0: every prompt is disaggregated, whatever the load.
+    cfg = AppConfig(engine_args=EngineArgs(model=model, engine_core_process=True, **ENGINE), mode="pd",
+                    direct_streaming=True, served_model_name=NAME, app_name=APP, replica_num_cpus=0,
+                    max_replicas=2, local_prefill_queue=0, health_check_period_s=1.0)
+    return deploy(cfg)
+
+
+def _child_core(deployment: str) -> int:
+    procs = deployment_processes(deployment, APP)
+    [core] = procs["engine_cores"]
+    assert core != procs["replica"] and int(proc_stat(core)[1]) == procs["replica"]
+    return core
+
+
+def test_the_ingress_is_the_decode_replica_and_loads_the_prompt_kv_from_its_core_process(app, model):
+    from ray import serve
+
+    assert set(serve.status().applications[APP].deployments) == {"Prefill", "Ingress", "Coordinator"}
+    _child_core("Ingress")
+    _child_core("Prefill")
+    loads = metric_value(app, "pdserve:kv_transfer_loads_total", role="decode")
+    client = openai_client(app)
+    expected = hf_text(model, PROMPT, 10)
+    text = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
+    assert text == expected
+    with client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0, stream=True) as s:
+        assert "".join(c.choices[0].text for c in s) == text
+    assert {r["role"] for r in replicas(app)} == ROLES
+    assert_no_leaks(app, APP, ROLES)  # blocks on both sides, and no live transfer in the store
+    # Both prompts' KV crossed from the prefill core to the decode core (never recomputed).
+    wait_for(lambda: metric_value(app, "pdserve:kv_transfer_loads_total", role="decode") - loads >= 2,
+             "the decode replica to report two KV loads", 30, 0.2)
+    assert metric_value(app, "pdserve:kv_transfer_load_failures_total", role="decode") == 0.0
+    assert metric_value(app, "pdserve:kv_transfer_exports_total", role="prefill") >= 2
+
+
+def test_a_client_leaving_mid_stream_aborts_the_request_and_frees_its_kv_blocks(app):
+    url = f"{app}/v1/completions"
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    steps = "pdserve:engine_steps_total"
+    before = metric_value(app, steps, role="decode")
+    with requests.post(url, json=body, stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        assert next(line for line in r.iter_lines() if line.startswith(b"data: {"))  # it is running
+    assert_no_leaks(app, APP, ROLES)
+    assert metric_value(app, steps, role="decode") - before < 400
+
+
+def test_a_killed_decode_core_is_a_5xx_then_serve_replaces_the_ingress_replica(app, model):
+    kill_core_then_answers_again(app, "Ingress", APP, NAME, PROMPT, hf_text(model, PROMPT, 10))
+    _child_core("Ingress")  # the new replica runs its own core
+    assert_no_leaks(app, APP, ROLES)
+
+
+def test_a_killed_prefill_core_is_a_5xx_then_serve_replaces_the_prefill_replica(app, model):
+    kill_core_then_answers_again(app, "Prefill", APP, NAME, PROMPT, hf_text(model, PROMPT, 10))
+    _child_core("Prefill")
+    assert_no_leaks(app, APP, ROLES)
+
+
+# Last: it leaves the module's app with two decode replicas.
+def test_the_scale_api_scales_decode_as_ingress_replicas(app, model):
+    from ray import serve
+
+    r = requests.post(f"{app}/scale", json={"decode": 2}, timeout=60)
+    assert r.status_code == 202, r.text
+
+    def two():
+        return serve.status().applications[APP].deployments["Ingress"].replica_states.get("RUNNING", 0) == 2
+    wait_for(two, "two running ingress replicas", 180, 0.5)
+    wait_for(lambda: len([x for x in replicas(app) if x["role"] == "decode"]) == 2,
+             "both decode engines to report", 60, 0.5)
+    assert serve.status().applications[APP].deployments["Prefill"].replica_states.get("RUNNING", 0) == 1
+    client = openai_client(app)
+    expected = hf_text(model, PROMPT, 10)
+    for _ in range(4):  # wherever the proxy sends them
+        assert client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10,
+                                         temperature=0).choices[0].text == expected
+    assert_no_leaks(app, APP, ROLES)
