@@ -54,11 +54,14 @@ from scripts.serve_bench.cpu_report import (  # noqa: E402
 from scripts.serve_bench.offline import (  # noqa: E402
     OfflineRun,
     make_engine,
+    make_pd_engines,
     measure_message_sizes,
     measure_offline,
+    measure_offline_pd,
 )
 from scripts.serve_bench.proc_cpu import (  # noqa: E402
     cpu_by_role,
+    direct_role,
     end_leftovers,
     snapshot,
     system_busy_s,
@@ -118,6 +121,8 @@ class Bench:
         self.args, self.model = args, model
         self.idle: dict[str, dict[str, float]] = {}  # mode -> role -> CPU s per idle minute
         self.engine = None if args.skip_offline else make_engine(model, max(args.concurrency))
+        self.pd_engines = (make_pd_engines(model, max(args.concurrency))
+                           if not args.skip_offline and any(mode == "pd" for mode, _ in configs) else None)
         tokenizer = self.engine.tokenizer if self.engine else make_engine(model, 1).tokenizer
         counts = {"warm": max(args.concurrency)}
         for config in configs:
@@ -133,14 +138,17 @@ class Bench:
             print(f"  ({what}: machine still busy, {rate:.1f} cores, after {self.args.quiet_wait_s:g} s)",
                   flush=True)
 
-    def offline(self, prompts: list[str], c: int) -> OfflineRun | None:
-        if self.engine is None:
+    def offline(self, prompts: list[str], c: int, pd: bool = False) -> OfflineRun | None:
+        """The offline engine (`pd`: the P/D engine pair) on these prompts, `c` at a time."""
+        engines = self.pd_engines if pd else self.engine
+        if engines is None:
             return None
         busy0 = system_busy_s()
-        o = measure_offline(self.engine, prompts, self.args.output_tokens, c, self.prompts["warm"])
+        measure = measure_offline_pd if pd else measure_offline
+        o = measure(engines, prompts, self.args.output_tokens, c, self.prompts["warm"])
         o.others_cpu_s = max(system_busy_s() - busy0 - o.cpu_s, 0.0)
-        print(f"  offline c{c}: {o.tok_s:.0f} tok/s, {o.cpu_ms_per_token:.2f} CPU ms/token; "
-              f"other processes {o.others_cpu_s:.1f} CPU s", flush=True)
+        print(f"  offline{' P/D engines' if pd else ''} c{c}: {o.tok_s:.0f} tok/s, {o.cpu_ms_per_token:.2f} "
+              f"CPU ms/token; other processes {o.others_cpu_s:.1f} CPU s", flush=True)
         return o
 
     def window(self, url: str, served: str, root: int, config, c: int, r: int, seen: dict) -> ServerRun:
@@ -153,6 +161,7 @@ class Bench:
                                  timeout_s=args.timeout, warmup=2))
         self.quiet(f"{mode} c{c}")
         offline = self.offline(prompts, c)
+        offline_pd = self.offline(prompts, c, pd=True) if mode == "pd" else None
         items = [WorkItem(p, args.output_tokens) for p in prompts]
         steps0 = engine_steps(url)
         before, busy0, cpu0 = snapshot(root), system_busy_s(), time.process_time()
@@ -162,7 +171,7 @@ class Bench:
         steps = {role: n - steps0.get(role, 0.0) for role, n in settled_engine_steps(url).items()}
         seen.update(before)
         seen.update(after)
-        cpu = cpu_by_role(before, after, root)
+        cpu = cpu_by_role(before, after, root, direct_role(mode))
         summary = summarise(records, float("inf"), float("inf"), wall)
         if summary["failed"]:
             raise BenchError(f"{summary['failed']} requests failed: {summary['errors']}")
@@ -174,7 +183,7 @@ class Bench:
                              f"tokens ({sorted(set(wrong))[:5]}): the server lost or added tokens")
         others = max(busy1 - busy0 - sum(cpu.seconds.values()) - client, 0.0)
         run = ServerRun(mode, c, interval_ms, summary, cpu.seconds, cpu.exited, client,
-                        sum(rec.chunks for rec in records), others, offline, steps)
+                        sum(rec.chunks for rec in records), others, offline, offline_pd, steps)
         print(f"[{run.label} {interval_ms:g} ms #{r}] {run.tokens} tokens in {wall:.1f} s: "
               f"{summary['output_throughput']:.0f} tok/s, server {run.ms(run.whole_s):.2f} CPU ms/token "
               f"(outside engines {run.ms(run.outside_s):.2f}); other processes {others:.1f} CPU s", flush=True)
@@ -190,7 +199,7 @@ class Bench:
         after = snapshot(root)
         seen.update(before)
         seen.update(after)
-        per_min = {role: s * 60.0 / self.args.idle_s for role, s in cpu_by_role(before, after, root).seconds.items()}
+        per_min = {role: s * 60.0 / self.args.idle_s for role, s in cpu_by_role(before, after, root, direct_role(mode)).seconds.items()}
         self.idle[mode] = per_min
         print(f"  [{mode} idle {self.args.idle_s:g} s] CPU s per minute: " + ", ".join(
             f"{role} {v:.2f}" for role, v in sorted(per_min.items(), key=lambda kv: -kv[1])), flush=True)

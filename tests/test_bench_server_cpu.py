@@ -8,7 +8,14 @@ import pytest
 
 from scripts.bench_server_cpu import split_prompts
 from scripts.serve_bench.cpu_report import ServerRun, goal_lines
-from scripts.serve_bench.offline import Message, MessageSizes, OfflineRun, run_closed_loop
+from scripts.serve_bench.offline import (
+    Message,
+    MessageSizes,
+    OfflineRun,
+    make_pd_engines,
+    run_closed_loop,
+    run_closed_loop_pd,
+)
 from scripts.serve_bench.proc_cpu import (
     ProcSample,
     classify,
@@ -92,6 +99,10 @@ def test_an_engine_replicas_own_child_processes_count_as_that_replica():
     # "ingress"; the core below it is the colocated engine)
     assert cpu.seconds == pytest.approx({"driver": 1.0, "engine:colocated": 10.625, "other": 0.25,
                                          "ingress": 0.5})
+    # In P/D the ingress runs the decode engine: its core is the decode engine's.
+    pd = cpu_by_role({}, samples, root=1, direct_role="decode")
+    assert pd.seconds == pytest.approx({"driver": 1.0, "engine:colocated": 10.5, "engine:decode": 0.125,
+                                        "other": 0.25, "ingress": 0.5})
 
 
 def test_roles_group_into_proxy_ingress_engine_store_control_ray():
@@ -172,6 +183,27 @@ def test_closed_loop_keeps_at_most_concurrency_requests_and_counts_every_token()
     assert engine.most == 4
     assert tokens == 30
     assert steps == 9  # waves of 4, 4 and 2 requests, 3 steps each
+
+
+def test_the_offline_pd_baseline_disaggregates_every_request_and_leaves_nothing(tiny_model):
+    prefill, decode = make_pd_engines(tiny_model, 4, max_model_len=128)
+    tokens = run_closed_loop_pd(prefill, decode, [f"word{i} " * (3 + i) for i in range(6)], 5, concurrency=4, tag="t")
+    assert tokens == 6 * 5  # EOS ignored: every request runs its 5 tokens, 1 of them on the prefill
+    assert prefill.core.kv_transfer_stats()["exports"] == 6
+    assert decode.core.kv_transfer_stats()["loads"] == 6  # loaded, never recomputed
+    for engine in (prefill, decode):
+        kv = engine.core.kv_cache_manager
+        assert kv.get_num_free_blocks() == kv.num_blocks and not engine.has_unfinished_requests()
+
+
+def test_the_role_table_sets_a_pd_run_beside_the_offline_pd_engines():
+    from scripts.serve_bench.cpu_report import role_table
+
+    run = _run("pd", 8, 1.0, 0.5)  # 1.5 ms per token served, 1.0 offline
+    run.offline_pd = OfflineRun(8, 10, 1000, 1.2, 1.0, 100)  # 1.2 ms per token
+    table = role_table([run, _run("colocated", 8, 1.0, 0.3)])
+    assert "| **offline P/D / offline** | 1.20 | - |" in table
+    assert "| **whole / offline P/D** | 1.25 | - |" in table
 
 
 def test_steady_messages_are_full_batch_decode_messages_only():

@@ -28,6 +28,9 @@ class ServerRun:
     sse_chunks: int  # text chunks the clients received
     others_cpu_s: float = 0.0  # every other process on the machine in the window (noise)
     offline: OfflineRun | None = None  # the offline engine on the same prompts, just before
+    # P/D runs: a prefill and a decode engine offline on the same prompts (no serving layer):
+    # what disaggregation itself costs, the floor of a P/D server.
+    offline_pd: OfflineRun | None = None
     # Forward passes of each engine role over the window (pdserve:engine_steps): fewer rows
     # per step than offline means more steps, each paying for the weights, for the same tokens.
     engine_steps: dict[str, float] = field(default_factory=dict)
@@ -90,6 +93,12 @@ def role_table(runs: list[ServerRun]) -> str:
     row("offline tok/s", [off(run, "tok_s") for run in runs], ".0f")
     row("HTTP / offline tok/s", [_ratio(run.summary["output_throughput"] or 0, off(run, "tok_s") or 0)
                                  for run in runs])
+    if any(run.offline_pd is not None for run in runs):
+        pd = [run.offline_pd.cpu_ms_per_token if run.offline_pd is not None else None for run in runs]
+        row("offline P/D engines", pd)
+        row("offline P/D / offline", [_ratio(p, off(run, "cpu_ms_per_token") or 0) if p else None
+                                      for p, run in zip(pd, runs)])
+        row("whole / offline P/D", [_ratio(run.ms(run.whole_s), p) if p else None for p, run in zip(pd, runs)])
     return _table(["CPU ms / output token"] + [run.label for run in runs], rows)
 
 

@@ -10,6 +10,14 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
+from kvstore.pd import (
+    decode_kv_params,
+    decode_params,
+    decode_prompt,
+    needs_decode,
+    prefill_kv_params,
+    prefill_params,
+)
 
 
 @dataclass
@@ -38,6 +46,25 @@ def make_engine(model: str, max_num_seqs: int, **engine_kwargs):
 
     args = EngineArgs.from_kwargs(model, max_num_seqs=max_num_seqs, **engine_kwargs)
     return LLMEngine(args.create_engine_config())
+
+
+def make_pd_engines(model: str, max_num_seqs: int, **engine_kwargs):
+    """A prefill and a decode engine in this process, their KV connectors joined by an
+    in-process transport: the P/D engines' own work (two schedulers, two forward passes per
+    round, the prompt KV copied out and in) with nothing of the serving layer."""
+    from engine.args import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from kvstore.connector import PDConnector
+    from kvstore.transports import LocalTransport
+
+    config = EngineArgs.from_kwargs(model, max_num_seqs=max_num_seqs, **engine_kwargs).create_engine_config()
+    transport = LocalTransport()
+
+    def engine(pd_role: str):
+        def factory(side):
+            return PDConnector(side, pd_role, transport, f"offline-{pd_role}", config.cache.block_size)
+        return LLMEngine(config, factory)
+    return engine("producer"), engine("consumer")
 
 
 def _params(max_tokens: int) -> SamplingParams:
@@ -69,6 +96,36 @@ def run_closed_loop(engine, prompts: list[str], max_tokens: int, concurrency: in
     return tokens, steps
 
 
+def run_closed_loop_pd(prefill, decode, prompts: list[str], max_tokens: int, concurrency: int, tag: str) -> int:
+    """run_closed_loop over a prefill and a decode engine (make_pd_engines), every request
+    disaggregated as the cluster does it (kvstore.pd): the prompt with max_tokens=1 on
+    `prefill`, exporting its KV, then the rest on `decode`, loading it. Each round steps both
+    engines. Returns the output tokens."""
+    params = _params(max_tokens)
+    queue = deque(enumerate(prompts))
+    active = tokens = 0
+    while queue or active:
+        while queue and active < concurrency:
+            i, prompt = queue.popleft()
+            prefill.add_request(f"{tag}-{i}", prompt, prefill_params(params),
+                                kv_transfer_params=prefill_kv_params(params))
+            active += 1
+        for out in prefill.step() if prefill.has_work() else []:
+            first = out.outputs[0]
+            tokens += len(out.delta_token_ids)
+            if not out.finished:
+                continue
+            if needs_decode(first.finish_reason, params):
+                decode.add_request(out.request_id, decode_prompt(out.prompt_token_ids, first.token_ids[0]),
+                                   decode_params(params), kv_transfer_params=decode_kv_params(out.kv_transfer_params))
+            else:
+                active -= 1
+        for out in decode.step() if decode.has_work() else []:
+            tokens += len(out.delta_token_ids)
+            active -= out.finished
+    return tokens
+
+
 def measure_offline(engine, prompts: list[str], max_tokens: int, concurrency: int, warm: list[str]) -> OfflineRun:
     """CPU and wall time of the engine alone on the benchmark's requests, after a warm-up on
     other prompts (the measured ones must not be in the prefix cache)."""
@@ -78,6 +135,19 @@ def measure_offline(engine, prompts: list[str], max_tokens: int, concurrency: in
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
     return OfflineRun(concurrency, len(prompts), tokens, cpu, wall, steps,
                       forward_steps=engine.core.num_steps - forward0)
+
+
+def measure_offline_pd(engines, prompts: list[str], max_tokens: int, concurrency: int, warm: list[str]) -> OfflineRun:
+    """measure_offline for the P/D engine pair (make_pd_engines): CPU per output token of the
+    disaggregated engines alone, the floor of a P/D server's on the same requests."""
+    prefill, decode = engines
+    run_closed_loop_pd(prefill, decode, warm[:concurrency], 4, concurrency, f"warm-pd-c{concurrency}")
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    steps0 = prefill.core.num_steps + decode.core.num_steps
+    tokens = run_closed_loop_pd(prefill, decode, prompts, max_tokens, concurrency, f"run-pd-c{concurrency}")
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+    steps = prefill.core.num_steps + decode.core.num_steps - steps0
+    return OfflineRun(concurrency, len(prompts), tokens, cpu, wall, steps, forward_steps=steps)
 
 
 @dataclass(frozen=True)
