@@ -221,6 +221,9 @@ class EngineWorker:
     async def check_health(self) -> None:
         if getattr(self.engine, "_errored", None) is not None:
             raise RuntimeError(f"engine of {self.replica_id} failed: {self.engine._errored!r}")
+        if self.relay is not None and not self.relay.alive:
+            # Its core's transfers fail from now on (or its core is gone): replace the replica.
+            raise RuntimeError(f"the KV relay of {self.replica_id}'s engine core process stopped")
         if isinstance(self.engine, AsyncLLM):  # injected test engines have no workers
             # Off the event loop: with rank actors this pings them (bounded).
             await asyncio.to_thread(self.engine.check_health)
@@ -244,7 +247,11 @@ class EngineWorker:
         """Stop the engine and release its workers. Call before killing the actor when its
         engine has rank actors: their placement group belongs to the job, not to this actor,
         and would otherwise outlive it."""
-        await asyncio.to_thread(self.engine.shutdown)
+        await asyncio.to_thread(self.stop)
+
+    def stop(self) -> None:
+        """`shutdown`, blocking (bounded: the engine's and the relay's own bounds)."""
+        self.engine.shutdown()
         if self.relay is not None:
             self.relay.close()
 

@@ -11,13 +11,20 @@ from engine.errors import ParameterError
 
 def direct_by_default(cfg) -> bool:
     """Direct streaming unless something needs an engine deployment behind the ingress: HTTP
-    processes scaled apart from the engines, pdserve's router (prefix affinity), or ranks and
+    processes scaled apart from the engines, pdserve's router in front of colocated engines
+    (prefix affinity; in P/D it routes the prefills, which stay a deployment), or ranks and
     cores that are Ray actors of an engine replica (of the role the ingress would run)."""
     role = cfg.direct_role
     args = cfg.engine_args
-    return (cfg.api_server_count == 1 and not cfg.prefix_affinity
+    return (cfg.api_server_count == 1 and not _affinity_needs_router(cfg)
             and cfg.tensor_parallel_size(role) == 1 and cfg.data_parallel_size(role) == 1
             and args.data_parallel_backend != "ray" and args.distributed_executor_backend != "ray")
+
+
+def _affinity_needs_router(cfg) -> bool:
+    # Prompts sharing a prefix go to one engine replica by pdserve's router. In P/D that is
+    # the prefill's (where the prefix is computed), which direct streaming leaves in place.
+    return cfg.prefix_affinity and cfg.mode == "colocated"
 
 
 def check_direct(cfg) -> None:
@@ -28,9 +35,9 @@ def check_direct(cfg) -> None:
     if cfg.api_server_count != 1:
         refuse(f"makes every {role} replica its own HTTP server: scale with {role}_replicas, "
                f"not api_server_count (got {cfg.api_server_count})")
-    if cfg.prefix_affinity:
+    if _affinity_needs_router(cfg):
         refuse("leaves spreading requests over the replicas to the HTTP proxy: prefix_affinity "
-               "needs pdserve's router between the ingress and the engines")
+               "needs pdserve's router between the ingress and the colocated engines")
     tp, dp = cfg.tensor_parallel_size(role), cfg.data_parallel_size(role)
     if tp > 1 or dp > 1:
         refuse(f"runs one engine core per {role} replica in a child process; got "

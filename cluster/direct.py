@@ -1,19 +1,22 @@
-"""Direct streaming (the colocated default, `--direct-streaming`): an ingress owns its engine.
+"""Direct streaming (the default, `--direct-streaming`): an ingress owns its engine.
 
 The HTTP proxy (HAProxy) sends a request straight to an ingress replica, and that replica runs
-it on an engine of its own: the front end (AsyncLLM, detokenization, the per-step channel of
+it on an engine of its own, the colocated engine or in P/D the decode engine (the prompt still
+prefills on a Prefill replica; the decode core loads its KV through the relayed transport,
+kvstore.transports.relay): the front end (AsyncLLM, detokenization, the per-step channel of
 cluster.step_channel) in the replica's process, the engine core (scheduler, KV cache, model)
 in a child process (`engine_core_process`), as vLLM's API server and EngineCoreProc do, and as
 Ray Serve LLM's direct streaming skips its ingress hop. Gone per request: the routed submit
 call from the ingress to an engine replica (Serve's router, the actor call, the replica's
 request wrapper); per step: the pickled message over a Ray stream. Measured on 2 CPU cores
 (README "Where the rest goes"): whole-server CPU per output token 1.25-1.43x the offline
-engine's against 1.55-1.88x with an engine replica behind the ingress, and 15-30% more
-HTTP throughput.
+engine's against 1.55-1.88x with an engine replica behind the ingress (P/D: 1.73-1.97x against
+1.99-2.27x), and 15-30% more HTTP throughput.
 
-What it gives up: the engine replicas' own router (least load, prefix affinity): HTTP
-requests are spread by the proxy. One ingress replica is one engine replica, so the two
-scale together (`colocated_replicas`, POST /scale {"colocated": N}).
+What it gives up: the engine replicas' own router (least load, prefix affinity) for that role:
+HTTP requests are spread by the proxy. One ingress replica is one engine replica, so the two
+scale together (`colocated_replicas` / `decode_replicas`, POST /scale {"colocated": N} or
+{"decode": N}).
 
 The ingress code is unchanged: `LocalEngineHandle` answers the three calls the ingress makes
 on an engine deployment's handle (submit, subscribe, abort; cluster.front_streams) by calling

@@ -197,6 +197,6 @@ class EngineServer:
                 if owned == 0:
                     break
                 await asyncio.sleep(0.2)  # polling the store while draining, bounded
-        self.worker.engine.shutdown()
+        self.worker.stop()
         if self._coordinator is not None:
             self._coordinator.forget.remote(self.replica_id)  # off the board now, not when stale

@@ -92,8 +92,8 @@ class EngineArgs:
                                         "data_parallel_size x tensor_parallel_size ranks (MoE models only)")
     engine_core_process: bool = _arg(False, "run the engine core (scheduler, KV cache, model) in a child "
                                      "process, as vLLM V1 does, so the front end's Python threads never hold "
-                                     "the GIL the engine loop needs; one core, no KV connector (not for P/D "
-                                     "replicas)")
+                                     "the GIL the engine loop needs; one core (a P/D replica's KV transfers "
+                                     "are relayed through its own process)")
 
     # ---- construction -------------------------------------------------------------------
     @classmethod

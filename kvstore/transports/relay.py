@@ -38,11 +38,14 @@ logger = logging.getLogger(__name__)
 
 class _Wire:
     """One end of the relay pipe: typed messages, a tensor as header + raw bytes, sends from
-    any thread (each header and its bytes stay together)."""
+    any thread (each header and its bytes stay together). Its reading thread closes it as it
+    exits; other threads only `shutdown` it, so no thread ever uses a descriptor that was
+    closed (and perhaps reused) under it."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one sender at a time; the close waits for it
+        self._fd_lock = threading.Lock()  # shutdown and close never overlap
 
     def send(self, *message) -> None:
         with self._lock:
@@ -54,13 +57,6 @@ class _Wire:
         with self._lock:
             self.conn.send((*head, str(kv.dtype).removeprefix("torch."), tuple(kv.shape)))
             self.conn.send_bytes(raw.numpy())
-
-    def close(self) -> None:
-        """Close this end, waking a thread blocked reading it. (A plain close does not: the
-        blocked read keeps the socket open, and the other end would never see it closed.)"""
-        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
-        self.conn.close()
 
     def recv(self) -> tuple:
         return self.conn.recv()
@@ -74,9 +70,26 @@ class _Wire:
             raise TransferError(f"relayed KV had {n} bytes, its header said {raw.numel()}")
         return out
 
+    def shutdown(self) -> None:
+        """Any thread: end the pipe both ways, waking this end's blocked reader and senders
+        (a plain close would not: a blocked read keeps the socket open, and the other end
+        would never see it go)."""
+        with self._fd_lock:
+            if self.conn.closed:
+                return
+            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """The reading thread, as it exits: once no send is under way."""
+        with self._lock, self._fd_lock:
+            self.conn.close()
+
 
 class RelayTransport(KVTransport):
-    """The core process's side: every call goes to the replica's KVRelay."""
+    """The core process's side: every call goes to the replica's KVRelay. If its pipe breaks
+    or garbles, every fetch waiting or asked for fails at once (TransferError) and exports
+    raise; the replica sees the pipe close, and its health check fails."""
 
     def __init__(self, conn: Connection, name: str) -> None:
         self.name = name  # the real transport's: it is what the exported params name
@@ -88,69 +101,94 @@ class RelayTransport(KVTransport):
         threading.Thread(target=self._read, name="pdserve-kv-relay", daemon=True).start()
 
     def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None:
-        self._wire.send_tensor(("publish", transfer_id, num_tokens), kv)
+        # Raising is what the connector expects of a failed hand-over: it abandons the export.
+        if self._closed is not None:
+            raise TransferError(self._closed)
+        try:
+            self._wire.send_tensor(("publish", transfer_id, num_tokens), kv)
+        except OSError as e:
+            raise TransferError(f"the replica's KV relay is gone: {e}") from e
 
     def abandon(self, transfer_id: str, reason: str) -> None:
-        self._wire.send("abandon", transfer_id, reason)
+        self._send_or_drop("abandon", transfer_id, reason)
+
+    def release(self, params: KVTransferParams) -> None:
+        self._send_or_drop("release", params)
+
+    def _send_or_drop(self, *message) -> None:
+        try:
+            self._wire.send(*message)
+        except OSError:
+            pass  # the replica is gone: the store's lease ends the transfer
 
     def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None]) -> None:
-        fetch_id = next(self._ids)
         with self._lock:
-            if self._closed is None:
+            closed = self._closed
+            if closed is None:
+                fetch_id = next(self._ids)
                 self._waiting[fetch_id] = on_done
-        if self._closed is not None:
-            on_done(TransferError(self._closed))
+        if closed is not None:
+            on_done(TransferError(closed))
             return
         try:
             self._wire.send("fetch", fetch_id, params)
-        except OSError as e:
-            self._fail_all(f"the replica's KV relay is gone: {e}")
-
-    def release(self, params: KVTransferParams) -> None:
-        try:
-            self._wire.send("release", params)
-        except OSError:
-            pass  # the replica is gone; the store's lease frees the transfer
+        except Exception as e:  # never a load left waiting for an answer that cannot come
+            self._answered(fetch_id, TransferError(f"the replica's KV relay is gone: {e}"))
 
     @property
     def outbox_size(self) -> int:
         return 0  # exports are held by the replica's transport, which answers for them
 
     def _read(self) -> None:
+        reason = "the replica's KV relay is gone"
         try:
             while True:
                 kind, fetch_id, *rest = self._wire.recv()
-                result = (self._wire.recv_tensor(*rest) if kind == "fetched"
-                          else TransferError(rest[0]))
-                with self._lock:
-                    on_done = self._waiting.pop(fetch_id, None)
-                if on_done is not None:
-                    on_done(result)
+                result = self._wire.recv_tensor(*rest) if kind == "fetched" else TransferError(rest[0])
+                self._answered(fetch_id, result)
         except (EOFError, OSError) as e:
-            self._fail_all(f"the replica's KV relay is gone ({type(e).__name__})")
-        except Exception as e:  # a garbled pipe: nothing after it can be trusted
+            reason += f" ({type(e).__name__})"
+        except Exception as e:  # a garbled pipe (or no memory for a tensor): nothing after it is trusted
             logger.exception("KV relay: unreadable message from the replica")
-            self._fail_all(f"the replica's KV relay is gone (unreadable message: {e})")
+            reason += f" (unreadable message: {e})"
+        finally:
+            with self._lock:
+                self._closed = reason
+                waiting, self._waiting = self._waiting, {}
+            self._wire.shutdown()  # the replica sees it at once
             self._wire.close()
+            for on_done in waiting.values():
+                _call(on_done, TransferError(reason))
 
-    def _fail_all(self, reason: str) -> None:
+    def _answered(self, fetch_id: int, result: object) -> None:
         with self._lock:
-            self._closed = reason
-            waiting, self._waiting = self._waiting, {}
-        for on_done in waiting.values():
-            on_done(TransferError(reason))
+            on_done = self._waiting.pop(fetch_id, None)
+        if on_done is not None:  # exactly once: the pipe's end fails only those still waiting
+            _call(on_done, result)
+
+
+def _call(on_done: Callable[[object], None], result: object) -> None:
+    try:
+        on_done(result)
+    except Exception:  # the connector's callback: its failure must not take the pipe down
+        logger.exception("KV relay: a fetch's callback failed")
 
 
 class KVRelay:
     """The replica's side: runs the core's transport calls on `transport` (a Ray worker's),
     on a thread of its own; a fetch's bytes go back over the pipe from the thread the real
-    transport finishes it on."""
+    transport finishes it on. `alive` is False once the pipe ended: the core exited, or the
+    pipe broke, after which the core's transfers fail (the replica's health check says so)."""
 
     def __init__(self, transport: KVTransport, conn: Connection) -> None:
         self.transport = transport
         self._wire = _Wire(conn)
         self._thread = threading.Thread(target=self._serve, name="pdserve-kv-relay", daemon=True)
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def _serve(self) -> None:
         try:
@@ -170,11 +208,11 @@ class KVRelay:
                     raise TypeError(f"unknown message {kind!r}")
         except (EOFError, OSError):
             pass  # the core process ended (or the replica closed the relay)
-        except Exception:
-            if not self._wire.conn.closed:  # closed under a blocked recv: the replica is stopping
-                # A garbled pipe: the core's fetches fail (its side sees the pipe close).
-                logger.exception("KV relay failed; the engine core's transfers fail from now on")
-                self.close()
+        except Exception:  # a garbled pipe: the core's side sees it close and fails its fetches
+            logger.exception("KV relay failed; the engine core's transfers fail from now on")
+        finally:
+            self._wire.shutdown()
+            self._wire.close()
 
     def _publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None:
         # As the connector does with a local transport: an export that cannot be handed over
@@ -203,8 +241,10 @@ class KVRelay:
         except OSError:
             pass  # the core is gone, and the request with it
 
-    def close(self) -> None:
-        self._wire.close()
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End the relay (the core then fails any fetch it still waits for); bounded."""
+        self._wire.shutdown()
+        self._thread.join(timeout_s)
 
 
 class RelayConnectorFactory:

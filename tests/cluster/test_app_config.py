@@ -124,6 +124,7 @@ def test_direct_streaming_runs_the_engine_core_in_a_process_of_its_own(tiny_mode
     ({"mode": "pd", "decode_data_parallel_size": 2}, {}, False),
     ({"mode": "colocated", "api_server_count": 2}, {}, False),  # HTTP scaled apart from engines
     ({"mode": "colocated", "prefix_affinity": True}, {}, False),  # needs pdserve's router
+    ({"mode": "pd", "prefix_affinity": True}, {}, True),  # the prefills keep pdserve's router
     ({"mode": "colocated"}, {"tensor_parallel_size": 2}, False),
     ({"mode": "colocated"}, {"data_parallel_size": 2}, False),
     ({"mode": "colocated"}, {"distributed_executor_backend": "ray"}, False),  # ranks as Ray actors

@@ -7,8 +7,12 @@ recomputed, giving Hugging Face's greedy tokens with nothing left behind."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
+import signal
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -128,6 +132,42 @@ def test_a_closed_relay_fails_waiting_and_later_fetches_at_once():
     theirs.close()
 
 
+def test_concurrent_transfers_each_get_their_own_bytes():
+    """Exports from several threads, and fetches answered from several threads at once (as
+    the object store's fetch threads do), never interleave on the pipe."""
+    ours, theirs = mp.get_context("spawn").Pipe()
+
+    class Threaded(LocalTransport):
+        def fetch_async(self, params, on_done):
+            threading.Thread(target=super().fetch_async, args=(params, on_done)).start()
+
+    behind = Threaded()
+    relay = KVRelay(behind, ours)
+    core_side = RelayTransport(theirs, "local")
+    kvs = {f"c{i}": torch.full((2, 2, 300 + i, 2, 16), float(i)) for i in range(24)}  # ~150 KB each
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda item: core_side.publish(item[0], item[1], item[1].shape[2]), kvs.items()))
+        fetched = dict(zip(kvs, pool.map(lambda tid: _fetch(core_side, _params(tid)), kvs)))
+    for tid, kv in kvs.items():
+        assert isinstance(fetched[tid], torch.Tensor) and torch.equal(fetched[tid], kv), tid
+    relay.close()
+    theirs.close()
+
+
+def test_a_broken_pipe_fails_exports_and_lets_abandons_and_releases_pass():
+    ours, theirs = mp.get_context("spawn").Pipe()
+    relay = KVRelay(LocalTransport(), ours)
+    core_side = RelayTransport(theirs, "local")
+    relay.close()
+    assert not relay.alive
+    assert isinstance(_fetch(core_side, _params("t8")), TransferError)  # once the core side saw it
+    with pytest.raises(TransferError, match="relay is gone"):
+        core_side.publish("t8", torch.ones(1, 2, 4, 1, 2), 4)  # the connector then abandons it
+    core_side.abandon("t8", "KV export failed")  # no error: nobody is left to tell
+    core_side.release(_params("t8"))
+    theirs.close()
+
+
 # ---- two engines, each core in a child process ---------------------------------------------
 class _Registry(LocalTransport):
     """A LocalTransport whose lookups wait (bounded) for a transfer still on its way, as the KV
@@ -160,33 +200,38 @@ def _engine(model: str, pd_role: str, behind: LocalTransport):
     return engine, relay
 
 
-def _run(engine, rid):
-    while True:
-        for out in engine.step():
-            if out.request_id == rid and out.finished:
-                return out
+def _finish_all(engine, rids: set[str]) -> dict:
+    """Step until every request in `rids` finished (bounded); their final outputs."""
+    finals, deadline = {}, time.monotonic() + 120
+    while set(finals) != rids:
+        assert time.monotonic() < deadline, f"unfinished after 120 s: {sorted(rids - set(finals))}"
+        finals.update({out.request_id: out for out in engine.step() if out.finished})
+    return finals
 
 
 def test_pd_across_two_core_processes_loads_the_prompt_kv_and_matches_transformers(tiny_model):
     behind = _Registry()
     prefill, _p_relay = _engine(tiny_model, "producer", behind)
-    decode, _d_relay = _engine(tiny_model, "consumer", behind)
+    decode, d_relay = _engine(tiny_model, "consumer", behind)
     try:
-        prompts = random_prompts([9, 40, 23], 250, seed=5)
+        prompts = random_prompts([9, 40, 23, 61, 17, 33], 250, seed=5)
         greedy = SamplingParams(temperature=0.0, max_tokens=12)
         expected = hf_greedy(tiny_model, prompts, 12)
-        for i, prompt in enumerate(prompts):
-            rid = f"r{i}"
-            prefill.add_request(rid, {"prompt_token_ids": prompt}, prefill_params(greedy),
+        rids = {f"r{i}" for i in range(len(prompts))}
+        for i, prompt in enumerate(prompts):  # all at once: exports and loads cross together
+            prefill.add_request(f"r{i}", {"prompt_token_ids": prompt}, prefill_params(greedy),
                                 kv_transfer_params=prefill_kv_params(greedy))
-            first = _run(prefill, rid)
-            token = first.outputs[0].token_ids[0]
+        firsts = _finish_all(prefill, rids)
+        for i, prompt in enumerate(prompts):
+            first = firsts[f"r{i}"]
             assert first.kv_transfer_params is not None and first.kv_transfer_params.transport == "local"
-            decode.add_request(rid, decode_prompt(prompt, token), decode_params(greedy),
+            decode.add_request(f"r{i}", decode_prompt(prompt, first.outputs[0].token_ids[0]), decode_params(greedy),
                                kv_transfer_params=decode_kv_params(first.kv_transfer_params))
-            last = _run(decode, rid)
-            assert last.outputs[0].finish_reason == "length", last.outputs[0].stop_reason
-            assert [token, *last.outputs[0].token_ids] == expected[i]
+        lasts = _finish_all(decode, rids)
+        for i in range(len(prompts)):
+            first, last = firsts[f"r{i}"].outputs[0], lasts[f"r{i}"].outputs[0]
+            assert last.finish_reason == "length", last.stop_reason
+            assert [first.token_ids[0], *last.token_ids] == expected[i]
         stats = decode.core.kv_transfer_stats()
         assert stats["loads"] == len(prompts) and stats["load_failures"] == 0
         assert prefill.core.kv_transfer_stats()["exports"] == len(prompts)
@@ -194,7 +239,14 @@ def test_pd_across_two_core_processes_loads_the_prompt_kv_and_matches_transforme
             figures = engine.core.load()
             assert figures["free_blocks"] == figures["total_blocks"]
         assert behind.live_transfers == 0  # every transfer released by the decode side
+        # A core that dies ends its relay (its replica's health check reads `alive`): the front
+        # end closed its copy of the core's end, so the pipe closes with the core.
+        [pid] = decode.core.cores.pids
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + _WAIT_S
+        while d_relay.alive and time.monotonic() < deadline:
+            d_relay._thread.join(0.1)
+        assert not d_relay.alive
     finally:
         prefill.core.shutdown()
         decode.core.shutdown()
-
