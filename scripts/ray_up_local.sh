@@ -181,17 +181,20 @@ case "$answer" in *Paris*) ;; *) fail "the P/D answer does not name Paris: '$ans
 
 # ---- scale onto both nodes ----------------------------------------------------------------
 "$VENV/bin/pdserve" scale --url "$URL" --prefill 2 --decode 2 >"$WORK/scale.log" 2>&1 || fail "pdserve scale: $(cat "$WORK/scale.log")"
-placed() { for node in head worker; do echo -n "$node: $(count_titles $node 'ServeReplica:pdserve:Prefill') prefill $(count_titles $node 'ServeReplica:pdserve:Decode') decode; "; done; }
+# With direct streaming (the default) the decode replicas are the Ingress replicas.
+ENGINES='ServeReplica:pdserve:\(Prefill\|Ingress\)'
+placed() { for node in head worker; do echo -n "$node: $(count_titles $node 'ServeReplica:pdserve:Prefill') prefill $(count_titles $node 'ServeReplica:pdserve:Ingress') decode; "; done; }
 for _ in $(seq 240); do
-    p=$(( $(count_titles head Prefill) + $(count_titles worker Prefill) ))
-    d=$(( $(count_titles head Decode) + $(count_titles worker Decode) ))
-    [ "$p" -ge 2 ] && [ "$d" -ge 2 ] && [ "$(count_titles worker ServeReplica)" -ge 1 ] \
-        && [ "$(count_titles head 'ServeReplica:pdserve:\(Prefill\|Decode\)')" -ge 1 ] \
+    p=$(( $(count_titles head 'ServeReplica:pdserve:Prefill') + $(count_titles worker 'ServeReplica:pdserve:Prefill') ))
+    d=$(( $(count_titles head 'ServeReplica:pdserve:Ingress') + $(count_titles worker 'ServeReplica:pdserve:Ingress') ))
+    [ "$p" -ge 2 ] && [ "$d" -ge 2 ] && [ "$(count_titles worker "$ENGINES")" -ge 1 ] \
+        && [ "$(count_titles head "$ENGINES")" -ge 1 ] \
         && curl -sf -m 5 "$URL/status" | grep -q '"scaling": *false' && break
     sleep 0.5
 done
 say "replicas after scale: $(placed)"
-[ "$(count_titles worker 'ServeReplica:pdserve:\(Prefill\|Decode\)')" -ge 1 ] || fail "no engine replica on the worker node"
+[ "$p" -ge 2 ] && [ "$d" -ge 2 ] || fail "scaled to 2 prefill + 2 decode, but $p prefill and $d decode replicas run"
+[ "$(count_titles worker "$ENGINES")" -ge 1 ] || fail "no engine replica on the worker node"
 pids=(); for i in $(seq 8); do (chat "Name one city in France. ($i)" > "$WORK/answer-$i") & pids+=($!); done
 for p in "${pids[@]}"; do wait "$p"; done
 ok=0; for i in $(seq 8); do [ -s "$WORK/answer-$i" ] && ok=$((ok + 1)); done
