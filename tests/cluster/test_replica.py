@@ -36,7 +36,7 @@ class _Coordinator:
 def _server(errored=None, coordinator=None) -> EngineServer:
     worker = object.__new__(EngineWorker)
     worker.engine, worker.replica_id, worker.role = _Engine(errored), "decode-x", "decode"
-    worker.connectors = {}
+    worker.connectors, worker.relay = {}, None
     server = object.__new__(EngineServer)
     server.worker, server.role, server.replica_id = worker, "decode", "decode-x"
     server._coordinator, server._seq = coordinator, 0
@@ -49,6 +49,18 @@ def test_check_health_fails_when_the_engine_thread_died():
     asyncio.run(_server().check_health())
     with pytest.raises(RuntimeError, match="engine of decode-x failed"):
         asyncio.run(_server(errored=ValueError("boom")).check_health())
+
+
+def test_check_health_fails_when_the_kv_relay_of_its_core_process_stopped():
+    class _Relay:
+        alive = True
+
+    server = _server()
+    server.worker.relay = _Relay()
+    asyncio.run(server.check_health())
+    _Relay.alive = False  # its core's transfers would all fail from now on
+    with pytest.raises(RuntimeError, match="KV relay of decode-x"):
+        asyncio.run(server.check_health())
 
 
 def test_routing_stats_carry_load_and_a_fresh_sequence_number_and_reach_the_coordinator():
