@@ -95,21 +95,20 @@ class EngineWorker:
             if tp > 1 or dp > 1:
                 factory = self._remote_factory(transport, pd_role, store, config.cache.block_size,
                                                load_failure_policy, tp, transport_timeout_s)
-            elif config.parallel.engine_core_process:
-                # The core is a plain child process: its connector's transport calls are made
-                # here, by this process's transport (kvstore.transports.relay).
-                self.transport = self._make_transport(transport, store, transport_timeout_s)
-                ours, theirs = mp.get_context("spawn").Pipe()
-                self.relay = KVRelay(self.transport, ours)
-                factory = RelayConnectorFactory(theirs, self.transport.name, pd_role, self.replica_id,
-                                                config.cache.block_size, load_failure_policy)
             else:
                 self.transport = self._make_transport(transport, store, transport_timeout_s)
-
-                def factory(side: KVConnectorRole) -> PDConnector:
-                    self.connectors[side] = PDConnector(side, pd_role, self.transport, self.replica_id,
-                                                        config.cache.block_size, load_failure_policy)
-                    return self.connectors[side]
+                if config.parallel.engine_core_process:
+                    # The core is a plain child process: its connector's transport calls are
+                    # made here, by this process's transport (kvstore.transports.relay).
+                    ours, theirs = mp.get_context("spawn").Pipe()
+                    self.relay = KVRelay(self.transport, ours)
+                    factory = RelayConnectorFactory(theirs, self.transport.name, pd_role, self.replica_id,
+                                                    config.cache.block_size, load_failure_policy)
+                else:
+                    def factory(side: KVConnectorRole) -> PDConnector:
+                        self.connectors[side] = PDConnector(side, pd_role, self.transport, self.replica_id,
+                                                            config.cache.block_size, load_failure_policy)
+                        return self.connectors[side]
 
         try:
             self.engine = engine_cls(config, factory)

@@ -19,7 +19,7 @@ from ray.serve.config import RequestRouterConfig
 
 from actors.ray_executor import PLACEMENT_STRATEGY, replica_bundles
 from actors.worker import cluster_engine_args
-from cluster.app_checks import check_core_process, check_direct, direct_by_default
+from cluster.app_checks import check_core_process, check_direct, direct_by_default, direct_role
 from cluster.auth import digest, keys_from
 from cluster.autoscale import build_config
 from cluster.capacity import auto_replica_cpus, node_cpus
@@ -181,9 +181,7 @@ class AppConfig:
 
     @property
     def direct_role(self) -> str:
-        """The role whose engines the ingress replicas run with direct streaming: the one that
-        streams tokens (decode in P/D)."""
-        return "decode" if self.mode == "pd" else "colocated"
+        return direct_role(self.mode)
 
     @classmethod
     def from_flat(cls, args: dict) -> AppConfig:

@@ -9,6 +9,12 @@ from __future__ import annotations
 from engine.errors import ParameterError
 
 
+def direct_role(mode: str) -> str:
+    """The role whose engines the ingress replicas run with direct streaming: the one that
+    streams tokens (decode in P/D)."""
+    return "decode" if mode == "pd" else "colocated"
+
+
 def direct_by_default(cfg) -> bool:
     """Direct streaming unless something needs an engine deployment behind the ingress: HTTP
     processes scaled apart from the engines, pdserve's router in front of colocated engines

@@ -41,6 +41,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # After the path set-up above, so the script runs from any directory.
+from cluster.app_checks import direct_role  # noqa: E402
 from scripts.serve_bench import BenchError  # noqa: E402
 from scripts.serve_bench.client import engine_steps, first_model_id, run_load  # noqa: E402
 from scripts.serve_bench.cpu_report import (  # noqa: E402
@@ -61,7 +62,6 @@ from scripts.serve_bench.offline import (  # noqa: E402
 )
 from scripts.serve_bench.proc_cpu import (  # noqa: E402
     cpu_by_role,
-    direct_role,
     end_leftovers,
     snapshot,
     system_busy_s,

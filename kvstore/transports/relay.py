@@ -89,7 +89,8 @@ class _Wire:
 class RelayTransport(KVTransport):
     """The core process's side: every call goes to the replica's KVRelay. If its pipe breaks
     or garbles, every fetch waiting or asked for fails at once (TransferError) and exports
-    raise; the replica sees the pipe close, and its health check fails."""
+    raise; the replica sees the pipe close, and its health check fails. It owns `conn` (its
+    reading thread closes it), as a KVRelay owns its end."""
 
     def __init__(self, conn: Connection, name: str) -> None:
         self.name = name  # the real transport's: it is what the exported params name
@@ -263,9 +264,6 @@ class RelayConnectorFactory:
         self.block_size = block_size
         self.load_failure_policy = load_failure_policy
         self._transport: RelayTransport | None = None
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_transport": None}
 
     def __call__(self, side):
         if self._transport is None:

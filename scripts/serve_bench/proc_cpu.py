@@ -134,11 +134,6 @@ class RoleCPU:
     exited: int  # processes of the first snapshot gone by the second (their last CPU is lost)
 
 
-def direct_role(mode: str) -> str:
-    """The engine role an ingress replica runs with --direct-streaming (cluster.app.AppConfig)."""
-    return "decode" if mode == "pd" else "colocated"
-
-
 def role_in_tree(pid: int, samples: dict[int, ProcSample], root: int, direct_role: str = "colocated") -> str:
     """`classify` of a process in a snapshot, except that a process it cannot name below an
     engine replica counts as that replica's: an engine core in a process of its own

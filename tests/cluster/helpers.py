@@ -208,6 +208,15 @@ def deployment_processes(deployment: str, app_name: str) -> dict:
     return serve.get_deployment_handle(deployment, app_name).processes.remote().result(timeout_s=30)
 
 
+def engine_core_of(deployment: str, app_name: str) -> int:
+    """The one engine core process of a replica of `deployment`, checked to be that replica's
+    child (--engine-core-process, --direct-streaming)."""
+    procs = deployment_processes(deployment, app_name)
+    [core] = procs["engine_cores"]
+    assert core != procs["replica"] and int(proc_stat(core)[1]) == procs["replica"]  # its child
+    return core
+
+
 def kill_core_then_answers_again(url: str, deployment: str, app_name: str, model: str, prompt: str,
                                  expected: str) -> None:
     """SIGKILL a replica's engine core process: the next request is a 5xx (never a hang or a

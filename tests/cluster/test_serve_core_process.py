@@ -18,6 +18,7 @@ from tests.cluster.helpers import (
     answers_exactly,
     assert_no_leaks,
     deployment_processes,
+    engine_core_of,
     hf_text,
     kill_core_then_answers_again,
     openai_client,
@@ -51,9 +52,7 @@ def app(deploy, model):
 
 
 def test_the_replicas_core_is_its_child_and_answers_like_transformers(app, model):
-    procs = _processes()
-    [core] = procs["engine_cores"]
-    assert core != procs["replica"] and int(proc_stat(core)[1]) == procs["replica"]  # its parent
+    engine_core_of("Colocated", APP)
     client = openai_client(app)
     text = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
     assert text == hf_text(model, PROMPT, 10)

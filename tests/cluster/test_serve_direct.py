@@ -17,12 +17,11 @@ from tests.cluster.helpers import (
     ENGINE,
     answers_exactly,
     assert_no_leaks,
-    deployment_processes,
+    engine_core_of,
     hf_text,
     kill_core_then_answers_again,
     metric_value,
     openai_client,
-    proc_stat,
     replicas,
     wait_for,
 )
@@ -30,10 +29,6 @@ from tests.cluster.helpers import (
 APP = "direct"
 NAME = "direct-model"
 PROMPT = "The river ran quietly past"
-
-
-def _processes() -> dict:
-    return deployment_processes("Ingress", APP)
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +51,7 @@ def test_the_ingress_owns_its_engine_and_answers_like_transformers(app, model):
 
     deployments = set(serve.status().applications[APP].deployments)
     assert deployments == {"Ingress", "Coordinator"}  # no engine deployment behind the ingress
-    procs = _processes()
-    [core] = procs["engine_cores"]
-    assert core != procs["replica"] and int(proc_stat(core)[1]) == procs["replica"]  # its child
+    engine_core_of("Ingress", APP)
     client = openai_client(app)
     text = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
     assert text == hf_text(model, PROMPT, 10)

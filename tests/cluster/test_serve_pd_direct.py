@@ -17,12 +17,11 @@ from engine import EngineArgs
 from tests.cluster.helpers import (
     ENGINE,
     assert_no_leaks,
-    deployment_processes,
+    engine_core_of,
     hf_text,
     kill_core_then_answers_again,
     metric_value,
     openai_client,
-    proc_stat,
     replicas,
     wait_for,
 )
@@ -49,19 +48,12 @@ def app(deploy, model):
     return deploy(cfg)
 
 
-def _child_core(deployment: str) -> int:
-    procs = deployment_processes(deployment, APP)
-    [core] = procs["engine_cores"]
-    assert core != procs["replica"] and int(proc_stat(core)[1]) == procs["replica"]
-    return core
-
-
 def test_the_ingress_is_the_decode_replica_and_loads_the_prompt_kv_from_its_core_process(app, model):
     from ray import serve
 
     assert set(serve.status().applications[APP].deployments) == {"Prefill", "Ingress", "Coordinator"}
-    _child_core("Ingress")
-    _child_core("Prefill")
+    engine_core_of("Ingress", APP)
+    engine_core_of("Prefill", APP)
     loads = metric_value(app, "pdserve:kv_transfer_loads_total", role="decode")
     client = openai_client(app)
     expected = hf_text(model, PROMPT, 10)
@@ -93,13 +85,13 @@ def test_a_client_leaving_mid_stream_aborts_the_request_and_frees_its_kv_blocks(
 
 def test_a_killed_decode_core_is_a_5xx_then_serve_replaces_the_ingress_replica(app, model):
     kill_core_then_answers_again(app, "Ingress", APP, NAME, PROMPT, hf_text(model, PROMPT, 10))
-    _child_core("Ingress")  # the new replica runs its own core
+    engine_core_of("Ingress", APP)  # the new replica runs its own core
     assert_no_leaks(app, APP, ROLES)
 
 
 def test_a_killed_prefill_core_is_a_5xx_then_serve_replaces_the_prefill_replica(app, model):
     kill_core_then_answers_again(app, "Prefill", APP, NAME, PROMPT, hf_text(model, PROMPT, 10))
-    _child_core("Prefill")
+    engine_core_of("Prefill", APP)
     assert_no_leaks(app, APP, ROLES)
 
 

@@ -47,8 +47,7 @@ def relayed():
     relay = KVRelay(behind, ours)
     core_side = RelayTransport(theirs, "local")
     yield core_side, relay, behind
-    theirs.close()
-    relay.close()
+    relay.close()  # the core side's reader then closes its own end (it owns it)
 
 
 def _fetch(transport: RelayTransport, params: KVTransferParams):
@@ -108,7 +107,6 @@ def test_an_export_the_real_transport_refuses_is_abandoned_and_a_failing_fetch_i
     assert isinstance(broken, TransferError) and "store handle lost" in str(broken)
     core_side.publish("t7", torch.ones(1, 2, 4, 1, 2), 4)  # the relay still serves
     assert "object store full" in str(_fetch(core_side, _params("t7")))
-    theirs.close()
     relay.close()
 
 
@@ -129,7 +127,6 @@ def test_a_closed_relay_fails_waiting_and_later_fetches_at_once():
     later = _fetch(core_side, _params("t5"))
     assert isinstance(later, TransferError) and "relay is gone" in str(later)
     core_side.release(_params("t5"))  # fire and forget: no error once the replica is gone
-    theirs.close()
 
 
 def test_concurrent_transfers_each_get_their_own_bytes():
@@ -151,7 +148,6 @@ def test_concurrent_transfers_each_get_their_own_bytes():
     for tid, kv in kvs.items():
         assert isinstance(fetched[tid], torch.Tensor) and torch.equal(fetched[tid], kv), tid
     relay.close()
-    theirs.close()
 
 
 def test_a_broken_pipe_fails_exports_and_lets_abandons_and_releases_pass():
@@ -165,7 +161,6 @@ def test_a_broken_pipe_fails_exports_and_lets_abandons_and_releases_pass():
         core_side.publish("t8", torch.ones(1, 2, 4, 1, 2), 4)  # the connector then abandons it
     core_side.abandon("t8", "KV export failed")  # no error: nobody is left to tell
     core_side.release(_params("t8"))
-    theirs.close()
 
 
 # ---- two engines, each core in a child process ---------------------------------------------
