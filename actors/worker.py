@@ -26,6 +26,7 @@ from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
 from kvstore.connector_factory import PDConnectorFactory
+from kvstore.handoff import KVHandoff
 from kvstore.pd import prefill_kv_params, prefill_params
 from kvstore.transports.object_store import ObjectStoreTransport
 from kvstore.transports.relay import KVRelay, RelayConnectorFactory
@@ -33,6 +34,9 @@ from kvstore.transports.torch_dist import TorchDistTransport
 
 ROLES = ("colocated", "prefill", "decode")
 _RANK_CALL_TIMEOUT_S = 30.0
+# How long a prefill's reply waits for its export to come through a core process's relay
+# (normally well under a millisecond behind the output); later, it goes to the store instead.
+_HANDBACK_WAIT_S = 5.0
 TRANSPORTS = ("object_store", "torch_dist")
 
 
@@ -191,6 +195,31 @@ class EngineWorker:
             last = out
         return last
 
+    async def prefill_handoff(self, prompt, params: SamplingParams, request_id: str,
+                              transfer_id: str) -> KVHandoff:
+        """`prefill`, with the exported prompt KV in the reply instead of the store
+        (kvstore.handoff): for a requester that hosts the decode engine itself. Without a
+        one-rank object-store transport (tensor or data parallel) the export goes to the
+        store as usual and the reply says so (no kv, no error)."""
+        transport = self.transport
+        if transport is None or not transport.hands_off:
+            return KVHandoff(await self.prefill(prompt, params, request_id, transfer_id))
+        transport.handbacks.expect(transfer_id)
+        try:
+            out = await self.prefill(prompt, params, request_id, transfer_id)
+            if out is None or out.kv_transfer_params is None:
+                return KVHandoff(out)  # nothing exported (e.g. it finished at its first token)
+            # In process the export came before the output; from a core in a child process it
+            # crosses the relay's thread, which may still be on it.
+            value = transport.handbacks.poll(transfer_id)
+            if value is None:
+                value = await asyncio.to_thread(transport.handbacks.take, transfer_id, _HANDBACK_WAIT_S)
+        finally:
+            transport.handbacks.take(transfer_id)  # aborted or failed: nobody expects it now
+        if isinstance(value, torch.Tensor):
+            return KVHandoff(out, kv=value)
+        return KVHandoff(out, error=value)
+
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
 
@@ -235,7 +264,11 @@ class EngineWorker:
             figures = core.load(fresh=False)
         else:
             figures = await self.engine.load()
-        return {"replica": self.replica_id, "role": self.role, **figures}
+        transport = self.transport
+        # Prompt KV held for a prefill's reply, or received in one and not yet loaded
+        # (kvstore.handoff): 0 when idle, or a leak.
+        handoffs = len(transport.handbacks) + len(transport.inbox) if transport is not None and transport.hands_off else 0
+        return {"replica": self.replica_id, "role": self.role, **figures, "kv_handoffs": handoffs}
 
     def tensor_parallel_ranks(self) -> list:
         """Handles of this engine's rank actors (empty with one rank): operators and tests

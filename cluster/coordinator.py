@@ -28,7 +28,7 @@ SCALE_TIMEOUT_S = 120.0
 STALE_AFTER_S = 10.0
 DEPLOYMENTS = {"prefill": "Prefill", "decode": "Decode", "colocated": "Colocated"}
 _STATUS_FIELDS = ("replica", "running", "waiting", "free_blocks", "total_blocks", "kv_usage",
-                  "prefix_cache_hit_rate", "ttft_p90_s", "itl_p90_s", "time")
+                  "prefix_cache_hit_rate", "ttft_p90_s", "itl_p90_s", "kv_handoffs", "time")
 
 
 class ScaleRequestError(ValueError):

@@ -85,6 +85,12 @@ class DirectEngine:
         self.report_period_s = report_period_s
         self._reporter: asyncio.Task | None = None
 
+    def kv_inbox(self):
+        """The decode engine's KV inbox (kvstore.handoff), or None when its transport has
+        none (tensor or data parallel: prompt KV then goes through the store)."""
+        transport = self.server.worker.transport
+        return transport.inbox if transport is not None and transport.hands_off else None
+
     def start_reporting(self) -> None:
         """Start the figures loop on the running event loop (once)."""
         if self._reporter is None:

@@ -84,6 +84,8 @@ class Ingress:
         # colocated (or decode) deployment, behind the same streams.
         self.direct = DirectEngine(**settings["direct"]) if settings.get("direct") else None
         engines = self.direct.handle if self.direct is not None else decode if self.mode == "pd" else prefill
+        # P/D with this replica's own decode engine: prompt KV comes back in the prefill's reply.
+        self.kv_inbox = self.direct.kv_inbox() if self.direct is not None and self.mode == "pd" else None
         self.streams = ReplicaStreams(engines, self.ingress_id)
         self.metrics = AppMetrics(self.model_name, self.mode)
         self._pusher: asyncio.Task | None = None  # sends self.metrics to the Coordinator on change
@@ -201,7 +203,7 @@ class Ingress:
         return self.placement.run(
             len(prompt["prompt_token_ids"]),
             lambda: serve_pd_generate(self.prefill, self.streams, self.store, prompt, params, request_id,
-                                      self.load_failure_policy),
+                                      self.load_failure_policy, self.kv_inbox),
             lambda: serve_plain_generate(self.streams, prompt, params, request_id),
             self.metrics.local_prefill)
 

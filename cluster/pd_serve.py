@@ -4,7 +4,9 @@ The flow is `actors.orchestrate.pd_flow`; what differs from plain actors is how 
 travels: the prefill is one routed call (cancelled if the request is left early, which Serve
 delivers to the replica running it), and the decode (or colocated) half goes over the
 per-step messages of cluster.front_streams, whose abort is routed to the replica holding the
-request (freeing its KV blocks).
+request (freeing its KV blocks). With direct streaming the decode engine is the ingress's own,
+and the prompt KV comes back in the prefill's reply into that engine's inbox
+(kvstore.handoff) instead of through the store.
 """
 
 from __future__ import annotations
@@ -18,25 +20,38 @@ from cluster.front_streams import REPLICA_ERRORS, ReplicaStreams
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from kvstore.handoff import Inbox
 
 
 class ServePeers:
-    def __init__(self, prefill_handle, decode_streams: ReplicaStreams, store) -> None:
+    def __init__(self, prefill_handle, decode_streams: ReplicaStreams, store, inbox: Inbox | None = None) -> None:
         self.prefill_handle = prefill_handle
         self.decode_streams = decode_streams
         self.store = store
+        # The local decode engine's inbox (direct streaming), where a handed-back KV waits.
+        self.inbox = inbox
+        self._handed_off = False
         self._open: list = []  # prefill responses that may still be running on a replica
         self._decoding: AsyncIterator | None = None
 
     async def prefill(self, prompt, params: SamplingParams, request_id: str, transfer_id: str) -> RequestOutput:
-        response = self.prefill_handle.prefill.remote(prompt, params, request_id, transfer_id)
+        if self.inbox is None:
+            response = self.prefill_handle.prefill.remote(prompt, params, request_id, transfer_id)
+        else:
+            response = self.prefill_handle.prefill_handoff.remote(prompt, params, request_id, transfer_id)
         self._open.append(response)
         try:
             out = await response
         except REPLICA_ERRORS as e:
             raise PDRequestError(f"prefill replica unavailable: {e}") from e
         self._open.remove(response)
-        return out
+        if self.inbox is None:
+            return out
+        if out.handed_off:
+            # Before the decode request exists, so its fetch finds it.
+            self.inbox.deliver(transfer_id, out.value)
+            self._handed_off = True
+        return out.output
 
     async def decode(self, prompt, params: SamplingParams, request_id: str,
                      kv_params: KVTransferParams) -> AsyncIterator[RequestOutput]:
@@ -53,13 +68,18 @@ class ServePeers:
         self._open.clear()
         if self._decoding is not None:
             await self._decoding.aclose()  # aborts the request on its decode replica if unfinished
-        if transfer_id is not None:
+        if transfer_id is None:
+            return
+        if self._handed_off:
+            self.inbox.forget(transfer_id)  # never in the store
+        else:
             await asyncio.gather(self.store.release.remote(transfer_id), return_exceptions=True)
 
 
 def serve_pd_generate(prefill_handle, decode_streams: ReplicaStreams, store, prompt, params: SamplingParams,
-                      request_id: str, load_failure_policy: str = "fail") -> AsyncIterator[RequestOutput]:
-    return pd_flow(ServePeers(prefill_handle, decode_streams, store), prompt, params, request_id,
+                      request_id: str, load_failure_policy: str = "fail",
+                      inbox: Inbox | None = None) -> AsyncIterator[RequestOutput]:
+    return pd_flow(ServePeers(prefill_handle, decode_streams, store, inbox), prompt, params, request_id,
                    load_failure_policy)
 
 

@@ -51,6 +51,9 @@ class EngineServer:
         self.store = store
         self.worker = EngineWorker(engine_args, role, self.replica_id, store, "object_store",
                                    load_failure_policy, store_pulls=False)
+        transport = self.worker.transport
+        if transport is not None and transport.hands_off and store_kwargs and "lease_s" in store_kwargs:
+            transport.inbox.ttl_s = store_kwargs["lease_s"]  # handed-back KV lives as long as a lease
         self._coordinator = (serve.get_deployment_handle(coordinator, app_name)
                              if coordinator else None)
         self._seq = 0
@@ -69,6 +72,14 @@ class EngineServer:
         out = await self.worker.prefill(prompt, params, request_id, transfer_id)
         self.ttft.add(time.monotonic() - start)
         return out
+
+    async def prefill_handoff(self, prompt: dict, params: SamplingParams, request_id: str, transfer_id: str):
+        """`prefill` with the prompt KV in the reply (kvstore.handoff): for a direct-streaming
+        ingress, whose own decode engine loads it."""
+        start = time.monotonic()
+        handoff = await self.worker.prefill_handoff(prompt, params, request_id, transfer_id)
+        self.ttft.add(time.monotonic() - start)
+        return handoff
 
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str,
                        kv_transfer_params: KVTransferParams | None = None):

@@ -78,12 +78,14 @@ class RemoteKVTracker:
                 self.sending.discard(request_id)
                 self.kv_cache_manager.free_by_id(request_id)
         self.finished_recving |= kv_output.finished_recving
+        # First: the connector learns these loads are over (and released) before a failed one
+        # finishes its request below, which would otherwise release its transfer a second time.
+        self.connector.update_connector_output(kv_output)
         recompute = self.connector.kv_load_failure_policy == "recompute"
         errors = []
         for request_id, reason in kv_output.failed_recving.items():
             if self._load_failed(request_id, recompute, fail_request):
                 errors.append(EngineCoreOutput(request_id, [], finish_reason="error", stop_reason=reason))
-        self.connector.update_connector_output(kv_output)
         return errors
 
     def _load_failed(self, request_id: str, recompute: bool, fail_request: Callable[[str], None]) -> bool:

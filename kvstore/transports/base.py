@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from engine.kv_transfer_params import KVTransferParams
+from kvstore.handoff import MISSING, Handbacks, Inbox
 
 logger = logging.getLogger(__name__)
 _WARMUP_TIMEOUT_S = 30.0
@@ -32,6 +33,8 @@ class KVTransport(ABC):
     """
 
     name = "base"
+    # Whether a producer's export can go back in the prefill's reply (kvstore.handoff).
+    hands_off = False
 
     @abstractmethod
     def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None: ...
@@ -89,7 +92,11 @@ class LocalTransport(KVTransport):
 class StoreBackedTransport(KVTransport):
     """A transport whose transfers are registered in the KV store actor: producers hold
     exports in an outbox until they are taken or dropped; consumers look transfers up in the
-    store and receive on a thread of their own (`_receive`)."""
+    store and receive on a thread of their own (`_receive`).
+
+    Handoff (kvstore.handoff): an export the producer was told to expect back in a reply
+    (`handbacks`) skips the store, and so does a consumer's fetch of one delivered to its
+    `inbox`, and its release."""
 
     def __init__(self, store, replica_id: str, timeout_s: float) -> None:
         self.store = store
@@ -97,6 +104,8 @@ class StoreBackedTransport(KVTransport):
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._outbox: dict[str, torch.Tensor] = {}
+        self.handbacks = Handbacks()
+        self.inbox = Inbox()
 
     # producer ------------------------------------------------------------------------------
     def _hold(self, transfer_id: str, kv: torch.Tensor) -> None:
@@ -118,9 +127,14 @@ class StoreBackedTransport(KVTransport):
     # consumer ------------------------------------------------------------------------------
     def abandon(self, transfer_id: str, reason: str) -> None:
         self.drop_export(transfer_id)
-        self.store.abandon.remote(transfer_id, reason)
+        if not self.handbacks.offer(transfer_id, reason):
+            self.store.abandon.remote(transfer_id, reason)
 
     def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None]) -> None:
+        handed = self.inbox.claim(params.transfer_id)
+        if handed is not MISSING:
+            on_done(handed if isinstance(handed, torch.Tensor) else TransferError(handed))
+            return
         threading.Thread(target=self._fetch, args=(params, on_done), daemon=True,
                          name=f"kv-fetch-{params.transfer_id}").start()
 
@@ -145,7 +159,8 @@ class StoreBackedTransport(KVTransport):
         """Get the bytes of a transfer the store knows (runs on the fetch thread)."""
 
     def release(self, params: KVTransferParams) -> None:
-        self.store.release.remote(params.transfer_id)
+        if not self.inbox.forget(params.transfer_id):
+            self.store.release.remote(params.transfer_id)
 
     def warm_up(self, producer: bool) -> None:
         """The first Ray call carrying this actor's handle to the store costs ~1 s (measured):

@@ -20,13 +20,16 @@ class ObjectStoreTransport(StoreBackedTransport):
     fetched loses the transfer (the load-failure policy decides what happens then)."""
 
     name = "object_store"
+    hands_off = True  # kvstore.handoff
 
     def __init__(self, store, replica_id: str, self_handle_fn, fetch_timeout_s: float = 60.0) -> None:
         super().__init__(store, replica_id, fetch_timeout_s)
         self._self_handle_fn = self_handle_fn  # the hosting actor's handle (for the store to call)
 
     def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None:
-        kv = kv.cpu()  # the object store is host memory
+        kv = kv.cpu()  # the object store (or a reply) is host memory
+        if self.handbacks.offer(transfer_id, kv):
+            return  # goes back in the prefill's reply (kvstore.handoff)
         nbytes = kv.numel() * kv.element_size()
         if self._self_handle_fn is None:
             # Wrapped in a list so Ray passes the reference; the store borrows it. The pending

@@ -53,8 +53,8 @@ def replicas(url: str) -> list[dict]:
 
 
 def assert_no_leaks(url: str, app_name: str, roles: set[str]) -> None:
-    """Every replica reports all KV blocks free and nothing queued or running, and the app's
-    KV store holds no transfer. Replica figures arrive with Serve's routing-stats rounds, so
+    """Every replica reports all KV blocks free, nothing queued or running and no handed-back
+    prompt KV held, and the app's KV store holds no transfer. Replica figures arrive with Serve's routing-stats rounds, so
     this polls (bounded) for reports made after the call, which must show that state."""
     import ray
 
@@ -66,8 +66,9 @@ def assert_no_leaks(url: str, app_name: str, roles: set[str]) -> None:
         reps = [r for r in replicas(url) if r["time"] > since]
         if {r["role"] for r in reps} != roles:
             return False
+        # kv_handoffs: prompt KV a prefill holds for its reply, or an ingress for its decode.
         return all(r["free_blocks"] == r["total_blocks"] and r["running"] == 0 and r["waiting"] == 0
-                   for r in reps)
+                   and r.get("kv_handoffs", 0) == 0 for r in reps)
 
     wait_for(clean, "every replica to report no running request and all KV blocks free", 30)
     if "prefill" in roles:

@@ -34,7 +34,7 @@ class FakeControl:
 
 def _fig(replica, role, **kw):
     base = {"replica": replica, "role": role, "running": 0, "waiting": 0, "free_blocks": 10, "total_blocks": 10,
-            "kv_usage": 0.0, "prefix_cache_hit_rate": 0.0, "ttft_p90_s": None, "itl_p90_s": None}
+            "kv_usage": 0.0, "prefix_cache_hit_rate": 0.0, "ttft_p90_s": None, "itl_p90_s": None, "kv_handoffs": 0}
     return {**base, **kw}
 
 

@@ -36,7 +36,7 @@ class _Coordinator:
 def _server(errored=None, coordinator=None) -> EngineServer:
     worker = object.__new__(EngineWorker)
     worker.engine, worker.replica_id, worker.role = _Engine(errored), "decode-x", "decode"
-    worker.connectors, worker.relay = {}, None
+    worker.connectors, worker.relay, worker.transport = {}, None, None
     server = object.__new__(EngineServer)
     server.worker, server.role, server.replica_id = worker, "decode", "decode-x"
     server._coordinator, server._seq = coordinator, 0

@@ -4,8 +4,9 @@ the replica: kvstore.transports.relay), and prompts prefill on the Prefill deplo
 the prefill replicas run their cores in child processes too (--engine-core-process), so their
 exports take the relay as well. Driven by the official openai client; oracles: Hugging Face
 greedy text, the non-streamed answer, the processes' pids, Serve's deployment list, the KV
-connector's counters (the prompt KV loaded, never recomputed), and the replicas' KV figures
-and the store's transfers (no leak). A dead core on either side is a 5xx and a replaced
+connector's counters (the prompt KV loaded, never recomputed, and handed back in the
+prefill's reply, never through the store), and the replicas' KV figures and the store's
+transfers (no leak). A dead core on either side is a 5xx and a replaced
 replica, never a hang or a wrong 200."""
 
 from __future__ import annotations
@@ -49,12 +50,17 @@ def app(deploy, model):
 
 
 def test_the_ingress_is_the_decode_replica_and_loads_the_prompt_kv_from_its_core_process(app, model):
+    import ray
     from ray import serve
+
+    from kvstore.store_actor import STORE_NAMESPACE, store_name
 
     assert set(serve.status().applications[APP].deployments) == {"Prefill", "Ingress", "Coordinator"}
     engine_core_of("Ingress", APP)
     engine_core_of("Prefill", APP)
     loads = metric_value(app, "pdserve:kv_transfer_loads_total", role="decode")
+    store = ray.get_actor(store_name(APP), namespace=STORE_NAMESPACE)
+    registered = ray.get(store.stats.remote())["registered"]
     client = openai_client(app)
     expected = hf_text(model, PROMPT, 10)
     text = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
@@ -68,6 +74,9 @@ def test_the_ingress_is_the_decode_replica_and_loads_the_prompt_kv_from_its_core
              "the decode replica to report two KV loads", 30, 0.2)
     assert metric_value(app, "pdserve:kv_transfer_load_failures_total", role="decode") == 0.0
     assert metric_value(app, "pdserve:kv_transfer_exports_total", role="prefill") >= 2
+    # The KV came back in the prefill's reply to the ingress, its decode engine's host
+    # (kvstore.handoff): the store saw none of it.
+    assert ray.get(store.stats.remote())["registered"] == registered
 
 
 def test_a_client_leaving_mid_stream_aborts_the_request_and_frees_its_kv_blocks(app):

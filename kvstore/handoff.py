@@ -1,0 +1,149 @@
+"""KV handed back with the prefill's reply, when the requester hosts the decode engine.
+
+With direct streaming in P/D (cluster.direct) the ingress replica that asks a Prefill replica
+for a prompt's first token also runs the decode engine that will load the prompt's KV. The
+store then adds nothing but calls: the prefill would put the bytes and register them, the
+decode side would look them up, fetch and release them (three actor calls and the object
+store's borrowing protocol per request). Instead the prefill replica returns the bytes in its
+reply, and the ingress hands them to its own decode transport's inbox, where the consumer's
+fetch finds them. No store entry, no lease: the bytes live in the ingress until its decode
+request loaded them, or until the request ended (the P/D flow's cleanup drops them), and a
+prefill replica that dies after replying loses nothing (Ray's caller owns a reply).
+
+`Handbacks` is the producer's side (exports expected back in a reply), `Inbox` the
+consumer's (exports received in a reply, waiting for their load). Both are thread-safe: the
+engine thread, a KV relay's thread and the replica's event loop all reach them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import RequestOutput
+
+# What an export turned into: its bytes, or why it failed (the consumer then fails or
+# recomputes at once, as a store lookup would have told it).
+HandedKV = torch.Tensor | str
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """A prefill's reply with its prompt KV (`kv`), or why the export failed (`error`). Both
+    None: the replica could not hand it back (tensor or data parallel, or the export came
+    after the reply was due) and registered it in the store as usual."""
+
+    output: RequestOutput | None
+    kv: torch.Tensor | None = None
+    error: str | None = None
+
+    @property
+    def handed_off(self) -> bool:
+        return self.kv is not None or self.error is not None
+
+    @property
+    def value(self) -> HandedKV | None:
+        return self.kv if self.kv is not None else self.error
+
+
+class Handbacks:
+    """Producer side: transfer ids whose export goes back in the prefill's reply."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._expected: dict[str, threading.Event] = {}
+        self._ready: dict[str, HandedKV] = {}
+
+    def expect(self, transfer_id: str) -> None:
+        with self._lock:
+            self._expected[transfer_id] = threading.Event()
+
+    def offer(self, transfer_id: str, value: HandedKV) -> bool:
+        """Keep an export (or its failure) for the reply; False if nobody expects it (it goes
+        to the store)."""
+        with self._lock:
+            event = self._expected.get(transfer_id)
+            if event is None:
+                return False
+            self._ready[transfer_id] = value
+        event.set()
+        return True
+
+    def poll(self, transfer_id: str) -> HandedKV | None:
+        """The export if it is here (then no longer expected), else None (still expected)."""
+        with self._lock:
+            value = self._ready.pop(transfer_id, None)
+            if value is not None:
+                del self._expected[transfer_id]
+            return value
+
+    def take(self, transfer_id: str, timeout_s: float = 0.0) -> HandedKV | None:
+        """The export for the reply, waiting up to `timeout_s` for it (a core in a child
+        process publishes through a relay thread that may run behind its outputs); None if it
+        did not come. Either way the id is no longer expected: an export that comes later is
+        registered in the store, where the consumer's lookup finds it."""
+        with self._lock:
+            event = self._expected.get(transfer_id)
+        if event is not None and timeout_s > 0:
+            event.wait(timeout_s)
+        with self._lock:
+            self._expected.pop(transfer_id, None)
+            return self._ready.pop(transfer_id, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._ready)
+
+
+MISSING = object()  # Inbox.claim: not handed off here
+
+
+class Inbox:
+    """Consumer side: exports received in a prefill's reply, until their load took them and
+    released them, or the request's flow forgot them. An entry older than `ttl_s` (the
+    store's lease: a request that waited that long for its load would find a store transfer
+    expired too) is dropped at the next delivery, so a path that never forgets one cannot
+    hold its bytes for ever."""
+
+    def __init__(self, ttl_s: float = 120.0, clock=time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        # Insertion order is expiry order (one ttl): deadline, value.
+        self._waiting: dict[str, tuple[float, HandedKV]] = {}
+        self._taken: dict[str, float] = {}  # fetched, not yet released: deadline
+
+    def deliver(self, transfer_id: str, value: HandedKV) -> None:
+        now = self._clock()
+        with self._lock:
+            for entries in (self._waiting, self._taken):
+                while entries and _deadline(next(iter(entries.values()))) <= now:
+                    del entries[next(iter(entries))]
+            self._waiting[transfer_id] = (now + self.ttl_s, value)
+
+    def claim(self, transfer_id: str) -> object:
+        """The delivered value, or `MISSING` (not handed off: fetch it from the store)."""
+        with self._lock:
+            entry = self._waiting.pop(transfer_id, None)
+            if entry is None:
+                return MISSING
+            self._taken[transfer_id] = entry[0]
+            return entry[1]
+
+    def forget(self, transfer_id: str) -> bool:
+        """Drop a transfer (released after its load, or its request ended); False if it was
+        never handed off here (a store transfer: release it there)."""
+        with self._lock:
+            taken = self._taken.pop(transfer_id, None) is not None
+            return self._waiting.pop(transfer_id, None) is not None or taken
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._waiting) + len(self._taken)
+
+
+def _deadline(entry) -> float:
+    return entry[0] if isinstance(entry, tuple) else entry

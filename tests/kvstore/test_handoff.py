@@ -1,0 +1,239 @@
+"""KV handed back in the prefill's reply (kvstore.handoff): an export the producer expects back
+never reaches the store, and neither does the consumer's fetch or release of one delivered to
+its inbox; an export that comes too late, or one nobody expects, goes to the store as before;
+an export that failed reaches the consumer as its reason. Two engines whose cores run in child
+processes (the prefill's export crossing its relay thread, which may run behind its output) do
+P/D this way with Hugging Face's greedy tokens, the prompt KV loaded, and no call to the store.
+Oracles: a recording stand-in for the store actor, the tensors themselves, transformers."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import threading
+import time
+
+import pytest
+import torch
+
+from engine import EngineArgs, SamplingParams
+from engine.kv_transfer_params import KVTransferParams
+from engine.llm_engine import LLMEngine
+from kvstore.handoff import MISSING, Handbacks, Inbox, KVHandoff
+from kvstore.pd import (
+    decode_kv_params,
+    decode_params,
+    decode_prompt,
+    prefill_kv_params,
+    prefill_params,
+)
+from kvstore.transports import TransferError
+from kvstore.transports.object_store import ObjectStoreTransport
+from kvstore.transports.relay import KVRelay, RelayConnectorFactory
+from tests.engine.hf_reference import hf_greedy, random_prompts
+
+BS = 16
+_WAIT_S = 30.0
+
+
+class _Method:
+    def __init__(self, name: str, calls: list) -> None:
+        self.name, self.calls = name, calls
+
+    def remote(self, *args, **kwargs):
+        self.calls.append((self.name, args))
+        if self.name == "lookup":  # nothing to wait on (and no Ray started by a ray.get)
+            raise ConnectionError("the stand-in store answers no lookup")
+
+
+class _Store:
+    """Records every call a transport makes on the store actor (none answers: a lookup
+    fails its fetch, which the tests would see)."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        for name in ("register", "abandon", "release", "lookup"):
+            setattr(self, name, _Method(name, self.calls))
+
+    def names(self) -> list[str]:
+        return [name for name, _args in self.calls]
+
+
+def _transport(store: _Store) -> ObjectStoreTransport:
+    # With a handle of its own the producer holds exports for the store to pull (no ray.put).
+    return ObjectStoreTransport(store, "replica-0", lambda: "producer-handle", fetch_timeout_s=5.0)
+
+
+def _params(tid: str) -> KVTransferParams:
+    return KVTransferParams(transfer_id=tid, num_tokens=4, block_size=BS, transport="object_store")
+
+
+def _fetch_now(transport, tid: str):
+    got: list = []
+    transport.fetch_async(_params(tid), got.append)
+    assert len(got) == 1, "a handed-off fetch is answered at once, on the caller's thread"
+    return got[0]
+
+
+def test_an_expected_export_is_kept_for_the_reply_and_never_registered():
+    store = _Store()
+    producer = _transport(store)
+    kv = torch.randn(2, 2, 4, 1, 8)
+    producer.handbacks.expect("t1")
+    producer.publish("t1", kv, 4)
+    assert store.calls == [] and producer.outbox_size == 0
+    assert len(producer.handbacks) == 1
+    assert torch.equal(producer.handbacks.poll("t1"), kv)
+    assert len(producer.handbacks) == 0 and producer.handbacks.take("t1") is None
+    # Not expected (any more): registered with the store as before.
+    producer.publish("t1", kv, 4)
+    assert store.names() == ["register"] and producer.outbox_size == 1
+
+
+def test_a_failed_expected_export_goes_back_as_its_reason_not_to_the_store():
+    store = _Store()
+    producer = _transport(store)
+    producer.handbacks.expect("t2")
+    producer.abandon("t2", "KV export failed: out of memory")
+    assert store.calls == []
+    assert producer.handbacks.take("t2") == "KV export failed: out of memory"
+    producer.abandon("t3", "KV export failed: nobody expects this one")
+    assert store.names() == ["abandon"]
+
+
+def test_take_waits_for_an_export_still_on_its_way_and_gives_up_after_its_bound():
+    handbacks = Handbacks()
+    handbacks.expect("late")
+    assert handbacks.poll("late") is None  # not here yet: still expected
+    kv = torch.ones(3)
+    threading.Timer(0.05, handbacks.offer, ("late", kv)).start()
+    assert torch.equal(handbacks.take("late", timeout_s=_WAIT_S), kv)
+    handbacks.expect("never")
+    start = time.monotonic()
+    assert handbacks.take("never", timeout_s=0.2) is None
+    assert time.monotonic() - start >= 0.2
+    assert not handbacks.offer("never", kv), "after take the export goes to the store"
+
+
+def test_a_delivered_transfer_is_fetched_and_released_without_the_store():
+    store = _Store()
+    consumer = _transport(store)
+    kv = torch.randn(2, 2, 4, 1, 8)
+    consumer.inbox.deliver("t4", kv)
+    assert _fetch_now(consumer, "t4") is kv
+    assert len(consumer.inbox) == 1  # fetched, its release still to come
+    consumer.release(_params("t4"))
+    assert store.calls == [] and len(consumer.inbox) == 0
+    consumer.inbox.deliver("t5", "KV export failed: disk on fire")
+    failed = _fetch_now(consumer, "t5")
+    assert isinstance(failed, TransferError) and "disk on fire" in str(failed)
+    consumer.release(_params("t5"))
+    # Delivered, then released before any fetch (aborted, or the prefix cache covered it).
+    consumer.inbox.deliver("t6", kv)
+    consumer.release(_params("t6"))
+    assert store.calls == [] and len(consumer.inbox) == 0
+    # Never delivered here: a store transfer, released there.
+    consumer.release(_params("t7"))
+    assert store.names() == ["release"]
+
+
+def test_an_undelivered_transfer_is_looked_up_in_the_store():
+    store = _Store()
+    consumer = _transport(store)
+    done: queue.Queue = queue.Queue()
+    consumer.fetch_async(_params("elsewhere"), done.put)
+    failed = done.get(timeout=_WAIT_S)
+    assert isinstance(failed, TransferError) and "answers no lookup" in str(failed)
+    assert store.names() == ["lookup"]
+
+
+def test_the_inbox_drops_what_outlived_its_ttl_at_the_next_delivery():
+    now = [0.0]
+    inbox = Inbox(ttl_s=10.0, clock=lambda: now[0])
+    inbox.deliver("old", torch.ones(1))
+    inbox.deliver("fetched", torch.ones(1))
+    assert inbox.claim("fetched") is not MISSING
+    now[0] = 9.0
+    inbox.deliver("new", torch.ones(1))
+    assert len(inbox) == 3
+    now[0] = 10.5
+    inbox.deliver("newer", torch.ones(1))
+    assert len(inbox) == 2 and inbox.claim("old") is MISSING
+    assert not inbox.forget("fetched") and inbox.forget("new") and inbox.forget("newer")
+    assert len(inbox) == 0
+
+
+def test_a_handoff_says_whether_it_carries_the_kv():
+    assert not KVHandoff(None).handed_off
+    assert KVHandoff(None, error="why").value == "why"
+    kv = torch.zeros(1)
+    assert KVHandoff(None, kv=kv).handed_off and KVHandoff(None, kv=kv).value is kv
+
+
+# ---- two engines, each core in a child process, the KV in the "reply" -----------------------
+def _engine(model: str, pd_role: str, transport: ObjectStoreTransport):
+    config = EngineArgs(model=model, max_model_len=256, block_size=BS, engine_core_process=True,
+                        max_num_batched_tokens=64, long_prefill_token_threshold=32).create_engine_config()
+    ours, theirs = mp.get_context("spawn").Pipe()
+    relay = KVRelay(transport, ours)
+    engine = LLMEngine(config, RelayConnectorFactory(theirs, transport.name, pd_role, f"{pd_role}-0", BS, "fail"))
+    theirs.close()  # the core holds its own end
+    return engine, relay
+
+
+def _finish_all(engine, rids: set[str]) -> dict:
+    finals, deadline = {}, time.monotonic() + 120
+    while set(finals) != rids:
+        assert time.monotonic() < deadline, f"unfinished after 120 s: {sorted(rids - set(finals))}"
+        finals.update({out.request_id: out for out in engine.step() if out.finished})
+    return finals
+
+
+@pytest.mark.parametrize("policy_fail", [False, True])
+def test_pd_across_core_processes_with_the_kv_in_the_reply_matches_transformers(tiny_model, policy_fail):
+    store = _Store()
+    producer, consumer = _transport(store), _transport(store)
+    prefill, _ = _engine(tiny_model, "producer", producer)
+    decode, _ = _engine(tiny_model, "consumer", consumer)
+    try:
+        prompts = random_prompts([9, 40, 23, 61, 17], 250, seed=7)
+        greedy = SamplingParams(temperature=0.0, max_tokens=8)
+        expected = hf_greedy(tiny_model, prompts, 8)
+        rids = {f"r{i}" for i in range(len(prompts))}
+        for i, prompt in enumerate(prompts):
+            producer.handbacks.expect(f"t{i}")
+            prefill.add_request(f"r{i}", {"prompt_token_ids": prompt}, prefill_params(greedy),
+                                kv_transfer_params=prefill_kv_params(greedy, f"t{i}"))
+        firsts = _finish_all(prefill, rids)
+        for i, prompt in enumerate(prompts):
+            first = firsts[f"r{i}"]
+            assert first.kv_transfer_params.transfer_id == f"t{i}"
+            kv = producer.handbacks.take(f"t{i}", timeout_s=_WAIT_S)  # may still cross the relay
+            assert isinstance(kv, torch.Tensor)
+            # The last prompt's export "failed": its decode fails with the reason, never runs.
+            consumer.inbox.deliver(f"t{i}", "KV export failed: test" if policy_fail and i == 4 else kv)
+            decode.add_request(f"r{i}", decode_prompt(prompt, first.outputs[0].token_ids[0]), decode_params(greedy),
+                               kv_transfer_params=decode_kv_params(first.kv_transfer_params))
+        lasts = _finish_all(decode, rids)
+        for i in range(len(prompts)):
+            first, last = firsts[f"r{i}"].outputs[0], lasts[f"r{i}"].outputs[0]
+            if policy_fail and i == 4:
+                assert last.finish_reason == "error" and "KV export failed: test" in last.stop_reason
+                continue
+            assert last.finish_reason == "length", last.stop_reason
+            assert [first.token_ids[0], *last.token_ids] == expected[i]
+        stats = decode.core.kv_transfer_stats()
+        assert stats["loads"] == len(prompts) - policy_fail and stats["load_failures"] == policy_fail
+        assert store.calls == [], "nothing went through the store"
+        assert len(producer.handbacks) == 0 and producer.outbox_size == 0
+        # Every delivered transfer was released by the decode side's connector (through its relay).
+        deadline = time.monotonic() + _WAIT_S
+        while len(consumer.inbox) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the relay thread runs the releases: bounded poll on its result
+        assert len(consumer.inbox) == 0
+        for engine in (prefill, decode):
+            figures = engine.core.load()
+            assert figures["free_blocks"] == figures["total_blocks"]
+    finally:
+        prefill.core.shutdown()
+        decode.core.shutdown()
