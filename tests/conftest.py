@@ -63,11 +63,22 @@ def tiny_model(model_factory) -> str:
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray for the session: fixed small CPU count, no dashboard, shut down after."""
+    from cluster.serve_env import configure_serve_env
+
+    before = set(os.environ)
+    # Serve's switches as `pdserve serve` sets them, for the processes this Ray starts (they
+    # take the environment of its start).
+    configure_serve_env()
     import ray
 
     # address="local": always a fresh instance, never a cluster another process recorded in
     # /tmp/ray/ray_current_cluster (bare ray.init() would join it, or wait on it if it is gone).
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # This process calls deployment handles from plain (not async) test code, which Serve's
+    # throughput mode (routers on the caller's event loop) refuses: it keeps Serve's defaults,
+    # as a user's own script attached to the cluster does.
+    for name in set(os.environ) - before:
+        del os.environ[name]
     yield ray
     ray.shutdown()
 

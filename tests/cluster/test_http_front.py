@@ -34,12 +34,27 @@ def test_this_machine_has_haproxy():
     assert haproxy_available()
 
 
-def test_the_serve_controller_loop_runs_at_pdserves_pace_unless_the_operator_set_it():
-    from cluster.serve_env import CONTROL_LOOP, configure_serve_env
+def test_the_serve_controller_loop_and_throughput_mode_are_pdserves_unless_the_operator_set_them():
+    from cluster.http_front import MIN_DRAINING
+    from cluster.serve_env import CONTROL_LOOP, LOG_BUFFER, THROUGHPUT, configure_serve_env
 
     env: dict[str, str] = {}
     configure_serve_env(env)
-    assert env == {CONTROL_LOOP: "0.5"}
-    env = {CONTROL_LOOP: "0.1"}
+    assert env == {CONTROL_LOOP: "0.5", THROUGHPUT: "1", LOG_BUFFER: "1", MIN_DRAINING: "2"}
+    env = {CONTROL_LOOP: "0.1", THROUGHPUT: "0", LOG_BUFFER: "100"}
     configure_serve_env(env)
-    assert env == {CONTROL_LOOP: "0.1"}
+    assert env == {CONTROL_LOOP: "0.1", THROUGHPUT: "0", LOG_BUFFER: "100"}
+
+
+def test_the_suites_ray_runs_its_workers_with_pdserves_serve_switches(ray_local):
+    # What the Serve tests exercise is the mode `pdserve serve` runs in (tests/conftest.py):
+    # Ray's workers, Serve's replicas among them, take the environment of Ray's start.
+    import os
+
+    from cluster.serve_env import THROUGHPUT
+
+    @ray_local.remote(num_cpus=0)
+    def switch() -> str | None:
+        return os.environ.get(THROUGHPUT)
+
+    assert ray_local.get(switch.remote(), timeout=60) == "1"
