@@ -9,6 +9,7 @@ Oracles: a recording stand-in for the store actor, the tensors themselves, trans
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import queue
 import threading
 import time
@@ -161,6 +162,23 @@ def test_the_inbox_drops_what_outlived_its_ttl_at_the_next_delivery():
     assert len(inbox) == 2 and inbox.claim("old") is MISSING
     assert not inbox.forget("fetched") and inbox.forget("new") and inbox.forget("newer")
     assert len(inbox) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_handoff_pickles_its_kv_bit_for_bit_as_one_out_of_band_buffer(dtype):
+    kv = torch.randn(4, 2, 37, 2, 8).to(dtype)
+    handoff = KVHandoff(None, kv=kv)
+    buffers: list = []
+    data = pickle.dumps(handoff, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 1 and len(data) < 1024  # the bytes travel beside the stream
+    back = pickle.loads(data, buffers=buffers)
+    assert back.kv.dtype == dtype and back.kv.shape == kv.shape
+    assert torch.equal(back.kv.view(torch.uint8), kv.view(torch.uint8))
+    # As Ray may hand them over: a read-only buffer is copied, never written through.
+    frozen = [memoryview(bytes(b.raw())) for b in buffers]
+    assert torch.equal(pickle.loads(data, buffers=frozen).kv.view(torch.uint8), kv.view(torch.uint8))
+    failed = pickle.loads(pickle.dumps(KVHandoff(None, error="why"), protocol=5))
+    assert failed.kv is None and failed.error == "why"
 
 
 def test_a_handoff_says_whether_it_carries_the_kv():
