@@ -32,6 +32,7 @@ from kvstore.transports import TransferError
 from kvstore.transports.object_store import ObjectStoreTransport
 from kvstore.transports.relay import KVRelay, RelayConnectorFactory
 from tests.engine.hf_reference import hf_greedy, random_prompts
+from tests.kvstore.helpers import finish_all
 
 BS = 16
 _WAIT_S = 30.0
@@ -199,13 +200,6 @@ def _engine(model: str, pd_role: str, transport: ObjectStoreTransport):
     return engine, relay
 
 
-def _finish_all(engine, rids: set[str]) -> dict:
-    finals, deadline = {}, time.monotonic() + 120
-    while set(finals) != rids:
-        assert time.monotonic() < deadline, f"unfinished after 120 s: {sorted(rids - set(finals))}"
-        finals.update({out.request_id: out for out in engine.step() if out.finished})
-    return finals
-
 
 @pytest.mark.parametrize("policy_fail", [False, True])
 def test_pd_across_core_processes_with_the_kv_in_the_reply_matches_transformers(tiny_model, policy_fail):
@@ -222,7 +216,7 @@ def test_pd_across_core_processes_with_the_kv_in_the_reply_matches_transformers(
             producer.handbacks.expect(f"t{i}")
             prefill.add_request(f"r{i}", {"prompt_token_ids": prompt}, prefill_params(greedy),
                                 kv_transfer_params=prefill_kv_params(greedy, f"t{i}"))
-        firsts = _finish_all(prefill, rids)
+        firsts = finish_all(prefill, rids)
         for i, prompt in enumerate(prompts):
             first = firsts[f"r{i}"]
             assert first.kv_transfer_params.transfer_id == f"t{i}"
@@ -232,7 +226,7 @@ def test_pd_across_core_processes_with_the_kv_in_the_reply_matches_transformers(
             consumer.inbox.deliver(f"t{i}", "KV export failed: test" if policy_fail and i == 4 else kv)
             decode.add_request(f"r{i}", decode_prompt(prompt, first.outputs[0].token_ids[0]), decode_params(greedy),
                                kv_transfer_params=decode_kv_params(first.kv_transfer_params))
-        lasts = _finish_all(decode, rids)
+        lasts = finish_all(decode, rids)
         for i in range(len(prompts)):
             first, last = firsts[f"r{i}"].outputs[0], lasts[f"r{i}"].outputs[0]
             if policy_fail and i == 4:

@@ -30,6 +30,7 @@ from kvstore.pd import (
 from kvstore.transports import LocalTransport, TransferError
 from kvstore.transports.relay import KVRelay, RelayConnectorFactory, RelayTransport
 from tests.engine.hf_reference import hf_greedy, random_prompts
+from tests.kvstore.helpers import finish_all
 
 BS = 16
 _WAIT_S = 30.0
@@ -195,14 +196,6 @@ def _engine(model: str, pd_role: str, behind: LocalTransport):
     return engine, relay
 
 
-def _finish_all(engine, rids: set[str]) -> dict:
-    """Step until every request in `rids` finished (bounded); their final outputs."""
-    finals, deadline = {}, time.monotonic() + 120
-    while set(finals) != rids:
-        assert time.monotonic() < deadline, f"unfinished after 120 s: {sorted(rids - set(finals))}"
-        finals.update({out.request_id: out for out in engine.step() if out.finished})
-    return finals
-
 
 def test_pd_across_two_core_processes_loads_the_prompt_kv_and_matches_transformers(tiny_model):
     behind = _Registry()
@@ -216,13 +209,13 @@ def test_pd_across_two_core_processes_loads_the_prompt_kv_and_matches_transforme
         for i, prompt in enumerate(prompts):  # all at once: exports and loads cross together
             prefill.add_request(f"r{i}", {"prompt_token_ids": prompt}, prefill_params(greedy),
                                 kv_transfer_params=prefill_kv_params(greedy))
-        firsts = _finish_all(prefill, rids)
+        firsts = finish_all(prefill, rids)
         for i, prompt in enumerate(prompts):
             first = firsts[f"r{i}"]
             assert first.kv_transfer_params is not None and first.kv_transfer_params.transport == "local"
             decode.add_request(f"r{i}", decode_prompt(prompt, first.outputs[0].token_ids[0]), decode_params(greedy),
                                kv_transfer_params=decode_kv_params(first.kv_transfer_params))
-        lasts = _finish_all(decode, rids)
+        lasts = finish_all(decode, rids)
         for i in range(len(prompts)):
             first, last = firsts[f"r{i}"].outputs[0], lasts[f"r{i}"].outputs[0]
             assert last.finish_reason == "length", last.stop_reason
