@@ -26,7 +26,7 @@ from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
 from kvstore.connector_factory import PDConnectorFactory
-from kvstore.handoff import KVHandoff
+from kvstore.handoff import DECLINED, KVHandoff
 from kvstore.pd import prefill_kv_params, prefill_params
 from kvstore.transports.object_store import ObjectStoreTransport
 from kvstore.transports.relay import KVRelay, RelayConnectorFactory
@@ -218,6 +218,8 @@ class EngineWorker:
             transport.handbacks.take(transfer_id)  # aborted or failed: nobody expects it now
         if isinstance(value, torch.Tensor):
             return KVHandoff(out, kv=value)
+        if value is None or value == DECLINED:
+            return KVHandoff(out)  # in the store (too big for a reply, or late)
         return KVHandoff(out, error=value)
 
     async def abort(self, request_id: str) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 
 from cluster.http_front import MIN_DRAINING, MIN_DRAINING_S
+from kvstore.handoff import GRPC_MAX_MESSAGE
 
 CONTROL_LOOP = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
 CONTROL_LOOP_S = "0.5"
@@ -35,6 +36,10 @@ THROUGHPUT = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 # would see nothing for a thousand requests. Written as they come, as without the mode
 # (`--disable-access-log` is what saves their cost).
 LOG_BUFFER = "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"
+# Calls between deployments then travel over gRPC, whose client takes replies of up to 4 MiB
+# by default: a prefill's reply carries the prompt's KV (kvstore.handoff; one 256-token prompt
+# of SmolLM2 is 12 MB), so 128 MiB, and a KV bigger than that goes through the store.
+GRPC_MAX_MESSAGE_BYTES = str(128 * 1024 * 1024)
 # And it makes every HTTP replica a direct-ingress one, HAProxy or not, whose drain keeps it
 # reachable for Ray's default 30 s: cluster.http_front's 2 s then holds whatever the front.
 
@@ -45,5 +50,6 @@ def configure_serve_env(environ: dict | None = None) -> None:
     env.setdefault(CONTROL_LOOP, CONTROL_LOOP_S)
     env.setdefault(THROUGHPUT, "1")
     env.setdefault(LOG_BUFFER, "1")
+    env.setdefault(GRPC_MAX_MESSAGE, GRPC_MAX_MESSAGE_BYTES)
     if env[THROUGHPUT] == "1":
         env.setdefault(MIN_DRAINING, MIN_DRAINING_S)

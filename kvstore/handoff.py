@@ -17,6 +17,7 @@ engine thread, a KV relay's thread and the replica's event loop all reach them.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +29,21 @@ from engine.outputs import RequestOutput
 # What an export turned into: its bytes, or why it failed (the consumer then fails or
 # recomputes at once, as a store lookup would have told it).
 HandedKV = torch.Tensor | str
+# Handbacks.poll/take: the export was too big for a reply and went to the store.
+DECLINED = "declined: the export went to the store"
+# The channel a reply travels on: with Serve's throughput-optimised mode (cluster.serve_env)
+# calls between deployments are gRPC, whose client refuses a message over this many bytes
+# (Serve's default 4 MiB; pdserve sets 128 MiB). A prompt's KV above the limit less some room
+# for the rest of the reply goes through the store (the object store has no such limit).
+GRPC_MAX_MESSAGE = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"
+_GRPC_DEFAULT = 4 * 1024 * 1024
+_REPLY_ROOM = 1024 * 1024  # the RequestOutput beside the KV (a 32k-token prompt's ids: ~0.3 MB)
+
+
+def max_reply_kv_bytes(environ=None) -> int:
+    """The largest prompt KV a prefill's reply may carry in this cluster."""
+    env = os.environ if environ is None else environ
+    return max(0, int(env.get(GRPC_MAX_MESSAGE, _GRPC_DEFAULT)) - _REPLY_ROOM)
 
 
 @dataclass(frozen=True)
@@ -90,6 +106,11 @@ class Handbacks:
             self._ready[transfer_id] = value
         event.set()
         return True
+
+    def decline(self, transfer_id: str) -> None:
+        """An expected export too big for a reply: it goes to the store, and the reply says
+        so at once (`DECLINED`) instead of waiting for it."""
+        self.offer(transfer_id, DECLINED)
 
     def poll(self, transfer_id: str) -> HandedKV | None:
         """The export if it is here (then no longer expected), else None (still expected)."""

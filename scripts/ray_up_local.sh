@@ -132,7 +132,7 @@ done
 say "nodes up: head $HEAD_IP, worker $WORKER_IP (sshd in their own namespaces)"
 
 # ---- the cluster: manifests/local.yaml with this machine's addresses and ports ------------
-STARTENV="export RAY_AUTH_MODE=token RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=5 RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1 RAY_gcs_rpc_server_reconnect_timeout_s=10"
+STARTENV="export RAY_AUTH_MODE=token RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=5 RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1 RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=134217728 RAY_gcs_rpc_server_reconnect_timeout_s=10"
 sed -e "s/^      model: null.*/      model: null/" \
     -e "s/^  host: 0.0.0.0/  host: 127.0.0.1/" -e "s/^  port: 8000/  port: $HTTP_PORT/" \
     -e "s/^      replica_num_gpus: 1 .*/      replica_num_gpus: 0/" \

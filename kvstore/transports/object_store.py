@@ -6,6 +6,7 @@ import ray
 import torch
 
 from engine.kv_transfer_params import KVTransferParams
+from kvstore.handoff import max_reply_kv_bytes
 from kvstore.transports.base import StoreBackedTransport, TransferError
 
 
@@ -24,13 +25,17 @@ class ObjectStoreTransport(StoreBackedTransport):
 
     def __init__(self, store, replica_id: str, self_handle_fn, fetch_timeout_s: float = 60.0) -> None:
         super().__init__(store, replica_id, fetch_timeout_s)
+        self.max_reply_bytes = max_reply_kv_bytes()
         self._self_handle_fn = self_handle_fn  # the hosting actor's handle (for the store to call)
 
     def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None:
         kv = kv.cpu()  # the object store (or a reply) is host memory
-        if self.handbacks.offer(transfer_id, kv):
-            return  # goes back in the prefill's reply (kvstore.handoff)
         nbytes = kv.numel() * kv.element_size()
+        if nbytes <= self.max_reply_bytes:
+            if self.handbacks.offer(transfer_id, kv):
+                return  # goes back in the prefill's reply (kvstore.handoff)
+        else:
+            self.handbacks.decline(transfer_id)  # too big for a reply: the store carries it
         if self._self_handle_fn is None:
             # Wrapped in a list so Ray passes the reference; the store borrows it. The pending
             # call holds the reference until the store has it.

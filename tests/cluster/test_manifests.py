@@ -47,8 +47,8 @@ def test_ray_up_config_installs_pdserve_and_deploys_the_serve_config(name):
     assert all("RAY_SERVE_ENABLE_HA_PROXY=1" in c for c in starts if "ray start" in c)
     # The Serve controller's loop at pdserve's pace (cluster/serve_env.py).
     assert all("RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5" in c for c in starts if "ray start" in c)
-    assert all("RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1" in c
-               for c in starts if "ray start" in c)
+    assert all("RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1 "
+               "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=134217728" in c for c in starts if "ray start" in c)
     assert all("~/pdserve-venv/bin" in c for c in starts + cfg["setup_commands"][1:])
 
 

@@ -20,7 +20,15 @@ import torch
 from engine import EngineArgs, SamplingParams
 from engine.kv_transfer_params import KVTransferParams
 from engine.llm_engine import LLMEngine
-from kvstore.handoff import MISSING, Handbacks, Inbox, KVHandoff
+from kvstore.handoff import (
+    DECLINED,
+    GRPC_MAX_MESSAGE,
+    MISSING,
+    Handbacks,
+    Inbox,
+    KVHandoff,
+    max_reply_kv_bytes,
+)
 from kvstore.pd import (
     decode_kv_params,
     decode_params,
@@ -63,7 +71,9 @@ class _Store:
 
 def _transport(store: _Store) -> ObjectStoreTransport:
     # With a handle of its own the producer holds exports for the store to pull (no ray.put).
-    return ObjectStoreTransport(store, "replica-0", lambda: "producer-handle", fetch_timeout_s=5.0)
+    transport = ObjectStoreTransport(store, "replica-0", lambda: "producer-handle", fetch_timeout_s=5.0)
+    transport.max_reply_bytes = 64 * 1024 * 1024  # not this process's environment's
+    return transport
 
 
 def _params(tid: str) -> KVTransferParams:
@@ -101,6 +111,26 @@ def test_a_failed_expected_export_goes_back_as_its_reason_not_to_the_store():
     assert producer.handbacks.take("t2") == "KV export failed: out of memory"
     producer.abandon("t3", "KV export failed: nobody expects this one")
     assert store.names() == ["abandon"]
+
+
+def test_an_export_too_big_for_a_reply_goes_to_the_store_and_the_reply_says_so_at_once():
+    store = _Store()
+    producer = _transport(store)
+    producer.max_reply_bytes = 1000
+    producer.handbacks.expect("big")
+    producer.publish("big", torch.zeros(251), 251)  # 1004 bytes
+    assert store.names() == ["register"] and producer.outbox_size == 1
+    assert producer.handbacks.poll("big") == DECLINED  # no wait for an export that went elsewhere
+    producer.handbacks.expect("small")
+    producer.publish("small", torch.zeros(250), 250)
+    assert store.names() == ["register"] and producer.handbacks.poll("small").numel() == 250
+
+
+def test_a_reply_carries_at_most_the_grpc_limit_less_room_for_the_output():
+    mib = 1024 * 1024
+    assert max_reply_kv_bytes({}) == 3 * mib  # Serve's own 4 MiB
+    assert max_reply_kv_bytes({GRPC_MAX_MESSAGE: str(128 * mib)}) == 127 * mib
+    assert max_reply_kv_bytes({GRPC_MAX_MESSAGE: "1000"}) == 0
 
 
 def test_take_waits_for_an_export_still_on_its_way_and_gives_up_after_its_bound():
