@@ -54,9 +54,14 @@ def test_the_suites_ray_runs_its_workers_with_pdserves_serve_switches(ray_local)
     import os
 
     from cluster.serve_env import THROUGHPUT
+    from kvstore.handoff import GRPC_MAX_MESSAGE, max_reply_kv_bytes
 
     @ray_local.remote(num_cpus=0)
-    def switch() -> str | None:
-        return os.environ.get(THROUGHPUT)
+    def switches() -> tuple:
+        # And what a prefill replica there may put in a reply stays within what the gRPC
+        # channel between deployments takes (kvstore.handoff).
+        return os.environ.get(THROUGHPUT), int(os.environ.get(GRPC_MAX_MESSAGE, 0)), max_reply_kv_bytes()
 
-    assert ray_local.get(switch.remote(), timeout=60) == "1"
+    throughput, channel, reply = ray_local.get(switches.remote(), timeout=60)
+    assert throughput == "1" and channel == 128 * 1024 * 1024
+    assert 100 * 1024 * 1024 < reply < channel
