@@ -61,6 +61,10 @@ _api_keys: ApiKeyCheck | None = None
 install_api_key_check(app, lambda: _api_keys)
 
 
+def _own_handle(handle):
+    return None if handle is None else serve.get_deployment_handle(handle.deployment_name, handle.app_name)
+
+
 @serve.ingress(app)
 class Ingress:
     coordinator_call_s = _COORDINATOR_CALL_S  # an attribute: Serve's wrapper copies the module's globals
@@ -68,6 +72,11 @@ class Ingress:
         global _api_keys
         _api_keys = ApiKeyCheck(settings.get("api_key_digests", ()))
         self.mode = settings["mode"]
+        # Handles made in this replica, not the ones built with the app: Serve picks gRPC or
+        # Ray actor calls per handle from the environment of the process that makes it
+        # (RAY_SERVE_THROUGHPUT_OPTIMIZED, cluster.serve_env), so the cluster's own setting
+        # decides, whoever ran `serve.run` (a driver without it would pin actor calls).
+        prefill, decode, coordinator = (_own_handle(h) for h in (prefill, decode, coordinator))
         self.prefill, self.decode, self.coordinator = prefill, decode, coordinator
         engine_args: EngineArgs = settings["engine_args"]
         self.model_dir = engine_args.model
@@ -108,6 +117,11 @@ class Ingress:
     async def check_health(self) -> None:
         if self.direct is not None:
             await self.direct.check_health()  # raises once the engine (or its core) died
+
+    def inter_deployment_calls(self) -> str:
+        """"grpc" or "actor": how this replica's calls to other deployments travel."""
+        handle = self.prefill or self.decode or self.coordinator
+        return "actor" if handle.handle_options._by_reference else "grpc"
 
     def processes(self) -> dict:
         """This replica's pid and its engine core processes' (none without --direct-streaming),

@@ -56,6 +56,10 @@ def test_the_ingress_is_the_decode_replica_and_loads_the_prompt_kv_from_its_core
     from kvstore.store_actor import STORE_NAMESPACE, store_name
 
     assert set(serve.status().applications[APP].deployments) == {"Prefill", "Ingress", "Coordinator"}
+    # The prefill's reply (with the prompt KV) travels over gRPC, as under `pdserve serve`
+    # (cluster.serve_env), though this test process built the app without that switch.
+    ingress = serve.get_deployment_handle("Ingress", APP)
+    assert ingress.inter_deployment_calls.remote().result(timeout_s=30) == "grpc"
     engine_core_of("Ingress", APP)
     engine_core_of("Prefill", APP)
     loads = metric_value(app, "pdserve:kv_transfer_loads_total", role="decode")
