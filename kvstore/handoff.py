@@ -130,8 +130,11 @@ class Handbacks:
         if event is not None and timeout_s > 0:
             event.wait(timeout_s)
         with self._lock:
-            self._expected.pop(transfer_id, None)
-            return self._ready.pop(transfer_id, None)
+            event = self._expected.pop(transfer_id, None)
+            value = self._ready.pop(transfer_id, None)
+        if event is not None:
+            event.set()  # a thread still waiting for it (its request was cancelled) stops now
+        return value
 
     def __len__(self) -> int:
         with self._lock:

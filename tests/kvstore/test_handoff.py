@@ -147,6 +147,25 @@ def test_take_waits_for_an_export_still_on_its_way_and_gives_up_after_its_bound(
     assert not handbacks.offer("never", kv), "after take the export goes to the store"
 
 
+def test_giving_up_on_an_export_releases_a_thread_still_waiting_for_it():
+    # A cancelled prefill's cleanup takes the id while its wait still runs on an executor
+    # thread: that thread must not sleep out its bound.
+    handbacks = Handbacks()
+    handbacks.expect("cancelled")
+    waited: queue.Queue = queue.Queue()
+    waiter = threading.Thread(target=lambda: waited.put(handbacks.take("cancelled", timeout_s=_WAIT_S)))
+    waiter.start()
+    deadline = time.monotonic() + _WAIT_S
+    while not handbacks._expected["cancelled"]._cond._waiters:  # until it waits (bounded)
+        assert time.monotonic() < deadline, "the waiter never waited"
+        time.sleep(0.001)
+    start = time.monotonic()
+    assert handbacks.take("cancelled") is None
+    waiter.join(_WAIT_S)
+    assert not waiter.is_alive() and waited.get_nowait() is None
+    assert time.monotonic() - start < 5.0, "the waiter slept out its bound"
+
+
 def test_a_delivered_transfer_is_fetched_and_released_without_the_store():
     store = _Store()
     consumer = _transport(store)
