@@ -57,11 +57,12 @@ class KVHandoff:
     error: str | None = None
 
     def __reduce__(self):
-        # The KV as raw bytes in a numpy array: Ray ships numpy buffers out of band (pickle
-        # protocol 5, no copy through the pickle stream), where torch's own pickling of a
-        # tensor goes through torch.save (1 MB, the small preset's 256-token prompt: 522 us
-        # to pickle and unpickle against 10 us, measured). Bytes, not values: numpy has no
-        # bfloat16.
+        # The KV as raw bytes in a numpy array, where torch's own pickling of a tensor goes
+        # through torch.save (1 MB, the small preset's 256-token prompt: 522 us to pickle and
+        # unpickle against 10 us out of band, measured). Ray's serializer ships the buffer out
+        # of band (pickle protocol 5); Serve's gRPC path (cloudpickle, no buffer callback)
+        # writes it in band as one flat byte string, still one plain copy each way. Bytes,
+        # not values: numpy has no bfloat16.
         if self.kv is None:
             return (KVHandoff, (self.output, None, self.error))
         kv = self.kv.contiguous()

@@ -227,6 +227,8 @@ def test_a_handoff_pickles_its_kv_bit_for_bit_as_one_out_of_band_buffer(dtype):
     # As Ray may hand them over: a read-only buffer is copied, never written through.
     frozen = [memoryview(bytes(b.raw())) for b in buffers]
     assert torch.equal(pickle.loads(data, buffers=frozen).kv.view(torch.uint8), kv.view(torch.uint8))
+    # In band, as Serve's gRPC path pickles (cloudpickle with no buffer callback).
+    assert torch.equal(pickle.loads(pickle.dumps(handoff, protocol=5)).kv.view(torch.uint8), kv.view(torch.uint8))
     failed = pickle.loads(pickle.dumps(KVHandoff(None, error="why"), protocol=5))
     assert failed.kv is None and failed.error == "why"
 
