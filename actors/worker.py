@@ -195,14 +195,21 @@ class EngineWorker:
             last = out
         return last
 
+    @property
+    def handoff_transport(self):
+        """This replica's one-rank transport when it can hand KV back in a reply and take it
+        in from one (kvstore.handoff), else None (tensor or data parallel, torch_dist)."""
+        transport = self.transport
+        return transport if transport is not None and transport.hands_off else None
+
     async def prefill_handoff(self, prompt, params: SamplingParams, request_id: str,
                               transfer_id: str) -> KVHandoff:
         """`prefill`, with the exported prompt KV in the reply instead of the store
         (kvstore.handoff): for a requester that hosts the decode engine itself. Without a
         one-rank object-store transport (tensor or data parallel) the export goes to the
         store as usual and the reply says so (no kv, no error)."""
-        transport = self.transport
-        if transport is None or not transport.hands_off:
+        transport = self.handoff_transport
+        if transport is None:
             return KVHandoff(await self.prefill(prompt, params, request_id, transfer_id))
         transport.handbacks.expect(transfer_id)
         try:
@@ -266,10 +273,10 @@ class EngineWorker:
             figures = core.load(fresh=False)
         else:
             figures = await self.engine.load()
-        transport = self.transport
+        transport = self.handoff_transport
         # Prompt KV held for a prefill's reply, or received in one and not yet loaded
         # (kvstore.handoff): 0 when idle, or a leak.
-        handoffs = len(transport.handbacks) + len(transport.inbox) if transport is not None and transport.hands_off else 0
+        handoffs = len(transport.handbacks) + len(transport.inbox) if transport is not None else 0
         return {"replica": self.replica_id, "role": self.role, **figures, "kv_handoffs": handoffs}
 
     def tensor_parallel_ranks(self) -> list:

@@ -51,8 +51,8 @@ class EngineServer:
         self.store = store
         self.worker = EngineWorker(engine_args, role, self.replica_id, store, "object_store",
                                    load_failure_policy, store_pulls=False)
-        transport = self.worker.transport
-        if transport is not None and transport.hands_off and store_kwargs and "lease_s" in store_kwargs:
+        transport = self.worker.handoff_transport
+        if transport is not None and store_kwargs and "lease_s" in store_kwargs:
             transport.inbox.ttl_s = store_kwargs["lease_s"]  # handed-back KV lives as long as a lease
         self._coordinator = (serve.get_deployment_handle(coordinator, app_name)
                              if coordinator else None)

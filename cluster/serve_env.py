@@ -12,13 +12,13 @@ checks every 5 s, nothing a user waits on.
 Serve's throughput-optimised mode (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, what Ray's docs ask for
 with HAProxy for high-throughput serving): calls between deployments over gRPC straight to
 the replica instead of Ray actor calls, user code and routers on the replica's own event loop
-instead of a thread each, buffered request-path logs, and the garbage collector frozen after
-start-up. In P/D the ingress's prefill call is such a call, and its reply carries the prompt
-KV (kvstore.handoff). Measured on the 2-core host (scripts/bench_server_cpu.py, P/D, small
-preset, two runs each, README "P/D with direct streaming"): at concurrency 64 CPU outside the
-engines 0.20-0.24 ms per token against 0.28-0.29, whole server 1.55-1.67x the offline engine
-against 1.75-1.79x, the ingress 0.14-0.16 ms per token against 0.19-0.20 and Ray's daemons
-half (the reply no longer goes through the object store); at concurrency 8 within noise.
+instead of a thread each, and the garbage collector frozen after start-up (its log buffering
+is set back below). In P/D the ingress's prefill call is such a call, and its reply carries
+the prompt KV (kvstore.handoff). Measured on the 2-core host (scripts/bench_server_cpu.py,
+small preset, README "Serving over HTTP"): P/D at concurrency 64 CPU outside the engines
+0.20-0.24 ms per token against 0.27-0.29 and whole server 1.54-1.67x the offline engine
+against 1.70-1.85x (at concurrency 8 within noise); colocated at concurrency 8 1.23-1.31x
+against 1.42-1.58x.
 """
 
 from __future__ import annotations
