@@ -61,8 +61,11 @@ def test_pd_into_a_data_parallel_decode_equals_transformers_and_spreads_over_its
     exported, loaded = ray.get([prefill.kv_transfer_stats.remote(), decode.kv_transfer_stats.remote()])
     assert exported["exports"] == loaded["loads"] == len(prompts)  # each into the core that took it
     assert exported["bytes_out"] == loaded["bytes_in"] > 0 and loaded["load_failures"] == 0
-    per_core = ray.get(decode.load.remote())["data_parallel"]
-    assert [c["requests"] for c in per_core] == [2, 2]
+    # Both cores took work. Not an exact 2/2: the requests reach the decode side as their
+    # prefills end, and one that finished before a later one arrived leaves its core the less
+    # loaded again (CI saw 3/1). tests/engine/test_dp_coordinator.py pins the policy itself.
+    per_core = [c["requests"] for c in ray.get(decode.load.remote())["data_parallel"]]
+    assert sum(per_core) == len(prompts) and min(per_core) >= 1, per_core
     assert_no_leaks(ray, store, prefill, decode)
 
 
