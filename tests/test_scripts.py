@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from scripts.gpu_roofline import (
     decode_attention_bytes,
@@ -27,3 +28,20 @@ def test_decode_step_bytes_and_mbu():
     step = decode_step_bytes(1_000_000, [100, 300], num_layers=2, num_kv_heads=2, head_dim=4, itemsize=2)
     assert step == 1_000_000 + 2 * 2 * 2 * 4 * 2 * 400
     assert model_bandwidth_utilization(step, 1e-3, 2.0) == pytest.approx(step / 1e-3 / 2e9)
+
+
+def test_gpu_parity_judges_every_position_and_fails_on_a_wrong_token(tiny_model):
+    """scripts/gpu_parity.py's logic on the CPU: transformers' own greedy tokens all match; a
+    token swapped for its least likely one is a mismatch, not a near-tie."""
+    from scripts.gpu_parity import agreement, argmaxes, judge
+    from tests.engine.hf_reference import _hf_model, random_prompts
+
+    hf = _hf_model(tiny_model)
+    prompts = random_prompts([5, 12], 500, seed=3)
+    generated = [[a[0]] for a in argmaxes(hf, prompts, [[0] for _ in prompts], "cpu")]
+    assert judge(hf, prompts, generated, 1e-3, "cpu")["match"] == 2
+    with torch.no_grad():
+        worst = hf(torch.tensor([prompts[0]])).logits[0, -1].argmin().item()
+    verdict = judge(hf, prompts, [[worst], generated[1]], 1e-3, "cpu")
+    assert (verdict["match"], verdict["near_tie"], verdict["mismatch"]) == (1, 0, 1)
+    assert agreement([[1, 2], [3]], [[1, 5], [3]]) == 2

@@ -16,16 +16,23 @@ from engine.worker.cpu_tuning import keep_freed_memory_in_heap
 from engine.worker.model_runner import ModelRunner
 
 
-def kv_budget_bytes(total: int, free: int, reserved: int, peak: int, utilization: float) -> int:
-    """GPU bytes left for KV: `utilization` of the device, minus what other processes hold
-    (total - free - our reserved) and minus our peak during a full-budget forward pass."""
-    used_by_others = total - free - reserved
-    budget = int(total * utilization - used_by_others - peak)
+def kv_budget_bytes(total: int, free: int, reserved: int, peak: int, utilization: float,
+                    base_allocated: int = 0, base_reserved: int = 0) -> int:
+    """GPU bytes left for KV: `utilization` of the device, minus what others hold and minus our
+    peak during a full-budget forward pass. `reserved` and `peak` are this process's allocator
+    figures; `base_*` are the same figures from before this worker loaded anything, so memory
+    this process already held (another engine, a reference model) counts as someone else's,
+    as a separate process's would (vLLM's per-instance meaning of gpu_memory_utilization),
+    not as this worker's peak."""
+    ours_reserved = reserved - base_reserved
+    used_by_others = total - free - ours_reserved
+    ours_peak = peak - base_allocated
+    budget = int(total * utilization - used_by_others - ours_peak)
     if budget <= 0:
         raise ValueError(
             f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}: "
-            f"other processes use {used_by_others / 2**30:.1f} GiB and a forward pass peaks at "
-            f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise gpu_memory_utilization or "
+            f"others use {used_by_others / 2**30:.1f} GiB and a forward pass peaks at "
+            f"{ours_peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise gpu_memory_utilization or "
             "lower max_num_batched_tokens"
         )
     return budget
@@ -41,6 +48,10 @@ class Worker:
         ec, sc = config.engine, config.scheduler
         if config.device.type == "cpu":
             keep_freed_memory_in_heap()
+        # What this process held before this worker loaded anything (see kv_budget_bytes).
+        self._memory_baseline = ((torch.cuda.memory_allocated(config.device),
+                                  torch.cuda.memory_reserved(config.device))
+                                 if config.device.type == "cuda" else (0, 0))
         torch.manual_seed(ec.model.seed)
         self.runner = ModelRunner(
             ec.model.model,
@@ -72,9 +83,10 @@ class Worker:
         torch.cuda.reset_peak_memory_stats()
         self.runner.profile_run(self.config.scheduler.max_num_batched_tokens)
         free, total = torch.cuda.mem_get_info()
+        base_allocated, base_reserved = self._memory_baseline
         return kv_budget_bytes(
             total, free, torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated(),
-            self.config.engine.cache.gpu_memory_utilization,
+            self.config.engine.cache.gpu_memory_utilization, base_allocated, base_reserved,
         )
 
     def profile_run(self, num_tokens: int) -> None:

@@ -152,6 +152,12 @@ def test_kv_budget_subtracts_other_processes_and_activation_peak():
     assert kv_budget_bytes(80 * GiB, 68 * GiB, 2 * GiB, 3 * GiB, 0.9) == int(72 * GiB - 10 * GiB - 3 * GiB)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         kv_budget_bytes(80 * GiB, 10 * GiB, 0, 3 * GiB, 0.9)
+    # A second engine in a process whose first engine holds 60 GiB (allocated and reserved):
+    # those 60 GiB are someone else's, not the second one's forward-pass peak.
+    second = kv_budget_bytes(80 * GiB, 16 * GiB, 62 * GiB, 63 * GiB, 0.9, 60 * GiB, 60 * GiB)
+    assert second == int(72 * GiB - 62 * GiB - 3 * GiB)
+    with pytest.raises(ValueError, match="others use 62.0 GiB and a forward pass peaks at 3.0 GiB"):
+        kv_budget_bytes(80 * GiB, 16 * GiB, 62 * GiB, 63 * GiB, 0.5, 60 * GiB, 60 * GiB)
 
 
 def test_profile_run_executes_a_full_budget_forward(tiny_model):

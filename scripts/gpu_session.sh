@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU checks in one call, for a lent GPU machine whose Python has torch, triton and
+# transformers but not this project's other packages: wheels in .whl/ are installed to
+# /tmp/site (the device README's recipe). Each stage has its own time limit and log, so one
+# failing stage does not hide the others; a summary line per stage comes last.
+#
+#   bash scripts/gpu_session.sh [stage ...]   # stages: env parity_small throughput kernels
+#                                              #         parity_1b parity_smollm2 (default: the first four)
+# Logs go to $OUT (the device tool's folder) or /tmp/gpu_out.
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+# Packages with no wheel on the registry for that Python (llguidance: abi3, copied from this
+# machine's venv) travel as an importable folder.
+[ -d .gpu/site ] && export PYTHONPATH=$PWD/.gpu/site:$PYTHONPATH
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 PDSERVE_CACHE=/tmp/pdserve-cache
+SUMMARY=""
+
+stage() {  # stage NAME SECONDS COMMAND...
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "=== $name (limit ${limit}s): $*"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    tail -n 12 "$OUT/$name.log"
+    SUMMARY+="$name rc=$rc $(($(date +%s) - start))s"$'\n'
+}
+
+SMOL=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(env parity_small throughput kernels)
+for s in "${stages[@]}"; do
+    case $s in
+        env) stage env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; nproc;
+              '"$PY"' -c "import sys,torch,triton,transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)"' ;;
+        parity_small) stage parity_small 120 $PY scripts/gpu_parity.py --preset small ;;
+        throughput) stage throughput 150 $PY scripts/bench_throughput.py --gpu ;;
+        kernels) stage kernels 60 $PY scripts/bench_kernels.py ;;
+        parity_1b) stage parity_1b 150 $PY scripts/gpu_parity.py --preset 1b ;;
+        parity_smollm2) [ -f "$SMOL" ] || cat /tmp/smol.00 .gpu/smol.01 > "$SMOL"; stage parity_smollm2 90 $PY scripts/gpu_parity.py --model "$SMOL" ;;
+        *) echo "unknown stage $s"; exit 2 ;;
+    esac
+done
+echo "=== summary"
+printf '%s' "$SUMMARY"
