@@ -203,15 +203,16 @@ class EngineWorker:
         return transport if transport is not None and transport.hands_off else None
 
     async def prefill_handoff(self, prompt, params: SamplingParams, request_id: str,
-                              transfer_id: str) -> KVHandoff:
+                              transfer_id: str, max_kv_bytes: int | None = None) -> KVHandoff:
         """`prefill`, with the exported prompt KV in the reply instead of the store
         (kvstore.handoff): for a requester that hosts the decode engine itself. Without a
         one-rank object-store transport (tensor or data parallel) the export goes to the
-        store as usual and the reply says so (no kv, no error)."""
+        store as usual and the reply says so (no kv, no error). `max_kv_bytes`: the largest
+        KV the requester's channel takes; a bigger one goes to the store too."""
         transport = self.handoff_transport
         if transport is None:
             return KVHandoff(await self.prefill(prompt, params, request_id, transfer_id))
-        transport.handbacks.expect(transfer_id)
+        transport.handbacks.expect(transfer_id, max_kv_bytes)
         try:
             out = await self.prefill(prompt, params, request_id, transfer_id)
             if out is None or out.kv_transfer_params is None:

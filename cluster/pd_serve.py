@@ -15,12 +15,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+import grpc
+
 from actors.orchestrate import PDRequestError, pd_flow
 from cluster.front_streams import REPLICA_ERRORS, ReplicaStreams
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from kvstore.handoff import Inbox
+from kvstore.handoff import Inbox, max_reply_kv_bytes
 
 
 class ServePeers:
@@ -38,12 +40,19 @@ class ServePeers:
         if self.inbox is None:
             response = self.prefill_handle.prefill.remote(prompt, params, request_id, transfer_id)
         else:
-            response = self.prefill_handle.prefill_handoff.remote(prompt, params, request_id, transfer_id)
+            # The bound is this process's: its gRPC client is what refuses a reply too big.
+            response = self.prefill_handle.prefill_handoff.remote(prompt, params, request_id, transfer_id,
+                                                                  max_reply_kv_bytes())
         self._open.append(response)
         try:
             out = await response
         except REPLICA_ERRORS as e:
             raise PDRequestError(f"prefill replica unavailable: {e}") from e
+        except grpc.aio.AioRpcError as e:
+            # Serve turns only UNAVAILABLE into ActorUnavailableError; any other status (a
+            # reply over a channel's limit: RESOURCE_EXHAUSTED) fails this request with a
+            # retryable 503, not a 500.
+            raise PDRequestError(f"prefill call failed: {e.code().name}: {e.details()}") from e
         self._open.remove(response)
         if self.inbox is None:
             return out

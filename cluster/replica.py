@@ -73,11 +73,13 @@ class EngineServer:
         self.ttft.add(time.monotonic() - start)
         return out
 
-    async def prefill_handoff(self, prompt: dict, params: SamplingParams, request_id: str, transfer_id: str):
+    async def prefill_handoff(self, prompt: dict, params: SamplingParams, request_id: str, transfer_id: str,
+                              max_kv_bytes: int | None = None):
         """`prefill` with the prompt KV in the reply (kvstore.handoff): for a direct-streaming
-        ingress, whose own decode engine loads it."""
+        ingress, whose own decode engine loads it, and whose channel takes up to
+        `max_kv_bytes` of KV."""
         start = time.monotonic()
-        handoff = await self.worker.prefill_handoff(prompt, params, request_id, transfer_id)
+        handoff = await self.worker.prefill_handoff(prompt, params, request_id, transfer_id, max_kv_bytes)
         self.ttft.add(time.monotonic() - start)
         return handoff
 

@@ -92,26 +92,30 @@ class Handbacks:
         self._lock = threading.Lock()
         self._expected: dict[str, threading.Event] = {}
         self._ready: dict[str, HandedKV] = {}
+        self._max_bytes: dict[str, int] = {}  # the requester's bound on the KV in its reply
 
-    def expect(self, transfer_id: str) -> None:
+    def expect(self, transfer_id: str, max_bytes: int | None = None) -> None:
+        """Expect `transfer_id`'s export back in the reply. `max_bytes`: the largest KV the
+        requester's channel takes (kvstore.handoff.max_reply_kv_bytes in *its* process: the
+        client's gRPC limit is the one that refuses a reply); a bigger export is declined."""
         with self._lock:
             self._expected[transfer_id] = threading.Event()
+            if max_bytes is not None:
+                self._max_bytes[transfer_id] = max_bytes
 
-    def offer(self, transfer_id: str, value: HandedKV) -> bool:
-        """Keep an export (or its failure) for the reply; False if nobody expects it (it goes
-        to the store)."""
+    def offer(self, transfer_id: str, value: HandedKV, nbytes: int = 0, limit: int | None = None) -> bool:
+        """Keep an export (or its failure) for the reply; False if nobody expects it, or if its
+        `nbytes` exceed `limit` (this side's channel) or the requester's bound: then it goes
+        to the store, and the reply says so at once (`DECLINED`) instead of waiting for it."""
         with self._lock:
             event = self._expected.get(transfer_id)
             if event is None:
                 return False
-            self._ready[transfer_id] = value
+            bounds = [b for b in (limit, self._max_bytes.get(transfer_id)) if b is not None]
+            fits = not bounds or nbytes <= min(bounds)
+            self._ready[transfer_id] = value if fits else DECLINED
         event.set()
-        return True
-
-    def decline(self, transfer_id: str) -> None:
-        """An expected export too big for a reply: it goes to the store, and the reply says
-        so at once (`DECLINED`) instead of waiting for it."""
-        self.offer(transfer_id, DECLINED)
+        return fits
 
     def poll(self, transfer_id: str) -> HandedKV | None:
         """The export if it is here (then no longer expected), else None (still expected)."""
@@ -119,6 +123,7 @@ class Handbacks:
             value = self._ready.pop(transfer_id, None)
             if value is not None:
                 del self._expected[transfer_id]
+                self._max_bytes.pop(transfer_id, None)
             return value
 
     def take(self, transfer_id: str, timeout_s: float = 0.0) -> HandedKV | None:
@@ -133,6 +138,7 @@ class Handbacks:
         with self._lock:
             event = self._expected.pop(transfer_id, None)
             value = self._ready.pop(transfer_id, None)
+            self._max_bytes.pop(transfer_id, None)
         if event is not None:
             event.set()  # a thread still waiting for it (its request was cancelled) stops now
         return value
@@ -149,8 +155,9 @@ class Inbox:
     """Consumer side: exports received in a prefill's reply, until their load took them and
     released them, or the request's flow forgot them. An entry older than `ttl_s` (the
     store's lease: a request that waited that long for its load would find a store transfer
-    expired too) is dropped at the next delivery, so a path that never forgets one cannot
-    hold its bytes for ever."""
+    expired too) is dropped at the next delivery or count (the replica counts its handoffs in
+    every load report, a few seconds apart even when idle), so a path that never forgets one
+    cannot hold its bytes for ever."""
 
     def __init__(self, ttl_s: float = 120.0, clock=time.monotonic) -> None:
         self.ttl_s = ttl_s
@@ -163,10 +170,13 @@ class Inbox:
     def deliver(self, transfer_id: str, value: HandedKV) -> None:
         now = self._clock()
         with self._lock:
-            for entries in (self._waiting, self._taken):
-                while entries and _deadline(next(iter(entries.values()))) <= now:
-                    del entries[next(iter(entries))]
+            self._sweep(now)
             self._waiting[transfer_id] = (now + self.ttl_s, value)
+
+    def _sweep(self, now: float) -> None:
+        for entries in (self._waiting, self._taken):
+            while entries and _deadline(next(iter(entries.values()))) <= now:
+                del entries[next(iter(entries))]
 
     def claim(self, transfer_id: str) -> object:
         """The delivered value, or `MISSING` (not handed off: fetch it from the store)."""
@@ -186,6 +196,7 @@ class Inbox:
 
     def __len__(self) -> int:
         with self._lock:
+            self._sweep(self._clock())
             return len(self._waiting) + len(self._taken)
 
 

@@ -31,11 +31,10 @@ class ObjectStoreTransport(StoreBackedTransport):
     def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None:
         kv = kv.cpu()  # the object store (or a reply) is host memory
         nbytes = kv.numel() * kv.element_size()
-        if nbytes <= self.max_reply_bytes:
-            if self.handbacks.offer(transfer_id, kv):
-                return  # goes back in the prefill's reply (kvstore.handoff)
-        else:
-            self.handbacks.decline(transfer_id)  # too big for a reply: the store carries it
+        # Back in the prefill's reply (kvstore.handoff) when expected there and small enough
+        # for both ends' gRPC limits; else (declined or not expected) the store carries it.
+        if self.handbacks.offer(transfer_id, kv, nbytes, limit=self.max_reply_bytes):
+            return
         if self._self_handle_fn is None:
             # Wrapped in a list so Ray passes the reference; the store borrows it. The pending
             # call holds the reference until the store has it.

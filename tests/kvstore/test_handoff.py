@@ -126,6 +126,23 @@ def test_an_export_too_big_for_a_reply_goes_to_the_store_and_the_reply_says_so_a
     assert store.names() == ["register"] and producer.handbacks.poll("small").numel() == 250
 
 
+def test_the_requesters_bound_declines_an_export_its_channel_would_refuse():
+    # The prefill side allows 64 MiB, but the ingress that asked (another node, other
+    # settings) takes only 1,000 bytes of KV: the smaller bound decides.
+    store = _Store()
+    producer = _transport(store)
+    producer.handbacks.expect("big", max_bytes=1000)
+    producer.publish("big", torch.zeros(251), 251)  # 1004 bytes
+    assert store.names() == ["register"] and producer.handbacks.poll("big") == DECLINED
+    producer.handbacks.expect("fits", max_bytes=1000)
+    producer.publish("fits", torch.zeros(250), 250)
+    assert store.names() == ["register"] and producer.handbacks.poll("fits").numel() == 250
+    # The bound goes with the id: expected again without one, the same export fits.
+    producer.handbacks.expect("big")
+    producer.publish("big", torch.zeros(251), 251)
+    assert store.names() == ["register"] and producer.handbacks.poll("big").numel() == 251
+
+
 def test_a_reply_carries_at_most_the_grpc_limit_less_room_for_the_output():
     mib = 1024 * 1024
     assert max_reply_kv_bytes({}) == 3 * mib  # Serve's own 4 MiB
@@ -212,6 +229,18 @@ def test_the_inbox_drops_what_outlived_its_ttl_at_the_next_delivery():
     assert len(inbox) == 2 and inbox.claim("old") is MISSING
     assert not inbox.forget("fetched") and inbox.forget("new") and inbox.forget("newer")
     assert len(inbox) == 0
+
+
+def test_counting_the_inbox_drops_what_outlived_its_ttl_without_a_delivery():
+    # Traffic stopped: the replica's load reports count the inbox, and that sweeps it.
+    now = [0.0]
+    inbox = Inbox(ttl_s=10.0, clock=lambda: now[0])
+    inbox.deliver("left", torch.ones(1))
+    inbox.deliver("loading", torch.ones(1))
+    inbox.claim("loading")
+    assert len(inbox) == 2
+    now[0] = 10.0
+    assert len(inbox) == 0 and inbox.claim("left") is MISSING and not inbox.forget("loading")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

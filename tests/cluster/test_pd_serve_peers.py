@@ -1,0 +1,94 @@
+"""ServePeers with a direct-streaming ingress's inbox (cluster.pd_serve, kvstore.handoff), with
+stand-in handles: what the prefill call asks for, where a handed-back KV goes, what a failed
+call becomes, and what cleanup releases. No Ray is started."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from actors.orchestrate import PDRequestError
+from cluster.pd_serve import ServePeers
+from engine.sampling_params import SamplingParams
+from kvstore.handoff import MISSING, Inbox, KVHandoff, max_reply_kv_bytes
+
+
+class _Response:
+    """A DeploymentResponse stand-in: awaitable once, cancellable."""
+
+    def __init__(self, result=None, error: BaseException | None = None) -> None:
+        self.result, self.error, self.cancelled = result, error, False
+
+    def __await__(self):
+        if self.error is not None:
+            raise self.error
+        return self.result
+        yield  # a generator, as __await__ must return an iterator
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Prefill:
+    def __init__(self, response: _Response) -> None:
+        self.response, self.calls = response, []
+        self.prefill_handoff = self
+
+    def remote(self, *args):
+        self.calls.append(args)
+        return self.response
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.released: list[str] = []
+        self.release = self
+
+    def remote(self, transfer_id: str):
+        self.released.append(transfer_id)
+
+        async def done():
+            return None
+        return done()
+
+
+def _peers(response: _Response) -> tuple[ServePeers, _Prefill, _Store, Inbox]:
+    prefill, store, inbox = _Prefill(response), _Store(), Inbox()
+    return ServePeers(prefill, decode_streams=None, store=store, inbox=inbox), prefill, store, inbox
+
+
+def test_the_kv_in_the_reply_goes_to_the_inbox_and_cleanup_forgets_it_without_the_store():
+    kv = torch.randn(2, 3)
+    peers, prefill, store, inbox = _peers(_Response(KVHandoff("first-output", kv=kv)))
+    params = SamplingParams(max_tokens=4)
+    out = asyncio.run(peers.prefill({"prompt_token_ids": [1, 2]}, params, "r1", "t1"))
+    assert out == "first-output"
+    # The caller's own reply bound travels with the call.
+    assert prefill.calls == [({"prompt_token_ids": [1, 2]}, params, "r1", "t1", max_reply_kv_bytes())]
+    assert torch.equal(inbox.claim("t1"), kv)
+    asyncio.run(peers.cleanup("r1", "t1", unfinished=False))
+    assert len(inbox) == 0 and store.released == []
+
+
+def test_a_reply_without_the_kv_leaves_the_transfer_to_the_store():
+    peers, _prefill, store, inbox = _peers(_Response(KVHandoff("first-output")))
+    asyncio.run(peers.prefill({"prompt_token_ids": [1]}, SamplingParams(), "r2", "t2"))
+    assert inbox.claim("t2") is MISSING
+    asyncio.run(peers.cleanup("r2", "t2", unfinished=False))
+    assert store.released == ["t2"]
+
+
+def test_a_grpc_failure_of_the_prefill_call_is_a_pd_error_not_an_internal_one():
+    # What Serve's gRPC client raised for a reply over its message limit (a 500 before).
+    error = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                 details="Received message larger than max (11799825 vs. 4194304)")
+    response = _Response(error=error)
+    peers, _prefill, store, inbox = _peers(response)
+    with pytest.raises(PDRequestError, match="RESOURCE_EXHAUSTED: Received message larger than max") as e:
+        asyncio.run(peers.prefill({"prompt_token_ids": [1]}, SamplingParams(), "r3", "t3"))
+    assert not e.value.replica_died
+    asyncio.run(peers.cleanup("r3", "t3", unfinished=True))
+    assert response.cancelled and store.released == ["t3"] and len(inbox) == 0
