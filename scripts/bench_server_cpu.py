@@ -117,13 +117,20 @@ class Bench:
     def __init__(self, args, model: str, configs: list[tuple[str, float]]) -> None:
         import torch
 
+        from engine.tokenizer import load_tokenizer
+
         torch.set_num_threads(args.offline_threads)
         self.args, self.model = args, model
         self.idle: dict[str, dict[str, float]] = {}  # mode -> role -> CPU s per idle minute
-        self.engine = None if args.skip_offline else make_engine(model, max(args.concurrency))
-        self.pd_engines = (make_pd_engines(model, max(args.concurrency))
+        # On a GPU the offline engines and the server's share the card: each takes its fraction.
+        kw = ({"gpu_memory_utilization": args.gpu_memory_utilization}
+              if args.gpu_memory_utilization is not None else {})
+        self.engine = None if args.skip_offline else make_engine(model, max(args.concurrency), **kw)
+        self.pd_engines = (make_pd_engines(model, max(args.concurrency), **kw)
                            if not args.skip_offline and any(mode == "pd" for mode, _ in configs) else None)
-        tokenizer = self.engine.tokenizer if self.engine else make_engine(model, 1).tokenizer
+        # Without an offline engine, only its tokenizer: an engine made for it would hold its
+        # share of a GPU (its KV cache) until collected, beside the server's.
+        tokenizer = self.engine.tokenizer if self.engine else load_tokenizer(model)
         counts = {"warm": max(args.concurrency)}
         for config in configs:
             for c, n in zip(args.concurrency, args.requests):
@@ -211,6 +218,8 @@ class Bench:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         extra = ["--stream-interval-ms", f"{interval_ms:g}"] + shlex.split(args.server_args)
+        if args.gpu_memory_utilization is not None:
+            extra += ["--gpu-memory-utilization", f"{args.gpu_memory_utilization:g}"]
         if "--replica-cpus" not in extra:
             # CPU seconds compare only at equal threads: more threads spend more CPU per token.
             extra += ["--replica-cpus", str(args.offline_threads)]
@@ -287,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--skip-bytes", action="store_true")
     ap.add_argument("--server-args", default="", help="extra `pdserve serve` flags in one string")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="on a GPU: the fraction each engine takes, the offline ones in this process and "
+                         "the server's alike (they share the card; the engine's 0.9 fits one)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--stop-timeout", type=float, default=60.0)
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")

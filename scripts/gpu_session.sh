@@ -6,6 +6,7 @@
 #
 #   bash scripts/gpu_session.sh [stage ...]   # stages: env parity_small throughput kernels
 #                                              #         parity_1b parity_smollm2 (default: the first four)
+#                                              #         stash_ray, then serve_cpu in the next call
 # Logs go to $OUT (the device tool's folder) or /tmp/gpu_out.
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -45,6 +46,19 @@ for s in "${stages[@]}"; do
         throughput) stage throughput 150 $PY scripts/bench_throughput.py --gpu ;;
         kernels) stage kernels 60 $PY scripts/bench_kernels.py ;;
         parity_1b) stage parity_1b 150 $PY scripts/gpu_parity.py --preset 1b ;;
+        stash_ray) mkdir -p /tmp/wa && cp .gpu/wa/* /tmp/wa/ && ls /tmp/wa | wc -l ;;
+        serve_cpu)
+            # Ray and Serve, which that machine lacks, in two halves over two calls (each call
+            # carries at most 64 MiB): stash_ray kept the first half, this call brings the rest.
+            if [ -f /tmp/wa/ray.part0 ] && [ -f .gpu/wb/ray.part1 ]; then
+                cat /tmp/wa/ray.part0 .gpu/wb/ray.part1 > /tmp/wa/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
+                $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+                    /tmp/wa/*.whl .gpu/wb/*.whl || exit 1
+                export PYTHONPATH=/tmp/site:$PYTHONPATH PATH=/tmp/site/bin:$PATH
+            fi
+            stage serve_cpu 400 $PY scripts/bench_server_cpu.py --preset small --modes colocated \
+                --concurrency 8,64 --requests 96,512 --repeats 1 --intervals "" --skip-bytes --idle-s 0 \
+                --quiet-wait-s 0 --gpu-memory-utilization 0.4 --json "$OUT/serve_cpu.json" ;;
         parity_smollm2) [ -f "$SMOL" ] || cat /tmp/smol.00 .gpu/smol.01 > "$SMOL"; stage parity_smollm2 90 $PY scripts/gpu_parity.py --model "$SMOL" ;;
         *) echo "unknown stage $s"; exit 2 ;;
     esac

@@ -16,24 +16,36 @@ from engine.worker.cpu_tuning import keep_freed_memory_in_heap
 from engine.worker.model_runner import ModelRunner
 
 
-def kv_budget_bytes(total: int, free: int, reserved: int, peak: int, utilization: float,
+def kv_budget_bytes(total: int, free: int, reserved: int, allocated: int, peak: int, utilization: float,
                     base_allocated: int = 0, base_reserved: int = 0) -> int:
-    """GPU bytes left for KV: `utilization` of the device, minus what others hold and minus our
-    peak during a full-budget forward pass. `reserved` and `peak` are this process's allocator
-    figures; `base_*` are the same figures from before this worker loaded anything, so memory
-    this process already held (another engine, a reference model) counts as someone else's,
-    as a separate process's would (vLLM's per-instance meaning of gpu_memory_utilization),
-    not as this worker's peak."""
-    ours_reserved = reserved - base_reserved
-    used_by_others = total - free - ours_reserved
+    """GPU bytes for this engine's KV cache, with vLLM's per-instance meaning of
+    `gpu_memory_utilization`: the engine may use that fraction of the device in all (weights,
+    its forward pass's peak, KV), whatever other engines or processes on the card hold, so two
+    engines sharing a GPU take about 0.45 each. The KV must also fit what is free now: the
+    device's free memory plus what this process's allocator holds unused.
+
+    `reserved`, `allocated` and `peak` are this process's allocator figures after a
+    full-budget forward pass; `base_*` the same from before this worker loaded anything, so
+    what the process held earlier (another engine, a reference model) is someone else's."""
+    gib = 2**30
     ours_peak = peak - base_allocated
-    budget = int(total * utilization - used_by_others - ours_peak)
+    share = total * utilization
+    budget = int(share - ours_peak)
     if budget <= 0:
         raise ValueError(
-            f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}: "
-            f"others use {used_by_others / 2**30:.1f} GiB and a forward pass peaks at "
-            f"{ours_peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise gpu_memory_utilization or "
-            "lower max_num_batched_tokens"
+            f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}: a forward "
+            f"pass of this engine peaks at {ours_peak / gib:.1f} GiB of the {share / gib:.1f} GiB it may "
+            "use; raise gpu_memory_utilization or lower max_num_batched_tokens"
+        )
+    available = free + reserved - allocated
+    if budget > available:
+        others = total - free - (reserved - base_reserved)
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} gives this engine {share / gib:.1f} GiB of "
+            f"{total / gib:.1f} GiB, but only {available / gib:.1f} GiB are free for its "
+            f"{budget / gib:.1f} GiB KV cache (others on the GPU use {others / gib:.1f} GiB): lower "
+            "gpu_memory_utilization so that the engines sharing this GPU sum to at most about 0.9, "
+            "or free the GPU"
         )
     return budget
 
@@ -85,8 +97,9 @@ class Worker:
         free, total = torch.cuda.mem_get_info()
         base_allocated, base_reserved = self._memory_baseline
         return kv_budget_bytes(
-            total, free, torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated(),
-            self.config.engine.cache.gpu_memory_utilization, base_allocated, base_reserved,
+            total, free, torch.cuda.memory_reserved(), torch.cuda.memory_allocated(),
+            torch.cuda.max_memory_allocated(), self.config.engine.cache.gpu_memory_utilization,
+            base_allocated, base_reserved,
         )
 
     def profile_run(self, num_tokens: int) -> None:
