@@ -32,6 +32,34 @@ def describe(needed: Mapping[str, float], free: Mapping[str, float]) -> str:
     return f"needs {fmt(needed)}; free {fmt(free)}"
 
 
+def startup_refusal(needed: Mapping[str, float], total: Mapping[str, float], mode: str) -> str | None:
+    """Why an app whose engine replicas reserve `needed` cannot start on a cluster of `total`
+    resources (None when it fits): Serve would otherwise wait for ever on the replicas that
+    find no room. Sharing one GPU between P/D's two roles is the commonest case, so the
+    message says how."""
+    short = shortfall(needed, total)
+    if not short:
+        return None
+    hint = ""
+    if "GPU" in short and mode == "pd":
+        hint = ("; to share GPUs between the prefill and decode replicas give each a fraction, e.g. "
+                "--replica-gpus 0.5 --gpu-memory-utilization 0.45 on one GPU")
+    elif "GPU" in short:
+        hint = "; lower the replica counts or --replica-gpus"
+    elif "CPU" in short:
+        hint = "; lower the replica counts or --replica-cpus"
+    have = ", ".join(f"{res} {total.get(res, 0.0):g}" for res in sorted(needed))
+    want = ", ".join(f"{res} {amount:g}" for res, amount in sorted(needed.items()))
+    return f"the engine replicas need {want} in all; this Ray has {have}{hint}"
+
+
+def total_resources() -> dict[str, float]:
+    import ray
+
+    total = ray.cluster_resources()
+    return {"CPU": float(total.get("CPU", 0.0)), "GPU": float(total.get("GPU", 0.0))}
+
+
 def free_resources() -> dict[str, float]:
     import ray
 

@@ -190,7 +190,7 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
     from ray import serve
 
     from cluster.app import build_app
-    from cluster.capacity import node_cpus
+    from cluster.capacity import node_cpus, startup_refusal, total_resources
     from cluster.shutdown import BoundedShutdown, StopServing, become_subreaper
     from kvstore.store_actor import remove_app_store
 
@@ -241,6 +241,12 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
         stopper.watch_ray_node()
         serve.start(http_options={"host": args.host, "port": args.port})
         cfg = cfg.sized_for(node_cpus())
+        if not address:
+            # Our own Ray gains no nodes: replicas that do not fit would leave serve.run waiting
+            # for ever (an attached cluster may autoscale; its /status explains what waits).
+            refusal = startup_refusal(cfg.initial_resources(), total_resources(), cfg.mode)
+            if refusal is not None:
+                raise ValueError(refusal)
         serve.run(build_app(cfg), name=cfg.app_name, route_prefix="/", blocking=False,
                   external_scaler_enabled=True)
         url = f"http://{args.host}:{args.port}"
