@@ -305,7 +305,7 @@ class AppConfig:
             options["runtime_env"] = {"env_vars": env}
         return options
 
-    def _role_resources(self, role: str) -> dict[str, float]:
+    def role_resources(self, role: str) -> dict[str, float]:
         """What one replica of `role` reserves in all, its ranks' bundles included."""
         bundles = self.placement_bundles(role) or [{"CPU": self.replica_cpus(), "GPU": self.num_gpus(role)}]
         return {name: sum(b.get(name, 0.0) for b in bundles) for name in ("CPU", "GPU")}
@@ -313,17 +313,8 @@ class AppConfig:
     def replica_resources(self) -> dict[str, float]:
         """What the largest replica of any role reserves in all, its ranks' bundles included
         (the Coordinator's capacity checks before scaling)."""
-        totals = [self._role_resources(role) for role in self.targets()]
+        totals = [self.role_resources(role) for role in self.targets()]
         return {name: max(t[name] for t in totals) for name in ("CPU", "GPU")}
-
-    def initial_resources(self) -> dict[str, float]:
-        """What the app's engine replicas reserve together at their start-up counts (the
-        Coordinator, KV store and ingress without an engine reserve none)."""
-        needed = {"CPU": 0.0, "GPU": 0.0}
-        for role, count in self.targets().items():
-            for name, amount in self._role_resources(role).items():
-                needed[name] += count * amount
-        return {name: amount for name, amount in needed.items() if amount > 0}
 
 
 def build_app(cfg: AppConfig):

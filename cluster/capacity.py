@@ -32,6 +32,16 @@ def describe(needed: Mapping[str, float], free: Mapping[str, float]) -> str:
     return f"needs {fmt(needed)}; free {fmt(free)}"
 
 
+def initial_resources(cfg) -> dict[str, float]:
+    """What an AppConfig's engine replicas reserve together at their start-up counts (the
+    Coordinator, KV store and an ingress without an engine reserve none)."""
+    needed = {"CPU": 0.0, "GPU": 0.0}
+    for role, count in cfg.targets().items():
+        for name, amount in cfg.role_resources(role).items():
+            needed[name] += count * amount
+    return {name: amount for name, amount in needed.items() if amount > 0}
+
+
 def startup_refusal(needed: Mapping[str, float], total: Mapping[str, float], mode: str) -> str | None:
     """Why an app whose engine replicas reserve `needed` cannot start on a cluster of `total`
     resources (None when it fits): Serve would otherwise wait for ever on the replicas that

@@ -22,7 +22,7 @@ from cluster.front_streams import REPLICA_ERRORS, ReplicaStreams
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from kvstore.handoff import Inbox, max_reply_kv_bytes
+from kvstore.handoff import GRPC_MAX_MESSAGE, Inbox, max_reply_kv_bytes
 
 
 class ServePeers:
@@ -49,9 +49,13 @@ class ServePeers:
         except REPLICA_ERRORS as e:
             raise PDRequestError(f"prefill replica unavailable: {e}") from e
         except grpc.aio.AioRpcError as e:
-            # Serve turns only UNAVAILABLE into ActorUnavailableError; any other status (a
-            # reply over a channel's limit: RESOURCE_EXHAUSTED) fails this request with a
-            # retryable 503, not a 500.
+            # Serve turns only UNAVAILABLE into ActorUnavailableError. A reply over a channel's
+            # limit (RESOURCE_EXHAUSTED: the KV is bounded, so the output itself, e.g. a long
+            # prompt's prompt_logprobs) would fail again on a retry: a 500 naming the setting.
+            # Any other status fails this request with a retryable 503.
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise RuntimeError(f"the prefill's reply is over the gRPC message limit ({e.details()}); "
+                                   f"raise {GRPC_MAX_MESSAGE}") from e
             raise PDRequestError(f"prefill call failed: {e.code().name}: {e.details()}") from e
         self._open.remove(response)
         if self.inbox is None:

@@ -190,7 +190,7 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
     from ray import serve
 
     from cluster.app import build_app
-    from cluster.capacity import node_cpus, startup_refusal, total_resources
+    from cluster.capacity import initial_resources, node_cpus, startup_refusal, total_resources
     from cluster.shutdown import BoundedShutdown, StopServing, become_subreaper
     from kvstore.store_actor import remove_app_store
 
@@ -244,7 +244,7 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
         if not address:
             # Our own Ray gains no nodes: replicas that do not fit would leave serve.run waiting
             # for ever (an attached cluster may autoscale; its /status explains what waits).
-            refusal = startup_refusal(cfg.initial_resources(), total_resources(), cfg.mode)
+            refusal = startup_refusal(initial_resources(cfg), total_resources(), cfg.mode)
             if refusal is not None:
                 raise ValueError(refusal)
         serve.run(build_app(cfg), name=cfg.app_name, route_prefix="/", blocking=False,

@@ -100,7 +100,9 @@ class Handbacks:
         client's gRPC limit is the one that refuses a reply); a bigger export is declined."""
         with self._lock:
             self._expected[transfer_id] = threading.Event()
-            if max_bytes is not None:
+            if max_bytes is None:
+                self._max_bytes.pop(transfer_id, None)
+            else:
                 self._max_bytes[transfer_id] = max_bytes
 
     def offer(self, transfer_id: str, value: HandedKV, nbytes: int = 0, limit: int | None = None) -> bool:
@@ -174,9 +176,12 @@ class Inbox:
             self._waiting[transfer_id] = (now + self.ttl_s, value)
 
     def _sweep(self, now: float) -> None:
-        for entries in (self._waiting, self._taken):
-            while entries and _deadline(next(iter(entries.values()))) <= now:
-                del entries[next(iter(entries))]
+        # Waiting entries are in delivery order, which is deadline order: stop at the first
+        # live one. Taken ones are in claim order: look at each (a few, briefly held).
+        while self._waiting and _deadline(next(iter(self._waiting.values()))) <= now:
+            del self._waiting[next(iter(self._waiting))]
+        for transfer_id in [t for t, deadline in self._taken.items() if deadline <= now]:
+            del self._taken[transfer_id]
 
     def claim(self, transfer_id: str) -> object:
         """The delivered value, or `MISSING` (not handed off: fetch it from the store)."""

@@ -298,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--server-args", default="", help="extra `pdserve serve` flags in one string")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="on a GPU: the fraction each engine takes, the offline ones in this process and "
-                         "the server's alike (they share the card; the engine's 0.9 fits one)")
+                         "every server replica's alike (they share the card; the engine's 0.9 fits "
+                         "one): with --modes pd up to five engines, and the server's P/D replicas "
+                         "need --server-args='--replica-gpus 0.5' on one GPU")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--stop-timeout", type=float, default=60.0)
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")

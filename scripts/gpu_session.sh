@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh [stage ...]   # stages: env parity_small throughput kernels
 #                                              #         parity_1b parity_smollm2 (default: the first four)
 #                                              #         stash_ray, then serve_cpu in the next call
+#                                              #         stash_smol, then parity_smollm2 likewise
 # Logs go to $OUT (the device tool's folder) or /tmp/gpu_out.
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -59,7 +60,12 @@ for s in "${stages[@]}"; do
             stage serve_cpu 400 $PY scripts/bench_server_cpu.py --preset small --modes colocated \
                 --concurrency 8,64 --requests 96,512 --repeats 1 --intervals "" --skip-bytes --idle-s 0 \
                 --quiet-wait-s 0 --gpu-memory-utilization 0.4 --json "$OUT/serve_cpu.json" ;;
-        parity_smollm2) [ -f "$SMOL" ] || cat /tmp/smol.00 .gpu/smol.01 > "$SMOL"; stage parity_smollm2 90 $PY scripts/gpu_parity.py --model "$SMOL" ;;
+        stash_smol) cp .gpu/smol.00 /tmp/smol.00 ;;  # SmolLM2's first half; parity_smollm2 next call
+        parity_smollm2)
+            if [ ! -f "$SMOL" ]; then  # never a truncated file under the final name
+                cat /tmp/smol.00 .gpu/smol.01 > "$SMOL.part" && mv "$SMOL.part" "$SMOL" || exit 1
+            fi
+            stage parity_smollm2 90 $PY scripts/gpu_parity.py --model "$SMOL" ;;
         *) echo "unknown stage $s"; exit 2 ;;
     esac
 done

@@ -21,12 +21,16 @@ def kv_budget_bytes(total: int, free: int, reserved: int, allocated: int, peak: 
     """GPU bytes for this engine's KV cache, with vLLM's per-instance meaning of
     `gpu_memory_utilization`: the engine may use that fraction of the device in all (weights,
     its forward pass's peak, KV), whatever other engines or processes on the card hold, so two
-    engines sharing a GPU take about 0.45 each. The KV must also fit what is free now: the
-    device's free memory plus what this process's allocator holds unused.
+    engines sharing a GPU take about 0.45 each. The KV, and next to it the activations of a
+    full-budget forward pass, must also fit what is free now: the device's free memory plus
+    what this process's allocator holds unused (`reserved - allocated`), less the forward
+    pass's own `peak - allocated`.
 
-    `reserved`, `allocated` and `peak` are this process's allocator figures after a
-    full-budget forward pass; `base_*` the same from before this worker loaded anything, so
-    what the process held earlier (another engine, a reference model) is someone else's."""
+    `reserved`, `allocated` and `peak` are this process's allocator figures after such a
+    forward pass; `base_*` the same from before this worker loaded anything, so what the
+    process held earlier (another engine, a reference model) is someone else's. Memory outside
+    the allocator (the CUDA context, cuBLAS and NCCL workspaces) is not counted: the share
+    should leave room for it, as the default 0.9 does."""
     gib = 2**30
     ours_peak = peak - base_allocated
     share = total * utilization
@@ -37,7 +41,7 @@ def kv_budget_bytes(total: int, free: int, reserved: int, allocated: int, peak: 
             f"pass of this engine peaks at {ours_peak / gib:.1f} GiB of the {share / gib:.1f} GiB it may "
             "use; raise gpu_memory_utilization or lower max_num_batched_tokens"
         )
-    available = free + reserved - allocated
+    available = free + reserved - peak
     if budget > available:
         others = total - free - (reserved - base_reserved)
         raise ValueError(

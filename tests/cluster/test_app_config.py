@@ -544,29 +544,29 @@ def test_pd_on_one_gpu_is_refused_at_start_up_with_how_to_share_it(tiny_model, m
     fit."""
     import torch
 
-    from cluster.capacity import startup_refusal
+    from cluster.capacity import initial_resources, startup_refusal
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     one_gpu = {"CPU": 16.0, "GPU": 1.0}
     cfg = _cfg(tiny_model, mode="pd")
-    assert cfg.initial_resources() == {"CPU": 2.0, "GPU": 2.0}
-    refusal = startup_refusal(cfg.initial_resources(), one_gpu, cfg.mode)
+    assert initial_resources(cfg) == {"CPU": 2.0, "GPU": 2.0}
+    refusal = startup_refusal(initial_resources(cfg), one_gpu, cfg.mode)
     assert refusal is not None and "need CPU 2, GPU 2 in all; this Ray has CPU 16, GPU 1" in refusal
     assert "--replica-gpus 0.5 --gpu-memory-utilization 0.45" in refusal
     shared = _cfg(tiny_model, mode="pd", replica_num_gpus=0.5)
-    assert startup_refusal(shared.initial_resources(), one_gpu, shared.mode) is None
+    assert startup_refusal(initial_resources(shared), one_gpu, shared.mode) is None
     # Replica counts multiply; a tensor-parallel replica counts its ranks' bundles.
     tp = AppConfig.from_flat({"model": tiny_model, "mode": "colocated", "tensor_parallel_size": 2,
                               "colocated_replicas": 2})
-    assert tp.initial_resources() == {"CPU": 2.0, "GPU": 4.0}
-    assert "lower the replica counts or --replica-gpus" in startup_refusal(tp.initial_resources(), one_gpu, "colocated")
+    assert initial_resources(tp) == {"CPU": 2.0, "GPU": 4.0}
+    assert "lower the replica counts or --replica-gpus" in startup_refusal(initial_resources(tp), one_gpu, "colocated")
 
 
 def test_cpu_replicas_that_do_not_fit_are_refused_naming_the_cpus(tiny_model):
-    from cluster.capacity import startup_refusal
+    from cluster.capacity import initial_resources, startup_refusal
 
     cfg = _cfg(tiny_model, mode="pd", replica_num_cpus=3)
-    assert cfg.initial_resources() == {"CPU": 6.0}
-    assert startup_refusal(cfg.initial_resources(), {"CPU": 4.0, "GPU": 0.0}, "pd") == (
+    assert initial_resources(cfg) == {"CPU": 6.0}
+    assert startup_refusal(initial_resources(cfg), {"CPU": 4.0, "GPU": 0.0}, "pd") == (
         "the engine replicas need CPU 6 in all; this Ray has CPU 4; lower the replica counts or --replica-cpus")
-    assert startup_refusal(cfg.initial_resources(), {"CPU": 6.0, "GPU": 0.0}, "pd") is None
+    assert startup_refusal(initial_resources(cfg), {"CPU": 6.0, "GPU": 0.0}, "pd") is None

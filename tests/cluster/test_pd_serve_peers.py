@@ -81,14 +81,28 @@ def test_a_reply_without_the_kv_leaves_the_transfer_to_the_store():
     assert store.released == ["t2"]
 
 
-def test_a_grpc_failure_of_the_prefill_call_is_a_pd_error_not_an_internal_one():
-    # What Serve's gRPC client raised for a reply over its message limit (a 500 before).
-    error = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                 details="Received message larger than max (11799825 vs. 4194304)")
-    response = _Response(error=error)
+def _grpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+def test_a_grpc_failure_of_the_prefill_call_is_a_retryable_pd_error():
+    # Serve maps only UNAVAILABLE to a replica error; other statuses came through raw (a 500).
+    response = _Response(error=_grpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
     peers, _prefill, store, inbox = _peers(response)
-    with pytest.raises(PDRequestError, match="RESOURCE_EXHAUSTED: Received message larger than max") as e:
+    with pytest.raises(PDRequestError, match="DEADLINE_EXCEEDED: Deadline Exceeded") as e:
         asyncio.run(peers.prefill({"prompt_token_ids": [1]}, SamplingParams(), "r3", "t3"))
     assert not e.value.replica_died
     asyncio.run(peers.cleanup("r3", "t3", unfinished=True))
     assert response.cancelled and store.released == ["t3"] and len(inbox) == 0
+
+
+def test_a_reply_over_the_grpc_limit_names_the_setting_and_is_not_retryable():
+    # What Serve's gRPC client raised for a 12 MB reply at its 4 MiB default: a retry would
+    # fail the same way, so not a 503.
+    error = _grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (11799825 vs. 4194304)")
+    peers, _prefill, store, _inbox = _peers(_Response(error=error))
+    with pytest.raises(RuntimeError, match="over the gRPC message limit .*; raise RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH") as e:
+        asyncio.run(peers.prefill({"prompt_token_ids": [1]}, SamplingParams(), "r4", "t4"))
+    assert not isinstance(e.value, PDRequestError)
+    asyncio.run(peers.cleanup("r4", "t4", unfinished=True))
+    assert store.released == ["t4"]

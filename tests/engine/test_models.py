@@ -159,10 +159,16 @@ def test_kv_budget_is_a_per_engine_share_of_the_device_that_must_fit_what_is_fre
     # beside a server's): what the process held before this worker counts as the other's.
     assert kv_budget_bytes(80 * GiB, 42 * GiB, 38 * GiB, 37 * GiB, 39 * GiB, 0.45, 36 * GiB, 36 * GiB) \
         == int(36 * GiB - 3 * GiB)
+    # The KV must leave the forward pass its room: another process holds 40 GiB; ours holds
+    # 1 GiB of weights in a 3 GiB pool after a 3 GiB peak, so 36.5 GiB are free and a KV cache
+    # plus a forward pass can take 36.5 + 3 - 3 = 36.5 GiB. At 0.5 the share asks 40 - 3 = 37.
+    with pytest.raises(ValueError, match=r"only 36.5 GiB are free for its 37.0 GiB KV cache"):
+        kv_budget_bytes(80 * GiB, int(36.5 * GiB), 3 * GiB, 1 * GiB, 3 * GiB, 0.5)
+    assert kv_budget_bytes(80 * GiB, int(36.5 * GiB), 3 * GiB, 1 * GiB, 3 * GiB, 0.49) == int(0.49 * 80 * GiB - 3 * GiB)
     with pytest.raises(ValueError, match=r"peaks at 3.0 GiB of the 2.4 GiB it may use"):
         kv_budget_bytes(80 * GiB, 68 * GiB, 2 * GiB, 1 * GiB, 3 * GiB, 0.03)
     # Shares that sum past the card: refused with the figures, not an out-of-memory later.
-    with pytest.raises(ValueError, match=r"only 11.0 GiB are free for its 33.0 GiB KV cache \(others on the GPU "
+    with pytest.raises(ValueError, match=r"only 10.0 GiB are free for its 33.0 GiB KV cache \(others on the GPU "
                                          r"use 67.0 GiB\)"):
         kv_budget_bytes(80 * GiB, 10 * GiB, 3 * GiB, 2 * GiB, 3 * GiB, 0.45)
 

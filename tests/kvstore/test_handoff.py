@@ -137,7 +137,9 @@ def test_the_requesters_bound_declines_an_export_its_channel_would_refuse():
     producer.handbacks.expect("fits", max_bytes=1000)
     producer.publish("fits", torch.zeros(250), 250)
     assert store.names() == ["register"] and producer.handbacks.poll("fits").numel() == 250
-    # The bound goes with the id: expected again without one, the same export fits.
+    # The bound goes with the id: expected again without one, the same export fits (also when
+    # nothing took the bounded expectation in between).
+    producer.handbacks.expect("big", max_bytes=1000)
     producer.handbacks.expect("big")
     producer.publish("big", torch.zeros(251), 251)
     assert store.names() == ["register"] and producer.handbacks.poll("big").numel() == 251
@@ -241,6 +243,14 @@ def test_counting_the_inbox_drops_what_outlived_its_ttl_without_a_delivery():
     assert len(inbox) == 2
     now[0] = 10.0
     assert len(inbox) == 0 and inbox.claim("left") is MISSING and not inbox.forget("loading")
+    # Taken entries expire by their own deadlines, not in the order they were claimed.
+    inbox.deliver("early", torch.ones(1))
+    now[0] = 15.0
+    inbox.deliver("late", torch.ones(1))
+    inbox.claim("late")
+    inbox.claim("early")  # claimed last, expires first (at 20)
+    now[0] = 21.0
+    assert len(inbox) == 1 and not inbox.forget("early") and inbox.forget("late")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
