@@ -12,3 +12,26 @@ def finish_all(engine, rids: set[str], timeout_s: float = 120.0) -> dict:
         assert time.monotonic() < deadline, f"unfinished after {timeout_s} s: {sorted(rids - set(finals))}"
         finals.update({out.request_id: out for out in engine.step() if out.finished})
     return finals
+
+
+class _RecordedMethod:
+    def __init__(self, name: str, calls: list) -> None:
+        self.name, self.calls = name, calls
+
+    def remote(self, *args, **kwargs):
+        self.calls.append((self.name, args))
+        if self.name == "lookup":  # nothing to wait on (and no Ray started by a ray.get)
+            raise ConnectionError("the stand-in store answers no lookup")
+
+
+class RecordingStore:
+    """Records every call a transport makes on the store actor (none answers: a lookup
+    fails its fetch, which the tests would see)."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        for name in ("register", "abandon", "release", "lookup"):
+            setattr(self, name, _RecordedMethod(name, self.calls))
+
+    def names(self) -> list[str]:
+        return [name for name, _args in self.calls]

@@ -40,33 +40,11 @@ from kvstore.transports import TransferError
 from kvstore.transports.object_store import ObjectStoreTransport
 from kvstore.transports.relay import KVRelay, RelayConnectorFactory
 from tests.engine.hf_reference import hf_greedy, random_prompts
+from tests.kvstore.helpers import RecordingStore as _Store
 from tests.kvstore.helpers import finish_all
 
 BS = 16
 _WAIT_S = 30.0
-
-
-class _Method:
-    def __init__(self, name: str, calls: list) -> None:
-        self.name, self.calls = name, calls
-
-    def remote(self, *args, **kwargs):
-        self.calls.append((self.name, args))
-        if self.name == "lookup":  # nothing to wait on (and no Ray started by a ray.get)
-            raise ConnectionError("the stand-in store answers no lookup")
-
-
-class _Store:
-    """Records every call a transport makes on the store actor (none answers: a lookup
-    fails its fetch, which the tests would see)."""
-
-    def __init__(self) -> None:
-        self.calls: list = []
-        for name in ("register", "abandon", "release", "lookup"):
-            setattr(self, name, _Method(name, self.calls))
-
-    def names(self) -> list[str]:
-        return [name for name, _args in self.calls]
 
 
 def _transport(store: _Store) -> ObjectStoreTransport:
