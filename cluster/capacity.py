@@ -25,11 +25,13 @@ def shortfall(needed: Mapping[str, float], free: Mapping[str, float]) -> dict[st
             if amount > free.get(res, 0.0) + _EPS}
 
 
-def describe(needed: Mapping[str, float], free: Mapping[str, float]) -> str:
-    def fmt(d):
-        return ", ".join(f"{res} {d.get(res, 0.0):g}" for res in sorted(needed)) or "nothing"
+def _amounts(amounts: Mapping[str, float], resources) -> str:
+    """"CPU 2, GPU 1": `amounts` of `resources`, in name order."""
+    return ", ".join(f"{res} {amounts.get(res, 0.0):g}" for res in sorted(resources)) or "nothing"
 
-    return f"needs {fmt(needed)}; free {fmt(free)}"
+
+def describe(needed: Mapping[str, float], free: Mapping[str, float]) -> str:
+    return f"needs {_amounts(needed, needed)}; free {_amounts(free, needed)}"
 
 
 def initial_resources(cfg) -> dict[str, float]:
@@ -58,23 +60,24 @@ def startup_refusal(needed: Mapping[str, float], total: Mapping[str, float], mod
         hint = "; lower the replica counts or --replica-gpus"
     elif "CPU" in short:
         hint = "; lower the replica counts or --replica-cpus"
-    have = ", ".join(f"{res} {total.get(res, 0.0):g}" for res in sorted(needed))
-    want = ", ".join(f"{res} {amount:g}" for res, amount in sorted(needed.items()))
-    return f"the engine replicas need {want} in all; this Ray has {have}{hint}"
+    return (f"the engine replicas need {_amounts(needed, needed)} in all; this Ray has "
+            f"{_amounts(total, needed)}{hint}")
+
+
+def _cpu_gpu(resources: Mapping[str, float]) -> dict[str, float]:
+    return {"CPU": float(resources.get("CPU", 0.0)), "GPU": float(resources.get("GPU", 0.0))}
 
 
 def total_resources() -> dict[str, float]:
     import ray
 
-    total = ray.cluster_resources()
-    return {"CPU": float(total.get("CPU", 0.0)), "GPU": float(total.get("GPU", 0.0))}
+    return _cpu_gpu(ray.cluster_resources())
 
 
 def free_resources() -> dict[str, float]:
     import ray
 
-    free = ray.available_resources()
-    return {"CPU": float(free.get("CPU", 0.0)), "GPU": float(free.get("GPU", 0.0))}
+    return _cpu_gpu(ray.available_resources())
 
 
 def auto_replica_cpus(node_cpus: list[float], engine_replicas: int) -> float:

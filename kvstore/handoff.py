@@ -178,7 +178,7 @@ class Inbox:
     def _sweep(self, now: float) -> None:
         # Waiting entries are in delivery order, which is deadline order: stop at the first
         # live one. Taken ones are in claim order: look at each (a few, briefly held).
-        while self._waiting and _deadline(next(iter(self._waiting.values()))) <= now:
+        while self._waiting and next(iter(self._waiting.values()))[0] <= now:
             del self._waiting[next(iter(self._waiting))]
         for transfer_id in [t for t, deadline in self._taken.items() if deadline <= now]:
             del self._taken[transfer_id]
@@ -203,7 +203,3 @@ class Inbox:
         with self._lock:
             self._sweep(self._clock())
             return len(self._waiting) + len(self._taken)
-
-
-def _deadline(entry) -> float:
-    return entry[0] if isinstance(entry, tuple) else entry

@@ -61,10 +61,6 @@ def engine_runner(model: str, reqs, dtype: str, max_num_seqs: int, max_num_batch
     return run
 
 
-def run_engine(model: str, reqs, dtype: str, max_num_seqs: int, max_num_batched_tokens: int | None) -> tuple[float, int]:
-    return engine_runner(model, reqs, dtype, max_num_seqs, max_num_batched_tokens)()
-
-
 def hf_runner(model: str, reqs, dtype: str, batch_size: int):
     """HF `generate` loaded and warmed up; the returned callable runs all `reqs` once in
     left-padded batches -> (seconds, output tokens)."""
@@ -107,10 +103,6 @@ def hf_runner(model: str, reqs, dtype: str, batch_size: int):
         return time.perf_counter() - t0, sum(o for _, o in reqs)
 
     return run
-
-
-def run_hf(model: str, reqs, dtype: str, batch_size: int) -> tuple[float, int]:
-    return hf_runner(model, reqs, dtype, batch_size)()
 
 
 def gpu_decode_run(model: str, batch: int, prompt_len: int, output_len: int, vocab: int, eager: bool):
@@ -178,17 +170,15 @@ def gpu_main(args) -> None:
     reqs = make_requests(64, vocab, args.seed, (128, 128), (args.gpu_output_len, args.gpu_output_len))
     # CPU seconds of this process (every thread) per output token: the host work a GPU engine
     # does per token, which the serving layer's own per-token cost must stay well under.
-    run = engine_runner(model, reqs, "auto", 256, None)
-    cpu0 = time.process_time()
-    t_eng, n_eng = run()
-    cpu_eng = time.process_time() - cpu0
-    del run  # the engine (its KV cache: 0.9 of the card) goes before HF loads
-    gc.collect()
+    def timed(run) -> tuple[float, int, float]:
+        cpu0 = time.process_time()
+        seconds, tokens = run()
+        return seconds, tokens, time.process_time() - cpu0
+
+    t_eng, n_eng, cpu_eng = timed(engine_runner(model, reqs, "auto", 256, None))
+    gc.collect()  # the engine (its KV cache: 0.9 of the card) goes before HF loads
     torch.cuda.empty_cache()
-    run = hf_runner(model, reqs, "bfloat16", 64)
-    cpu0 = time.process_time()
-    t_hf, n_hf = run()
-    cpu_hf = time.process_time() - cpu0
+    t_hf, n_hf, cpu_hf = timed(hf_runner(model, reqs, "bfloat16", 64))
     print(f"batch 64 end to end: pdserve {n_eng / t_eng:.1f} tok/s, HF generate {n_hf / t_hf:.1f} tok/s, "
           f"ratio {(n_eng / t_eng) / (n_hf / t_hf):.2f}x; host CPU per output token: pdserve "
           f"{1e3 * cpu_eng / n_eng:.3f} ms, HF {1e3 * cpu_hf / n_hf:.3f} ms")

@@ -13,11 +13,12 @@ set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
+install() {  # wheels into /tmp/site, first on the path (the device README's recipe)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@" || exit 1
+}
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 if ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
+    install .whl/*.whl
 fi
 # Packages with no wheel on the registry for that Python (llguidance: abi3, copied from this
 # machine's venv) travel as an importable folder.
@@ -53,9 +54,7 @@ for s in "${stages[@]}"; do
             # carries at most 64 MiB): stash_ray kept the first half, this call brings the rest.
             if [ -f /tmp/wa/ray.part0 ] && [ -f .gpu/wb/ray.part1 ]; then
                 cat /tmp/wa/ray.part0 .gpu/wb/ray.part1 > /tmp/wa/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
-                $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-                    /tmp/wa/*.whl .gpu/wb/*.whl || exit 1
-                export PYTHONPATH=/tmp/site:$PYTHONPATH PATH=/tmp/site/bin:$PATH
+                install /tmp/wa/*.whl .gpu/wb/*.whl
             fi
             stage serve_cpu 400 $PY scripts/bench_server_cpu.py --preset small --modes colocated \
                 --concurrency 8,64 --requests 96,512 --repeats 1 --intervals "" --skip-bytes --idle-s 0 \
