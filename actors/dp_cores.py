@@ -4,7 +4,7 @@ itself never imports Ray.
 
 Placement: a core with tensor_parallel_size ranks takes tp consecutive bundles (core d: bundles
 d*tp ... d*tp + tp - 1; with tp > 1 its "ray" executor puts rank r in bundle d*tp + r). Inside a
-Serve replica whose deployment asked for those dp*tp bundles (cluster.app does), the replica's
+Serve replica whose deployment asked for those dp*tp bundles (cluster.launch.app does), the replica's
 own group is used, so Serve reserves and replaces the whole group with the replica; anywhere
 else the backend makes a STRICT_PACK group of its own and removes it at shutdown.
 

@@ -107,7 +107,7 @@ class ActorPeers:
 async def pd_flow(peers, prompt, params: SamplingParams, request_id: str,
                   load_failure_policy: str = "fail") -> AsyncIterator[RequestOutput]:
     """Disaggregated generation of one request over any pair of peers (actor handles here,
-    Serve deployment handles in cluster.pd_serve)."""
+    Serve deployment handles in cluster.http.pd_serve)."""
     # Named here, so cleanup can release it even when the prefill's result never arrives (the
     # caller gave up while the export was being registered); the store refuses a
     # registration that comes after its release.

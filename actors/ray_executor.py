@@ -6,7 +6,7 @@ driver and holds no rank; each call is pickled once and sent inline to every ran
 rank 0 answers with the sampled tokens, every rank with its KV-connector report.
 
 Placement: inside a Serve replica whose deployment asked for `placement_group_bundles` of
-tensor_parallel_size bundles (cluster.app does when tp > 1), rank r goes to bundle r of the
+tensor_parallel_size bundles (cluster.launch.app does when tp > 1), rank r goes to bundle r of the
 replica's own group, so Serve reserves the ranks with the replica and replaces them with it.
 Anywhere else (a P/D actor, an offline LLM on Ray) the executor makes a group of its own,
 STRICT_PACK (all ranks on one node: the collectives never cross the network), and removes it
@@ -107,7 +107,7 @@ class RayExecutor(RankGroupExecutor):
         current = get_current_placement_group()
         if current is not None and len(current.bundle_specs) == self.size:
             logger.info("tensor-parallel ranks placed in this replica's placement group %s", current.id.hex())
-            return current  # a Serve replica's group (cluster.app): its bundle r is rank r's
+            return current  # a Serve replica's group (cluster.launch.app): its bundle r is rank r's
         pg = placement_group([rank_bundle(device_type) for _ in range(self.size)], strategy=PLACEMENT_STRATEGY)
         self._owned.append(pg)
         try:

@@ -24,8 +24,8 @@ from engine.models.loader import resolve_dtype
 from engine.models.parallel import check_ep_size, check_tp_size
 from engine.multimodal.encoder_cache import EncoderCacheManager
 from engine.request import Request, RequestStatus
-from engine.sched_output import EngineCoreOutput
-from engine.scheduler import Scheduler
+from engine.sched.output import EngineCoreOutput
+from engine.sched.scheduler import Scheduler
 from engine.spec_decode.config import check_draft_vocab
 from engine.structured_output import BACKENDS, DEFAULT_BACKEND, StructuredOutputManager
 from engine.tokenizer import eos_token_ids, load_tokenizer

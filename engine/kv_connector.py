@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from engine.kv_transfer_params import KVTransferParams
 from engine.request import Request
-from engine.sched_output import KVConnectorOutput, SchedulerOutput
+from engine.sched.output import KVConnectorOutput, SchedulerOutput
 
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 

@@ -8,7 +8,7 @@ from engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from engine.multimodal.features import MultiModalFeatures
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
-from engine.sched_output import EngineCoreOutput
+from engine.sched.output import EngineCoreOutput
 
 
 @dataclass

@@ -35,7 +35,7 @@ from engine.kv_connector import (
 )
 from engine.kv_transfer_params import KVTransferParams
 from engine.request import Request, RequestStatus
-from engine.sched_output import KVConnectorOutput, SchedulerOutput
+from engine.sched.output import KVConnectorOutput, SchedulerOutput
 from kvstore.kv_io import gather_kv, scatter_kv
 from kvstore.transports.base import KVTransport, TransferError
 

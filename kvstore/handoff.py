@@ -1,6 +1,6 @@
 """KV handed back with the prefill's reply, when the requester hosts the decode engine.
 
-With direct streaming in P/D (cluster.direct) the ingress replica that asks a Prefill replica
+With direct streaming in P/D (cluster.replica.direct) the ingress replica that asks a Prefill replica
 for a prompt's first token also runs the decode engine that will load the prompt's KV. The
 store then adds nothing but calls: the prefill would put the bytes and register them, the
 decode side would look them up, fetch and release them (three actor calls and the object
@@ -31,7 +31,7 @@ from engine.outputs import RequestOutput
 HandedKV = torch.Tensor | str
 # Handbacks.poll/take: the export was too big for a reply and went to the store.
 DECLINED = "declined: the export went to the store"
-# The channel a reply travels on: with Serve's throughput-optimised mode (cluster.serve_env)
+# The channel a reply travels on: with Serve's throughput-optimised mode (cluster.launch.serve_env)
 # calls between deployments are gRPC, whose client refuses a message over this many bytes
 # (Serve's default 4 MiB; pdserve sets 128 MiB). A prompt's KV above the limit less some room
 # for the rest of the reply goes through the store (the object store has no such limit).

@@ -1,4 +1,4 @@
-"""Batch throughput: the Ray Data pipeline (cluster.batch) against the offline engine, on the
+"""Batch throughput: the Ray Data pipeline (cluster.batch.pipeline) against the offline engine, on the
 same rows, same engine args and same torch threads, measured side by side in one run.
 
     python scripts/bench_batch.py [--model DIR] [--rows 1024] [--max-tokens 64] [--repeat 3] \
@@ -11,8 +11,8 @@ over the same rows (Parquet in, Parquet out), and prints generated tokens per se
 - `total`: from the `run_batch` call, Ray Data's start, the actor's start and model load and
   the Parquet I/O included (what this job's user waits);
 and the start-up seconds. Torch threads default to one batch actor's (its CPU reservation, see
-`cluster.batch.fit_actors`); the offline engine gets the same number. Ray's workers run at this
-process's niceness (`cluster.batch.LOCAL_RAY_ENV`, as under `pdserve batch`) unless
+`cluster.batch.pipeline.fit_actors`); the offline engine gets the same number. Ray's workers run at this
+process's niceness (`cluster.batch.pipeline.LOCAL_RAY_ENV`, as under `pdserve batch`) unless
 `--worker-niceness` says otherwise (Ray's own default is 15). The last lines give min / median
 / max of each ratio over the repetitions, with the load average (the machine may be shared).
 """
@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.batch import EnginePredictor  # noqa: E402  (after the path set-up above)
+from cluster.batch.pipeline import EnginePredictor  # noqa: E402  (after the path set-up above)
 from engine.args import EngineArgs  # noqa: E402
 
 WORDS = ("the river ran quietly past a village where an engineer measures twice before she cuts "
@@ -86,9 +86,9 @@ def main() -> int:
     import ray
     import torch
 
-    from cluster.batch import LOCAL_RAY_ENV, fit_actors, run_batch
-    from cluster.default_model import ensure_preset_model
+    from cluster.batch.pipeline import LOCAL_RAY_ENV, fit_actors, run_batch
     from engine import LLM, SamplingParams
+    from engine.models.default_model import ensure_preset_model
 
     engine_args = EngineArgs.from_cli_args(args, model=args.model or ensure_preset_model("tiny"))
     rows = prompts(args.rows, args.workload_seed)

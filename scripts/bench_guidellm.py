@@ -145,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.guidellm:
         ap.error("no guidellm executable found: pip install 'pdserve[bench]' (ideally in its own venv) "
                  "and pass --guidellm PATH")
-    from cluster.default_model import ensure_preset_model
+    from engine.models.default_model import ensure_preset_model
 
     if args.default_model:
-        from cluster.default_model import default_model
+        from engine.models.default_model import default_model
 
         args.model = default_model()
     model = os.path.abspath(args.model or ensure_preset_model(args.preset))

@@ -141,8 +141,8 @@ def main() -> None:
 
     import ray
 
-    from cluster.default_model import ensure_preset_model
     from engine.models.arch import load_arch
+    from engine.models.default_model import ensure_preset_model
 
     engine_args = EngineArgs.from_cli_args(args, model=args.model or ensure_preset_model("small"))
     vocab = load_arch(engine_args.model).vocab_size - 64

@@ -17,7 +17,7 @@ Against a running server:
         [--requests 200] [--rate 8 | --concurrency 16] [--json out.json]
 
 P/D against colocated (the default when no --url is given): for each of --modes, start
-`python -m cluster.cli serve --mode MODE` on a free port, wait for GET /health, run the same
+`python -m cluster.launch.cli serve --mode MODE` on a free port, wait for GET /health, run the same
 workload, stop the server (SIGINT), then print both tables and the P/D / colocated ratios:
 
     python scripts/bench_serve.py [--compare] [--model DIR] [--num-kv-blocks N] \\

@@ -41,7 +41,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # After the path set-up above, so the script runs from any directory.
-from cluster.app_checks import direct_role  # noqa: E402
+from cluster.launch.app_checks import direct_role  # noqa: E402
 from scripts.serve_bench import BenchError  # noqa: E402
 from scripts.serve_bench.client import engine_steps, first_model_id, run_load  # noqa: E402
 from scripts.serve_bench.cpu_report import (  # noqa: E402
@@ -248,7 +248,7 @@ class Bench:
 
 def settled_engine_steps(url: str, quiet_s: float = 1.0, bound_s: float = 10.0) -> dict[str, float]:
     """The engines' step counters once they stop moving: replicas report them with their
-    routing stats (every 0.5 s, cluster.app), so the last steps of a window reach /metrics up
+    routing stats (every 0.5 s, cluster.launch.app), so the last steps of a window reach /metrics up
     to that much after its last response. Read after the CPU snapshot, so not measured."""
     last, since, t_end = engine_steps(url), time.monotonic(), time.monotonic() + bound_s
     while time.monotonic() < t_end:
@@ -266,7 +266,7 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cluster.app import STREAM_INTERVAL_MS
+    from cluster.launch.app import STREAM_INTERVAL_MS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path for the server and the offline engine "

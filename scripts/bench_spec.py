@@ -115,8 +115,8 @@ def main() -> None:
         # gets a core; one thread per engine keeps a step from stalling on a neighbour's load.
         torch.set_num_threads(args.threads)
 
-    from cluster.default_model import default_model
     from engine import LLM
+    from engine.models.default_model import default_model
 
     model = args.model or default_model()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.prompt_lookup_max,

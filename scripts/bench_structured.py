@@ -72,7 +72,7 @@ class _Timer:
 
 
 def _resolve(name: str) -> tuple[str, str]:
-    from cluster.default_model import DEFAULT_MODEL_NAME, default_model, ensure_preset_model
+    from engine.models.default_model import DEFAULT_MODEL_NAME, default_model, ensure_preset_model
 
     if name == "default":
         return DEFAULT_MODEL_NAME, default_model()

@@ -135,8 +135,8 @@ def gpu_decode_run(model: str, batch: int, prompt_len: int, output_len: int, voc
 
 
 def gpu_main(args) -> None:
-    from cluster.default_model import ensure_preset_model
     from engine.models.arch import load_arch
+    from engine.models.default_model import ensure_preset_model
     from scripts.gpu_roofline import (
         decode_step_bytes,
         model_bandwidth_utilization,
@@ -209,8 +209,8 @@ def main() -> None:
         gpu_main(args)
         return
 
-    from cluster.default_model import default_model, ensure_preset_model
     from engine.models.arch import load_arch
+    from engine.models.default_model import default_model, ensure_preset_model
 
     if args.default_model:
         model = default_model()

@@ -89,8 +89,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> int:
 def main() -> int:
     from transformers import AutoModelForCausalLM
 
-    from cluster.default_model import ensure_preset_model
     from engine.models.arch import load_arch
+    from engine.models.default_model import ensure_preset_model
     from engine.models.gguf_file import hf_pretrained_args
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

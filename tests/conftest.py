@@ -33,7 +33,7 @@ def pdserve_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2() -> str:
     """The default model's GGUF file (SmolLM2-135M-Instruct, Q4_1), from the installed package."""
-    from cluster.default_model import default_model
+    from engine.models.default_model import default_model
 
     return default_model()
 
@@ -63,7 +63,7 @@ def tiny_model(model_factory) -> str:
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray for the session: fixed small CPU count, no dashboard, shut down after."""
-    from cluster.serve_env import configure_serve_env
+    from cluster.launch.serve_env import configure_serve_env
 
     before = set(os.environ)
     # Serve's switches as `pdserve serve` sets them, for the processes this Ray starts (they

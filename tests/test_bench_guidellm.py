@@ -12,7 +12,7 @@ from scripts.bench_guidellm import tokenizer_dir
 def test_a_gguf_models_tokenizer_is_saved_where_guidellm_can_load_it():
     from transformers import AutoTokenizer
 
-    from cluster.default_model import default_model
+    from engine.models.default_model import default_model
 
     gguf = default_model()
     saved = tokenizer_dir(gguf)

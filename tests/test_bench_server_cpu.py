@@ -56,7 +56,7 @@ def test_roles_come_from_ray_process_titles(cmdline, role):
 
 
 def test_the_server_process_itself_is_the_driver():
-    assert classify("python -m cluster.cli serve --mode pd", is_root=True) == "driver"
+    assert classify("python -m cluster.launch.cli serve --mode pd", is_root=True) == "driver"
 
 
 def test_descendants_follow_parent_links_and_leave_other_trees_out():

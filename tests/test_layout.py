@@ -140,10 +140,10 @@ def test_find_cycle_reports_a_cycle_and_accepts_a_dag():
 
 
 def test_the_scan_sees_the_project():
-    assert {"engine.args", "cluster.app", "cluster.ingress", "kernels"} <= set(MODULES)
-    # function-level imports count: cluster.serve_cli imports cluster.app inside run_serve
-    assert "cluster.app" in imports_of("cluster.serve_cli")
-    assert "engine.args" in imports_of("cluster.app")
+    assert {"engine.args", "cluster.launch.app", "cluster.http.ingress", "kernels"} <= set(MODULES)
+    # function-level imports count: cluster.launch.serve_cli imports cluster.launch.app inside run_serve
+    assert "cluster.launch.app" in imports_of("cluster.launch.serve_cli")
+    assert "engine.args" in imports_of("cluster.launch.app")
 
 
 def test_no_import_cycle():

@@ -36,7 +36,7 @@ from engine.errors import EngineDeadError
 from engine.kv_connector import KVConnectorFactory
 from engine.models.arch import load_arch
 from engine.request import Request, RequestStatus
-from engine.sched_output import EngineCoreOutput
+from engine.sched.output import EngineCoreOutput
 
 # The longest step() waits for a core's message before returning nothing (a wake() ends it
 # sooner): the driver then looks at its own inputs again.

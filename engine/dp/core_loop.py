@@ -34,7 +34,7 @@ from engine.dp.messages import (
     WaveComplete,
 )
 from engine.request import Request
-from engine.sched_output import EngineCoreOutput
+from engine.sched.output import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 

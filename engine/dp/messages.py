@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.request import Request, RequestStatus
-from engine.sched_output import EngineCoreOutput
+from engine.sched.output import EngineCoreOutput
 
 # ---- front end -> core ------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from engine.config import EngineConfig, SchedulerConfig
 from engine.distributed import SINGLE_DP, DPPlacement
 from engine.executor.kv_aggregate import KVOutputAggregator
 from engine.models.arch import ModelArch
-from engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
 
 def rank_reply(is_driver: bool, method: str, result: Any) -> Any:

@@ -9,7 +9,7 @@ reported, so the blocks are no longer touched when the scheduler frees or recomp
 
 from __future__ import annotations
 
-from engine.sched_output import KVConnectorOutput
+from engine.sched.output import KVConnectorOutput
 
 
 class KVOutputAggregator:

@@ -7,7 +7,7 @@ from typing import Any
 from engine.distributed import COLLECTIVE_TIMEOUT, destroy_tp_group, init_parallel_groups
 from engine.executor.base import Executor, WorkerConfig
 from engine.kv_connector import KVConnectorFactory
-from engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker
 
 

@@ -1,6 +1,6 @@
 """Every metric the engine reports, defined once: name, kind, help text and buckets.
 
-The offline recorder (engine.metrics.stats) and the Prometheus exporter (cluster.metrics)
+The offline recorder (engine.metrics.stats) and the Prometheus exporter (cluster.http.metrics)
 both build their metrics from these definitions, so `LLM.get_metrics()` and `GET /metrics`
 cannot drift apart. Metrics vLLM also has keep vLLM's name (and bucket boundaries, so
 dashboards built for vLLM read ours); figures only pdserve has are prefixed `pdserve:`.

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from engine.multimodal.features import MultiModalFeatures
-from engine.sched_output import SchedulerOutput
+from engine.sched.output import SchedulerOutput
 
 
 class EncoderRunner:

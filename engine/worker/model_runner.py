@@ -16,7 +16,7 @@ from engine.models.attention_metadata import AttentionMetadata
 from engine.models.loader import load_model
 from engine.sample import Sampler, SamplingMetadata
 from engine.sample.rejection_sampler import rejection_sample
-from engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.spec_decode import NgramProposer, SpeculativeConfig
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.structured_output.bitmask import bitmask_for_sampled_rows

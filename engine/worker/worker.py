@@ -11,7 +11,7 @@ import kernels
 from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
 from engine.executor.base import WorkerConfig
 from engine.kv_connector import KVConnectorFactory, KVConnectorRole, run_worker_step
-from engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cpu_tuning import keep_freed_memory_in_heap
 from engine.worker.model_runner import ModelRunner
 

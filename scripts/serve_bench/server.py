@@ -25,7 +25,7 @@ def free_port() -> int:
 
 def server_command(mode: str, port: int, model: str | None, num_kv_blocks: int | None,
                    served_model: str | None, extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--mode", mode, "--port", str(port)]
+    cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", "--mode", mode, "--port", str(port)]
     if model:
         cmd += ["--model", model]
     if num_kv_blocks is not None:

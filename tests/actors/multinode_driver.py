@@ -1,5 +1,5 @@
 """Driver run by test_multinode in its own process (this test process has its own Ray): it
-joins the cluster in RAY_ADDRESS through cluster.ray_connect, runs one P/D request with the
+joins the cluster in RAY_ADDRESS through cluster.launch.ray_connect, runs one P/D request with the
 prefill worker on node A and the decode worker on node B, and prints a JSON report."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def main(model: str, prompt_ids: list[int]) -> dict:
 
     from actors import pd_generate
     from actors.worker import EngineWorker
-    from cluster.ray_connect import RayConnectError, connect
+    from cluster.launch.ray_connect import RayConnectError, connect
     from engine import EngineArgs, SamplingParams
     from kvstore.store_actor import create_store
 

@@ -48,7 +48,7 @@ def deploy(serve_url):
     """deploy(AppConfig) -> base URL, once /health answers 200; the app is removed at the end."""
     from ray import serve
 
-    from cluster.app import build_app
+    from cluster.launch.app import build_app
 
     def run(cfg=None, *, app_name: str | None = None, application=None):
         """Deploy an AppConfig, or an already built `application` under `app_name`."""

@@ -1,4 +1,4 @@
-"""API keys (cluster.auth): the check on its own, and through a Serve app with the official
+"""API keys (cluster.http.auth): the check on its own, and through a Serve app with the official
 openai client. The app runs two ingress replicas (`api_server_count`), so the keys are
 checked by each, and `/metrics` must show the requests of both whichever answers."""
 
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from cluster.auth import ENV_VAR, ApiKeyCheck, digest, keys_from
+from cluster.http.auth import ENV_VAR, ApiKeyCheck, digest, keys_from
 from tests.cluster.helpers import ENGINE, metric_value, serve_logs, wait_for
 
 APP = "keytest"
@@ -31,7 +31,7 @@ def test_the_check_takes_any_configured_key_as_a_bearer_token_only():
 
 
 def test_app_config_never_shows_the_keys(tiny_model):
-    from cluster.app import AppConfig
+    from cluster.launch.app import AppConfig
     from engine import EngineArgs
     from engine.errors import ParameterError
 
@@ -43,7 +43,7 @@ def test_app_config_never_shows_the_keys(tiny_model):
 
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model):
-    from cluster.app import AppConfig
+    from cluster.launch.app import AppConfig
     from engine import EngineArgs
 
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE), mode="colocated", served_model_name=NAME,

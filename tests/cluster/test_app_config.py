@@ -1,5 +1,5 @@
-"""cluster.app.AppConfig / build argument checks (no Ray, no Serve app) and the pure helpers
-of cluster.openai_format."""
+"""cluster.launch.app.AppConfig / build argument checks (no Ray, no Serve app) and the pure helpers
+of cluster.http.openai_format."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import os
 
 import pytest
 
-from cluster.app import AppConfig, build
-from cluster.openai_format import (
+from cluster.http.openai_format import (
     TokenText,
     chat_logprobs,
     completion_logprobs,
@@ -17,6 +16,7 @@ from cluster.openai_format import (
     sse,
     usage,
 )
+from cluster.launch.app import AppConfig, build
 from engine.args import EngineArgs
 from engine.errors import ParameterError
 
@@ -387,13 +387,13 @@ def test_data_parallel_sizes_are_checked_with_their_names(tiny_model):
     ([], 1, 1.0),
 ])
 def test_auto_replica_cpus_shares_the_cluster_among_replicas(node_cpus, replicas, expected):
-    from cluster.capacity import auto_replica_cpus
+    from cluster.control.capacity import auto_replica_cpus
 
     assert auto_replica_cpus(node_cpus, replicas) == expected
 
 
 def test_auto_replica_cpus_refuses_no_replicas():
-    from cluster.capacity import auto_replica_cpus
+    from cluster.control.capacity import auto_replica_cpus
 
     with pytest.raises(ValueError, match="engine_replicas"):
         auto_replica_cpus([4.0], 0)
@@ -471,10 +471,10 @@ def test_replica_threads_given_reach_the_engine_processes_environment(tiny_model
 def test_only_the_ingress_writes_access_lines_unless_disabled(tiny_model, monkeypatch, disable):
     """Serve's access log: the ingress's per HTTP request (on by default, as uvicorn's in
     vLLM); never the calls between pdserve's deployments."""
-    import cluster.app
+    import cluster.launch.app
 
-    monkeypatch.setattr(cluster.app, "node_cpus", lambda: [2.0])
-    ingress = cluster.app.build_app(_cfg(tiny_model, mode="pd", disable_access_log=disable,
+    monkeypatch.setattr(cluster.launch.app, "node_cpus", lambda: [2.0])
+    ingress = cluster.launch.app.build_app(_cfg(tiny_model, mode="pd", disable_access_log=disable,
                                          api_server_count=3))._bound_deployment
     assert ingress.logging_config["enable_access_log"] is not disable
     assert ingress.num_replicas == 3  # api_server_count
@@ -486,25 +486,25 @@ def test_only_the_ingress_writes_access_lines_unless_disabled(tiny_model, monkey
 @pytest.mark.parametrize("autoscale, window", [(None, 10.0), ({"enabled": True, "look_back_period_s": 2.5}, 2.5)])
 def test_the_replicas_latency_windows_are_the_autoscalers_look_back_period(tiny_model, monkeypatch, autoscale,
                                                                           window):
-    import cluster.app
+    import cluster.launch.app
 
-    monkeypatch.setattr(cluster.app, "node_cpus", lambda: [2.0])
-    ingress = cluster.app.build_app(_cfg(tiny_model, mode="pd", autoscale=autoscale))._bound_deployment
+    monkeypatch.setattr(cluster.launch.app, "node_cpus", lambda: [2.0])
+    ingress = cluster.launch.app.build_app(_cfg(tiny_model, mode="pd", autoscale=autoscale))._bound_deployment
     prefill, _, _, settings = ingress.init_args  # the decode engines are the ingress's own (direct)
     assert prefill._bound_deployment.init_kwargs["latency_window_s"] == window
     assert settings["direct"]["server_kwargs"]["latency_window_s"] == window
-    routed = cluster.app.build_app(_cfg(tiny_model, mode="pd", autoscale=autoscale, direct_streaming=False))
+    routed = cluster.launch.app.build_app(_cfg(tiny_model, mode="pd", autoscale=autoscale, direct_streaming=False))
     engines = [d._bound_deployment for d in routed._bound_deployment.init_args[:2]]
     assert [e.init_kwargs["latency_window_s"] for e in engines] == [window, window]
 
 
 def test_a_direct_streaming_app_has_no_engine_deployment_and_its_ingress_is_the_engine_replica(
         tiny_model, monkeypatch):
-    import cluster.app
+    import cluster.launch.app
 
-    monkeypatch.setattr(cluster.app, "node_cpus", lambda: [4.0])
+    monkeypatch.setattr(cluster.launch.app, "node_cpus", lambda: [4.0])
     cfg = _cfg(tiny_model, mode="colocated", colocated_replicas=2, health_check_period_s=2.0)
-    ingress = cluster.app.build_app(cfg)._bound_deployment
+    ingress = cluster.launch.app.build_app(cfg)._bound_deployment
     prefill, decode, coordinator, settings = ingress.init_args
     assert prefill is None and decode is None  # no engine deployment behind it
     assert ingress.num_replicas == 2 and ingress._deployment_config.health_check_period_s == 2.0
@@ -514,18 +514,18 @@ def test_a_direct_streaming_app_has_no_engine_deployment_and_its_ingress_is_the_
     assert server["role"] == "colocated" and server["engine_args"].engine_core_process
     assert settings["direct"]["report_period_s"] == cfg.routing_stats_period_s
     assert coordinator._bound_deployment.init_kwargs["deployments"]["colocated"] == "Ingress"
-    routed = cluster.app.build_app(_cfg(tiny_model, mode="colocated", direct_streaming=False))._bound_deployment
+    routed = cluster.launch.app.build_app(_cfg(tiny_model, mode="colocated", direct_streaming=False))._bound_deployment
     assert routed.init_args[0]._bound_deployment.name == "Colocated" and "direct" not in routed.init_args[3]
     assert routed.ray_actor_options["num_cpus"] == 0
 
 
 def test_a_direct_streaming_pd_app_keeps_its_prefill_deployment_and_its_ingress_is_the_decode_replica(
         tiny_model, monkeypatch):
-    import cluster.app
+    import cluster.launch.app
 
-    monkeypatch.setattr(cluster.app, "node_cpus", lambda: [6.0])
+    monkeypatch.setattr(cluster.launch.app, "node_cpus", lambda: [6.0])
     cfg = _cfg(tiny_model, mode="pd", prefill_replicas=1, decode_replicas=2)
-    ingress = cluster.app.build_app(cfg)._bound_deployment
+    ingress = cluster.launch.app.build_app(cfg)._bound_deployment
     prefill, decode, coordinator, settings = ingress.init_args
     assert prefill._bound_deployment.name == "Prefill" and decode is None
     assert not prefill._bound_deployment.init_kwargs["engine_args"].engine_core_process
@@ -534,7 +534,7 @@ def test_a_direct_streaming_pd_app_keeps_its_prefill_deployment_and_its_ingress_
     assert server["role"] == "decode" and server["engine_args"].engine_core_process
     assert coordinator._bound_deployment.init_kwargs["deployments"] == {
         "prefill": "Prefill", "decode": "Ingress", "colocated": "Colocated"}
-    routed = cluster.app.build_app(_cfg(tiny_model, mode="pd", direct_streaming=False))._bound_deployment
+    routed = cluster.launch.app.build_app(_cfg(tiny_model, mode="pd", direct_streaming=False))._bound_deployment
     assert routed.init_args[1]._bound_deployment.name == "Decode" and "direct" not in routed.init_args[3]
 
 
@@ -544,7 +544,7 @@ def test_pd_on_one_gpu_is_refused_at_start_up_with_how_to_share_it(tiny_model, m
     fit."""
     import torch
 
-    from cluster.capacity import initial_resources, startup_refusal
+    from cluster.control.capacity import initial_resources, startup_refusal
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     one_gpu = {"CPU": 16.0, "GPU": 1.0}
@@ -563,7 +563,7 @@ def test_pd_on_one_gpu_is_refused_at_start_up_with_how_to_share_it(tiny_model, m
 
 
 def test_cpu_replicas_that_do_not_fit_are_refused_naming_the_cpus(tiny_model):
-    from cluster.capacity import initial_resources, startup_refusal
+    from cluster.control.capacity import initial_resources, startup_refusal
 
     cfg = _cfg(tiny_model, mode="pd", replica_num_cpus=3)
     assert initial_resources(cfg) == {"CPU": 6.0}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.autoscale import AutoscaleConfig, PolicyState, RoleSignal, decide
+from cluster.control.autoscale import AutoscaleConfig, PolicyState, RoleSignal, decide
 
 CFG = AutoscaleConfig(enabled=True, ttft_p90_target_s=1.0, itl_p90_target_s=0.1, up_ticks=2, down_ticks=5,
                       cooldown_ticks=3, min_replicas={"prefill": 1, "decode": 1},

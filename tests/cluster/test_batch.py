@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cluster.batch import EnginePredictor
+from cluster.batch.pipeline import EnginePredictor
 from engine import LLM, EngineArgs, SamplingParams
 
 ENGINE = {"max_model_len": 128, "num_kv_blocks": 96}
@@ -34,7 +34,7 @@ BAD = {5: "prompt", 17: "max_model_len", 42: "temperature", 99: "max_tokens"}
 
 
 def test_200_rows_over_two_engine_actors(ray_local, tiny_model, tmp_path):
-    from cluster.batch import run_batch
+    from cluster.batch.pipeline import run_batch
 
     rows = _rows(200)
     src = tmp_path / "in"
@@ -69,7 +69,7 @@ def test_200_rows_over_two_engine_actors(ray_local, tiny_model, tmp_path):
 
 
 def test_output_directory_and_cli(ray_local, tiny_model, tmp_path):
-    from cluster.cli import main
+    from cluster.launch.cli import main
 
     pq.write_table(pa.Table.from_pylist([{"text": "hello there", "k": 1}, {"text": "once upon", "k": 2}]),
                    tmp_path / "in.parquet")
@@ -87,7 +87,7 @@ def test_output_directory_and_cli(ray_local, tiny_model, tmp_path):
                                          (["--top-k", "-5"], "top_k"),
                                          (["--block-size", "0"], "block_size")])
 def test_bad_flags_exit_2_before_ray(tiny_model, tmp_path, capsys, argv, needle):
-    from cluster.cli import main
+    from cluster.launch.cli import main
 
     assert main(["batch", str(tmp_path / "x.parquet"), str(tmp_path / "y"), "--model", tiny_model, *argv]) == 2
     assert needle in capsys.readouterr().err
@@ -103,7 +103,7 @@ def test_missing_prompt_column_is_a_clear_error(tiny_model):
 
 
 def test_actor_resources_fit_the_cluster_or_are_refused_with_the_numbers():
-    from cluster.batch import fit_actors
+    from cluster.batch.pipeline import fit_actors
     from engine.errors import ParameterError
 
     two = {"CPU": 2.0}
@@ -120,7 +120,7 @@ def test_actor_resources_fit_the_cluster_or_are_refused_with_the_numbers():
 
 
 def test_a_job_that_cannot_fit_is_refused_at_once_not_left_waiting(ray_local, tiny_model, tmp_path, capsys):
-    from cluster.cli import main
+    from cluster.launch.cli import main
 
     pq.write_table(pa.Table.from_pylist([{"prompt": "hello"}]), tmp_path / "in.parquet")
     rc = main(["batch", str(tmp_path / "in.parquet"), str(tmp_path / "out"), "--model", tiny_model,
@@ -143,7 +143,7 @@ def test_one_actor_keeps_rows_of_several_batches_in_its_engine(ray_local, tiny_m
     batch, drained, then the next); outputs are still exactly the offline engine's, in order."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from cluster.batch import run_batch
+    from cluster.batch.pipeline import run_batch
 
     prompts = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + i % 9)) for i in range(60)]
     pq.write_table(pa.table({"id": list(range(60)), "prompt": prompts}), tmp_path / "in.parquet")

@@ -22,7 +22,7 @@ def _prompts(n: int) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_concurrent_callers_get_the_offline_engines_outputs_in_order(tiny_model):
-    from cluster.batch_feeder import EngineFeeder
+    from cluster.batch.feeder import EngineFeeder
 
     prompts = _prompts(48)
     params = [SamplingParams(max_tokens=16 + i % 7, temperature=0.0) for i in range(48)]
@@ -56,7 +56,7 @@ def test_concurrent_callers_get_the_offline_engines_outputs_in_order(tiny_model)
 
 @pytest.mark.timeout(300)
 def test_a_bad_row_fails_alone(tiny_model):
-    from cluster.batch_feeder import EngineFeeder
+    from cluster.batch.feeder import EngineFeeder
 
     feeder = EngineFeeder(LLM(tiny_model, **ENGINE).engine)
     good, bad, long = feeder.submit(["once upon", "", "word " * 400], [SamplingParams(max_tokens=4)] * 3)
@@ -88,7 +88,7 @@ class _FailingEngine:
 
 @pytest.mark.timeout(60)
 def test_a_failing_engine_fails_every_waiting_row_and_later_calls():
-    from cluster.batch_feeder import EngineFeeder
+    from cluster.batch.feeder import EngineFeeder
 
     feeder = EngineFeeder(_FailingEngine())
     futures = feeder.submit(["a", "b", "c"], [None] * 3)

@@ -1,10 +1,10 @@
-"""cluster.coordinator: the Board of replica reports (with explicit clock values) and its
+"""cluster.control.coordinator: the Board of replica reports (with explicit clock values) and its
 per-role signals for the autoscaler."""
 
 from __future__ import annotations
 
-from cluster.autoscale import RoleSignal
-from cluster.coordinator import STALE_AFTER_S, Board
+from cluster.control.autoscale import RoleSignal
+from cluster.control.coordinator import STALE_AFTER_S, Board
 
 
 def _fig(replica: str, role: str = "prefill", waiting: int = 0, running: int = 0, kv_usage: float = 0.0,

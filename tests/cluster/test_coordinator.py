@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from cluster.autoscale import AutoscaleConfig
-from cluster.coordinator import Coordinator, ScaleRequestError, parse_scale_request
+from cluster.control.autoscale import AutoscaleConfig
+from cluster.control.coordinator import Coordinator, ScaleRequestError, parse_scale_request
 
 
 class FakeControl:

@@ -1,4 +1,4 @@
-"""cluster.front_streams.ReplicaStreams against stand-in replicas: a request whose replica left
+"""cluster.replica.front_streams.ReplicaStreams against stand-in replicas: a request whose replica left
 Serve's routing between its submit and the ingress's subscription (scale-down) runs again on
 another replica when nothing came back yet; otherwise the failure reaches the caller."""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from actors.orchestrate import PDRequestError
-from cluster.front_streams import ReplicaStreams
+from cluster.replica.front_streams import ReplicaStreams
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
 

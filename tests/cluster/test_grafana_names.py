@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import AppMetrics
+from cluster.http.metrics import AppMetrics
 
 # The series the panel queries of vLLM's dashboard reference, names only, from
 # vllm-project/vllm examples/observability/prometheus_grafana/grafana.json

@@ -1,8 +1,8 @@
-"""The HTTP front `pdserve serve` picks for a Ray it starts (cluster/http_front.py)."""
+"""The HTTP front `pdserve serve` picks for a Ray it starts (cluster/http/front.py)."""
 
 from __future__ import annotations
 
-from cluster.http_front import HA_PROXY, MIN_DRAINING, configure_http_front, haproxy_available
+from cluster.http.front import HA_PROXY, MIN_DRAINING, configure_http_front, haproxy_available
 
 
 def test_haproxy_is_the_default_where_ray_ships_it():
@@ -35,8 +35,8 @@ def test_this_machine_has_haproxy():
 
 
 def test_the_serve_controller_loop_and_throughput_mode_are_pdserves_unless_the_operator_set_them():
-    from cluster.http_front import MIN_DRAINING
-    from cluster.serve_env import CONTROL_LOOP, LOG_BUFFER, THROUGHPUT, configure_serve_env
+    from cluster.http.front import MIN_DRAINING
+    from cluster.launch.serve_env import CONTROL_LOOP, LOG_BUFFER, THROUGHPUT, configure_serve_env
     from kvstore.handoff import GRPC_MAX_MESSAGE
 
     env: dict[str, str] = {}
@@ -53,7 +53,7 @@ def test_the_suites_ray_runs_its_workers_with_pdserves_serve_switches(ray_local)
     # Ray's workers, Serve's replicas among them, take the environment of Ray's start.
     import os
 
-    from cluster.serve_env import THROUGHPUT
+    from cluster.launch.serve_env import THROUGHPUT
     from kvstore.handoff import GRPC_MAX_MESSAGE, max_reply_kv_bytes
 
     @ray_local.remote(num_cpus=0)

@@ -9,9 +9,9 @@ import weakref
 
 import pytest
 
-from cluster.http_errors import OpenAIError, rejecting
-from cluster.ingress import Ingress
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.http.errors import OpenAIError, rejecting
+from cluster.http.ingress import Ingress
+from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
 from engine.errors import ParameterError
 
 
@@ -99,8 +99,8 @@ def test_other_errors_pass_through_rejecting():
 
 
 def test_timed_closes_the_request_it_times_when_it_is_closed():
-    from cluster.metrics import AppMetrics
-    from cluster.streams import timed
+    from cluster.http.metrics import AppMetrics
+    from cluster.http.streams import timed
     from engine.outputs import CompletionOutput, RequestOutput
 
     closed = []
@@ -131,7 +131,7 @@ def test_a_colocated_engine_failure_is_a_503_never_a_200_with_a_partial_answer(s
     an error event), as in P/D mode, not a 200 whose answer stops short."""
     import json
 
-    from cluster.metrics import AppMetrics
+    from cluster.http.metrics import AppMetrics
     from engine.outputs import CompletionOutput, RequestOutput
 
     class Streams:
@@ -188,7 +188,7 @@ class _HungCoordinator:
 
 
 def test_a_hung_coordinator_is_a_503_within_the_bound_and_a_scale_is_not_cut_short():
-    from cluster.metrics import AppMetrics
+    from cluster.http.metrics import AppMetrics
 
     ing = _ingress(4)
     ing.coordinator_call_s = 0.05

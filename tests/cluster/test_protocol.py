@@ -1,4 +1,4 @@
-"""cluster.protocol: OpenAI request bodies, the fields pdserve refuses, the mapping to
+"""cluster.http.protocol: OpenAI request bodies, the fields pdserve refuses, the mapping to
 SamplingParams, and which request field (OpenAI's `param`) an engine field error belongs to."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
 from engine.errors import ParameterError
 
 MSG = [{"role": "user", "content": "hi"}]

@@ -1,4 +1,4 @@
-"""cluster.protocol's structured-output fields: vLLM's `structured_outputs`, OpenAI's
+"""cluster.http.protocol's structured-output fields: vLLM's `structured_outputs`, OpenAI's
 `response_format` and the legacy `guided_*` all become one StructuredOutputsParams, and an
 error's `param` is the field the client actually sent."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
 from engine import StructuredOutputsParams
 from engine.errors import ParameterError
 

@@ -1,4 +1,4 @@
-"""Reaching Ray (cluster.ray_connect): bounded, never waiting on a dead cluster, one-line errors."""
+"""Reaching Ray (cluster.launch.ray_connect): bounded, never waiting on a dead cluster, one-line errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from cluster.ray_connect import RayConnectError, resolve_address, token_available
+from cluster.launch.ray_connect import RayConnectError, resolve_address, token_available
 
 
 def _closed_port() -> int:

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from actors.worker import EngineWorker
-from cluster.latency import LatencyWindow
-from cluster.replica import EngineServer
+from cluster.replica.latency import LatencyWindow
+from cluster.replica.server import EngineServer
 
 
 class _Engine:

@@ -1,4 +1,4 @@
-"""cluster.router: the load formula, ranking, prefix affinity and the Serve router's
+"""cluster.replica.router: the load formula, ranking, prefix affinity and the Serve router's
 bookkeeping of requests sent between two replica reports (no Ray, no Serve app)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.router import Candidate, LeastLoadRouter, affinity_key, rank
+from cluster.replica.router import Candidate, LeastLoadRouter, affinity_key, rank
 
 REPLICAS = [f"replica-{i}" for i in range(5)]
 

@@ -7,16 +7,16 @@ import os
 
 import pytest
 
-from cluster.app import LOCAL_PREFILL_QUEUE
-from cluster.cli import build_parser, main
-from cluster.serve_cli import _config
+from cluster.launch.app import LOCAL_PREFILL_QUEUE
+from cluster.launch.cli import build_parser, main
+from cluster.launch.serve_cli import _config
 from engine.args import EngineArgs
 
 
 @pytest.fixture(autouse=True)
 def _environment_restored():
     """`main(["serve", ...])` chooses the HTTP front for a Ray it is about to start by setting
-    Serve's switches in os.environ (cluster.http_front) before it checks the flags; here it then
+    Serve's switches in os.environ (cluster.http.front) before it checks the flags; here it then
     exits, and those switches must not reach a Serve started later in this test session."""
     saved = dict(os.environ)
     yield
@@ -61,7 +61,7 @@ def test_flags_reach_the_app_config(tiny_model):
     assert not cfg.disable_access_log and cfg.api_server_count == 1
     assert _config(build_parser().parse_args(["serve", "--model", tiny_model, "--api-server-count", "2"])).api_server_count == 2
     assert _config(build_parser().parse_args(["serve", "--model", tiny_model, "--disable-access-log"])).disable_access_log
-    assert cfg.replica_num_cpus is None  # sized from the cluster once Ray is up (cluster.capacity)
+    assert cfg.replica_num_cpus is None  # sized from the cluster once Ray is up (cluster.control.capacity)
     given = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--replica-cpus", "3"]))
     assert given.replica_num_cpus == 3.0
     threads = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--replica-threads", "2"]))

@@ -25,7 +25,7 @@ NAME = "tiny-colo"
 
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model):
-    from cluster.app import AppConfig
+    from cluster.launch.app import AppConfig
     from engine import EngineArgs
 
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE),
@@ -66,7 +66,7 @@ def _serve_log_text(deployment: str) -> str:
 
 def test_access_log_has_the_http_requests_and_none_of_the_internal_calls(app):
     """The ingress logs each HTTP request (as uvicorn does in vLLM); the engine replica's
-    per-request submit calls and the coordinator's calls are not logged (cluster.app)."""
+    per-request submit calls and the coordinator's calls are not logged (cluster.launch.app)."""
     request_id = f"access-log-{uuid.uuid4().hex}"
     r = requests.post(f"{app}/v1/completions", headers={"X-Request-Id": request_id},
                       json={"model": NAME, "prompt": "Log me", "max_tokens": 2}, timeout=60)

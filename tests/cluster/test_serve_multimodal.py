@@ -41,7 +41,7 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def app(deploy, llava_model, media_dir):
-    from cluster.app import AppConfig
+    from cluster.launch.app import AppConfig
     from engine import EngineArgs
 
     cfg = AppConfig(engine_args=EngineArgs(model=llava_model, allowed_local_media_path=str(media_dir), **ENGINE),
@@ -131,9 +131,9 @@ def test_nothing_leaks_after_the_image_requests(app):
 
 
 def test_an_image_to_a_text_only_model_is_400_naming_the_part():
-    from cluster.chat import load_images
-    from cluster.http_errors import OpenAIError
-    from cluster.protocol import ChatCompletionRequest
+    from cluster.http.chat import load_images
+    from cluster.http.errors import OpenAIError
+    from cluster.http.protocol import ChatCompletionRequest
 
     text_only = SimpleNamespace(processor=SimpleNamespace(mm_processor=None), allowed_local_media_path=None)
     body = ChatCompletionRequest(model=NAME, messages=_messages(_data_url(image(0))))

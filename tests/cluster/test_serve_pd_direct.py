@@ -40,7 +40,7 @@ def model(model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def app(deploy, model):
-    from cluster.app import AppConfig
+    from cluster.launch.app import AppConfig
 
     # local_prefill_queue=0: every prompt is disaggregated, whatever the load.
     cfg = AppConfig(engine_args=EngineArgs(model=model, engine_core_process=True, **ENGINE), mode="pd",
@@ -57,7 +57,7 @@ def test_the_ingress_is_the_decode_replica_and_loads_the_prompt_kv_from_its_core
 
     assert set(serve.status().applications[APP].deployments) == {"Prefill", "Ingress", "Coordinator"}
     # The prefill's reply (with the prompt KV) travels over gRPC, as under `pdserve serve`
-    # (cluster.serve_env), though this test process built the app without that switch.
+    # (cluster.launch.serve_env), though this test process built the app without that switch.
     ingress = serve.get_deployment_handle("Ingress", APP)
     assert ingress.inter_deployment_calls.remote().result(timeout_s=30) == "grpc"
     engine_core_of("Ingress", APP)

@@ -19,7 +19,7 @@ PROMPTS = ["The river ran quietly past", "A good engineer measures before", "Hel
 
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model):
-    from cluster.app import AppConfig
+    from cluster.launch.app import AppConfig
     from engine import EngineArgs
 
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE),
@@ -64,7 +64,7 @@ def test_status_shape(app):
 def test_scale_up_and_down_under_load_loses_nothing(app, tiny_model):
     from transformers import AutoTokenizer
 
-    from cluster.cli import main
+    from cluster.launch.cli import main
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     expected = [tok.decode(hf_greedy(tiny_model, [tok.encode(p)], 12)[0], skip_special_tokens=True)

@@ -16,8 +16,8 @@ NAME = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def app(deploy, smollm2):
-    from cluster.app import AppConfig
-    from cluster.serve_cli import warm_tokenizer_cache
+    from cluster.launch.app import AppConfig
+    from cluster.launch.serve_cli import warm_tokenizer_cache
     from engine import EngineArgs
 
     warm_tokenizer_cache(smollm2)  # as `pdserve serve` does: replicas then skip the conversion

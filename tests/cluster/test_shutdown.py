@@ -1,4 +1,4 @@
-"""cluster/shutdown.py without Ray: a stand-in server process (a subreaper with a process tree
+"""cluster/launch/shutdown.py without Ray: a stand-in server process (a subreaper with a process tree
 shaped like Ray's: a daemon in its group, a worker in a session of its own orphaned by its
 parent) is stopped, and every bound and kill is checked from outside."""
 
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from cluster.shutdown import BoundedShutdown, http_connections
+from cluster.launch.shutdown import BoundedShutdown, http_connections
 from engine.errors import ParameterError
 from tests.cluster.helpers import free_port, proc_stat, running, wait_for
 
@@ -29,7 +29,7 @@ import signal, subprocess, sys, threading
 # started under nohup passes SIGHUP ignored to its children, and install() keeps an ignored
 # SIGHUP ignored (by design), so the stand-in resets it first.
 signal.signal(signal.SIGHUP, signal.SIG_DFL)
-from cluster.shutdown import BoundedShutdown, StopServing, become_subreaper
+from cluster.launch.shutdown import BoundedShutdown, StopServing, become_subreaper
 timeout_s, drain_mode, port = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 assert become_subreaper()
 stopper = BoundedShutdown(timeout_s, owns_processes=True, http_port=port)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import AppMetrics
+from cluster.http.metrics import AppMetrics
 
 SPEC = {"spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 30, "spec_decode_num_accepted_tokens": 17,
         "spec_decode_num_accepted_tokens_per_pos": [9, 5, 3]}

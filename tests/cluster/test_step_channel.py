@@ -1,4 +1,4 @@
-"""Per-step messages (cluster.step_channel) over a real in-process engine, no Ray: what the
+"""Per-step messages (cluster.replica.step_channel) over a real in-process engine, no Ray: what the
 front end rebuilds from the deltas equals the offline engine's outputs, one message carries a
 whole step of several requests, message size does not grow with the prompt, and a front
 end that goes away leaves nothing running."""
@@ -10,7 +10,7 @@ import pickle
 
 import pytest
 
-from cluster.step_channel import StepHub
+from cluster.replica.step_channel import StepHub
 from engine import LLM, AsyncLLM, EngineArgs, SamplingParams
 from engine.outputs import DeltaAccumulator
 from tests.engine.hf_reference import random_prompts
@@ -188,7 +188,7 @@ def test_a_front_end_that_goes_away_leaves_nothing_running(engine):
 def test_an_engine_failure_ends_a_held_subscription_at_once():
     """The engine's error cuts the interval short too: the subscription raises EngineFailed
     instead of holding it (and the ingress's requests) for the rest of a 600 s interval."""
-    from cluster.step_channel import EngineFailed
+    from cluster.replica.step_channel import EngineFailed
     from engine.outputs import CompletionOutput, RequestOutput
 
     def out(tokens: list[int]) -> RequestOutput:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from engine.request import Request, RequestStatus
-from engine.sched_output import EngineCoreOutput
+from engine.sched.output import EngineCoreOutput
 
 
 class StandInCore:

@@ -15,13 +15,13 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.sched_output import (
+from engine.sched.output import (
     EngineCoreOutput,
     KVConnectorOutput,
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from engine.scheduler import Scheduler
+from engine.sched.scheduler import Scheduler
 
 EOS_TOKEN_ID = 2
 # What the fake runner samples unless told otherwise: never EOS, never a prompt token.

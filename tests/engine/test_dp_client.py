@@ -19,7 +19,7 @@ from engine.dp.cores import DPCores
 from engine.dp.messages import CoreFailed, CoreReady, CoreStep, Shutdown, StartWave
 from engine.errors import EngineDeadError
 from engine.request import Request
-from engine.sched_output import EngineCoreOutput
+from engine.sched.output import EngineCoreOutput
 from tests.engine.dp_standins import StandInCore
 
 

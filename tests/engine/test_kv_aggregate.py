@@ -4,7 +4,7 @@ done; a failure only after every rank has reported (no rank may still write the 
 from __future__ import annotations
 
 from engine.executor.kv_aggregate import KVOutputAggregator
-from engine.sched_output import KVConnectorOutput
+from engine.sched.output import KVConnectorOutput
 
 
 def _recv(*rids: str) -> KVConnectorOutput:

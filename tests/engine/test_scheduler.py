@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine.request import RequestStatus
-from engine.sched_output import ModelRunnerOutput
+from engine.sched.output import ModelRunnerOutput
 from tests.engine.sched_factories import (
     DEFAULT_SAMPLED_TOKEN_ID,
     EOS_TOKEN_ID,

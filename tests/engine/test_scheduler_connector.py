@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.kv_connector import KVConnectorBase, KVConnectorRole
 from engine.kv_transfer_params import KVTransferParams
 from engine.request import RequestStatus
-from engine.sched_output import KVConnectorOutput
+from engine.sched.output import KVConnectorOutput
 from tests.engine.sched_factories import create_request, create_scheduler, make_runner_output
 
 

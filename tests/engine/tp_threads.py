@@ -24,7 +24,7 @@ from engine.executor.base import Executor, WorkerConfig, merge_step_replies, ran
 from engine.executor.kv_aggregate import KVOutputAggregator
 from engine.models.attention_metadata import AttentionMetadata
 from engine.request import Request
-from engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker
 
 

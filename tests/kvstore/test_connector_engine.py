@@ -153,7 +153,7 @@ def test_load_failure_with_fail_policy_is_an_explicit_error(tiny_model):
 
 
 def test_a_decode_computed_locally_gives_the_colocated_tokens_and_text_and_releases_nothing(pd_pair, tiny_model):
-    """A decode request resubmitted to another replica (cluster.front_streams) carries
+    """A decode request resubmitted to another replica (cluster.replica.front_streams) carries
     `computed_locally()` params: no load, and the same continuation as the decode that loads
     the KV (seeded sampling, tokens, text, logprobs), whose tokens equal the colocated run."""
     p, d, transport = pd_pair

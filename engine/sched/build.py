@@ -4,11 +4,11 @@ connector's metadata for the step."""
 
 from __future__ import annotations
 
-from engine.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 def build_scheduler_output(sched, new_reqs, running_reqs, num_scheduled, new_blocks, preempted) -> SchedulerOutput:
-    """`sched` is the engine.scheduler.Scheduler that scheduled the step."""
+    """`sched` is the engine.sched.scheduler.Scheduler that scheduled the step."""
     new_data = [
         NewRequestData(
             req_id=r.request_id,

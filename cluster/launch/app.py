@@ -1,6 +1,6 @@
 """The `pdserve` Serve application: Ingress, Prefill, Decode (or Colocated) and Coordinator.
 
-`build` is the import path Serve config files use (`import_path: cluster.app:build`, with
+`build` is the import path Serve config files use (`import_path: cluster.launch.app:build`, with
 `args:` holding AppConfig fields and EngineArgs fields side by side, flat);
 `build_app(AppConfig)` is the same from Python. Deploy it with `external_scaler_enabled`
 (`serve.run(..., external_scaler_enabled=True)`, or `external_scaler_enabled: true` in the
@@ -19,18 +19,23 @@ from ray.serve.config import RequestRouterConfig
 
 from actors.ray_executor import PLACEMENT_STRATEGY, replica_bundles
 from actors.worker import cluster_engine_args
-from cluster.app_checks import check_core_process, check_direct, direct_by_default, direct_role
-from cluster.auth import digest, keys_from
-from cluster.autoscale import build_config
-from cluster.capacity import auto_replica_cpus, node_cpus
-from cluster.coordinator import DEPLOYMENTS, SCALE_TIMEOUT_S, Coordinator
-from cluster.default_model import default_model, require_model_dir, served_name
-from cluster.ingress import Ingress
-from cluster.prefill_placement import LocalPrefillRule
-from cluster.replica import EngineServer
-from cluster.router import LeastLoadRouter
+from cluster.control.autoscale import build_config
+from cluster.control.capacity import auto_replica_cpus, node_cpus
+from cluster.control.coordinator import DEPLOYMENTS, SCALE_TIMEOUT_S, Coordinator
+from cluster.http.auth import digest, keys_from
+from cluster.http.ingress import Ingress
+from cluster.http.prefill_placement import LocalPrefillRule
+from cluster.launch.app_checks import (
+    check_core_process,
+    check_direct,
+    direct_by_default,
+    direct_role,
+)
+from cluster.replica.router import LeastLoadRouter
+from cluster.replica.server import EngineServer
 from engine.args import EngineArgs
 from engine.errors import ParameterError, check_choice, check_int
+from engine.models.default_model import default_model, require_model_dir, served_name
 
 MODES = ("pd", "colocated")
 POLICIES = ("fail", "recompute")
@@ -76,7 +81,7 @@ class AppConfig:
     # between messages, so one carries several steps (Ray Serve LLM's stream_batching_interval_ms).
     stream_interval_ms: float = STREAM_INTERVAL_MS
     prefix_affinity: bool = False
-    # Conditional disaggregation (cluster.prefill_placement): once the prefill replicas hold this
+    # Conditional disaggregation (cluster.http.prefill_placement): once the prefill replicas hold this
     # many of an ingress's prompts each, its next prompt may prefill on its decode replica
     # (the shorter queue); 0: always on a prefill replica.
     local_prefill_queue: int = LOCAL_PREFILL_QUEUE
@@ -85,7 +90,7 @@ class AppConfig:
     routing_stats_period_s: float = 0.5
     # CPUs Ray reserves per engine replica, which are also its torch threads (Ray sets
     # OMP_NUM_THREADS to them). None: 1 with GPUs; on CPU the cluster's CPUs shared among the
-    # engine replicas (cluster.capacity.auto_replica_cpus), resolved when the app is built.
+    # engine replicas (cluster.control.capacity.auto_replica_cpus), resolved when the app is built.
     replica_num_cpus: float | None = None
     # Torch threads of each engine replica when they should differ from its CPUs (None: the
     # same). More threads than CPUs lets replicas sharing a node use each other's idle cores.
@@ -100,13 +105,13 @@ class AppConfig:
     prefill_data_parallel_size: int | None = None
     decode_data_parallel_size: int | None = None
     max_replicas: int = 8  # per role: the ceiling of POST /scale (and of autoscaling by default)
-    # Bearer keys guarding /v1/*, /scale, /status (cluster.auth); PDSERVE_API_KEY adds more.
+    # Bearer keys guarding /v1/*, /scale, /status (cluster.http.auth); PDSERVE_API_KEY adds more.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # The cluster's autoscaler may add nodes: a scale target that does not fit the free
     # resources now is accepted (and /status shows what it waits for) instead of a 409.
     cluster_autoscaling: bool = False
     scale_timeout_s: float = SCALE_TIMEOUT_S  # a target not reached by then is reported stuck
-    autoscale: dict | None = None  # cluster.autoscale.AutoscaleConfig fields; {"enabled": True} turns it on
+    autoscale: dict | None = None  # cluster.control.autoscale.AutoscaleConfig fields; {"enabled": True} turns it on
     # The ingress's one line per HTTP request in Serve's replica log (like uvicorn's access log
     # in vLLM, on by default). The internal calls between deployments are never logged.
     disable_access_log: bool = False
@@ -115,7 +120,7 @@ class AppConfig:
     # Serve LLM's direct streaming; vLLM's API server + engine core): the colocated engine, or
     # in P/D the decode engine (prefills still go to the Prefill deployment). The proxy
     # spreads requests over the replicas; `colocated_replicas` or `decode_replicas` counts
-    # them (cluster.direct). None: on unless something needs an engine deployment behind the
+    # them (cluster.replica.direct). None: on unless something needs an engine deployment behind the
     # ingress (api_server_count > 1, prefix_affinity, tensor or data parallel); True insists
     # (and refuses those), False keeps the engine deployment.
     direct_streaming: bool | None = None
@@ -176,7 +181,7 @@ class AppConfig:
 
     @property
     def direct(self) -> bool:
-        """Whether the ingress replicas run the engines of `direct_role` themselves (cluster.direct)."""
+        """Whether the ingress replicas run the engines of `direct_role` themselves (cluster.replica.direct)."""
         return self.direct_streaming if self.direct_streaming is not None else direct_by_default(self)
 
     @property
@@ -373,7 +378,7 @@ def build_app(cfg: AppConfig):
     ingress_options = dict(num_replicas=cfg.api_server_count, ray_actor_options={"num_cpus": 0})
     if cfg.direct:
         # Each ingress replica is an engine replica: it reserves what one needs, and Serve
-        # replaces it when its engine dies (cluster.direct).
+        # replaces it when its engine dies (cluster.replica.direct).
         role = cfg.direct_role
         settings["direct"] = {"server_kwargs": server_kwargs(role), "report_period_s": cfg.routing_stats_period_s}
         ingress_options = dict(num_replicas=cfg.targets()[role], ray_actor_options=cfg.engine_actor_options(role),

@@ -1,12 +1,12 @@
 """The Coordinator deployment: the board of replica load, elastic scaling and autoscaling.
 
-Engine replicas report their figures with every routing-stats round (cluster.replica); the
+Engine replicas report their figures with every routing-stats round (cluster.replica.server); the
 board keeps the latest report of each live replica and forgets replicas that stopped (they say
 so when they shut down, or go stale). The ingress forwards `POST /scale`, `GET /status` and
-reads the board for `/metrics`. Replica counts change through Serve (cluster.serve_control);
+reads the board for `/metrics`. Replica counts change through Serve (cluster.control.serve_control);
 while a change is converging (replicas starting, or draining and stopping) the coordinator
 answers further scale requests with 409. With autoscaling on, a loop applies the pure
-policy in cluster.autoscale every `interval_s`.
+policy in cluster.control.autoscale every `interval_s`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from cluster.autoscale import PolicyState, RoleSignal, build_config, decide
-from cluster.capacity import describe, free_resources, needed_for, shortfall
-from cluster.metrics_merge import Snapshot, add
+from cluster.control.autoscale import PolicyState, RoleSignal, build_config, decide
+from cluster.control.capacity import describe, free_resources, needed_for, shortfall
+from cluster.http.metrics_merge import Snapshot, add
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Coordinator:
                  cluster_autoscaling: bool = False, resources=None, deployments: dict | None = None) -> None:
         self.mode = mode
         # role -> the Serve deployment of its replicas (colocated or decode ones are the
-        # ingress's with direct streaming, cluster.direct)
+        # ingress's with direct streaming, cluster.replica.direct)
         self.deployments = dict(deployments or DEPLOYMENTS)
         self.app_name = app_name
         self.roles = ("prefill", "decode") if mode == "pd" else ("colocated",)
@@ -106,11 +106,11 @@ class Coordinator:
         self.max_replicas = {r: int((max_replicas or {}).get(r, 8)) for r in self.roles}
         self.autoscale = build_config(autoscale, self.max_replicas)
         self.board = Board()
-        # Each ingress replica's latest request metrics; kept after it stops (cluster.metrics_merge).
+        # Each ingress replica's latest request metrics; kept after it stops (cluster.http.metrics_merge).
         # One small snapshot per ingress replica ever started.
         self.ingress_metrics: dict[str, Snapshot] = {}
         if control is None:
-            from cluster.serve_control import ServeControl
+            from cluster.control.serve_control import ServeControl
 
             control = ServeControl(app_name)
         self.control = control
@@ -143,7 +143,7 @@ class Coordinator:
     async def replicas(self) -> list[dict]:
         return self.board.live()
 
-    # ---- the ingress replicas' request metrics (cluster.metrics_merge) ---------------------
+    # ---- the ingress replicas' request metrics (cluster.http.metrics_merge) ---------------------
     async def report_ingress_metrics(self, ingress_id: str, snapshot: Snapshot) -> None:
         self.ingress_metrics[ingress_id] = snapshot
 

@@ -15,7 +15,7 @@ from engine.kv_cache import KVCacheManager
 from engine.kv_connector import KVConnectorBase
 from engine.kv_transfer_params import KVTransferParams
 from engine.request import Request, RequestStatus
-from engine.sched_output import EngineCoreOutput, KVConnectorOutput
+from engine.sched.output import EngineCoreOutput, KVConnectorOutput
 
 
 class RemoteKVTracker:

@@ -7,7 +7,7 @@ Names follow vLLM wherever vLLM has the metric (`vllm:time_to_first_token_second
 
 Request latencies (TTFT, ITL, E2E, queue time) are observed where the client's request is
 seen whole: the ingress; with several ingress replicas a scrape shows their sum
-(cluster.metrics_merge). Engine figures come from the Coordinator's board of replica reports,
+(cluster.http.metrics_merge). Engine figures come from the Coordinator's board of replica reports,
 labelled by role and replica, and are turned into metric families at scrape time. All text is
 produced by prometheus_client.
 """
@@ -19,7 +19,7 @@ from collections import Counter as Tally
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from cluster.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
+from cluster.http.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
 from engine.metrics import names
 from engine.metrics.names import MetricDef
 
@@ -148,7 +148,7 @@ class AppMetrics:
         self._local_prefills.inc()
 
     def snapshot(self) -> Snapshot:
-        """This replica's request metrics, as plain data (cluster.metrics_merge)."""
+        """This replica's request metrics, as plain data (cluster.http.metrics_merge)."""
         return snapshot_of(self.registry)
 
     def render(self, replica_reports: list[dict], requests: Snapshot | None = None) -> bytes:

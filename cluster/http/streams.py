@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from cluster.metrics import AppMetrics
+from cluster.http.metrics import AppMetrics
 from engine.outputs import RequestOutput
 
 

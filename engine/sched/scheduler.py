@@ -21,10 +21,10 @@ from engine.multimodal.sched_encoder import (
     release_computed,
 )
 from engine.request import Request, RequestStatus
-from engine.request_queue import make_queue
-from engine.sched_build import build_scheduler_output
-from engine.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from engine.sched_remote_kv import RemoteKVTracker
+from engine.sched.build import build_scheduler_output
+from engine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from engine.sched.remote_kv import RemoteKVTracker
+from engine.sched.request_queue import make_queue
 from engine.spec_decode.metrics import SpecDecodingStats
 from engine.spec_decode.scheduling import drafts_to_verify, lookahead_slots
 
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     """Owns the queues and decides each step; the KV connector's bookkeeping lives in
-    engine.sched_remote_kv, the per-token stop check in Request.check_stop."""
+    engine.sched.remote_kv, the per-token stop check in Request.check_stop."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int, connector=None,

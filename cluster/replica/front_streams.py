@@ -1,6 +1,6 @@
 """Ingress side of the per-step messages: submit requests to an engine deployment, keep one
 subscription per engine replica that holds some of them, and demultiplex its messages
-(lists of RequestDeltas, cluster.step_channel) into per-request streams of RequestOutputs.
+(lists of RequestDeltas, cluster.replica.step_channel) into per-request streams of RequestOutputs.
 
 Request state (the cumulative text, token ids and logprobs) lives here, in
 `DeltaAccumulator`s, so the engine replicas send deltas only. Detokenization stays on the
@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 import ray
 
 from actors.orchestrate import PDRequestError
-from cluster.streams import detached_task
+from cluster.http.streams import detached_task
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import DeltaAccumulator, RequestDelta, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -162,7 +162,7 @@ class ReplicaStreams:
             error = RuntimeError("the replica no longer holds these requests")
         if error is not None:
             logger.warning("subscription to replica %s failed: %s", replica, error)
-            # ReplicaGone: the call naming this replica reached another one (cluster.replica).
+            # ReplicaGone: the call naming this replica reached another one (cluster.replica.server).
             unrouted = "ReplicaGone" in f"{type(error).__name__}: {error}"
             for rid in mine:
                 self._where.pop(rid, None)

@@ -1,7 +1,7 @@
 """AppConfig rules about where an engine core runs: in a child process of its replica
 (`engine_core_process`), and that replica being the ingress itself (`direct_streaming`,
-cluster.direct: the colocated engines, or in P/D the decode engines). Each refusal names its
-field, before Ray starts. (`cfg` is a cluster.app.AppConfig, which calls these from its own
+cluster.replica.direct: the colocated engines, or in P/D the decode engines). Each refusal names its
+field, before Ray starts. (`cfg` is a cluster.launch.app.AppConfig, which calls these from its own
 checks.)"""
 
 from __future__ import annotations

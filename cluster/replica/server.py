@@ -16,8 +16,8 @@ import time
 from ray import serve
 
 from actors.worker import EngineWorker
-from cluster.latency import LatencyWindow
-from cluster.step_channel import StepHub
+from cluster.replica.latency import LatencyWindow
+from cluster.replica.step_channel import StepHub
 from engine.args import EngineArgs
 from engine.kv_transfer_params import KVTransferParams
 from engine.sampling_params import SamplingParams
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 # live in its process's object store and go with it).
 _EXPORT_DRAIN_S = 30.0
 # Unchanged figures still reach the coordinator this often (it forgets a replica silent for
-# cluster.coordinator.STALE_AFTER_S = 10 s).
+# cluster.control.coordinator.STALE_AFTER_S = 10 s).
 _HEARTBEAT_S = 3.0
 
 
@@ -99,7 +99,7 @@ class EngineServer:
                 first, last = False, now
             yield out
 
-    # ---- per-step messages (cluster.step_channel) ----------------------------------------
+    # ---- per-step messages (cluster.replica.step_channel) ----------------------------------------
     async def submit(self, prompt: dict, params: SamplingParams, request_id: str, ingress_id: str,
                      kv_transfer_params: KVTransferParams | None = None) -> str:
         """Queue a request whose outputs go to `ingress_id`'s subscription; returns this

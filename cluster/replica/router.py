@@ -67,7 +67,7 @@ def rank(candidates: list[Candidate], affinity: str | None = None, affinity_slac
 
 
 class LeastLoadRouter(FIFOMixin, RequestRouter):
-    """Serve request router for the engine deployments (configured in cluster.app).
+    """Serve request router for the engine deployments (configured in cluster.launch.app).
 
     FIFO: without it Serve matches a chosen replica to the pending request by its internal
     request id, which all calls made while serving one HTTP request share (a batched

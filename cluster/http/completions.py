@@ -7,15 +7,15 @@ import uuid
 
 from fastapi.responses import Response
 
-from cluster import openai_format as fmt
-from cluster.http_errors import rejecting
-from cluster.protocol import CompletionRequest
+from cluster.http import openai_format as fmt
+from cluster.http.errors import rejecting
+from cluster.http.protocol import CompletionRequest
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import child_params
 
 
 async def create_completion(ingress, body: CompletionRequest) -> Response:
-    """`ingress` is the cluster.ingress.Ingress replica serving the request."""
+    """`ingress` is the cluster.http.ingress.Ingress replica serving the request."""
     ingress.check_model(body.model)
     prompts, per_prompt = [], []
     with rejecting(body):

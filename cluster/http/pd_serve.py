@@ -3,7 +3,7 @@
 The flow is `actors.orchestrate.pd_flow`; what differs from plain actors is how a request
 travels: the prefill is one routed call (cancelled if the request is left early, which Serve
 delivers to the replica running it), and the decode (or colocated) half goes over the
-per-step messages of cluster.front_streams, whose abort is routed to the replica holding the
+per-step messages of cluster.replica.front_streams, whose abort is routed to the replica holding the
 request (freeing its KV blocks). With direct streaming the decode engine is the ingress's own,
 and the prompt KV comes back in the prefill's reply into that engine's inbox
 (kvstore.handoff) instead of through the store.
@@ -18,7 +18,7 @@ from contextlib import aclosing
 import grpc
 
 from actors.orchestrate import PDRequestError, pd_flow
-from cluster.front_streams import REPLICA_ERRORS, ReplicaStreams
+from cluster.replica.front_streams import REPLICA_ERRORS, ReplicaStreams
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -99,7 +99,7 @@ def serve_pd_generate(prefill_handle, decode_streams: ReplicaStreams, store, pro
 async def serve_plain_generate(streams: ReplicaStreams, prompt, params: SamplingParams, request_id: str
                                ) -> AsyncIterator[RequestOutput]:
     """A request run whole on one engine replica: every request in colocated mode, and a P/D
-    request prefilled on its decode replica (cluster.prefill_placement). An engine-side failure
+    request prefilled on its decode replica (cluster.http.prefill_placement). An engine-side failure
     (finish_reason "error": a KV load, or a data-parallel core that could not take the request)
     is an error, as pd_flow makes it on the disaggregated path, so the client gets a 503 in
     OpenAI's error shape, never a 200 carrying a partial answer, whatever the mode and wherever

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from cluster.http_front import MIN_DRAINING, MIN_DRAINING_S
+from cluster.http.front import MIN_DRAINING, MIN_DRAINING_S
 from kvstore.handoff import GRPC_MAX_MESSAGE
 
 CONTROL_LOOP = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
@@ -41,7 +41,7 @@ LOG_BUFFER = "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"
 # of SmolLM2 is 12 MB), so 128 MiB, and a KV bigger than that goes through the store.
 GRPC_MAX_MESSAGE_BYTES = str(128 * 1024 * 1024)
 # And it makes every HTTP replica a direct-ingress one, HAProxy or not, whose drain keeps it
-# reachable for Ray's default 30 s: cluster.http_front's 2 s then holds whatever the front.
+# reachable for Ray's default 30 s: cluster.http.front's 2 s then holds whatever the front.
 
 
 def configure_serve_env(environ: dict | None = None) -> None:

@@ -5,7 +5,7 @@ so bad input is a 400 before any replica sees it; then it runs the request throu
 prefill and decode deployments (or the colocated one) and streams or returns the result.
 Leaving a request early (client disconnect, error) cancels it on the replicas, which frees
 its KV blocks and its transfer. The routes are thin: the completions and chat bodies live in
-cluster/completions.py and cluster/chat.py, errors in cluster/http_errors.py.
+cluster/http/completions.py and cluster/http/chat.py, errors in cluster/http/errors.py.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the body models as real types
@@ -23,18 +23,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from cluster import openai_format as fmt
-from cluster.auth import ApiKeyCheck, install_api_key_check
-from cluster.chat import create_chat_completion
-from cluster.completions import create_completion
-from cluster.direct import DirectEngine
-from cluster.front_streams import ReplicaStreams
-from cluster.http_errors import OpenAIError, install_error_handlers, overloaded, replica_error
-from cluster.metrics import AppMetrics
-from cluster.pd_serve import serve_pd_generate, serve_plain_generate
-from cluster.prefill_placement import PrefillPlacement, RoleCounts
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.streams import detached_task, merge, timed
+from cluster.http import openai_format as fmt
+from cluster.http.auth import ApiKeyCheck, install_api_key_check
+from cluster.http.chat import create_chat_completion
+from cluster.http.completions import create_completion
+from cluster.http.errors import OpenAIError, install_error_handlers, overloaded, replica_error
+from cluster.http.metrics import AppMetrics
+from cluster.http.pd_serve import serve_pd_generate, serve_plain_generate
+from cluster.http.prefill_placement import PrefillPlacement, RoleCounts
+from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.http.streams import detached_task, merge, timed
+from cluster.replica.direct import DirectEngine
+from cluster.replica.front_streams import ReplicaStreams
 from engine.args import EngineArgs
 from engine.llm_engine import front_end
 from engine.outputs import RequestOutput
@@ -74,7 +74,7 @@ class Ingress:
         self.mode = settings["mode"]
         # Handles made in this replica, not the ones built with the app: Serve picks gRPC or
         # Ray actor calls per handle from the environment of the process that makes it
-        # (RAY_SERVE_THROUGHPUT_OPTIMIZED, cluster.serve_env), so the cluster's own setting
+        # (RAY_SERVE_THROUGHPUT_OPTIMIZED, cluster.launch.serve_env), so the cluster's own setting
         # decides, whoever ran `serve.run` (a driver without it would pin actor calls).
         prefill, decode, coordinator = (_own_handle(h) for h in (prefill, decode, coordinator))
         self.prefill, self.decode, self.coordinator = prefill, decode, coordinator
@@ -89,7 +89,7 @@ class Ingress:
         self.store = app_store(settings["app_name"]) if self.mode == "pd" else None
         # Decode (or colocated) outputs arrive as one message per engine step per replica.
         self.ingress_id = f"ingress-{serve.get_replica_context().replica_id.unique_id}"
-        # --direct-streaming: this replica's own engine (cluster.direct) stands in for the
+        # --direct-streaming: this replica's own engine (cluster.replica.direct) stands in for the
         # colocated (or decode) deployment, behind the same streams.
         self.direct = DirectEngine(**settings["direct"]) if settings.get("direct") else None
         engines = self.direct.handle if self.direct is not None else decode if self.mode == "pd" else prefill
@@ -232,7 +232,7 @@ class Ingress:
             self._release(token)
         yield fmt.sse("[DONE]")
 
-    # ---- request metrics of several ingress replicas (cluster.metrics_merge) -------------
+    # ---- request metrics of several ingress replicas (cluster.http.metrics_merge) -------------
     async def _push_metrics(self) -> None:
         sent = 0
         while True:

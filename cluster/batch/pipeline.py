@@ -2,7 +2,7 @@
 
 `EnginePredictor` is the callable class for `Dataset.map_batches`: one offline engine per
 actor (`concurrency=N` actors), fed from several batches at once (async `__call__`, rows handed
-to `cluster.batch_feeder.EngineFeeder`) so the engine's continuous batching stays full across
+to `cluster.batch.feeder.EngineFeeder`) so the engine's continuous batching stays full across
 batch boundaries, as the offline engine's does over all rows. Every input row comes out exactly
 once with its columns kept, plus `generated_text`, `generated_token_ids`, `num_prompt_tokens`,
 `num_generated_tokens`, `finish_reason` and `error`: a row whose prompt or parameters are
@@ -21,9 +21,9 @@ import os
 
 import pyarrow as pa
 
-from cluster.default_model import require_model_dir
 from engine.args import EngineArgs
 from engine.errors import ParameterError, check_int
+from engine.models.default_model import require_model_dir
 from engine.sampling_params import SamplingParams
 
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens", "num_generated_tokens",
@@ -55,7 +55,7 @@ class EnginePredictor:
 
     def __init__(self, engine_args: EngineArgs, prompt_column: str = "prompt",
                  sampling: SamplingParams | None = None, torch_threads: int | None = None) -> None:
-        from cluster.batch_feeder import EngineFeeder
+        from cluster.batch.feeder import EngineFeeder
         from engine import LLM
 
         if torch_threads:

@@ -4,7 +4,7 @@ The HTTP proxy (HAProxy) sends a request straight to an ingress replica, and tha
 it on an engine of its own, the colocated engine or in P/D the decode engine (the prompt still
 prefills on a Prefill replica; the decode core loads its KV through the relayed transport,
 kvstore.transports.relay): the front end (AsyncLLM, detokenization, the per-step channel of
-cluster.step_channel) in the replica's process, the engine core (scheduler, KV cache, model)
+cluster.replica.step_channel) in the replica's process, the engine core (scheduler, KV cache, model)
 in a child process (`engine_core_process`), as vLLM's API server and EngineCoreProc do, and as
 Ray Serve LLM's direct streaming skips its ingress hop. Gone per request: the routed submit
 call from the ingress to an engine replica (Serve's router, the actor call, the replica's
@@ -19,7 +19,7 @@ scale together (`colocated_replicas` / `decode_replicas`, POST /scale {"colocate
 {"decode": N}).
 
 The ingress code is unchanged: `LocalEngineHandle` answers the three calls the ingress makes
-on an engine deployment's handle (submit, subscribe, abort; cluster.front_streams) by calling
+on an engine deployment's handle (submit, subscribe, abort; cluster.replica.front_streams) by calling
 this process's EngineServer directly, so streams, aborts, coalescing and failure handling are
 the ones the routed path has.
 """
@@ -30,8 +30,8 @@ import asyncio
 import logging
 
 from actors.orchestrate import PDRequestError
-from cluster.replica import EngineServer
-from cluster.streams import detached_task
+from cluster.http.streams import detached_task
+from cluster.replica.server import EngineServer
 
 logger = logging.getLogger(__name__)
 # Bound on one figures report (Serve's routing-stats timeout for engine deployments is 5 s).
@@ -49,7 +49,7 @@ class _LocalMethod:
 
 
 class LocalEngineHandle:
-    """The subset of a DeploymentHandle that cluster.front_streams.ReplicaStreams uses, over
+    """The subset of a DeploymentHandle that cluster.replica.front_streams.ReplicaStreams uses, over
     an EngineServer in this process."""
 
     def __init__(self, server: EngineServer) -> None:
@@ -101,7 +101,7 @@ class DirectEngine:
         while True:
             try:
                 # Forwards to the Coordinator when the figures changed, or as a heartbeat
-                # (cluster.replica). Bounded as Serve bounds a routing-stats round.
+                # (cluster.replica.server). Bounded as Serve bounds a routing-stats round.
                 await asyncio.wait_for(self.server.record_routing_stats(), _REPORT_TIMEOUT_S)
                 if failing:
                     logger.warning("engine figures reported again")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from cluster import openai_format as fmt
+from cluster.http import openai_format as fmt
 
 ENV_VAR = "PDSERVE_API_KEY"
 GUARDED_PREFIXES = ("/v1/", "/scale", "/status")

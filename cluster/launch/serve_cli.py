@@ -1,6 +1,6 @@
 """`pdserve serve`: deploy the app on local Ray (or the cluster in RAY_ADDRESS) and keep it up
 until SIGINT/SIGTERM/SIGHUP, then take it down within --shutdown-timeout-s: in-flight requests
-finish first, then whatever is left of what it started is killed (cluster/shutdown.py)."""
+finish first, then whatever is left of what it started is killed (cluster/launch/shutdown.py)."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def _http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
     import urllib.error
     import urllib.request
 
-    from cluster.auth import keys_from
+    from cluster.http.auth import keys_from
 
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
@@ -133,9 +133,9 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace):
-    from cluster.app import AppConfig
-    from cluster.auth import keys_from
-    from cluster.default_model import default_model
+    from cluster.http.auth import keys_from
+    from cluster.launch.app import AppConfig
+    from engine.models.default_model import default_model
 
     extra = {} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}
     extra["api_keys"] = keys_from(args.api_key)
@@ -178,8 +178,8 @@ def warm_tokenizer_cache(model: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> NoReturn:
-    from cluster.http_front import configure_http_front
-    from cluster.serve_env import configure_serve_env
+    from cluster.http.front import configure_http_front
+    from cluster.launch.serve_env import configure_serve_env
 
     # Before Ray is imported: Serve reads these switches from the environment at import/start.
     front = "as the cluster was started"
@@ -189,9 +189,14 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
     import ray
     from ray import serve
 
-    from cluster.app import build_app
-    from cluster.capacity import initial_resources, node_cpus, startup_refusal, total_resources
-    from cluster.shutdown import BoundedShutdown, StopServing, become_subreaper
+    from cluster.control.capacity import (
+        initial_resources,
+        node_cpus,
+        startup_refusal,
+        total_resources,
+    )
+    from cluster.launch.app import build_app
+    from cluster.launch.shutdown import BoundedShutdown, StopServing, become_subreaper
     from kvstore.store_actor import remove_app_store
 
     cfg = _config(args)  # bad flags fail here, before Ray starts
@@ -224,14 +229,14 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
     try:
         stopper.install()
         if address:
-            from cluster.ray_connect import connect
+            from cluster.launch.ray_connect import connect
 
             connect(log_to_driver=False)  # bounded; token auth picked up; one-line failures
         else:  # "local": a Ray of our own, even when `ray start` left a cluster to attach to
             # Ray's node daemons inherit this thread's signal mask, and so do the workers its
             # raylet starts: with SIGTERM and SIGHUP blocked there, a signal sent to the whole
             # group (`kill -- -PGID`) reaches only this driver, which drains the app as for a
-            # SIGTERM to it alone (cluster.shutdown). HAProxy sets its own mask.
+            # SIGTERM to it alone (cluster.launch.shutdown). HAProxy sets its own mask.
             masked = signal.pthread_sigmask(signal.SIG_BLOCK, NODE_BLOCKED_SIGNALS)
             try:
                 ray.init(address="local", namespace="pdserve", include_dashboard=False, log_to_driver=False)

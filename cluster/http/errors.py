@@ -13,7 +13,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.orchestrate import PDRequestError
-from cluster import openai_format as fmt
+from cluster.http import openai_format as fmt
 from engine.errors import ParameterError
 
 RETRY_AFTER_S = 1

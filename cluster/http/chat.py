@@ -7,9 +7,9 @@ import uuid
 
 from fastapi.responses import Response
 
-from cluster import openai_format as fmt
-from cluster.http_errors import OpenAIError, rejecting
-from cluster.protocol import ChatCompletionRequest
+from cluster.http import openai_format as fmt
+from cluster.http.errors import OpenAIError, rejecting
+from cluster.http.protocol import ChatCompletionRequest
 from engine.errors import ParameterError
 from engine.multimodal.media import load_image
 from engine.parallel_sampling import child_params
@@ -46,7 +46,7 @@ def render(tokenizer, body: ChatCompletionRequest) -> tuple[str, list[int]]:
 
 
 async def create_chat_completion(ingress, body: ChatCompletionRequest) -> Response:
-    """`ingress` is the cluster.ingress.Ingress replica serving the request."""
+    """`ingress` is the cluster.http.ingress.Ingress replica serving the request."""
     ingress.check_model(body.model)
     with rejecting(body):
         params = body.sampling_params()

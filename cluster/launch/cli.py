@@ -6,11 +6,11 @@ import argparse
 import logging
 import sys
 
-from cluster.batch_cli import add_batch_parser
-from cluster.default_model import default_model
-from cluster.sampling_flags import add_sampling_args, sampling_params
-from cluster.serve_cli import add_serve_parser
+from cluster.batch.cli import add_batch_parser
+from cluster.launch.sampling_flags import add_sampling_args, sampling_params
+from cluster.launch.serve_cli import add_serve_parser
 from engine.args import EngineArgs
+from engine.models.default_model import default_model
 
 
 def _cmd_make_model(args) -> int:

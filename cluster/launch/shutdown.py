@@ -6,7 +6,7 @@ The stop paths and what they reach:
   block SIGINT, so in effect the driver only.
 - SIGTERM to the driver only (docker stop, Kubernetes, systemd KillMode=mixed).
 - SIGTERM to the process group (`kill -- -PGID`): `pdserve serve` starts its Ray node with
-  SIGTERM and SIGHUP blocked (cluster.serve_cli), and every Ray process inherits that mask, so
+  SIGTERM and SIGHUP blocked (cluster.launch.serve_cli), and every Ray process inherits that mask, so
   again only the driver acts on it. Before that, the raylet unregistered its node at once and
   exited, taking Serve's workers and their streams with it, at its own pace.
 - SIGTERM to every process of the cgroup (systemd's default KillMode=control-group): as the

