@@ -21,10 +21,11 @@ import torch
 from actors.kv_exports import ServesKVExports
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.core_client.core_proc import WAKE
+from engine.core_client.messages import CoreReady, Shutdown
 from engine.distributed import DPPlacement
 from engine.dp.control import DPControlGroup
-from engine.dp.core_loop import WAKE, DPCoreLoop
-from engine.dp.messages import CoreReady, Shutdown
+from engine.dp.core_loop import DPCoreLoop
 from engine.kv_connector import KVConnectorFactory
 
 # The streaming call re-checks that the loop is alive this often while the core is quiet.

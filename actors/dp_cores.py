@@ -36,9 +36,10 @@ from actors.dp_core import DPCoreActor
 from actors.ray_executor import PLACEMENT_STRATEGY, RayExecutor, rank_bundle, release_actors
 from engine.config import EngineConfig
 from engine.core import resolve_device
+from engine.core_client.client import START_TIMEOUT_S
+from engine.core_client.messages import CoreFailed
 from engine.distributed import COLLECTIVE_TIMEOUT, DPPlacement
-from engine.dp.cores import START_TIMEOUT_S, DPCores, register_dp_backend
-from engine.dp.messages import CoreFailed
+from engine.dp.cores import DPCores, register_dp_backend
 from engine.errors import EngineDeadError, ParameterError
 from engine.kv_connector import KVConnectorFactory
 
@@ -128,8 +129,7 @@ class RayCores(DPCores):
                 raise EngineDeadError(f"data-parallel core {rank} failed in {what!r}:\n{e}") from None
         return [results[r] for r in range(len(refs))]
 
-    @property
-    def core_actors(self) -> list:
+    def actors(self) -> list:
         """The core actors, in rank order."""
         return list(self.actors)
 

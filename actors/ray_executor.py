@@ -118,8 +118,7 @@ class RayExecutor(RankGroupExecutor):
                 f"{PLACEMENT_STRATEGY}) within {_START_TIMEOUT_S:.0f} s") from None
         return pg
 
-    @property
-    def ranks(self) -> list:
+    def rank_actors(self) -> list:
         """The rank actors, in rank order."""
         return list(self.actors)
 

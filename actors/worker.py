@@ -12,27 +12,28 @@ import asyncio
 import dataclasses
 import multiprocessing as mp
 import uuid
+from collections.abc import Callable
 
 import ray
 import torch
 
-from actors.dp_cores import RayCores  # registers data_parallel_backend="ray"
-from actors.ray_executor import RayExecutor  # registers distributed_executor_backend="ray"
+import actors.dp_cores  # noqa: F401  (registers data_parallel_backend="ray")
+import actors.ray_executor  # noqa: F401  (registers distributed_executor_backend="ray")
+from actors.report import ReplicaReport
+from actors.roles import Role
+from actors.serving_engine import ServingEngine
 from engine import AsyncLLM, EngineArgs, SamplingParams
-from engine.dp.client import DPEngineClient
-from engine.dp.mp_cores import MPCores
 from engine.kv_connector import KVConnectorRole
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
 from kvstore.connector_factory import PDConnectorFactory
-from kvstore.handoff import DECLINED, KVHandoff
+from kvstore.handoff import ExportFailed, KVHandoff
 from kvstore.pd import prefill_kv_params, prefill_params
 from kvstore.transports.object_store import ObjectStoreTransport
 from kvstore.transports.relay import KVRelay, RelayConnectorFactory
 from kvstore.transports.torch_dist import TorchDistTransport
 
-ROLES = ("colocated", "prefill", "decode")
 _RANK_CALL_TIMEOUT_S = 30.0
 # How long a prefill's reply waits for its export to come through a core process's relay
 # (normally well under a millisecond behind the output); later, it goes to the store instead.
@@ -50,13 +51,13 @@ def cluster_engine_args(engine_args: EngineArgs) -> EngineArgs:
     return engine_args
 
 
-def engine_config_for_role(engine_args: EngineArgs, role: str):
+def engine_config_for_role(engine_args: EngineArgs, role: Role):
     """The engine config a worker of `role` runs: a serving engine's defaults
     (engine.config.resolved_token_budget). A prefill worker samples one token per request,
     so it never speculates (a proposer there would only draft for the decode side); decode
     and colocated workers keep the speculative config."""
     config = engine_args.create_engine_config(usage_context="serving")
-    if role == "prefill":
+    if role == Role.PREFILL:
         config = dataclasses.replace(config, speculative=None)
     return config
 
@@ -65,17 +66,16 @@ class EngineWorker:
     def __init__(
         self,
         engine_args: EngineArgs,
-        role: str = "colocated",
+        role: Role | str = Role.COLOCATED,
         replica_id: str | None = None,
         store=None,
         transport: str = "object_store",
         load_failure_policy: str = "fail",
-        engine_cls=AsyncLLM,
+        engine_cls: Callable[..., ServingEngine] = AsyncLLM,
         transport_timeout_s: float = 60.0,
         store_pulls: bool = True,
     ) -> None:
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        role = Role.of(role)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "torch_dist" and not store_pulls:
@@ -90,12 +90,13 @@ class EngineWorker:
         self.transport = None
         self.relay: KVRelay | None = None
         factory = None
+        core_end = None  # the relay pipe's end that the core process takes over
         # Both sides of the connector, once made (the worker side's counters are the stats).
         self.connectors: dict[KVConnectorRole, PDConnector] = {}
-        if role != "colocated":
+        if role != Role.COLOCATED:
             if store is None:
                 raise ValueError(f"a {role} worker needs the KV store actor (store=...)")
-            pd_role = "producer" if role == "prefill" else "consumer"
+            pd_role = role.pd_role
             if tp > 1 or dp > 1:
                 factory = self._remote_factory(transport, pd_role, store, config.cache.block_size,
                                                load_failure_policy, tp, transport_timeout_s)
@@ -104,9 +105,9 @@ class EngineWorker:
                 if config.parallel.engine_core_process:
                     # The core is a plain child process: its connector's transport calls are
                     # made here, by this process's transport (kvstore.transports.relay).
-                    ours, theirs = mp.get_context("spawn").Pipe()
+                    ours, core_end = mp.get_context("spawn").Pipe()
                     self.relay = KVRelay(self.transport, ours)
-                    factory = RelayConnectorFactory(theirs, self.transport.name, pd_role, self.replica_id,
+                    factory = RelayConnectorFactory(core_end, self.transport.name, pd_role, self.replica_id,
                                                     config.cache.block_size, load_failure_policy)
                 else:
                     def factory(side: KVConnectorRole) -> PDConnector:
@@ -115,13 +116,13 @@ class EngineWorker:
                         return self.connectors[side]
 
         try:
-            self.engine = engine_cls(config, factory)
+            self.engine: ServingEngine = engine_cls(config, factory)
         finally:
-            if isinstance(factory, RelayConnectorFactory):
+            if core_end is not None:
                 # The core holds its own copy now: ours closed, the relay sees the core's exit.
-                factory.conn.close()
+                core_end.close()
         if self.transport is not None:
-            self.transport.warm_up(producer=role == "prefill")
+            self.transport.warm_up(producer=role == Role.PREFILL)
 
     def _remote_factory(self, transport: str, pd_role: str, store, block_size: int, load_failure_policy: str,
                         tp: int, timeout_s: float) -> PDConnectorFactory:
@@ -134,33 +135,19 @@ class EngineWorker:
         return PDConnectorFactory(pd_role, store, self.replica_id, block_size, load_failure_policy, tp,
                                   timeout_s, store_pulls=self.store_pulls)
 
-    async def _ask_ranks(self, method: str) -> list:
-        calls = [getattr(r, method).remote() for r in self._ranks()]
+    async def _ask_ranks(self, ranks: list, method: str) -> list:
+        calls = [getattr(r, method).remote() for r in ranks]
         return list(await asyncio.wait_for(asyncio.gather(*calls), _RANK_CALL_TIMEOUT_S))
 
-    def _core(self):
-        """The engine's EngineCore, or its DPEngineClient; None for an injected test engine."""
-        return getattr(getattr(self.engine, "engine", None), "core", None)
-
-    def _ranks(self) -> list:
-        """The tensor-parallel rank actors ("ray" executor), or [] (one rank, in process)."""
-        executor = getattr(self._core(), "executor", None)
-        return executor.ranks if isinstance(executor, RayExecutor) else []
-
     def data_parallel_cores(self) -> list:
-        """Handles of this engine's data-parallel core actors (empty without data parallelism)."""
-        cores = getattr(self._core(), "cores", None)
-        return cores.core_actors if isinstance(cores, RayCores) else []
+        """Handles of this engine's data-parallel core actors (empty without data parallelism
+        on Ray)."""
+        return self.engine.core_actors()
 
     def engine_core_pids(self) -> list[int]:
         """Pids of this engine's core processes (engine_core_process, or data-parallel cores on
         the "mp" backend); empty when the core runs in this process."""
-        cores = getattr(self._core(), "cores", None)
-        return list(cores.pids) if isinstance(cores, MPCores) else []
-
-    async def _ask_core(self, method: str):
-        """core.method() on the engine thread (a DPEngineClient asks every core)."""
-        return await asyncio.wrap_future(self.engine.call(getattr(self._core(), method)))
+        return self.engine.core_pids()
 
     def _make_transport(self, name: str, store, timeout_s: float):
         def self_handle():
@@ -226,9 +213,9 @@ class EngineWorker:
             transport.handbacks.take(transfer_id)  # aborted or failed: nobody expects it now
         if isinstance(value, torch.Tensor):
             return KVHandoff(out, kv=value)
-        if value is None or value == DECLINED:
-            return KVHandoff(out)  # in the store (too big for a reply, or late)
-        return KVHandoff(out, error=value)
+        if isinstance(value, ExportFailed):
+            return KVHandoff(out, error=value.reason)
+        return KVHandoff(out)  # DECLINED or None: in the store (too big for a reply, or late)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -249,41 +236,36 @@ class EngineWorker:
             self.transport.drop_export(transfer_id)
 
     async def outbox_size(self) -> int:
+        """Exports this replica still holds for the KV store to take."""
         if self.transport is not None:
             return self.transport.outbox_size
-        if isinstance(self._core(), DPEngineClient):
-            return await self._ask_core("kv_outbox_size")
-        return sum(await self._ask_ranks("outbox_size"))
+        ranks = self.engine.rank_actors()
+        if ranks:  # each rank moves its own heads, through its own transport
+            return sum(await self._ask_ranks(ranks, "outbox_size"))
+        return await self.engine.kv_outbox_size()
 
     # ---- health and load ----------------------------------------------------------------
     async def check_health(self) -> None:
-        if getattr(self.engine, "_errored", None) is not None:
-            raise RuntimeError(f"engine of {self.replica_id} failed: {self.engine._errored!r}")
+        try:
+            # Off the event loop: with rank actors this pings them (bounded).
+            await asyncio.to_thread(self.engine.check_health)
+        except Exception as e:
+            raise RuntimeError(f"engine of {self.replica_id} failed: {e}") from e
         if self.relay is not None and not self.relay.alive:
             # Its core's transfers fail from now on (or its core is gone): replace the replica.
             raise RuntimeError(f"the KV relay of {self.replica_id}'s engine core process stopped")
-        if isinstance(self.engine, AsyncLLM):  # injected test engines have no workers
-            # Off the event loop: with rank actors this pings them (bounded).
-            await asyncio.to_thread(self.engine.check_health)
 
-    async def load(self) -> dict:
-        core = self._core()
-        if isinstance(core, DPEngineClient):
-            # The figures its cores sent with their steps: no round trip on the engine thread
-            # each time Serve asks for routing stats.
-            figures = core.load(fresh=False)
-        else:
-            figures = await self.engine.load()
+    async def load(self) -> ReplicaReport:
         transport = self.handoff_transport
         # Prompt KV held for a prefill's reply, or received in one and not yet loaded
         # (kvstore.handoff): 0 when idle, or a leak.
         handoffs = len(transport.handbacks) + len(transport.inbox) if transport is not None else 0
-        return {"replica": self.replica_id, "role": self.role, **figures, "kv_handoffs": handoffs}
+        return ReplicaReport(self.replica_id, self.role, await self.engine.load(), handoffs)
 
     def tensor_parallel_ranks(self) -> list:
         """Handles of this engine's rank actors (empty with one rank): operators and tests
         reach a rank's own state (its KV outbox, its liveness) through them."""
-        return self._ranks()
+        return self.engine.rank_actors()
 
     async def shutdown(self) -> None:
         """Stop the engine and release its workers. Call before killing the actor when its
@@ -309,13 +291,16 @@ class EngineWorker:
         worker_side = self.connectors.get(KVConnectorRole.WORKER)
         if worker_side is not None:
             return dict(worker_side.stats)
-        if isinstance(self._core(), DPEngineClient):
-            return await self._ask_core("kv_transfer_stats")
-        per_rank = await self._ask_ranks("kv_transfer_stats")  # summed: each rank moved its own heads
-        return {k: sum(stats[k] for stats in per_rank) for k in per_rank[0]} if per_rank and per_rank[0] else {}
+        if self.role == Role.COLOCATED:
+            return {}  # no connector anywhere
+        ranks = self.engine.rank_actors()
+        if ranks:
+            per_rank = await self._ask_ranks(ranks, "kv_transfer_stats")  # summed: each rank moved its own heads
+            return {k: sum(stats[k] for stats in per_rank) for k in per_rank[0]} if per_rank[0] else {}
+        return await self.engine.kv_transfer_stats()  # from a core apart (a child process, data parallel)
 
 
-def create_worker(engine_args: EngineArgs, role: str = "colocated", num_cpus: float = 0, name: str | None = None,
+def create_worker(engine_args: EngineArgs, role: Role | str = Role.COLOCATED, num_cpus: float = 0, name: str | None = None,
                   **kwargs):
     """Start an EngineWorker actor. Actors default to num_cpus=0 so tests fit on 2 cores."""
     opts = {"num_cpus": num_cpus, "max_concurrency": 1000}

@@ -1,6 +1,6 @@
 """Asyncio streaming front over one LLMEngine: `async for out in engine.generate(...)`.
 
-As seed 004's EngineCoreProc: one background thread owns the engine and runs a busy loop —
+As vLLM's EngineCoreProc does: one background thread owns the engine and runs a busy loop —
 drain the input queue (add / abort / calls), step while there is work, post each output to
 its stream's event loop, and block on the input queue when idle. Nothing else touches the
 engine, so it needs no locks, and the event loop never waits on a forward pass.
@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.kv_connector import KVConnectorFactory
 from engine.kv_transfer_params import KVTransferParams
 from engine.llm_engine import LLMEngine
+from engine.load import EngineLoad
 from engine.outputs import RequestOutput
 from engine.processor import PromptType
 from engine.sampling_params import SamplingParams
@@ -171,19 +172,29 @@ class AsyncLLM:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q.put_nowait)
         finished = False
+        carried = None  # taken from the queue while catching up, handled next
         try:
             await asyncio.wrap_future(self.call(
                 self.engine.add_request, request_id, prompt, sampling_params, priority, cache_salt,
                 kv_transfer_params,
             ))
             while not finished:
-                item = await q.get()
+                item, carried = (carried if carried is not None else await q.get()), None
                 if item is _ABORTED:
                     finished = True
                     return
                 if isinstance(item, BaseException):
                     finished = True
                     raise RuntimeError(f"engine failed: {item!r}") from item
+                # Outputs that queued while the caller was busy go out as one (as vLLM's
+                # output collector merges them): a caller that fell behind catches up in one
+                # step, not one chunk per step it missed.
+                while not item.finished and not q.empty():
+                    more = q.get_nowait()
+                    if more is _ABORTED or isinstance(more, BaseException):
+                        carried = more
+                        break
+                    item = more.after(item)
                 finished = item.finished
                 yield item
         except ValueError:
@@ -241,11 +252,39 @@ class AsyncLLM:
         finally:
             self._post(request_id, _ABORTED)
 
-    async def load(self) -> dict:
-        return await asyncio.wrap_future(self.call(self.engine.core.load))
+    # ---- what a serving replica asks of its engine (actors.worker) ----------------------
+    async def load(self) -> EngineLoad:
+        core = self.engine.core
+        if core.runs_apart:
+            # The figures its cores sent with their steps: no round trip on the engine thread
+            # each time Serve asks for routing stats.
+            return core.load(fresh=False)
+        return await asyncio.wrap_future(self.call(core.load))
+
+    async def kv_transfer_stats(self) -> dict:
+        """The KV connector's counters, from wherever its worker side runs."""
+        return await asyncio.wrap_future(self.call(self.engine.core.kv_transfer_stats))
+
+    async def kv_outbox_size(self) -> int:
+        return await asyncio.wrap_future(self.call(self.engine.core.kv_outbox_size))
+
+    def core_pids(self) -> list[int]:
+        """Pids of the engine's core processes (engine_core_process, "mp" data-parallel cores)."""
+        return self.engine.core.core_pids()
+
+    def core_actors(self) -> list:
+        """Handles of the engine's data-parallel core actors ("ray" backend)."""
+        return self.engine.core.core_actors()
+
+    def rank_actors(self) -> list:
+        """Handles of the engine's tensor-parallel rank actors ("ray" executor)."""
+        return self.engine.core.rank_actors()
 
     def check_health(self) -> None:
-        """Raise if a worker is gone (a tensor-parallel rank that died, even while idle)."""
+        """Raise if the engine thread died, or a worker is gone (a tensor-parallel rank that
+        died, even while idle)."""
+        if self._errored is not None:
+            raise RuntimeError(f"the engine thread failed: {self._errored!r}")
         self.engine.core.check_health()
 
     def shutdown(self) -> None:

@@ -45,7 +45,7 @@ class CacheConfig:
     kv_cache_memory_gb: float | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
-    # Attention kernels may page at a finer granularity than the allocator (seed 001):
+    # Attention kernels may page at a finer granularity than the allocator (docs/architecture.md#contracts):
     # each allocation block is split into block_size // kernel_block_size kernel blocks.
     kernel_block_size: int | None = None
 
@@ -98,7 +98,7 @@ class SchedulerConfig:
 # cache (+25% throughput on the 2-core benchmark). Serving, 512: a step's prompts all get
 # their first token when the step ends, and on CPU a step costs what its tokens cost, so a
 # 2048-token step made every prompt of a burst wait for the whole burst and, in P/D, left the
-# decode engine idle meanwhile. On SmolLM2 at 8 streams (README "Token budget when serving"):
+# decode engine idle meanwhile. On SmolLM2 at 8 streams (docs/benchmarks.md#token-budget-when-serving):
 # P/D +14-31% tok/s and a 3-4x lower median TTFT; colocated a 2x lower median TTFT for a
 # 20-50% higher median ITL. Offline the smaller budget was no faster, so LLM and batch jobs
 # keep 2048.
@@ -204,7 +204,7 @@ class ParallelConfig:
     @property
     def lockstep(self) -> bool:
         """Whether the data-parallel cores must step together: only when expert parallelism
-        makes every forward pass a collective over all of them (seed 004's waves and dummy
+        makes every forward pass a collective over all of them (docs/parallel.md#waves-and-dummy-batches: waves and dummy
         batches). Without it each core is an independent engine behind one load balancer."""
         return self.data_parallel_size > 1 and self.enable_expert_parallel
 

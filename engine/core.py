@@ -1,4 +1,4 @@
-"""EngineCore: one step = schedule -> execute -> update_from_output (seed 004).
+"""EngineCore: one step = schedule -> execute -> update_from_output (docs/architecture.md#engine-core-client).
 
 Token ids in, token ids out; tokenization, detokenization and stop strings live in the
 LLMEngine around it. Never imports Ray: actors wrap it.
@@ -17,6 +17,7 @@ from engine.errors import ParameterError
 from engine.executor import Executor, WorkerConfig, executor_class
 from engine.kv_cache import KVCacheManager
 from engine.kv_connector import KVConnectorFactory, KVConnectorRole
+from engine.load import EngineLoad, SpecDecodeCounts
 from engine.models.arch import ModelArch, load_arch
 from engine.models.gguf_file import find_gguf
 from engine.models.llava import load_vision_arch
@@ -91,7 +92,9 @@ def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
 class EngineCore:
     """Scheduler + KV cache manager + an Executor. `kv_connector_factory` makes each side of
     the KV connector (engine.kv_connector), if any: the scheduler side here, the worker side
-    on each worker."""
+    on each worker. It is also the in-process core client (engine.core_client)."""
+
+    runs_apart = False
 
     def __init__(self, config: EngineConfig, kv_connector_factory: KVConnectorFactory | None = None,
                  executor_cls: type[Executor] | None = None, dp: DPPlacement = SINGLE_DP) -> None:
@@ -244,7 +247,16 @@ class EngineCore:
 
     def wake(self) -> None:
         """A caller queued work for the loop driving this core: this core never blocks, so
-        there is nothing to interrupt (data-parallel clients wait on their cores)."""
+        there is nothing to interrupt (clients of cores apart wait on their cores)."""
+
+    def core_pids(self) -> list[int]:
+        return []  # the core is in this process
+
+    def core_actors(self) -> list:
+        return []
+
+    def rank_actors(self) -> list:
+        return self.executor.rank_actors()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -269,39 +281,26 @@ class EngineCore:
     def num_kv_blocks(self) -> int:
         return self.kv_cache_manager.num_blocks
 
-    def load(self) -> dict:
-        """Load figures for routing and health (seed 002: score = 4 * waiting + running)."""
-        return {
-            "waiting": len(self.scheduler.waiting),
-            "running": len(self.scheduler.running),
-            "free_blocks": self.kv_cache_manager.get_num_free_blocks(),
-            "total_blocks": self.kv_cache_manager.num_blocks,
-            "kv_usage": self.kv_cache_manager.usage,
-            "prefix_cache_hit_rate": self.kv_cache_manager.stats.hit_rate,
-            # Cumulative counters (vllm:prefix_cache_queries / _hits, vllm:num_preemptions).
-            "prefix_cache_queries": self.kv_cache_manager.stats.queries,
-            "prefix_cache_hits": self.kv_cache_manager.stats.hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_steps": self.num_steps,
-            "num_scheduled_tokens": self.num_scheduled_tokens,
-            **self._encoder_figures(),
-            **self._spec_figures(),
-        }
-
-    def _spec_figures(self) -> dict:
-        stats = self.scheduler.spec_stats
-        if stats is None:
-            return {}
-        return {
-            "spec_decode_num_drafts": stats.num_drafts,
-            "spec_decode_num_draft_tokens": stats.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
-            "spec_decode_num_accepted_tokens_per_pos": list(stats.num_accepted_tokens_per_pos),
-        }
-
-    def _encoder_figures(self) -> dict:
-        """Zeros for a text-only model: every engine reports the same metric set."""
-        stats = self.encoder_cache.stats if self.encoder_cache is not None else None
-        return {"encoder_cache_queries": stats.queries if stats else 0,
-                "encoder_cache_hits": stats.hits if stats else 0,
-                "encoder_seconds": self.scheduler.encoder_seconds}
+    def load(self, fresh: bool = True) -> EngineLoad:
+        """Load figures for routing, health and metrics (`fresh` is for core clients whose
+        cores run elsewhere: this one always reads its own)."""
+        kv, stats = self.kv_cache_manager, self.scheduler.spec_stats
+        encoder = self.encoder_cache.stats if self.encoder_cache is not None else None
+        return EngineLoad(
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            free_blocks=kv.get_num_free_blocks(),
+            total_blocks=kv.num_blocks,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            # Zeros for a text-only model: every engine reports the same metric set.
+            encoder_cache_queries=encoder.queries if encoder else 0,
+            encoder_cache_hits=encoder.hits if encoder else 0,
+            encoder_seconds=self.scheduler.encoder_seconds,
+            spec_decode=None if stats is None else SpecDecodeCounts(
+                stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                tuple(stats.num_accepted_tokens_per_pos)),
+        )

@@ -1,4 +1,4 @@
-"""The KV-connector contract (seed 002, "Disaggregated P/D"; the shape of vLLM's
+"""The KV-connector contract (docs/architecture.md#kv-transfer; the shape of vLLM's
 KVConnectorBase_V1).
 
 The engine never knows where KV comes from or goes to. A connector has two sides, each an

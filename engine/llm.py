@@ -18,7 +18,7 @@ from engine.sampling_params import SamplingParams
 
 class LLM:
     """Batch generation over one in-process engine. Keyword arguments are `EngineArgs`
-    fields (ARCHITECTURE.md §3); an unknown one is a ParameterError listing them."""
+    fields (docs/engine.md#engine-arguments); an unknown one is a ParameterError listing them."""
 
     def __init__(self, model: str, **kwargs) -> None:
         self.engine_args = EngineArgs.from_kwargs(model, **kwargs)

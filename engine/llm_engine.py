@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.core import EngineCore, resolve_max_model_len
-from engine.dp.client import DPEngineClient
+from engine.core import resolve_max_model_len
+from engine.core_client import CoreClient, make_core_client
 from engine.errors import ParameterError
 from engine.kv_connector import KVConnectorFactory
 from engine.kv_transfer_params import KVTransferParams
@@ -43,21 +43,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, kv_connector_factory: KVConnectorFactory | None = None) -> None:
         self.config = config
         model_dir = config.model.model
-        # First: it validates the model path. Several data-parallel cores, or one in a process
-        # of its own (engine_core_process): each in its own process (or actor), this front end
-        # routing requests to them.
-        parallel = config.parallel
-        if (parallel.engine_core_process and kv_connector_factory is not None
-                and not getattr(kv_connector_factory, "spawn_safe", False)):
-            # A relayed connector (kvstore.transports.relay) crosses into the core's process;
-            # one that calls the cluster from wherever it is built cannot.
-            raise ParameterError("engine_core_process", "engine_core_process: this KV connector talks to the "
-                                 "cluster's KV store from the engine core, which must then stay in the "
-                                 "replica's process; a relayed connector (spawn_safe) can run in a core process")
-        self.core: EngineCore | DPEngineClient = (
-            EngineCore(config, kv_connector_factory)
-            if parallel.data_parallel_size == 1 and not parallel.engine_core_process
-            else DPEngineClient(config, kv_connector_factory))
+        # First: it validates the model path.
+        self.core: CoreClient = make_core_client(config, kv_connector_factory)
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
         self.processor = input_processor(config, self.tokenizer, self.core.max_model_len, self.core.arch.vocab_size)
@@ -119,4 +106,4 @@ class LLMEngine:
     def get_metrics(self) -> list[Metric]:
         """vLLM's metrics (and pdserve's engine figures) for this engine, cumulative since it
         started, labelled model_name (the model directory, as vLLM's default served name)."""
-        return self.stats.snapshot(self.core.load())
+        return self.stats.snapshot(self.core.load().figures())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from engine.kv_transfer_params import KVTransferParams
@@ -41,11 +42,21 @@ class RequestOutput:
     # to hash its prompt blocks as the prefill side did (vLLM reports placeholders here too).
     multi_modal_features: MultiModalFeatures | None = None
 
+    def after(self, earlier: RequestOutput) -> RequestOutput:
+        """This output with `earlier`'s deltas in front: two steps' outputs as one (a stream
+        whose consumer fell behind catches up in one output)."""
+        logprobs = self.delta_logprobs
+        if earlier.delta_logprobs:
+            logprobs = earlier.delta_logprobs + (logprobs or [])
+        return dataclasses.replace(self, delta_text=earlier.delta_text + self.delta_text,
+                                   delta_token_ids=earlier.delta_token_ids + self.delta_token_ids,
+                                   delta_logprobs=logprobs, metrics={**earlier.metrics, **self.metrics})
+
 
 @dataclass(slots=True)
 class RequestDelta:
     """What one engine step added to one request: the unit of the per-step message a
-    serving replica sends its front end (ARCHITECTURE.md §7). Deltas only — never the prompt
+    serving replica sends its front end (docs/architecture.md#engine-to-front-end). Deltas only — never the prompt
     or a cumulative list — so its size does not grow with the prompt or the output so far."""
 
     request_id: str

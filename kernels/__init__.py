@@ -1,4 +1,4 @@
-"""Kernels behind the contract of ARCHITECTURE.md §3.
+"""Kernels behind the contract of docs/architecture.md#kernels.
 
 `get_ops(backend)` returns the implementation the engine calls: "torch" (the references in
 `kernels.reference`, which are the specification, and on CPU the C kernels of `kernels.cpu`

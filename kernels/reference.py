@@ -1,4 +1,4 @@
-"""Torch references for every kernel in the contract (ARCHITECTURE.md §3).
+"""Torch references for every kernel in the contract (docs/architecture.md#kernels).
 
 They are the specification the Triton kernels are tested against, and the implementation the
 engine runs on CPU. Each is written for clarity first, vectorised where the CPU path needs it.

@@ -26,11 +26,25 @@ import torch
 
 from engine.outputs import RequestOutput
 
-# What an export turned into: its bytes, or why it failed (the consumer then fails or
-# recomputes at once, as a store lookup would have told it).
-HandedKV = torch.Tensor | str
-# Handbacks.poll/take: the export was too big for a reply and went to the store.
-DECLINED = "declined: the export went to the store"
+
+@dataclass(frozen=True)
+class ExportFailed:
+    """An export that failed, handed back instead of its bytes: the consumer then fails or
+    recomputes at once, as a store lookup would have told it."""
+
+    reason: str
+
+
+class Declined:
+    """Handbacks.poll/take: the export was too big for a reply and went to the store."""
+
+    def __repr__(self) -> str:
+        return "DECLINED"
+
+
+DECLINED = Declined()
+# What an export turned into, for a reply: its bytes or its failure.
+HandedKV = torch.Tensor | ExportFailed
 # The channel a reply travels on: with Serve's throughput-optimised mode (cluster.launch.serve_env)
 # calls between deployments are gRPC, whose client refuses a message over this many bytes
 # (Serve's default 4 MiB; pdserve sets 128 MiB). A prompt's KV above the limit less some room
@@ -75,7 +89,9 @@ class KVHandoff:
 
     @property
     def value(self) -> HandedKV | None:
-        return self.kv if self.kv is not None else self.error
+        if self.kv is not None:
+            return self.kv
+        return ExportFailed(self.error) if self.error is not None else None
 
 
 def _rebuild(output, raw, dtype: str, shape: tuple, error) -> KVHandoff:
@@ -91,7 +107,7 @@ class Handbacks:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._expected: dict[str, threading.Event] = {}
-        self._ready: dict[str, HandedKV] = {}
+        self._ready: dict[str, HandedKV | Declined] = {}
         self._max_bytes: dict[str, int] = {}  # the requester's bound on the KV in its reply
 
     def expect(self, transfer_id: str, max_bytes: int | None = None) -> None:
@@ -119,7 +135,7 @@ class Handbacks:
         event.set()
         return fits
 
-    def poll(self, transfer_id: str) -> HandedKV | None:
+    def poll(self, transfer_id: str) -> HandedKV | Declined | None:
         """The export if it is here (then no longer expected), else None (still expected)."""
         with self._lock:
             value = self._ready.pop(transfer_id, None)
@@ -128,7 +144,7 @@ class Handbacks:
                 self._max_bytes.pop(transfer_id, None)
             return value
 
-    def take(self, transfer_id: str, timeout_s: float = 0.0) -> HandedKV | None:
+    def take(self, transfer_id: str, timeout_s: float = 0.0) -> HandedKV | Declined | None:
         """The export for the reply, waiting up to `timeout_s` for it (a core in a child
         process publishes through a relay thread that may run behind its outputs); None if it
         did not come. Either way the id is no longer expected: an export that comes later is
@@ -148,9 +164,6 @@ class Handbacks:
     def __len__(self) -> int:
         with self._lock:
             return len(self._ready)
-
-
-MISSING = object()  # Inbox.claim: not handed off here
 
 
 class Inbox:
@@ -183,12 +196,12 @@ class Inbox:
         for transfer_id in [t for t, deadline in self._taken.items() if deadline <= now]:
             del self._taken[transfer_id]
 
-    def claim(self, transfer_id: str) -> object:
-        """The delivered value, or `MISSING` (not handed off: fetch it from the store)."""
+    def claim(self, transfer_id: str) -> HandedKV | None:
+        """The delivered value, or None (not handed off: fetch it from the store)."""
         with self._lock:
             entry = self._waiting.pop(transfer_id, None)
             if entry is None:
-                return MISSING
+                return None
             self._taken[transfer_id] = entry[0]
             return entry[1]
 

@@ -35,12 +35,12 @@ def measure(model: str, dp: int, ep: bool, reqs: list[tuple[list[int], int]], ar
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        cores = llm.engine.core.load().get("data_parallel", []) if dp > 1 else []
+        cores = llm.engine.core.load().data_parallel
     finally:
         llm.shutdown()
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     return {"dp": dp, "ep": ep, "output_tok_s": sum(map(len, tokens)) / elapsed, "seconds": elapsed,
-            "requests": [c["requests"] for c in cores], "dummy": [c["dummy_steps"] for c in cores]}, tokens
+            "requests": [c.requests for c in cores], "dummy": [c.dummy_steps for c in cores]}, tokens
 
 
 def main() -> None:

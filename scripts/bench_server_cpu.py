@@ -266,7 +266,7 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cluster.launch.app import STREAM_INTERVAL_MS
+    from cluster.launch.app_config import STREAM_INTERVAL_MS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path for the server and the offline engine "

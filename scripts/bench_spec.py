@@ -55,8 +55,8 @@ def torch_threads() -> int:
 
 
 def spec_figures(llm) -> tuple[int, int]:
-    load = llm.engine.core.load()
-    return load.get("spec_decode_num_drafts", 0), load.get("spec_decode_num_accepted_tokens", 0)
+    spec = llm.engine.core.load().spec_decode
+    return (spec.num_drafts, spec.num_accepted_tokens) if spec is not None else (0, 0)
 
 
 def run(llm, batch: list[list[int]], max_tokens: int) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one call, for a lent GPU machine whose Python has torch, triton and
 # transformers but not this project's other packages: wheels in .whl/ are installed to
-# /tmp/site (the device README's recipe). Each stage has its own time limit and log, so one
+# /tmp/site (docs/development.md#the-gpu-machine-workflow). Each stage has its own time limit and log, so one
 # failing stage does not hide the others; a summary line per stage comes last.
 #
 #   bash scripts/gpu_session.sh [stage ...]   # stages: env parity_small throughput kernels
@@ -13,7 +13,7 @@ set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
-install() {  # wheels into /tmp/site, first on the path (the device README's recipe)
+install() {  # wheels into /tmp/site, first on the path (docs/development.md#the-gpu-machine-workflow)
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@" || exit 1
 }
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH

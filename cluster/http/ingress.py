@@ -1,17 +1,18 @@
 """The OpenAI-compatible HTTP ingress (a Serve deployment with a FastAPI app).
 
-It tokenizes (chat template included) and validates each request exactly as the engine will,
-so bad input is a 400 before any replica sees it; then it runs the request through the
-prefill and decode deployments (or the colocated one) and streams or returns the result.
-Leaving a request early (client disconnect, error) cancels it on the replicas, which frees
-its KV blocks and its transfer. The routes are thin: the completions and chat bodies live in
-cluster/http/completions.py and cluster/http/chat.py, errors in cluster/http/errors.py.
+A route turns its body into a Job (cluster/http/chat.py, cluster/http/completions.py: tokenized,
+chat template included, and validated exactly as the engine will, so bad input is a 400 before
+any engine sees it); the ingress admits the job, runs each of its requests
+(cluster/http/pd_serve.py: on its own engine with direct streaming, else on the engine
+replicas, prefill then decode in P/D) and streams or returns the answer. Leaving a request
+early (client disconnect, error) cancels it on the engines, which frees its KV blocks and its
+transfer. Errors: cluster/http/errors.py. The path of one request:
+docs/architecture.md#the-path-of-one-request.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the body models as real types
 # (Serve's class-based ingress re-wraps the methods, and string annotations are not resolved).
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -23,19 +24,26 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from actors.roles import Role
 from cluster.http import openai_format as fmt
 from cluster.http.auth import ApiKeyCheck, install_api_key_check
-from cluster.http.chat import create_chat_completion
-from cluster.http.completions import create_completion
+from cluster.http.chat import chat_job
+from cluster.http.completions import completion_job
 from cluster.http.errors import OpenAIError, install_error_handlers, overloaded, replica_error
+from cluster.http.front_end import FrontEnd, Job
 from cluster.http.metrics import AppMetrics
-from cluster.http.pd_serve import serve_pd_generate, serve_plain_generate
-from cluster.http.prefill_placement import PrefillPlacement, RoleCounts
+from cluster.http.pd_serve import (
+    EngineStreams,
+    PrefillPlacement,
+    RoleCounts,
+    serve_pd_generate,
+    serve_plain_generate,
+)
 from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.http.settings import IngressSettings
 from cluster.http.streams import detached_task, merge, timed
 from cluster.replica.direct import DirectEngine
 from cluster.replica.front_streams import ReplicaStreams
-from engine.args import EngineArgs
 from engine.llm_engine import front_end
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -68,41 +76,39 @@ def _own_handle(handle):
 @serve.ingress(app)
 class Ingress:
     coordinator_call_s = _COORDINATOR_CALL_S  # an attribute: Serve's wrapper copies the module's globals
-    def __init__(self, prefill, decode, coordinator, settings: dict) -> None:
+    def __init__(self, prefill, decode, coordinator, settings: IngressSettings) -> None:
         global _api_keys
-        _api_keys = ApiKeyCheck(settings.get("api_key_digests", ()))
-        self.mode = settings["mode"]
+        _api_keys = ApiKeyCheck(settings.api_key_digests)
+        self.mode = settings.mode
         # Handles made in this replica, not the ones built with the app: Serve picks gRPC or
         # Ray actor calls per handle from the environment of the process that makes it
         # (RAY_SERVE_THROUGHPUT_OPTIMIZED, cluster.launch.serve_env), so the cluster's own setting
         # decides, whoever ran `serve.run` (a driver without it would pin actor calls).
         prefill, decode, coordinator = (_own_handle(h) for h in (prefill, decode, coordinator))
         self.prefill, self.decode, self.coordinator = prefill, decode, coordinator
-        engine_args: EngineArgs = settings["engine_args"]
-        self.model_dir = engine_args.model
-        self.allowed_local_media_path = engine_args.allowed_local_media_path
-        self.model_name = settings["served_model_name"]
-        self.max_pending = settings["max_pending_requests"]
-        self.load_failure_policy = settings["load_failure_policy"]
-        self.tokenizer, self.processor = front_end(engine_args.create_engine_config())
-        self.text_of = fmt.TokenText(self.tokenizer)
-        self.store = app_store(settings["app_name"]) if self.mode == "pd" else None
-        # Decode (or colocated) outputs arrive as one message per engine step per replica.
+        engine_args = settings.engine_args
+        tokenizer, processor = front_end(engine_args.create_engine_config())
+        self.front = FrontEnd(settings.served_model_name, engine_args.model, tokenizer, processor,
+                              fmt.TokenText(tokenizer), engine_args.allowed_local_media_path)
+        self.max_pending = settings.max_pending_requests
+        self.load_failure_policy = settings.load_failure_policy
+        self.store = app_store(settings.app_name) if self.mode == "pd" else None
         self.ingress_id = f"ingress-{serve.get_replica_context().replica_id.unique_id}"
-        # --direct-streaming: this replica's own engine (cluster.replica.direct) stands in for the
-        # colocated (or decode) deployment, behind the same streams.
-        self.direct = DirectEngine(**settings["direct"]) if settings.get("direct") else None
-        engines = self.direct.handle if self.direct is not None else decode if self.mode == "pd" else prefill
+        # --direct-streaming: this replica's own engine (cluster.replica.direct) runs the
+        # colocated (or decode) half of every request, called in process. Otherwise those
+        # run on engine replicas, whose outputs come as one message per engine step.
+        direct = settings.direct
+        self.direct = DirectEngine(direct.server_kwargs, direct.report_period_s) if direct is not None else None
+        self.engines: EngineStreams = (self.direct.server if self.direct is not None else
+                                       ReplicaStreams(decode if self.mode == "pd" else prefill, self.ingress_id))
         # P/D with this replica's own decode engine: prompt KV comes back in the prefill's reply.
         self.kv_inbox = self.direct.kv_inbox() if self.direct is not None and self.mode == "pd" else None
-        self.streams = ReplicaStreams(engines, self.ingress_id)
-        self.metrics = AppMetrics(self.model_name, self.mode)
+        self.metrics = AppMetrics(self.front.model_name, self.mode)
         self._pusher: asyncio.Task | None = None  # sends self.metrics to the Coordinator on change
-        self.placement = (PrefillPlacement(settings["local_prefill"], RoleCounts(coordinator))
+        self.placement = (PrefillPlacement(settings.local_prefill, RoleCounts(coordinator))
                           if self.mode == "pd" else None)
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
-        # When the app was built: the same on every ingress replica (`/v1/models` answers alike).
-        self.created = settings.get("created", int(time.time()))
+        self.created = settings.created or int(time.time())
         if self.direct is not None:
             try:
                 asyncio.get_running_loop()
@@ -137,38 +143,11 @@ class Ingress:
         if direct is not None:
             await direct.shutdown()
 
-    # ---- what the routes share ----------------------------------------------------------
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise OpenAIError(404, f"The model `{model}` does not exist. Available: `{self.model_name}`.",
-                              "not_found_error", param="model", code="model_not_found")
-
-    def validate(self, ids: list[int], params: SamplingParams) -> SamplingParams:
-        """The request's params for this prompt, checked exactly as the engine will (a
-        ParameterError otherwise); an unset max_tokens becomes the room left in the context
-        (so a P/D split knows when the prefill's token is the last one)."""
-        self.processor.process({"prompt_token_ids": ids}, params)
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=self.processor.max_model_len - len(ids))
-        return params
-
-    def validate_with_images(self, ids: list[int], images: list, params: SamplingParams):
-        """`validate` for a prompt that may carry images: (the ids with their image
-        placeholders expanded, the params)."""
-        if not images:
-            return ids, self.validate(ids, params)
-        request, _ = self.processor.process({"prompt_token_ids": ids, "multi_modal_data": {"image": images}},
-                                            params)
-        ids = request.prompt_token_ids
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=self.processor.max_model_len - len(ids))
-        return ids, params
-
-    async def respond(self, prompts: list[dict], params: list, request_id: str, stream: bool, chunks,
-                      whole, n: int = 1) -> Response:
-        """Run every prompt; stream `chunks(merged outputs)` as SSE or return `whole(finals)`.
-        With `n` > 1 the lists hold each prompt n times in a row (its parallel samples, with
-        their own params: engine.parallel_sampling), so output g is choice `index` g."""
+    # ---- running a route's job --------------------------------------------------------
+    async def respond(self, job: Job) -> Response:
+        """Admit the job, run every request; stream `job.chunks(merged outputs)` as SSE or
+        return `job.whole(finals)`."""
+        prompts, n = job.prompts, job.n
         if len(prompts) > self.max_pending:
             what = f"{len(prompts) // n} prompts x n={n}" if n > 1 else f"{len(prompts)} prompts"
             raise OpenAIError(400, f"the request holds {what} = {len(prompts)} sequences; at most "
@@ -178,10 +157,10 @@ class Ingress:
             self._pusher = detached_task(self._push_metrics())
         # Engine ids are unique even when a client reuses its request_id (it stays the response id).
         suffix = uuid.uuid4().hex[:8]
-        gens = [timed(self._run(p, pp, f"{request_id}-{i}-{suffix}"), self.metrics, len(p["prompt_token_ids"]))
-                for i, (p, pp) in enumerate(zip(prompts, params))]
-        if stream:
-            body = self._sse(gens, chunks, token)
+        gens = [timed(self._run(p, pp, f"{job.request_id}-{i}-{suffix}"), self.metrics, len(p["prompt_token_ids"]))
+                for i, (p, pp) in enumerate(zip(prompts, job.params))]
+        if job.stream:
+            body = self._sse(gens, job.chunks, token)
             # A client gone before the body starts leaves the generator unstarted (its finally
             # never runs); its admission is then returned when the generator is collected.
             weakref.finalize(body, self._release, token)
@@ -190,7 +169,7 @@ class Ingress:
             finals: list[RequestOutput | None] = [None] * len(prompts)
             async for i, out in merge(gens):
                 finals[i] = out
-            return JSONResponse(whole(finals))
+            return JSONResponse(job.whole(finals))
         except Exception as e:
             raise replica_error(e) from e
         finally:
@@ -213,12 +192,12 @@ class Ingress:
 
     def _run(self, prompt: dict, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         if self.mode != "pd":
-            return serve_plain_generate(self.streams, prompt, params, request_id)
+            return serve_plain_generate(self.engines, prompt, params, request_id)
         return self.placement.run(
             len(prompt["prompt_token_ids"]),
-            lambda: serve_pd_generate(self.prefill, self.streams, self.store, prompt, params, request_id,
+            lambda: serve_pd_generate(self.prefill, self.engines, self.store, prompt, params, request_id,
                                       self.load_failure_policy, self.kv_inbox),
-            lambda: serve_plain_generate(self.streams, prompt, params, request_id),
+            lambda: serve_plain_generate(self.engines, prompt, params, request_id),
             self.metrics.local_prefill)
 
     async def _sse(self, gens, chunks, token) -> AsyncIterator[str]:
@@ -257,26 +236,27 @@ class Ingress:
     # ---- routes -------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest) -> Response:
-        return await create_completion(self, body)
+        return await self.respond(completion_job(self.front, body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
-        return await create_chat_completion(self, body)
+        return await self.respond(chat_job(self.front, body))
 
     @app.get("/health")
     async def health(self) -> Response:
         replicas = await self._ask_coordinator("replicas")  # a 503 while it restarts: not healthy yet
-        roles = {r["role"] for r in replicas}
-        needed = {"prefill", "decode"} if self.mode == "pd" else {"colocated"}
+        roles = {r.role for r in replicas}
+        needed = {Role.PREFILL, Role.DECODE} if self.mode == "pd" else {Role.COLOCATED}
         if not needed <= roles:
-            raise overloaded(f"no live replica yet for {sorted(needed - roles)}")
+            raise overloaded(f"no live replica yet for {sorted(str(r) for r in needed - roles)}")
         return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models(self) -> dict:
+        front = self.front
         return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
-            "root": self.model_dir, "parent": None, "max_model_len": self.processor.max_model_len,
+            "id": front.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
+            "root": front.model_dir, "parent": None, "max_model_len": front.processor.max_model_len,
         }]}
 
     @app.get("/metrics")

@@ -19,6 +19,7 @@ from collections import Counter as Tally
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from actors.report import ReplicaReport
 from cluster.http.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
 from engine.metrics import names
 from engine.metrics.names import MetricDef
@@ -59,39 +60,42 @@ class _ReplicaFigures:
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.reports: list[dict] = []
+        self.reports: list[ReplicaReport] = []
 
     def collect(self):
         labels = ["model_name", "role", "replica"]
+        # Flat figures keyed as the metric tables are: the engine's, then the replica's own.
+        flat = [(r, {**r.engine.figures(), "ttft_p90_s": r.ttft_p90_s, "itl_p90_s": r.itl_p90_s})
+                for r in self.reports]
 
         def families(table: dict[str, MetricDef], figures_of):
             for key, definition in table.items():
                 family = _family(definition, labels)
-                for r in self.reports:
-                    value = figures_of(r).get(key, 0)
+                for r, figures in flat:
+                    value = figures_of(r, figures).get(key, 0)
                     if value is not None:
-                        family.add_metric([self.model_name, r["role"], r["replica"]], float(value))
+                        family.add_metric([self.model_name, str(r.role), r.replica], float(value))
                 yield family
 
-        yield from families(names.ENGINE_FIGURES, lambda r: r)
-        yield from families(KV_TRANSFER, lambda r: r.get("kv_transfer", {}))
+        yield from families(names.ENGINE_FIGURES, lambda r, f: f)
+        yield from families(KV_TRANSFER, lambda r, f: r.kv_transfer)
         # Only replicas that speculate report these (a prefill replica never does).
         yield from families(names.SPEC_DECODE_FIGURES,
-                            lambda r: {k: r.get(k) for k in names.SPEC_DECODE_FIGURES})
+                            lambda r, f: {k: f.get(k) for k in names.SPEC_DECODE_FIGURES})
         per_pos = _family(names.SPEC_DECODE_PER_POS, [*labels, "position"])
-        for r in self.reports:
-            for pos, n in enumerate(r.get(names.SPEC_DECODE_PER_POS_KEY, ())):
-                per_pos.add_metric([self.model_name, r["role"], r["replica"], str(pos)], float(n))
+        for r, figures in flat:
+            for pos, n in enumerate(figures.get(names.SPEC_DECODE_PER_POS_KEY, ())):
+                per_pos.add_metric([self.model_name, str(r.role), r.replica, str(pos)], float(n))
         yield per_pos
         for key, definition in names.DP_FIGURES.items():
             family = _family(definition, [*labels, "engine"])
-            for r in self.reports:
-                for core in r.get(names.DP_KEY, ()):
-                    family.add_metric([self.model_name, r["role"], r["replica"], str(core["rank"])], float(core[key]))
+            for r, figures in flat:
+                for core in figures.get(names.DP_KEY, ()):
+                    family.add_metric([self.model_name, str(r.role), r.replica, str(core["rank"])], float(core[key]))
             yield family
-        yield from families(SCALING_SIGNALS, lambda r: {k: r.get(k) for k in SCALING_SIGNALS})
+        yield from families(SCALING_SIGNALS, lambda r, f: {k: f.get(k) for k in SCALING_SIGNALS})
         replicas = _family(REPLICAS, ["model_name", "role"])
-        for role, n in sorted(Tally(r["role"] for r in self.reports).items()):
+        for role, n in sorted(Tally(str(r.role) for r in self.reports).items()):
             replicas.add_metric([self.model_name, role], n)
         yield replicas
 
@@ -151,7 +155,7 @@ class AppMetrics:
         """This replica's request metrics, as plain data (cluster.http.metrics_merge)."""
         return snapshot_of(self.registry)
 
-    def render(self, replica_reports: list[dict], requests: Snapshot | None = None) -> bytes:
+    def render(self, replica_reports: list[ReplicaReport], requests: Snapshot | None = None) -> bytes:
         """The exposition text: `requests` (the request metrics of all ingress replicas,
         summed; default: this one's) and the engine replicas' figures."""
         self._requests_of_all.snapshot = self.snapshot() if requests is None else requests

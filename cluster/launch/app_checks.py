@@ -1,63 +1,67 @@
 """AppConfig rules about where an engine core runs: in a child process of its replica
 (`engine_core_process`), and that replica being the ingress itself (`direct_streaming`,
 cluster.replica.direct: the colocated engines, or in P/D the decode engines). Each refusal names its
-field, before Ray starts. (`cfg` is a cluster.launch.app.AppConfig, which calls these from its own
-checks.)"""
+field, before Ray starts. AppConfig (cluster.launch.app) calls these with its resolved values."""
 
 from __future__ import annotations
 
+from actors.roles import Role
+from engine.args import EngineArgs
 from engine.errors import ParameterError
 
 
-def direct_role(mode: str) -> str:
+def direct_role(mode: str) -> Role:
     """The role whose engines the ingress replicas run with direct streaming: the one that
     streams tokens (decode in P/D)."""
-    return "decode" if mode == "pd" else "colocated"
+    return Role.DECODE if mode == "pd" else Role.COLOCATED
 
 
-def direct_by_default(cfg) -> bool:
+def direct_by_default(mode: str, api_server_count: int, prefix_affinity: bool, role_args: EngineArgs) -> bool:
     """Direct streaming unless something needs an engine deployment behind the ingress: HTTP
     processes scaled apart from the engines, pdserve's router in front of colocated engines
     (prefix affinity; in P/D it routes the prefills, which stay a deployment), or ranks and
-    cores that are Ray actors of an engine replica (of the role the ingress would run)."""
-    role = cfg.direct_role
-    args = cfg.engine_args
-    return (cfg.api_server_count == 1 and not _affinity_needs_router(cfg)
-            and cfg.tensor_parallel_size(role) == 1 and cfg.data_parallel_size(role) == 1
-            and args.data_parallel_backend != "ray" and args.distributed_executor_backend != "ray")
+    cores that are Ray actors of an engine replica. `role_args`: the engine of the role the
+    ingress would run (its own tensor and data parallel sizes)."""
+    return (api_server_count == 1 and not _affinity_needs_router(mode, prefix_affinity)
+            and role_args.tensor_parallel_size == 1 and role_args.data_parallel_size == 1
+            and role_args.data_parallel_backend != "ray" and role_args.distributed_executor_backend != "ray")
 
 
-def _affinity_needs_router(cfg) -> bool:
+def _affinity_needs_router(mode: str, prefix_affinity: bool) -> bool:
     # Prompts sharing a prefix go to one engine replica by pdserve's router. In P/D that is
     # the prefill's (where the prefix is computed), which direct streaming leaves in place.
-    return cfg.prefix_affinity and cfg.mode == "colocated"
+    return prefix_affinity and mode == "colocated"
 
 
-def check_direct(cfg) -> None:
+def check_direct(mode: str, api_server_count: int, prefix_affinity: bool, role_args: EngineArgs) -> None:
+    """Refuse direct streaming where it cannot run; `role_args` as for direct_by_default, with
+    its core process."""
     def refuse(why: str) -> None:
         raise ParameterError("direct_streaming", f"direct_streaming {why}")
 
-    role = cfg.direct_role
-    if cfg.api_server_count != 1:
+    role = direct_role(mode)
+    if api_server_count != 1:
         refuse(f"makes every {role} replica its own HTTP server: scale with {role}_replicas, "
-               f"not api_server_count (got {cfg.api_server_count})")
-    if _affinity_needs_router(cfg):
+               f"not api_server_count (got {api_server_count})")
+    if _affinity_needs_router(mode, prefix_affinity):
         refuse("leaves spreading requests over the replicas to the HTTP proxy: prefix_affinity "
                "needs pdserve's router between the ingress and the colocated engines")
-    tp, dp = cfg.tensor_parallel_size(role), cfg.data_parallel_size(role)
+    tp, dp = role_args.tensor_parallel_size, role_args.data_parallel_size
     if tp > 1 or dp > 1:
         refuse(f"runs one engine core per {role} replica in a child process; got "
                f"tensor_parallel_size={tp}, data_parallel_size={dp}")
-    cfg.role_engine_args(role).create_engine_config()  # with its core process
+    role_args.create_engine_config()  # with its core process
 
 
-def check_core_process(cfg) -> None:
+def check_core_process(roles_args: list[EngineArgs]) -> None:
+    """Refuse engine_core_process where a replica's engine cannot run apart; `roles_args`: the
+    engine of each role's replicas."""
     # A P/D core's connector relays its transfers through its replica (kvstore.transports.relay).
-    tp = max(cfg.tensor_parallel_size(role) for role in cfg.targets())
+    tp = max(args.tensor_parallel_size for args in roles_args)
     if tp > 1:
         # The cluster places a replica's ranks as Ray actors (its GPUs reserved with them),
         # which a core in a plain child process cannot own.
         raise ParameterError("engine_core_process", "engine_core_process serves one rank per replica in the "
                              f"cluster; got tensor_parallel_size={tp}")
-    for role in cfg.targets():  # the engine config each replica will build, checked now
-        cfg.role_engine_args(role).create_engine_config()
+    for args in roles_args:  # the engine config each replica will build, checked now
+        args.create_engine_config()

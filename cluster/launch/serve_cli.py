@@ -134,7 +134,7 @@ def run_status(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace):
     from cluster.http.auth import keys_from
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
     from engine.models.default_model import default_model
 
     extra = {} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}
@@ -249,7 +249,9 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
         if not address:
             # Our own Ray gains no nodes: replicas that do not fit would leave serve.run waiting
             # for ever (an attached cluster may autoscale; its /status explains what waits).
-            refusal = startup_refusal(initial_resources(cfg), total_resources(), cfg.mode)
+            targets = cfg.targets()
+            needed = initial_resources(targets, {role: cfg.role_resources(role) for role in targets})
+            refusal = startup_refusal(needed, total_resources(), cfg.mode)
             if refusal is not None:
                 raise ValueError(refusal)
         serve.run(build_app(cfg), name=cfg.app_name, route_prefix="/", blocking=False,

@@ -15,7 +15,7 @@ the replica instead of Ray actor calls, user code and routers on the replica's o
 instead of a thread each, and the garbage collector frozen after start-up (its log buffering
 is set back below). In P/D the ingress's prefill call is such a call, and its reply carries
 the prompt KV (kvstore.handoff). Measured on the 2-core host (scripts/bench_server_cpu.py,
-small preset, README "Serving over HTTP"): P/D at concurrency 64 CPU outside the engines
+small preset, docs/benchmarks.md#serve-throughput-mode): P/D at concurrency 64 CPU outside the engines
 0.20-0.24 ms per token against 0.27-0.29 and whole server 1.54-1.67x the offline engine
 against 1.70-1.85x (at concurrency 8 within noise); colocated at concurrency 8 1.23-1.31x
 against 1.42-1.58x.

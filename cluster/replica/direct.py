@@ -3,25 +3,16 @@
 The HTTP proxy (HAProxy) sends a request straight to an ingress replica, and that replica runs
 it on an engine of its own, the colocated engine or in P/D the decode engine (the prompt still
 prefills on a Prefill replica; the decode core loads its KV through the relayed transport,
-kvstore.transports.relay): the front end (AsyncLLM, detokenization, the per-step channel of
-cluster.replica.step_channel) in the replica's process, the engine core (scheduler, KV cache, model)
-in a child process (`engine_core_process`), as vLLM's API server and EngineCoreProc do, and as
-Ray Serve LLM's direct streaming skips its ingress hop. Gone per request: the routed submit
-call from the ingress to an engine replica (Serve's router, the actor call, the replica's
-request wrapper); per step: the pickled message over a Ray stream. Measured on 2 CPU cores
-(README "Where the rest goes"): whole-server CPU per output token 1.25-1.43x the offline
-engine's against 1.55-1.88x with an engine replica behind the ingress (P/D: 1.73-1.97x against
-1.99-2.27x), and 15-30% more HTTP throughput.
+kvstore.transports.relay): the front end (AsyncLLM, detokenization) in the replica's process,
+the engine core (scheduler, KV cache, model) in a child process (`engine_core_process`), as
+vLLM's API server and EngineCoreProc do, and as Ray Serve LLM's direct streaming skips its
+ingress hop. The ingress calls its EngineServer in process (cluster.http.pd_serve's
+EngineStreams): no routed call, no per-step Ray message. Figures: docs/pd.md#direct-streaming.
 
 What it gives up: the engine replicas' own router (least load, prefix affinity) for that role:
 HTTP requests are spread by the proxy. One ingress replica is one engine replica, so the two
 scale together (`colocated_replicas` / `decode_replicas`, POST /scale {"colocated": N} or
 {"decode": N}).
-
-The ingress code is unchanged: `LocalEngineHandle` answers the three calls the ingress makes
-on an engine deployment's handle (submit, subscribe, abort; cluster.replica.front_streams) by calling
-this process's EngineServer directly, so streams, aborts, coalescing and failure handling are
-the ones the routed path has.
 """
 
 from __future__ import annotations
@@ -29,49 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from actors.orchestrate import PDRequestError
 from cluster.http.streams import detached_task
 from cluster.replica.server import EngineServer
 
 logger = logging.getLogger(__name__)
 # Bound on one figures report (Serve's routing-stats timeout for engine deployments is 5 s).
 _REPORT_TIMEOUT_S = 5.0
-
-
-class _LocalMethod:
-    def __init__(self, fn) -> None:
-        self._fn = fn
-
-    def remote(self, *args, **kwargs):
-        # A coroutine (or an async generator for subscribe), as awaiting or iterating a
-        # DeploymentHandle's response would give.
-        return self._fn(*args, **kwargs)
-
-
-class LocalEngineHandle:
-    """The subset of a DeploymentHandle that cluster.replica.front_streams.ReplicaStreams uses, over
-    an EngineServer in this process."""
-
-    def __init__(self, server: EngineServer) -> None:
-        self.submit = _LocalMethod(_as_replica_error(server.submit))
-        self.subscribe = _LocalMethod(server.subscribe)
-        self.abort = _LocalMethod(server.abort)
-
-    def options(self, **_options) -> LocalEngineHandle:
-        return self  # stream=True: subscribe is an async generator either way
-
-
-def _as_replica_error(submit):
-    """A submit the engine refused is the replica's failure, as a routed call's would be (a
-    RayTaskError there): the request was validated by the ingress, so a dead or failing engine
-    is a 503 with Retry-After, not a 500."""
-
-    async def call(*args, **kwargs):
-        try:
-            return await submit(*args, **kwargs)
-        except Exception as e:
-            raise PDRequestError(f"engine unavailable: {e}", replica_died=True) from e
-    return call
 
 
 class DirectEngine:
@@ -81,7 +35,6 @@ class DirectEngine:
 
     def __init__(self, server_kwargs: dict, report_period_s: float) -> None:
         self.server = EngineServer(**server_kwargs)
-        self.handle = LocalEngineHandle(self.server)
         self.report_period_s = report_period_s
         self._reporter: asyncio.Task | None = None
 

@@ -21,11 +21,11 @@ from collections.abc import AsyncIterator
 
 import ray
 
-from actors.orchestrate import PDRequestError
 from cluster.http.streams import detached_task
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import DeltaAccumulator, RequestDelta, RequestOutput
 from engine.sampling_params import SamplingParams
+from kvstore.pd import PDRequestError
 
 logger = logging.getLogger(__name__)
 # How long a request left during its submit call waits for that call, to abort what it queued.

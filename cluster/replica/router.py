@@ -1,4 +1,4 @@
-"""Which prefill / decode replica gets a request (seed 002: least load, 4*waiting + running).
+"""Which prefill / decode replica gets a request (least load, 4*waiting + running, as vLLM's DP load balancer scores it).
 
 The load figures come from the replicas themselves (`record_routing_stats`, collected by Serve
 every `request_routing_stats_period_s` and handed to every router). Between two reports a

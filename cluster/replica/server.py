@@ -10,17 +10,23 @@ replica when its engine thread died, so Serve replaces it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator
 
 from ray import serve
 
+from actors.report import ReplicaReport
+from actors.roles import Role
 from actors.worker import EngineWorker
 from cluster.replica.latency import LatencyWindow
 from cluster.replica.step_channel import StepHub
 from engine.args import EngineArgs
 from engine.kv_transfer_params import KVTransferParams
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from kvstore.pd import PDRequestError
 from kvstore.store_actor import app_store
 
 logger = logging.getLogger(__name__)
@@ -38,16 +44,16 @@ class ReplicaGone(RuntimeError):
 
 
 class EngineServer:
-    def __init__(self, engine_args: EngineArgs, role: str, app_name: str = "pdserve",
+    def __init__(self, engine_args: EngineArgs, role: Role | str, app_name: str = "pdserve",
                  load_failure_policy: str = "fail", coordinator: str | None = "Coordinator",
                  store_kwargs: dict | None = None, stream_interval_ms: float = 0.0,
                  latency_window_s: float = 10.0) -> None:
         ctx = serve.get_replica_context()
-        self.role = role
+        self.role = role = Role.of(role)
         self.app_name = app_name
         self.unique_id = ctx.replica_id.unique_id
         self.replica_id = f"{role}-{self.unique_id}"
-        store = None if role == "colocated" else app_store(app_name, **(store_kwargs or {}))
+        store = None if role == Role.COLOCATED else app_store(app_name, **(store_kwargs or {}))
         self.store = store
         self.worker = EngineWorker(engine_args, role, self.replica_id, store, "object_store",
                                    load_failure_policy, store_pulls=False)
@@ -57,7 +63,7 @@ class EngineServer:
         self._coordinator = (serve.get_deployment_handle(coordinator, app_name)
                              if coordinator else None)
         self._seq = 0
-        self._forwarded: dict | None = None  # the figures last sent to the coordinator, and when
+        self._forwarded: ReplicaReport | None = None  # the report last sent to the coordinator, and when
         self._forwarded_at = 0.0
         # Latency as this replica sees it (the autoscaler's signals): time to the first token
         # of a prefill (queue + compute) and gaps between streamed tokens.
@@ -84,20 +90,25 @@ class EngineServer:
         return handoff
 
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str,
-                       kv_transfer_params: KVTransferParams | None = None):
-        # A Serve streaming method: cancelling the caller's response closes this generator,
-        # which aborts the request in the engine and frees its KV blocks.
+                       kv_transfer_params: KVTransferParams | None = None) -> AsyncIterator[RequestOutput]:
+        """One request's outputs, for a caller in this process (a direct-streaming ingress):
+        closing the iterator early aborts the request in the engine and frees its KV blocks. A
+        dead or failing engine is PDRequestError(replica_died=True) (the ingress validated the
+        request: a 503 with Retry-After, not a 500)."""
         start = last = time.monotonic()
         first = True
-        async for out in self.worker.generate(prompt, params, request_id, kv_transfer_params):
-            if out.delta_token_ids:
-                now = time.monotonic()
-                if not first:
-                    self.itl.add(now - last)
-                elif self.role == "colocated":
-                    self.ttft.add(now - start)
-                first, last = False, now
-            yield out
+        try:
+            async for out in self.worker.generate(prompt, params, request_id, kv_transfer_params):
+                if out.delta_token_ids:
+                    now = time.monotonic()
+                    if not first:
+                        self.itl.add(now - last)
+                    elif self.role == Role.COLOCATED:
+                        self.ttft.add(now - start)
+                    first, last = False, now
+                yield out
+        except (RuntimeError, ValueError) as e:
+            raise PDRequestError(f"engine unavailable: {e}", replica_died=True) from e
 
     # ---- per-step messages (cluster.replica.step_channel) ----------------------------------------
     async def submit(self, prompt: dict, params: SamplingParams, request_id: str, ingress_id: str,
@@ -128,7 +139,7 @@ class EngineServer:
             now = time.monotonic()
             if last is not None:
                 self.itl.add(now - last)
-            elif self.role == "colocated":
+            elif self.role == Role.COLOCATED:
                 self.ttft.add(now - start)
             last = now
         if out.finished:
@@ -174,33 +185,32 @@ class EngineServer:
     async def check_health(self) -> None:
         await self.worker.check_health()
 
-    async def figures(self) -> dict:
-        figures = await self.worker.load()
-        figures["kv_transfer"] = await self.worker.kv_transfer_stats()
-        figures["ttft_p90_s"] = self.ttft.percentile(0.9)
-        figures["itl_p90_s"] = self.itl.percentile(0.9)
-        return figures
+    async def report(self) -> ReplicaReport:
+        """This replica's figures now (unnumbered)."""
+        report = await self.worker.load()
+        return dataclasses.replace(report, kv_transfer=await self.worker.kv_transfer_stats(),
+                                   ttft_p90_s=self.ttft.percentile(0.9), itl_p90_s=self.itl.percentile(0.9))
 
     async def record_routing_stats(self) -> dict:
+        """Serve's routing-stats hook: the report goes to the Coordinator, its queues to the
+        request routers (Serve's contract is a dict)."""
         self._seq += 1
-        figures = await self.figures()
-        figures["seq"] = self._seq
-        figures["time"] = time.time()
+        same = await self.report()
+        report = dataclasses.replace(same, seq=self._seq, time=time.time())
         now = time.monotonic()
-        same = {k: v for k, v in figures.items() if k not in ("seq", "time")}
         # Serve asks every routing_stats_period_s; an idle replica's figures do not change, so
         # the coordinator hears of them only when they do, or as a heartbeat (it drops a
         # replica silent for STALE_AFTER_S).
         if self._coordinator is not None and (same != self._forwarded or now - self._forwarded_at >= _HEARTBEAT_S):
             self._forwarded, self._forwarded_at = same, now
             # Fire and forget: a slow or restarting coordinator must not stall routing stats.
-            self._coordinator.report.remote(figures)
-        return figures
+            self._coordinator.report.remote(report)
+        return report.routing_stats()
 
     async def __del__(self) -> None:
         # Serve has let in-flight requests finish (graceful_shutdown_timeout_s). A prefill
         # replica also keeps its process until the decode side fetched what it exported.
-        if self.role == "prefill" and self.store is not None:
+        if self.role == Role.PREFILL and self.store is not None:
             deadline = time.monotonic() + _EXPORT_DRAIN_S
             while time.monotonic() < deadline:
                 try:

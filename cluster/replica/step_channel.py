@@ -1,4 +1,4 @@
-"""Replica side of the per-step messages (ARCHITECTURE.md §7, engine -> front end).
+"""Replica side of the per-step messages (docs/architecture.md#engine-to-front-end).
 
 An engine replica keeps one `FrontEndChannel` per ingress replica that sent it requests. The
 engine hands over each step's outputs in one event-loop callback (AsyncLLM.submit); the

@@ -1,4 +1,4 @@
-"""Data parallelism (seed 004): N engine cores, each with its own scheduler and KV cache,
+"""Data parallelism (docs/parallel.md#data-parallel): N engine cores, each with its own scheduler and KV cache,
 behind one front end.
 
 - `coordinator.DPCoordinator` (front end): which core takes a new request (least

@@ -1,4 +1,4 @@
-"""The front end's view of its data-parallel cores (seed 002/004's DP coordinator): which core
+"""The front end's view of its data-parallel cores (docs/parallel.md#routing-and-messages): which core
 takes a new request, and the request waves of a lockstep group.
 
 Load balancing: the least `4 * waiting + running`, from the figures each core sends after its
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.dp.messages import StartWave
+from engine.core_client.messages import StartWave
 
 
 @dataclass

@@ -11,10 +11,6 @@ from engine.config import EngineConfig
 from engine.errors import ParameterError
 from engine.kv_connector import KVConnectorFactory
 
-# Loading a model and warming it up on every core; the cores start together (under expert
-# parallelism their warm-up forward passes are collective).
-START_TIMEOUT_S = 600.0
-
 
 class DPCores(ABC):
     """`config.parallel.data_parallel_size` engine cores. Every message a core sends (and a
@@ -39,20 +35,20 @@ class DPCores(ABC):
     def shutdown(self) -> None:
         """Stop every core and release what it holds; bounded and idempotent."""
 
+    def pids(self) -> list[int]:
+        """The cores' process ids when they are processes on this node."""
+        return []
+
+    def actors(self) -> list:
+        """The cores' Ray actor handles when they are actors."""
+        return []
+
 
 _BACKENDS: dict[str, type[DPCores]] = {}
 
 
 def register_dp_backend(name: str, cls: type[DPCores]) -> None:
     _BACKENDS[name] = cls
-
-
-def core_label(parallel, rank: int | None = None) -> str:
-    """How errors name a core (or, without a rank, the cores): a lone core run apart from its
-    front end (engine_core_process) is not a data-parallel one to the user who asked for it."""
-    if parallel.engine_core_process:
-        return "the engine core process"
-    return "data-parallel cores" if rank is None else f"data-parallel core {rank}"
 
 
 def dp_backend(name: str) -> type[DPCores]:

@@ -1,4 +1,4 @@
-"""The executor seam (seed 004): the EngineCore talks to its workers only through an
+"""The executor seam (docs/architecture.md#seams): the EngineCore talks to its workers only through an
 `Executor`. `UniProcExecutor` runs one worker in the engine's own process;
 `MultiprocExecutor` runs one process per tensor-parallel rank on this node; a Ray executor
 (one actor per rank) registers itself from outside the engine, which never imports Ray."""

@@ -91,13 +91,18 @@ class Executor(ABC):
 
     def execute_dummy_batch(self) -> None:
         """A forward pass on no tokens on every rank: an idle data-parallel core's step, so
-        that the busy cores' expert-parallel collectives find its ranks there (seed 004)."""
+        that the busy cores' expert-parallel collectives find its ranks there (docs/parallel.md#waves-and-dummy-batches)."""
         self.collective_rpc("execute_dummy_batch")
 
     def set_kv_wakeup(self, callback) -> None:
         """Give the KV connector's worker side the engine loop's wake-up (in-process
         workers only: executors whose ranks live elsewhere leave the loop to poll)."""
         self.collective_rpc("set_kv_wakeup", (callback,))
+
+    def rank_actors(self) -> list:
+        """The tensor-parallel rank actors ("ray" executor), for operators and tests that reach
+        a rank's own state; none for ranks that are threads or processes."""
+        return []
 
     def check_health(self) -> None:
         """Raise if a worker is known to be gone (a health check between steps); the

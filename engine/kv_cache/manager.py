@@ -1,4 +1,5 @@
-"""Per-request KV block allocation on top of the BlockPool (seed 002)."""
+"""Per-request KV block allocation on top of the BlockPool, with prefix caching (vLLM's
+KVCacheManager; docs/architecture.md#layers)."""
 
 from __future__ import annotations
 

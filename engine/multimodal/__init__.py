@@ -1,4 +1,4 @@
-"""Multimodal inputs (seed 000): images become placeholder tokens plus typed features on the
+"""Multimodal inputs (docs/multimodal.md): images become placeholder tokens plus typed features on the
 request; the scheduler runs their encoder within a budget and keeps the outputs in a cache
 keyed by the image hash; the model runner merges them into the token embeddings."""
 

@@ -1,4 +1,5 @@
-"""Scheduler-side bookkeeping of the encoder cache (seed 000, EncoderCacheManager).
+"""Scheduler-side bookkeeping of the encoder cache (vLLM's EncoderCacheManager;
+docs/multimodal.md#scheduling-and-the-encoder-cache).
 
 Capacity is counted in encoder output embeddings. An entry is referenced by the requests that
 still need it; once no request does it becomes freeable but stays cached (a later request

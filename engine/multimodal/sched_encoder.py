@@ -1,4 +1,4 @@
-"""The scheduler's encoder step (seed 000): which images to encode for the tokens a request
+"""The scheduler's encoder step (docs/multimodal.md#scheduling-and-the-encoder-cache): which images to encode for the tokens a request
 prefills this step, within the per-step encoder budget and the encoder cache.
 
 Planning is pure (the scheduler may still fail to allocate KV and drop the request); commit

@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler (seed 003): RUNNING first, then WAITING, then the output.
+"""Continuous-batching scheduler (vLLM V1's unified token budget): RUNNING first, then WAITING, then the output.
 
 Prefill and decode are not distinguished: every request advances `num_computed_tokens`
 towards `num_tokens` under one per-step token budget, which gives chunked prefill and mixed
@@ -12,6 +12,7 @@ import time
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import KVCacheBlocks, KVCacheManager
+from engine.kv_connector import KVConnectorBase
 from engine.kv_transfer_params import KVTransferParams
 from engine.multimodal.encoder_cache import EncoderCacheManager
 from engine.multimodal.sched_encoder import (
@@ -36,7 +37,7 @@ class Scheduler:
     engine.sched.remote_kv, the per-token stop check in Request.check_stop."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 kv_cache_manager: KVCacheManager, max_model_len: int, connector=None,
+                 kv_cache_manager: KVCacheManager, max_model_len: int, connector: KVConnectorBase | None = None,
                  structured_output_manager=None, encoder_cache: EncoderCacheManager | None = None,
                  encoder_budget: int = 0, num_speculative_tokens: int = 0,
                  num_lookahead_tokens: int = 0) -> None:
@@ -92,7 +93,7 @@ class Scheduler:
             self._free_request(request)
 
     @property
-    def connector(self):
+    def connector(self) -> KVConnectorBase | None:
         return None if self.remote_kv is None else self.remote_kv.connector
 
     def _uses_encoder(self, request: Request) -> bool:
@@ -249,7 +250,11 @@ class Scheduler:
         for request, dequeued in unencodable:
             self._fail_unencodable(request, dequeued)
 
-        out = build_scheduler_output(self, scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted)
+        out = build_scheduler_output(
+            scheduled_new, scheduled_running, num_scheduled, new_blocks, preempted,
+            kv_cache_manager=self.kv_cache_manager, finished_req_ids=self.finished_req_ids,
+            structured_output_manager=self.structured_output_manager,
+            connector=self.connector)
         if self.encoder_cache is not None:
             freed = self.encoder_cache.take_freed()
             for mm_hash in freed:

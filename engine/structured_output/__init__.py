@@ -1,4 +1,4 @@
-"""Structured outputs (ARCHITECTURE.md §7): constraints compiled to token bitmasks.
+"""Structured outputs (docs/structured-outputs.md; a seam, docs/architecture.md#seams): constraints compiled to token bitmasks.
 
 The front end validates a request's `StructuredOutputsParams` (`validate`); the engine's
 `StructuredOutputManager` compiles it off the engine thread and fills each step's bitmask;

@@ -1,4 +1,4 @@
-"""Per-request block ids in a persistent table, and the slot mapping (seed 001)."""
+"""Per-request block ids in a persistent table, and the slot mapping (docs/architecture.md#kernels: slot_mapping)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A CPU staging buffer paired with its device tensor (seed 001's CpuGpuBuffer)."""
+"""A CPU staging buffer paired with its device tensor (vLLM's CpuGpuBuffer)."""
 
 from __future__ import annotations
 

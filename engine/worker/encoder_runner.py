@@ -1,4 +1,4 @@
-"""The model runner's half of the encoder cache (seed 000): the encoder output tensors, keyed
+"""The model runner's half of the encoder cache (docs/multimodal.md#scheduling-and-the-encoder-cache): the encoder output tensors, keyed
 by image hash, and the slices of them each step's prefill tokens take as embeddings.
 
 The scheduler decides what is encoded and what is dropped; this side only obeys, so the two

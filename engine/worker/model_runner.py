@@ -1,5 +1,5 @@
 """Runs one scheduled step: flattened super-sequence in, one sampled token per finished
-prefill or decode out (seed 001 / 002 "forward pass"); with speculative decoding, a decode
+prefill or decode out ; with speculative decoding, a decode
 also verifies its drafts and emits every accepted one plus one more token."""
 
 from __future__ import annotations
@@ -350,7 +350,7 @@ class ModelRunner:
     def execute_dummy_batch(self) -> None:
         """The model on no tokens: an idle data-parallel core's step. It samples nothing and
         touches no KV block, but runs every layer, so each MoE layer's expert exchange finds
-        this rank there (seed 004's dummy batch)."""
+        this rank there (a dummy batch, docs/parallel.md#waves-and-dummy-batches)."""
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=empty, block_table=torch.zeros((0, 1), dtype=torch.int32, device=self.device),

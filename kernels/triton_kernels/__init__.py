@@ -1,4 +1,4 @@
-"""Triton implementations of the kernel contract (ARCHITECTURE.md §3).
+"""Triton implementations of the kernel contract (docs/architecture.md#kernels).
 
 Each function has the signature of its torch reference in `kernels.reference`. They run on
 CUDA, and on CPU under TRITON_INTERPRET=1 (which is how the tests check them). Inputs are

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from engine.kv_transfer_params import KVTransferParams
-from kvstore.handoff import MISSING, Handbacks, Inbox
+from kvstore.handoff import ExportFailed, Handbacks, Inbox
 
 logger = logging.getLogger(__name__)
 _WARMUP_TIMEOUT_S = 30.0
@@ -127,13 +127,16 @@ class StoreBackedTransport(KVTransport):
     # consumer ------------------------------------------------------------------------------
     def abandon(self, transfer_id: str, reason: str) -> None:
         self.drop_export(transfer_id)
-        if not self.handbacks.offer(transfer_id, reason):
+        if not self.handbacks.offer(transfer_id, ExportFailed(reason)):
             self.store.abandon.remote(transfer_id, reason)
 
     def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None]) -> None:
         handed = self.inbox.claim(params.transfer_id)
-        if handed is not MISSING:
-            on_done(handed if isinstance(handed, torch.Tensor) else TransferError(handed))
+        if isinstance(handed, ExportFailed):
+            on_done(TransferError(handed.reason))
+            return
+        if handed is not None:
+            on_done(handed)
             return
         threading.Thread(target=self._fetch, args=(params, on_done), daemon=True,
                          name=f"kv-fetch-{params.transfer_id}").start()

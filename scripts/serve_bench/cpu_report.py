@@ -1,6 +1,6 @@
 """bench_server_cpu.py's figures: CPU per output token by role next to the offline engine's,
 per-hop costs, the stream-interval sweep, message sizes, and the issue's goals as PASS/FAIL
-lines. Tables are Markdown, so they paste into the README as printed."""
+lines. Tables are Markdown, so they paste into docs/benchmarks.md as printed."""
 
 from __future__ import annotations
 

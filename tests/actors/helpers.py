@@ -32,9 +32,9 @@ async def wait_until(fn, what: str, tries: int = 500):
 
 def assert_no_leaks(ray, store, *workers):
     """Every KV block free, no request left, no live transfer, no unsent export."""
-    for load in ray.get([w.load.remote() for w in workers]):
-        assert load["free_blocks"] == load["total_blocks"], load
-        assert load["running"] == 0 and load["waiting"] == 0, load
+    for load in (report.engine for report in ray.get([w.load.remote() for w in workers])):
+        assert load.free_blocks == load.total_blocks, load
+        assert load.running == 0 and load.waiting == 0, load
     # A consumer's release is fire-and-forget (it must not block its engine thread): it
     # reaches the store shortly after the request ended there, so wait for it, bounded.
     for _ in range(500):

@@ -64,7 +64,7 @@ def test_pd_into_a_data_parallel_decode_equals_transformers_and_spreads_over_its
     # Both cores took work. Not an exact 2/2: the requests reach the decode side as their
     # prefills end, and one that finished before a later one arrived leaves its core the less
     # loaded again (CI saw 3/1). tests/engine/test_dp_coordinator.py pins the policy itself.
-    per_core = [c["requests"] for c in ray.get(decode.load.remote())["data_parallel"]]
+    per_core = [c.requests for c in ray.get(decode.load.remote()).engine.data_parallel]
     assert sum(per_core) == len(prompts) and min(per_core) >= 1, per_core
     assert_no_leaks(ray, store, prefill, decode)
 

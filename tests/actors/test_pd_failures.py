@@ -9,8 +9,9 @@ import asyncio
 import pytest
 
 from actors import PDRequestError, pd_generate
-from actors.orchestrate import pd_flow
 from engine import EngineArgs, SamplingParams
+from engine.load import EngineLoad
+from kvstore.pd import pd_flow
 from kvstore.store_actor import create_store
 from tests.actors.helpers import (
     ENGINE,
@@ -61,7 +62,13 @@ class HangingEngine:
             self.requests[request_id].set()
 
     async def load(self):
-        return {"running": len(self.requests), "waiting": 0, "free_blocks": 1, "total_blocks": 1}
+        return EngineLoad(running=len(self.requests), free_blocks=1, total_blocks=1)
+
+    def check_health(self):
+        pass
+
+    def shutdown(self):
+        pass
 
 
 class SilentStore:
@@ -122,7 +129,7 @@ def test_prefill_death_during_prefill_is_an_error(pd, shared):
 
 
 async def _running(actor) -> bool:
-    return (await actor.load.remote())["running"] > 0
+    return (await actor.load.remote()).engine.running > 0
 
 
 def test_prefill_death_after_prefill_does_not_lose_the_kv(pd, shared, tiny_model):
@@ -208,7 +215,7 @@ def test_abort_during_transfer_frees_blocks_on_decode(pd, shared, ray_local):
 
 
 async def _waiting(actor) -> bool:
-    return (await actor.load.remote())["waiting"] > 0
+    return (await actor.load.remote()).engine.waiting > 0
 
 
 def test_abort_while_queued_for_prefill(pd, shared):

@@ -46,6 +46,6 @@ def test_pd_with_images_equals_hf_and_decode_never_encodes(cluster, llava_model)
     for out, (text, images) in zip(outs, cases):
         assert out.outputs[0].token_ids == hf_llava_greedy(llava_model, text, images, MAX_TOKENS)
     p_load, d_load = ray.get([prefill.load.remote(), decode.load.remote()])
-    assert p_load["encoder_cache_queries"] == 4
-    assert d_load["encoder_cache_queries"] == 0  # decode loaded KV, it never ran the encoder
+    assert p_load.engine.encoder_cache_queries == 4
+    assert d_load.engine.encoder_cache_queries == 0  # decode loaded KV, it never ran the encoder
     assert_no_leaks(ray, store, prefill, decode)

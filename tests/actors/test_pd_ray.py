@@ -88,9 +88,9 @@ def test_workers_report_health_and_load(cluster):
     ray, store, prefill, decode, colocated = cluster
     for worker, role in ((prefill, "prefill"), (decode, "decode"), (colocated, "colocated")):
         assert ray.get(worker.check_health.remote()) is None
-        load = ray.get(worker.load.remote())
-        assert load["role"] == role and load["total_blocks"] == ENGINE["num_kv_blocks"]
-        assert {"waiting", "running", "free_blocks", "kv_usage", "prefix_cache_hit_rate"} <= set(load)
+        report = ray.get(worker.load.remote())
+        assert report.role == role and report.engine.total_blocks == ENGINE["num_kv_blocks"]
+        assert report.engine.kv_usage == 0.0 and report.engine.prefix_cache_hit_rate == 0.0
 
 
 def test_invalid_worker_settings_fail_clearly(ray_local, tiny_model):

@@ -48,8 +48,8 @@ def test_tp2_ranks_answer_like_transformers_and_free_every_block(tp_worker, tiny
 
     outs = asyncio.run(main())
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_model, prompts, 8)
-    load = ray.get(worker.load.remote())
-    assert load["running"] == load["waiting"] == 0 and load["free_blocks"] == load["total_blocks"]
+    load = ray.get(worker.load.remote()).engine
+    assert load.running == load.waiting == 0 and load.free_blocks == load.total_blocks
 
 
 # Last: it kills a rank of the module's engine.

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from actors import PDRequestError, pd_generate
-from actors.orchestrate import pd_flow
 from engine import SamplingParams
+from kvstore.pd import pd_flow
 from tests.actors.helpers import (
     ENGINE,
     assert_no_leaks,

@@ -31,7 +31,7 @@ def test_the_check_takes_any_configured_key_as_a_bearer_token_only():
 
 
 def test_app_config_never_shows_the_keys(tiny_model):
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
     from engine import EngineArgs
     from engine.errors import ParameterError
 
@@ -43,7 +43,7 @@ def test_app_config_never_shows_the_keys(tiny_model):
 
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model):
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
     from engine import EngineArgs
 
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE), mode="colocated", served_model_name=NAME,

@@ -16,7 +16,8 @@ from cluster.http.openai_format import (
     sse,
     usage,
 )
-from cluster.launch.app import AppConfig, build
+from cluster.launch.app import build
+from cluster.launch.app_config import AppConfig
 from engine.args import EngineArgs
 from engine.errors import ParameterError
 
@@ -492,7 +493,7 @@ def test_the_replicas_latency_windows_are_the_autoscalers_look_back_period(tiny_
     ingress = cluster.launch.app.build_app(_cfg(tiny_model, mode="pd", autoscale=autoscale))._bound_deployment
     prefill, _, _, settings = ingress.init_args  # the decode engines are the ingress's own (direct)
     assert prefill._bound_deployment.init_kwargs["latency_window_s"] == window
-    assert settings["direct"]["server_kwargs"]["latency_window_s"] == window
+    assert settings.direct.server_kwargs["latency_window_s"] == window
     routed = cluster.launch.app.build_app(_cfg(tiny_model, mode="pd", autoscale=autoscale, direct_streaming=False))
     engines = [d._bound_deployment for d in routed._bound_deployment.init_args[:2]]
     assert [e.init_kwargs["latency_window_s"] for e in engines] == [window, window]
@@ -510,12 +511,12 @@ def test_a_direct_streaming_app_has_no_engine_deployment_and_its_ingress_is_the_
     assert ingress.num_replicas == 2 and ingress._deployment_config.health_check_period_s == 2.0
     assert ingress.ray_actor_options["num_cpus"] == 2.0  # an engine replica's share of the 4 CPUs
     assert ingress.ray_actor_options["runtime_env"]["env_vars"]["OMP_WAIT_POLICY"] == "PASSIVE"
-    server = settings["direct"]["server_kwargs"]
+    server = settings.direct.server_kwargs
     assert server["role"] == "colocated" and server["engine_args"].engine_core_process
-    assert settings["direct"]["report_period_s"] == cfg.routing_stats_period_s
+    assert settings.direct.report_period_s == cfg.routing_stats_period_s
     assert coordinator._bound_deployment.init_kwargs["deployments"]["colocated"] == "Ingress"
     routed = cluster.launch.app.build_app(_cfg(tiny_model, mode="colocated", direct_streaming=False))._bound_deployment
-    assert routed.init_args[0]._bound_deployment.name == "Colocated" and "direct" not in routed.init_args[3]
+    assert routed.init_args[0]._bound_deployment.name == "Colocated" and routed.init_args[3].direct is None
     assert routed.ray_actor_options["num_cpus"] == 0
 
 
@@ -530,12 +531,12 @@ def test_a_direct_streaming_pd_app_keeps_its_prefill_deployment_and_its_ingress_
     assert prefill._bound_deployment.name == "Prefill" and decode is None
     assert not prefill._bound_deployment.init_kwargs["engine_args"].engine_core_process
     assert ingress.num_replicas == 2 and ingress.ray_actor_options["num_cpus"] == 2.0  # 6 CPUs, 3 engines
-    server = settings["direct"]["server_kwargs"]
+    server = settings.direct.server_kwargs
     assert server["role"] == "decode" and server["engine_args"].engine_core_process
     assert coordinator._bound_deployment.init_kwargs["deployments"] == {
         "prefill": "Prefill", "decode": "Ingress", "colocated": "Colocated"}
     routed = cluster.launch.app.build_app(_cfg(tiny_model, mode="pd", direct_streaming=False))._bound_deployment
-    assert routed.init_args[1]._bound_deployment.name == "Decode" and "direct" not in routed.init_args[3]
+    assert routed.init_args[1]._bound_deployment.name == "Decode" and routed.init_args[3].direct is None
 
 
 def test_pd_on_one_gpu_is_refused_at_start_up_with_how_to_share_it(tiny_model, monkeypatch):
@@ -544,29 +545,37 @@ def test_pd_on_one_gpu_is_refused_at_start_up_with_how_to_share_it(tiny_model, m
     fit."""
     import torch
 
-    from cluster.control.capacity import initial_resources, startup_refusal
+    from cluster.control.capacity import startup_refusal
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     one_gpu = {"CPU": 16.0, "GPU": 1.0}
     cfg = _cfg(tiny_model, mode="pd")
-    assert initial_resources(cfg) == {"CPU": 2.0, "GPU": 2.0}
-    refusal = startup_refusal(initial_resources(cfg), one_gpu, cfg.mode)
+    assert _initial(cfg) == {"CPU": 2.0, "GPU": 2.0}
+    refusal = startup_refusal(_initial(cfg), one_gpu, cfg.mode)
     assert refusal is not None and "need CPU 2, GPU 2 in all; this Ray has CPU 16, GPU 1" in refusal
     assert "--replica-gpus 0.5 --gpu-memory-utilization 0.45" in refusal
     shared = _cfg(tiny_model, mode="pd", replica_num_gpus=0.5)
-    assert startup_refusal(initial_resources(shared), one_gpu, shared.mode) is None
+    assert startup_refusal(_initial(shared), one_gpu, shared.mode) is None
     # Replica counts multiply; a tensor-parallel replica counts its ranks' bundles.
     tp = AppConfig.from_flat({"model": tiny_model, "mode": "colocated", "tensor_parallel_size": 2,
                               "colocated_replicas": 2})
-    assert initial_resources(tp) == {"CPU": 2.0, "GPU": 4.0}
-    assert "lower the replica counts or --replica-gpus" in startup_refusal(initial_resources(tp), one_gpu, "colocated")
+    assert _initial(tp) == {"CPU": 2.0, "GPU": 4.0}
+    assert "lower the replica counts or --replica-gpus" in startup_refusal(_initial(tp), one_gpu, "colocated")
 
 
 def test_cpu_replicas_that_do_not_fit_are_refused_naming_the_cpus(tiny_model):
-    from cluster.control.capacity import initial_resources, startup_refusal
+    from cluster.control.capacity import startup_refusal
 
     cfg = _cfg(tiny_model, mode="pd", replica_num_cpus=3)
-    assert initial_resources(cfg) == {"CPU": 6.0}
-    assert startup_refusal(initial_resources(cfg), {"CPU": 4.0, "GPU": 0.0}, "pd") == (
+    assert _initial(cfg) == {"CPU": 6.0}
+    assert startup_refusal(_initial(cfg), {"CPU": 4.0, "GPU": 0.0}, "pd") == (
         "the engine replicas need CPU 6 in all; this Ray has CPU 4; lower the replica counts or --replica-cpus")
-    assert startup_refusal(initial_resources(cfg), {"CPU": 6.0, "GPU": 0.0}, "pd") is None
+    assert startup_refusal(_initial(cfg), {"CPU": 6.0, "GPU": 0.0}, "pd") is None
+
+
+def _initial(cfg: AppConfig) -> dict[str, float]:
+    """What `cfg`'s engine replicas reserve at start-up, as `pdserve serve` asks before Ray starts them."""
+    from cluster.control.capacity import initial_resources
+
+    targets = cfg.targets()
+    return initial_resources(targets, {role: cfg.role_resources(role) for role in targets})

@@ -3,14 +3,18 @@ per-role signals for the autoscaler."""
 
 from __future__ import annotations
 
+from actors.report import ReplicaReport
+from actors.roles import Role
 from cluster.control.autoscale import RoleSignal
 from cluster.control.coordinator import STALE_AFTER_S, Board
+from engine.load import EngineLoad
 
 
 def _fig(replica: str, role: str = "prefill", waiting: int = 0, running: int = 0, kv_usage: float = 0.0,
-         **extra) -> dict:
-    return {"replica": replica, "role": role, "waiting": waiting, "running": running, "kv_usage": kv_usage,
-            **extra}
+         **extra) -> ReplicaReport:
+    """A report whose engine has 100 KV blocks, `kv_usage` of them in use."""
+    engine = EngineLoad(waiting=waiting, running=running, free_blocks=round(100 * (1 - kv_usage)), total_blocks=100)
+    return ReplicaReport(replica, Role.of(role), engine, **extra)
 
 
 def test_empty_board():
@@ -25,7 +29,7 @@ def test_default_stale_after():
 
 def test_report_then_live_returns_the_figures():
     board = Board(stale_after_s=5.0)
-    fig = _fig("r1", waiting=2, running=3, kv_usage=0.25, free_blocks=10)
+    fig = _fig("r1", waiting=2, running=3, kv_usage=0.25)
     board.report(fig, now=100.0)
     assert board.live(now=101.0) == [fig]
 
@@ -36,22 +40,22 @@ def test_latest_report_replaces_the_previous_one():
     board.report(_fig("r1", running=7), now=101.0)
     live = board.live(now=102.0)
     assert len(live) == 1
-    assert live[0]["running"] == 7
+    assert live[0].engine.running == 7
 
 
 def test_live_sorted_by_replica_id():
     board = Board(stale_after_s=5.0)
     for name in ["c", "a", "d", "b"]:
         board.report(_fig(name), now=10.0)
-    assert [f["replica"] for f in board.live(now=10.0)] == ["a", "b", "c", "d"]
+    assert [f.replica for f in board.live(now=10.0)] == ["a", "b", "c", "d"]
 
 
 def test_stale_replicas_are_dropped():
     board = Board(stale_after_s=2.0)
     board.report(_fig("old"), now=1.0)
     board.report(_fig("new"), now=4.0)
-    assert [f["replica"] for f in board.live(now=4.5)] == ["new"]          # old: 3.5 s > 2 s
-    assert [f["replica"] for f in board.live(now=6.0)] == ["new"]          # new: 2 s, not older
+    assert [f.replica for f in board.live(now=4.5)] == ["new"]          # old: 3.5 s > 2 s
+    assert [f.replica for f in board.live(now=6.0)] == ["new"]          # new: 2 s, not older
     assert board.live(now=6.5) == []                                      # new: 2.5 s
 
 
@@ -59,7 +63,7 @@ def test_fresh_report_keeps_a_replica_alive():
     board = Board(stale_after_s=2.0)
     board.report(_fig("r"), now=0.0)
     board.report(_fig("r"), now=1.5)
-    assert [f["replica"] for f in board.live(now=3.0)] == ["r"]   # 1.5 s since the last report
+    assert [f.replica for f in board.live(now=3.0)] == ["r"]   # 1.5 s since the last report
     assert board.live(now=4.0) == []
 
 
@@ -71,7 +75,7 @@ def test_dropped_replica_is_forgotten():
     assert board.live(now=1.0) == []
     # a new report does
     board.report(_fig("r"), now=6.0)
-    assert [f["replica"] for f in board.live(now=6.0)] == ["r"]
+    assert [f.replica for f in board.live(now=6.0)] == ["r"]
 
 
 def test_signals_per_role():

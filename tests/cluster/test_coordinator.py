@@ -6,8 +6,11 @@ import asyncio
 
 import pytest
 
+from actors.report import ReplicaReport
+from actors.roles import Role
 from cluster.control.autoscale import AutoscaleConfig
 from cluster.control.coordinator import Coordinator, ScaleRequestError, parse_scale_request
+from engine.load import EngineLoad
 
 
 class FakeControl:
@@ -32,10 +35,10 @@ class FakeControl:
         return all(self.counts.get(d, t if d not in self.target else -1) == t for d, t in targets.items())
 
 
-def _fig(replica, role, **kw):
-    base = {"replica": replica, "role": role, "running": 0, "waiting": 0, "free_blocks": 10, "total_blocks": 10,
-            "kv_usage": 0.0, "prefix_cache_hit_rate": 0.0, "ttft_p90_s": None, "itl_p90_s": None, "kv_handoffs": 0}
-    return {**base, **kw}
+def _fig(replica, role, ttft_p90_s=None, itl_p90_s=None, **engine):
+    """A replica's report; `engine`: its EngineLoad fields (10 free blocks of 10 unless given)."""
+    load = EngineLoad(**{"free_blocks": 10, "total_blocks": 10, **engine})
+    return ReplicaReport(replica, Role.of(role), load, ttft_p90_s=ttft_p90_s, itl_p90_s=itl_p90_s)
 
 
 def run(coro):

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.orchestrate import PDRequestError
 from cluster.replica.front_streams import ReplicaStreams
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
+from kvstore.pd import PDRequestError
 
 PROMPT = {"prompt": "hi", "prompt_token_ids": [1, 2, 3]}
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from actors.report import ReplicaReport
+from actors.roles import Role
 from cluster.http.metrics import AppMetrics
+from engine.load import EngineLoad
 
 # The series the panel queries of vLLM's dashboard reference, names only, from
 # vllm-project/vllm examples/observability/prometheus_grafana/grafana.json
@@ -44,7 +47,7 @@ CANNOT_EXPORT = {
         "a request's max_tokens is not passed to AppMetrics.request_done",
 }
 
-REPORT = {"role": "colocated", "replica": "c-1", "running": 1, "waiting": 0, "kv_usage": 0.1}
+REPORT = ReplicaReport("c-1", Role.COLOCATED, EngineLoad(running=1, free_blocks=9, total_blocks=10))
 
 
 def _exported_series(model_name: str) -> set[str]:

@@ -10,6 +10,7 @@ import weakref
 import pytest
 
 from cluster.http.errors import OpenAIError, rejecting
+from cluster.http.front_end import Job
 from cluster.http.ingress import Ingress
 from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
 from engine.errors import ParameterError
@@ -143,14 +144,14 @@ def test_a_colocated_engine_failure_is_a_503_never_a_200_with_a_partial_answer(s
                                 finished=True)
 
     ing = _ingress(4)
-    ing.mode, ing.streams, ing.metrics = "colocated", Streams(), AppMetrics("m", "colocated")
+    ing.mode, ing.engines, ing.metrics = "colocated", Streams(), AppMetrics("m", "colocated")
 
     async def chunks(merged):
         async for _, out in merged:
             yield {"text": out.outputs[0].text}
 
     async def run():
-        response = await ing.respond([{"prompt_token_ids": [1]}], [None], "r", stream, chunks, lambda finals: {})
+        response = await ing.respond(Job([{"prompt_token_ids": [1]}], [None], "r", stream, chunks, lambda finals: {}))
         events = [e async for e in response.body_iterator]
         return events
 

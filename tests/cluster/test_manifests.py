@@ -110,7 +110,7 @@ def test_default_model_is_installed_with_pdserve_on_every_node():
 
 def test_serve_config_args_split_into_app_and_engine_arguments(tiny_model):
     """Every key of the shipped `args:` is an AppConfig or EngineArgs field (no Ray needed)."""
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
     from engine.args import EngineArgs
 
     args = _load("serve.yaml")["applications"][0]["args"]
@@ -124,7 +124,7 @@ def test_serve_config_args_split_into_app_and_engine_arguments(tiny_model):
 def test_tensor_parallel_serve_config_gives_each_role_a_placement_group_of_one_gpu_per_rank(tiny_model):
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
 
     schema = ServeDeploySchema.model_validate(_load("serve-tp.yaml"))
     cfg = AppConfig.from_flat({**schema.applications[0].args, "model": tiny_model})
@@ -172,7 +172,7 @@ def test_serve_config_passes_schema_and_serves_on_local_ray(deploy, tiny_model):
 def test_moe_data_parallel_serve_config_gives_a_decode_replica_one_group_of_a_gpu_per_core(model_factory):
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
 
     schema = ServeDeploySchema.model_validate(_load("serve-moe-dp.yaml"))
     args = schema.applications[0].args

@@ -3,25 +3,38 @@ families built from Coordinator reports, read back through prometheus_client's p
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from actors.report import ReplicaReport
+from actors.roles import Role
 from cluster.http.metrics import AppMetrics
+from engine.load import EngineLoad
 
 BASE = {"model_name": "tiny", "mode": "pd"}
 
+def _report(role: str, replica: str, *, ttft_p90_s=None, itl_p90_s=None, kv_transfer=None, **engine) -> ReplicaReport:
+    return ReplicaReport(replica, Role.of(role), EngineLoad(**engine), kv_transfer=kv_transfer or {},
+                         ttft_p90_s=ttft_p90_s, itl_p90_s=itl_p90_s)
+
+
 REPORTS = [
-    {"role": "prefill", "replica": "p-1", "running": 3, "waiting": 2, "kv_usage": 0.25, "free_blocks": 90,
-     "total_blocks": 120, "prefix_cache_hit_rate": 0.5, "prefix_cache_queries": 400, "prefix_cache_hits": 200,
-     "num_preemptions": 0, "ttft_p90_s": 0.3, "itl_p90_s": None,
-     "kv_transfer": {"exports": 7, "loads": 0, "load_failures": 0, "bytes_out": 4096, "bytes_in": 0,
-                     "load_seconds": 0.0}},
-    {"role": "decode", "replica": "d-1", "running": 5, "waiting": 1, "kv_usage": 0.75, "free_blocks": 30,
-     "total_blocks": 120, "prefix_cache_hit_rate": 0.125, "prefix_cache_queries": 64, "prefix_cache_hits": 8,
-     "num_preemptions": 2, "ttft_p90_s": None, "itl_p90_s": 0.05,
-     "kv_transfer": {"exports": 0, "loads": 6, "load_failures": 1, "bytes_out": 0, "bytes_in": 3072,
-                     "load_seconds": 1.5}},
+    _report("prefill", "p-1", running=3, waiting=2, free_blocks=90, total_blocks=120, prefix_cache_queries=400,
+            prefix_cache_hits=200, num_preemptions=0, ttft_p90_s=0.3,
+            kv_transfer={"exports": 7, "loads": 0, "load_failures": 0, "bytes_out": 4096, "bytes_in": 0,
+                         "load_seconds": 0.0}),
+    _report("decode", "d-1", running=5, waiting=1, free_blocks=30, total_blocks=120, prefix_cache_queries=64,
+            prefix_cache_hits=8, num_preemptions=2, itl_p90_s=0.05,
+            kv_transfer={"exports": 0, "loads": 6, "load_failures": 1, "bytes_out": 0, "bytes_in": 3072,
+                         "load_seconds": 1.5}),
 ]
+
+
+def _figure(r: ReplicaReport, key: str) -> float:
+    """A report's figure by the metric tables' key (kv_usage 0.25 and 0.75, hit rates 0.5 and 0.125 above)."""
+    return {**r.engine.figures(), "ttft_p90_s": r.ttft_p90_s, "itl_p90_s": r.itl_p90_s}[key]
 
 
 def _parse(text: bytes) -> dict:
@@ -178,7 +191,7 @@ def test_replica_gauges_labelled_by_role_and_replica(metrics):
         assert fams[name].type == "gauge", name
         assert _replica_labels(fams, name) == {("prefill", "p-1"), ("decode", "d-1")}
         for r in REPORTS:
-            assert _value(fams, name, name, role=r["role"], replica=r["replica"]) == pytest.approx(r[key])
+            assert _value(fams, name, name, role=str(r.role), replica=r.replica) == pytest.approx(_figure(r, key))
 
 
 def test_replica_figures_carry_the_model_name(metrics):
@@ -192,11 +205,11 @@ def test_engine_counters_from_cumulative_replica_figures(metrics):
     for name, key in ENGINE_COUNTERS.items():
         assert fams[name].type == "counter", name
         for r in REPORTS:
-            assert _value(fams, name, name + "_total", role=r["role"], replica=r["replica"]) == r[key]
+            assert _value(fams, name, name + "_total", role=str(r.role), replica=r.replica) == _figure(r, key)
 
 
 def test_replicas_per_role_and_scaling_signals(metrics):
-    fams = _parse(metrics.render(REPORTS + [dict(REPORTS[1], replica="d-2")]))
+    fams = _parse(metrics.render(REPORTS + [dataclasses.replace(REPORTS[1], replica="d-2")]))
     assert fams["pdserve:replicas"].type == "gauge"
     assert _value(fams, "pdserve:replicas", "pdserve:replicas", role="prefill", model_name="tiny") == 1
     assert _value(fams, "pdserve:replicas", "pdserve:replicas", role="decode", model_name="tiny") == 2
@@ -213,12 +226,12 @@ def test_kv_transfer_counters(metrics):
         assert fams[name].type == "counter", name
         assert _replica_labels(fams, name) == {("prefill", "p-1"), ("decode", "d-1")}
         for r in REPORTS:
-            value = _value(fams, name, name + "_total", role=r["role"], replica=r["replica"])
-            assert value == pytest.approx(r["kv_transfer"][key])
+            value = _value(fams, name, name + "_total", role=str(r.role), replica=r.replica)
+            assert value == pytest.approx(r.kv_transfer[key])
 
 
 def test_missing_figures_read_as_zero(metrics):
-    sparse = [{"role": "colocated", "replica": "c-1", "running": 2}]
+    sparse = [_report("colocated", "c-1", running=2)]
     fams = _parse(metrics.render(sparse))
     assert _value(fams, "vllm:num_requests_running", "vllm:num_requests_running",
                   role="colocated", replica="c-1") == 2
@@ -231,7 +244,7 @@ def test_missing_figures_read_as_zero(metrics):
 def test_replica_missing_from_a_later_render_is_gone(metrics):
     fams = _parse(metrics.render(REPORTS))
     assert ("decode", "d-1") in _replica_labels(fams, "vllm:num_requests_running")
-    updated = [dict(REPORTS[0], running=9)]
+    updated = [dataclasses.replace(REPORTS[0], engine=dataclasses.replace(REPORTS[0].engine, running=9))]
     fams = _parse(metrics.render(updated))
     for name in list(GAUGES) + list(ENGINE_COUNTERS) + list(TRANSFER):
         assert _replica_labels(fams, name) == {("prefill", "p-1")}, name

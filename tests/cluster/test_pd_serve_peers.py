@@ -10,10 +10,10 @@ import grpc
 import pytest
 import torch
 
-from actors.orchestrate import PDRequestError
 from cluster.http.pd_serve import ServePeers
 from engine.sampling_params import SamplingParams
-from kvstore.handoff import MISSING, Inbox, KVHandoff, max_reply_kv_bytes
+from kvstore.handoff import Inbox, KVHandoff, max_reply_kv_bytes
+from kvstore.pd import PDRequestError
 
 
 class _Response:
@@ -76,7 +76,7 @@ def test_the_kv_in_the_reply_goes_to_the_inbox_and_cleanup_forgets_it_without_th
 def test_a_reply_without_the_kv_leaves_the_transfer_to_the_store():
     peers, _prefill, store, inbox = _peers(_Response(KVHandoff("first-output")))
     asyncio.run(peers.prefill({"prompt_token_ids": [1]}, SamplingParams(), "r2", "t2"))
-    assert inbox.claim("t2") is MISSING
+    assert inbox.claim("t2") is None  # not handed off: the store has it
     asyncio.run(peers.cleanup("r2", "t2", unfinished=False))
     assert store.released == ["t2"]
 

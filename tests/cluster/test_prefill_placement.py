@@ -1,4 +1,4 @@
-"""Conditional disaggregation (cluster.http.prefill_placement), without Serve: the rule, a burst
+"""Conditional disaggregation (cluster.http.pd_serve), without Serve: the rule, a burst
 split between the two queues, the in-flight counts on every way a request can end, and the
 replica counts read from the Coordinator without ever waiting for it."""
 
@@ -8,7 +8,10 @@ import asyncio
 
 import pytest
 
-from cluster.http.prefill_placement import LocalPrefillRule, PrefillPlacement, RoleCounts
+from actors.report import ReplicaReport
+from actors.roles import Role
+from cluster.http.pd_serve import LocalPrefillRule, PrefillPlacement, RoleCounts
+from engine.load import EngineLoad
 
 
 @pytest.mark.parametrize("rule,prompt_len,remote_each,local_each,local", [
@@ -145,7 +148,7 @@ class _Coordinator:
         async def answer():
             if isinstance(self.board, Exception):
                 raise self.board
-            return [{"role": role} for role in self.board]
+            return [ReplicaReport(f"{role}-{i}", Role.of(role), EngineLoad()) for i, role in enumerate(self.board)]
         return answer()
 
 
@@ -171,7 +174,7 @@ def test_role_counts_refresh_in_the_background_and_survive_a_coordinator_failure
 
 
 def test_a_coordinator_that_never_answers_is_given_up_and_asked_again(monkeypatch):
-    import cluster.http.prefill_placement as placement
+    import cluster.http.pd_serve as placement
 
     monkeypatch.setattr(placement, "COUNTS_TIMEOUT_S", 0.01)
 
@@ -218,8 +221,8 @@ class _Streams:
 
 
 def test_an_engine_failure_on_a_plain_request_is_an_error_as_on_the_disaggregated_path():
-    from actors.orchestrate import PDRequestError
     from cluster.http.pd_serve import serve_plain_generate
+    from kvstore.pd import PDRequestError
 
     async def run():
         ok = _Streams([_out(5), _out(6, "length")])

@@ -3,22 +3,36 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
+from actors.roles import Role
 from actors.worker import EngineWorker
 from cluster.replica.latency import LatencyWindow
 from cluster.replica.server import EngineServer
+from engine.load import EngineLoad
 
 
 class _Engine:
+    """The part of actors.serving_engine.ServingEngine a replica's health and figures use."""
+
     def __init__(self, errored=None):
-        self._errored = errored
+        self.errored = errored
         self.running = 3
 
+    def check_health(self):
+        if self.errored is not None:
+            raise RuntimeError(f"the engine thread failed: {self.errored!r}")
+
     async def load(self):
-        return {"waiting": 2, "running": self.running, "free_blocks": 10, "total_blocks": 16, "kv_usage": 0.375,
-                "prefix_cache_hit_rate": 0.5}
+        return EngineLoad(waiting=2, running=self.running, free_blocks=10, total_blocks=16)
+
+    def rank_actors(self):
+        return []
+
+    async def kv_transfer_stats(self):
+        return {}
 
 
 class _Coordinator:
@@ -35,10 +49,10 @@ class _Coordinator:
 
 def _server(errored=None, coordinator=None) -> EngineServer:
     worker = object.__new__(EngineWorker)
-    worker.engine, worker.replica_id, worker.role = _Engine(errored), "decode-x", "decode"
+    worker.engine, worker.replica_id, worker.role = _Engine(errored), "decode-x", Role.DECODE
     worker.connectors, worker.relay, worker.transport = {}, None, None
     server = object.__new__(EngineServer)
-    server.worker, server.role, server.replica_id = worker, "decode", "decode-x"
+    server.worker, server.role, server.replica_id = worker, Role.DECODE, "decode-x"
     server._coordinator, server._seq = coordinator, 0
     server._forwarded, server._forwarded_at = None, 0.0
     server.ttft, server.itl = LatencyWindow(), LatencyWindow()
@@ -68,14 +82,43 @@ def test_routing_stats_carry_load_and_a_fresh_sequence_number_and_reach_the_coor
     server = _server(coordinator=coordinator)
     a = asyncio.run(server.record_routing_stats())
     b = asyncio.run(server.record_routing_stats())
-    assert (a["waiting"], a["running"], a["role"], a["replica"]) == (2, 3, "decode", "decode-x")
+    assert a == {"waiting": 2, "running": 3, "seq": a["seq"]}  # what Serve's routers read
     assert b["seq"] == a["seq"] + 1  # routers reset their sent-since-report count on a new seq
     # The coordinator hears only of changes (and a heartbeat, when nothing changes for a while).
-    assert [r["seq"] for r in coordinator.reports] == [a["seq"]]
+    assert [r.seq for r in coordinator.reports] == [a["seq"]]
+    first = coordinator.reports[0]
+    assert (first.replica, first.role, first.engine.waiting, first.engine.running) == ("decode-x", "decode", 2, 3)
     server.worker.engine.running = 4
     c = asyncio.run(server.record_routing_stats())
-    assert [r["seq"] for r in coordinator.reports] == [a["seq"], c["seq"]]
+    assert [r.seq for r in coordinator.reports] == [a["seq"], c["seq"]]
     server._forwarded_at -= 60  # as if the last report were a minute old
     d = asyncio.run(server.record_routing_stats())
-    assert [r["seq"] for r in coordinator.reports] == [a["seq"], c["seq"], d["seq"]]
-    assert a["kv_transfer"] == {}  # no connector on this stand-in
+    assert [r.seq for r in coordinator.reports] == [a["seq"], c["seq"], d["seq"]]
+    assert first.kv_transfer == {}  # no connector on this stand-in
+
+
+def test_an_engine_that_fails_under_an_in_process_caller_is_a_replica_failure():
+    """A direct-streaming ingress calls its EngineServer in process: an engine failure there
+    must reach the client as a 503 (PDRequestError, replica died), as a routed replica's does,
+    never as a 500 or a partial 200."""
+    from kvstore.pd import PDRequestError
+
+    FIRST = SimpleNamespace(delta_token_ids=[7])
+
+    class _DeadWorker:
+        async def generate(self, prompt, params, request_id, kv_transfer_params=None):
+            yield FIRST
+            raise RuntimeError("engine failed: EngineDeadError('the engine core process exited')")
+
+    server = _server()
+    server.worker = _DeadWorker()
+
+    async def run():
+        got = []
+        with pytest.raises(PDRequestError) as e:
+            async for out in server.generate({"prompt_token_ids": [1]}, None, "r"):
+                got.append(out)
+        return got, e.value
+
+    got, error = asyncio.run(run())
+    assert got == [FIRST] and error.replica_died and "exited" in str(error)

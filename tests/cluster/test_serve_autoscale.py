@@ -20,7 +20,7 @@ AUTOSCALE = {"enabled": True, "interval_s": 0.5, "ttft_p90_target_s": 0.001, "it
 
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model):
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
     from engine import EngineArgs
 
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE),

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from cluster.launch.app import LOCAL_PREFILL_QUEUE
+from cluster.launch.app_config import LOCAL_PREFILL_QUEUE
 from cluster.launch.cli import build_parser, main
 from cluster.launch.serve_cli import _config
 from engine.args import EngineArgs

@@ -25,7 +25,7 @@ NAME = "tiny-colo"
 
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model):
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
     from engine import EngineArgs
 
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE),

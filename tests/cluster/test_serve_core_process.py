@@ -43,7 +43,7 @@ def model(model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def app(deploy, model):
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
 
     cfg = AppConfig(engine_args=EngineArgs(model=model, engine_core_process=True, **ENGINE), mode="colocated",
                     direct_streaming=False, served_model_name=NAME, app_name=APP, replica_num_cpus=0,
@@ -79,7 +79,7 @@ def test_a_killed_replica_takes_its_core_process_with_it(app, model):
 
 
 def test_tensor_parallel_apps_refuse_it_before_anything_starts(model):
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
 
     args = EngineArgs(model=model, engine_core_process=True)
     with pytest.raises(ParameterError, match="tensor_parallel_size=2") as e:

@@ -38,7 +38,7 @@ def model(model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def app(deploy, model):
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
 
     cfg = AppConfig(engine_args=EngineArgs(model=model, **ENGINE), mode="colocated", direct_streaming=True,
                     served_model_name=NAME, app_name=APP, replica_num_cpus=0, max_replicas=2,

@@ -26,7 +26,7 @@ def moe_model(model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def app(deploy, moe_model):
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
     from engine import EngineArgs
 
     cfg = AppConfig(engine_args=EngineArgs(model=moe_model, data_parallel_size=2, enable_expert_parallel=True,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import io
-from types import SimpleNamespace
 
 import pytest
 import requests
@@ -41,7 +40,7 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def app(deploy, llava_model, media_dir):
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
     from engine import EngineArgs
 
     cfg = AppConfig(engine_args=EngineArgs(model=llava_model, allowed_local_media_path=str(media_dir), **ENGINE),
@@ -135,8 +134,7 @@ def test_an_image_to_a_text_only_model_is_400_naming_the_part():
     from cluster.http.errors import OpenAIError
     from cluster.http.protocol import ChatCompletionRequest
 
-    text_only = SimpleNamespace(processor=SimpleNamespace(mm_processor=None), allowed_local_media_path=None)
     body = ChatCompletionRequest(model=NAME, messages=_messages(_data_url(image(0))))
     with pytest.raises(OpenAIError) as info:
-        load_images(text_only, body)
+        load_images(None, False, body)  # a model that takes no images
     assert info.value.status == 400 and info.value.param == "messages[0].content[0].image_url.url"

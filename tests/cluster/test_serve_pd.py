@@ -26,7 +26,7 @@ PROMPTS = ["The river ran quietly past", "A good engineer measures before", "Hel
 
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model):
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
     from engine import EngineArgs
 
     # Prompts of at most SHORT tokens prefill on their decode replica; every other one is

@@ -40,7 +40,7 @@ def model(model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def app(deploy, model):
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
 
     # local_prefill_queue=0: every prompt is disaggregated, whatever the load.
     cfg = AppConfig(engine_args=EngineArgs(model=model, engine_core_process=True, **ENGINE), mode="pd",

@@ -15,7 +15,7 @@ NAME = "tiny-llava-pd"
 
 @pytest.fixture(scope="module")
 def app(deploy, llava_model):
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
     from engine import EngineArgs
 
     cfg = AppConfig(engine_args=EngineArgs(model=llava_model, **ENGINE), mode="pd", served_model_name=NAME,

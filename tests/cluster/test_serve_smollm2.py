@@ -16,7 +16,7 @@ NAME = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def app(deploy, smollm2):
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
     from cluster.launch.serve_cli import warm_tokenizer_cache
     from engine import EngineArgs
 

@@ -24,7 +24,7 @@ TP = 2
 
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model):
-    from cluster.launch.app import AppConfig
+    from cluster.launch.app_config import AppConfig
     from engine import EngineArgs
 
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, tensor_parallel_size=TP, **ENGINE),

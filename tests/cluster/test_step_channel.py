@@ -175,11 +175,11 @@ def test_a_front_end_that_goes_away_leaves_nothing_running(engine):
         await stream.aclose()  # the ingress is gone
         for _ in range(500):  # the aborts run on the engine thread: wait for them, bounded
             load = await engine.load()
-            if load["running"] == 0 and load["waiting"] == 0 and load["free_blocks"] == load["total_blocks"]:
+            if load.running == 0 and load.waiting == 0 and load.free_blocks == load.total_blocks:
                 break
             await asyncio.sleep(0.01)
-        assert load["running"] == 0 and load["waiting"] == 0, load
-        assert load["free_blocks"] == load["total_blocks"], load
+        assert load.running == 0 and load.waiting == 0, load
+        assert load.free_blocks == load.total_blocks, load
         assert not hub.channels and not hub.owner
 
     asyncio.run(main())

@@ -221,3 +221,25 @@ def test_a_loop_running_behind_the_engine_still_gets_every_output_once(engine, o
     got = asyncio.run(asyncio.wait_for(main(), 120))
     assert [i for out in got for i in out.delta_token_ids] == offline[PROMPTS[0]].token_ids
     assert [out.finished for out in got] == [False] * (len(got) - 1) + [True]
+
+
+def test_outputs_that_queue_while_the_caller_is_busy_come_out_as_one(engine, offline):
+    """A caller that fell behind (it awaited something else while the engine stepped) gets one
+    output with every missed step's deltas, not one per step: what keeps a slow HTTP client
+    from costing one SSE chunk per engine step."""
+
+    async def main():
+        stream = engine.generate(PROMPTS[0], PARAMS)
+        first = await stream.__anext__()
+        # Busy elsewhere until the engine finished the request: its outputs queue meanwhile.
+        for _ in range(1000):  # bounded: the request has 11 more steps to run
+            if not await asyncio.wrap_future(engine.call(engine.engine.has_unfinished_requests)):
+                break
+        rest = [out async for out in stream]
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    want = offline[PROMPTS[0]]
+    assert len(rest) == 1 and rest[0].finished  # every queued step in one output
+    assert first.delta_token_ids + rest[0].delta_token_ids == want.token_ids == rest[0].outputs[0].token_ids
+    assert first.delta_text + rest[0].delta_text == want.text

@@ -25,7 +25,7 @@ def _greedy(n: int = MAX_NEW) -> SamplingParams:
 
 
 def _cores(llm: LLM) -> list[dict]:
-    return llm.engine.core.load()["data_parallel"]
+    return llm.engine.core.load().data_parallel
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +44,13 @@ def ep_llm(moe_model):
 def test_expert_parallel_over_two_cores_equals_transformers_and_uses_both(ep_llm, moe_model):
     prompts = random_prompts([3, 21, 40, 9, 30, 17], 900, seed=11)
     prompts.append(prompts[2][:33] + [5, 6])  # shares two blocks with an earlier prompt
-    before = [c["requests"] for c in _cores(ep_llm)]
+    before = [c.requests for c in _cores(ep_llm)]
     outs = ep_llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(moe_model, prompts, MAX_NEW)
-    served = [c["requests"] - b for c, b in zip(_cores(ep_llm), before)]
+    served = [c.requests - b for c, b in zip(_cores(ep_llm), before)]
     assert sum(served) == len(prompts) and min(served) >= 2, served
     figures = ep_llm.engine.core.load()
-    assert figures["free_blocks"] == figures["total_blocks"]  # every core freed every block
+    assert figures.free_blocks == figures.total_blocks  # every core freed every block
 
 
 def test_a_lone_request_finishes_while_the_idle_core_steps_on_no_tokens(ep_llm, moe_model):
@@ -59,14 +59,14 @@ def test_a_lone_request_finishes_while_the_idle_core_steps_on_no_tokens(ep_llm, 
     [out] = ep_llm.generate([{"prompt_token_ids": prompt}], _greedy(), use_tqdm=False)
     assert out.outputs[0].token_ids == hf_greedy(moe_model, [prompt], MAX_NEW)[0]
     after = _cores(ep_llm)
-    [busy] = [r for r in range(2) if after[r]["requests"] > before[r]["requests"]]
+    [busy] = [r for r in range(2) if after[r].requests > before[r].requests]
     idle = 1 - busy
     # One step per token at least, each a collective the idle core joined on no tokens.
-    assert after[idle]["dummy_steps"] - before[idle]["dummy_steps"] >= MAX_NEW
+    assert after[idle].dummy_steps - before[idle].dummy_steps >= MAX_NEW
     metrics = {(m.name, m.labels.get("engine")): m for m in ep_llm.get_metrics()}
     # The wave may still run (its end is found every 32 steps), so the count may have grown.
-    assert metrics[("pdserve:dp_dummy_batches", str(idle))].value >= after[idle]["dummy_steps"]
-    assert metrics[("pdserve:dp_engine_requests", str(busy))].value == after[busy]["requests"]
+    assert metrics[("pdserve:dp_dummy_batches", str(idle))].value >= after[idle].dummy_steps
+    assert metrics[("pdserve:dp_engine_requests", str(busy))].value == after[busy].requests
 
 
 def test_aborting_on_one_core_leaves_the_other_running_and_frees_its_blocks(ep_llm, moe_model):
@@ -95,7 +95,7 @@ def test_aborting_on_one_core_leaves_the_other_running_and_frees_its_blocks(ep_l
     assert list(finished.outputs[0].token_ids) == expected[: len(finished.outputs[0].token_ids)]
     assert len(finished.outputs[0].token_ids) == 40
     figures = engine.core.load()
-    assert figures["free_blocks"] == figures["total_blocks"] and figures["running"] == 0
+    assert figures.free_blocks == figures.total_blocks and figures.running == 0
 
 
 def test_sizes_are_checked_before_any_core_starts(model_factory, moe_model):
@@ -129,8 +129,8 @@ def test_independent_cores_stream_through_async_llm_like_transformers(model_fact
 
     try:
         assert asyncio.run(all_of_them()) == hf_greedy(model, prompts, MAX_NEW)
-        cores = engine.engine.core.load()["data_parallel"]
-        assert [c["requests"] for c in cores] == [2, 2] and [c["dummy_steps"] for c in cores] == [0, 0]
+        cores = engine.engine.core.load().data_parallel
+        assert [c.requests for c in cores] == [2, 2] and [c.dummy_steps for c in cores] == [0, 0]
     finally:
         engine.shutdown()
 
@@ -144,7 +144,7 @@ def test_a_killed_core_fails_the_group_fast_and_takes_its_peer_down(moe_model):
             engine.add_request(f"k{i}", {"prompt_token_ids": p}, params)
         while not engine.step():
             pass  # until the cores are decoding (the survivor then waits in a collective)
-        procs = engine.core.cores.procs
+        procs = [p.proc for p in engine.core.cores.processes]
         os.kill(procs[1].pid, signal.SIGKILL)
         start = time.monotonic()
         # Seen through the dead core's closed pipe (its exit code), not a collective timeout.

@@ -5,78 +5,18 @@ tests/actors/test_data_parallel_ray.py."""
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 
 import pytest
 
 from engine import EngineArgs, SamplingParams
+from engine.core_client.messages import CoreFailed, CoreStep, StartWave
 from engine.dp import client as client_module
 from engine.dp.client import DPEngineClient
-from engine.dp.core_loop import DPCoreLoop
-from engine.dp.cores import DPCores
-from engine.dp.messages import CoreFailed, CoreReady, CoreStep, Shutdown, StartWave
 from engine.errors import EngineDeadError
 from engine.request import Request
 from engine.sched.output import EngineCoreOutput
-from tests.engine.dp_standins import StandInCore
-
-
-class BarrierControl:
-    """The cores' all-reduce, through a barrier shared by the threads."""
-
-    def __init__(self, size: int) -> None:
-        self.flags = [False] * size
-        self.barrier = threading.Barrier(size, timeout=30)
-
-    def for_rank(self, rank: int):
-        control = self
-
-        class One:
-            def any(self, flag: bool) -> bool:
-                control.flags[rank] = flag
-                control.barrier.wait()
-                result = any(control.flags)
-                control.barrier.wait()
-                return result
-
-        return One()
-
-
-class ThreadCores(DPCores):
-    """Each core a DPCoreLoop over a StandInCore on a thread; `sent[r]` records what core r
-    was sent, `cores[r]` is its stand-in engine."""
-
-    steps = 3
-
-    def __init__(self, config, kv_connector_factory, outbox: queue.Queue) -> None:
-        super().__init__(config, kv_connector_factory, outbox)
-        lockstep = config.parallel.lockstep
-        control = BarrierControl(self.size) if lockstep else None
-        self.cores = [StandInCore(self.steps) for _ in range(self.size)]
-        self.inboxes = [queue.Queue() for _ in range(self.size)]
-        self.sent: list[list] = [[] for _ in range(self.size)]
-        self.loops = [DPCoreLoop(core, r, control.for_rank(r) if control else None, outbox.put, sync_every=2)
-                      for r, core in enumerate(self.cores)]
-        self.threads = [threading.Thread(target=loop.run, args=(inbox,), daemon=True)
-                        for loop, inbox in zip(self.loops, self.inboxes)]
-        for rank, thread in enumerate(self.threads):
-            outbox.put(CoreReady(rank, 64, 16, 128))
-            thread.start()
-
-    def send(self, rank: int, message: object) -> None:
-        self.sent[rank].append(message)
-        self.inboxes[rank].put(message)
-
-    def check_health(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        for inbox in self.inboxes:
-            inbox.put(Shutdown())
-        for thread in self.threads:
-            thread.join(10)
+from tests.engine.dp_standins import ThreadCores
 
 
 def _client(model: str, monkeypatch, **parallel) -> DPEngineClient:
@@ -112,11 +52,11 @@ def test_requests_spread_over_the_cores_and_each_output_comes_back_once(model_fa
         assert per_core == [True, True]
         # The copies the cores sent with their steps say what asking them says.
         deadline = time.monotonic() + 10
-        while client.load(fresh=False)["data_parallel"] != client.load()["data_parallel"]:
+        while client.load(fresh=False).data_parallel != client.load().data_parallel:
             assert time.monotonic() < deadline
             client.step()
-        assert [c["requests"] for c in client.load()["data_parallel"]] == [3, 3]
-        assert [c["dummy_steps"] for c in client.load()["data_parallel"]] == [0, 0]  # not lockstep
+        assert [c.requests for c in client.load().data_parallel] == [3, 3]
+        assert [c.dummy_steps for c in client.load().data_parallel] == [0, 0]  # not lockstep
     finally:
         client.shutdown()
 

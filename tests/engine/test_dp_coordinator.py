@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from engine.core_client.messages import StartWave
 from engine.dp.coordinator import DPCoordinator
-from engine.dp.messages import StartWave
 
 
 def test_a_new_request_goes_to_the_least_loaded_core_waiting_counting_four_times():

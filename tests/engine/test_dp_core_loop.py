@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import queue
 
-from engine.dp.core_loop import DPCoreLoop
-from engine.dp.messages import (
+from engine.core_client.messages import (
     AbortRequests,
     AddRequest,
     CallResult,
@@ -18,6 +17,8 @@ from engine.dp.messages import (
     StartWaveRequest,
     WaveComplete,
 )
+from engine.dp.core_loop import DPCoreLoop
+from engine.load import CoreFigures, EngineLoad
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from tests.engine.dp_standins import StandInCore
@@ -70,7 +71,7 @@ def test_each_step_sends_one_message_with_its_outputs_figures_and_first_queue_ti
     [msg] = loop.sent
     assert isinstance(msg, CoreStep) and [o.request_id for o in msg.outputs] == ["a", "b"]
     assert msg.queue_times == {"a": 0.25, "b": 0.25}
-    assert msg.figures["dp_requests"] == 2  # its figures changed: a copy rides along
+    assert msg.figures.data_parallel[0].requests == 2  # its figures changed: a copy rides along
 
 
 def test_without_lockstep_an_idle_core_never_runs_a_dummy_batch():
@@ -98,7 +99,7 @@ def test_a_core_told_to_start_a_wave_steps_on_no_tokens_until_the_all_reduce_fin
     assert core.dummy_batches == 8 and control.calls == 2 and not loop.running
     assert _control_messages(loop) == [WaveComplete(0)] and loop.wave == 1
     # The wave's last figures went out before the pause: 8 dummy steps, wave 1.
-    assert (loop.sent[-1].figures["dp_dummy_steps"], loop.sent[-1].figures["dp_wave"]) == (8, 1)
+    assert (loop.sent[-1].figures.data_parallel[0].dummy_steps, loop.sent[-1].figures.data_parallel[0].wave) == (8, 1)
     loop._step()  # paused: no more dummy batches
     assert core.dummy_batches == 8
 
@@ -155,8 +156,7 @@ def test_calls_are_answered_with_the_cores_figures_and_errors_are_returned_not_r
     loop = _loop(StandInCore(), control=FlagControl())
     _run(loop, CoreCall(1, "load"), CoreCall(2, "no_such_method"))
     sent = _control_messages(loop)
-    assert sent[0] == CallResult(0, 1, {"waiting": 0, "running": 0, "dp_dummy_steps": 0, "dp_wave": 0,
-                                           "dp_requests": 0})
+    assert sent[0] == CallResult(0, 1, EngineLoad(data_parallel=(CoreFigures(rank=0),)))
     assert sent[1].call_id == 2 and "no_such_method" in sent[1].error
 
 
@@ -191,11 +191,11 @@ def test_figures_go_out_when_they_change_and_an_idle_core_sends_nothing():
     loop = _loop(core)
     inbox: queue.Queue = queue.Queue()
     loop._publish([])  # the first copy, as run() sends it
-    assert loop.sent[-1].figures["running"] == 0
+    assert loop.sent[-1].figures.running == 0
     loop._publish([])
     loop._step()
     assert len(loop.sent) == 1  # nothing changed, nothing ran
     inbox.put(AddRequest(_request("a"), 0))
     loop._drain(inbox)
     loop._publish([])  # an input alone changed them (as an abort freeing blocks would)
-    assert len(loop.sent) == 2 and loop.sent[-1].figures["dp_requests"] == 1 and not loop.sent[-1].outputs
+    assert len(loop.sent) == 2 and loop.sent[-1].figures.data_parallel[0].requests == 1 and not loop.sent[-1].outputs

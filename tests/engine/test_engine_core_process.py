@@ -44,7 +44,7 @@ def test_the_core_runs_in_a_child_process_streams_like_transformers_and_ends_wit
     model = model_factory("llama")
     prompts = random_prompts([5, 19, 8, 27], 120, seed=21)
     engine = AsyncLLM(EngineArgs(model=model, engine_core_process=True, **ENGINE).create_engine_config())
-    pids = engine.engine.core.cores.pids
+    pids = engine.engine.core.core_pids()
     assert len(pids) == 1 and pids[0] != os.getpid()
 
     async def one(i: int, prompt: list[int]) -> list[int]:
@@ -60,8 +60,8 @@ def test_the_core_runs_in_a_child_process_streams_like_transformers_and_ends_wit
     try:
         assert asyncio.run(all_of_them()) == hf_greedy(model, prompts, MAX_NEW)
         figures = asyncio.run(engine.load())  # on the engine thread, which owns the client
-        assert figures["running"] == figures["waiting"] == 0 and figures["free_blocks"] == figures["total_blocks"]
-        assert "data_parallel" not in figures  # one core apart is not data parallelism (no dp_ metrics)
+        assert figures.running == figures.waiting == 0 and figures.free_blocks == figures.total_blocks
+        assert figures.data_parallel == ()  # one core apart is not data parallelism (no dp_ metrics)
     finally:
         engine.shutdown()
     assert _gone_within(pids[0], 30)
@@ -90,7 +90,7 @@ def test_a_killed_core_process_fails_the_engine_at_once(model_factory):
         deadline = time.monotonic() + 60
         while not engine.step():  # until it decodes
             assert time.monotonic() < deadline, "no output within 60 s"
-        os.kill(engine.core.cores.pids[0], signal.SIGKILL)
+        os.kill(engine.core.core_pids()[0], signal.SIGKILL)
         start = time.monotonic()
         # Seen through the closed pipe, named as what the user asked for (not a DP core).
         with pytest.raises(EngineDeadError, match=r"the engine core process \(pid \d+\) exited with code -9"):
@@ -110,7 +110,7 @@ def test_a_core_whose_front_end_was_killed_stops_by_itself(model_factory, tmp_pa
         "from engine import LLM\n"
         "if __name__ == '__main__':\n"
         f"    llm = LLM({model_factory('llama')!r}, engine_core_process=True, max_model_len=128)\n"
-        "    print(llm.engine.core.cores.pids[0], flush=True)\n"
+        "    print(llm.engine.core.core_pids()[0], flush=True)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,5 +1,5 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral): config reading, expert stacking at load,
-and greedy tokens equal to Hugging Face `generate` (ARCHITECTURE.md §6)."""
+and greedy tokens equal to Hugging Face `generate` (docs/architecture.md#invariants)."""
 
 from __future__ import annotations
 

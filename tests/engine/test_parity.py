@@ -1,5 +1,5 @@
 """Greedy outputs equal Hugging Face `generate` token for token, whatever the batch mix,
-chunking, preemption or prefix-cache state (ARCHITECTURE.md §6)."""
+chunking, preemption or prefix-cache state (docs/architecture.md#invariants)."""
 
 from __future__ import annotations
 

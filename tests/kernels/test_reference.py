@@ -1,4 +1,4 @@
-"""The torch references obey the kernel contract of ARCHITECTURE.md §3, checked against
+"""The torch references obey the kernel contract of docs/architecture.md#kernels, checked against
 naive per-request implementations."""
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ def test_invalid_connector_settings_are_rejected():
 
 def _merged_text(prefill, decode, rid, prompt, params) -> tuple[str, str | None]:
     """The text a P/D client receives (prefill's emitted text + decode's deltas) and the
-    finish reason, as actors.orchestrate merges them."""
+    finish reason, as kvstore.pd.pd_flow merges them."""
     prefill.add_request(rid, {"prompt_token_ids": prompt}, prefill_params(params),
                         kv_transfer_params=prefill_kv_params(params))
     first = _run(prefill, rid)
@@ -315,6 +315,6 @@ def test_speculating_decode_engine_keeps_greedy_tokens_and_accepts_drafts(tiny_m
     for i, prompt in enumerate(prompts):
         got, _ = _pd(p, d, f"r{i}", prompt, params)
         assert got == ref[i]
-    assert d.core.load()["spec_decode_num_accepted_tokens"] > 0
+    assert d.core.load().spec_decode.num_accepted_tokens > 0
     assert "spec_decode_num_drafts" not in p.core.load()
     _assert_no_leaks(p, d, transport=transport)

@@ -23,7 +23,7 @@ from engine.llm_engine import LLMEngine
 from kvstore.handoff import (
     DECLINED,
     GRPC_MAX_MESSAGE,
-    MISSING,
+    ExportFailed,
     Handbacks,
     Inbox,
     KVHandoff,
@@ -86,7 +86,7 @@ def test_a_failed_expected_export_goes_back_as_its_reason_not_to_the_store():
     producer.handbacks.expect("t2")
     producer.abandon("t2", "KV export failed: out of memory")
     assert store.calls == []
-    assert producer.handbacks.take("t2") == "KV export failed: out of memory"
+    assert producer.handbacks.take("t2") == ExportFailed("KV export failed: out of memory")
     producer.abandon("t3", "KV export failed: nobody expects this one")
     assert store.names() == ["abandon"]
 
@@ -98,7 +98,7 @@ def test_an_export_too_big_for_a_reply_goes_to_the_store_and_the_reply_says_so_a
     producer.handbacks.expect("big")
     producer.publish("big", torch.zeros(251), 251)  # 1004 bytes
     assert store.names() == ["register"] and producer.outbox_size == 1
-    assert producer.handbacks.poll("big") == DECLINED  # no wait for an export that went elsewhere
+    assert producer.handbacks.poll("big") is DECLINED  # no wait for an export that went elsewhere
     producer.handbacks.expect("small")
     producer.publish("small", torch.zeros(250), 250)
     assert store.names() == ["register"] and producer.handbacks.poll("small").numel() == 250
@@ -111,7 +111,7 @@ def test_the_requesters_bound_declines_an_export_its_channel_would_refuse():
     producer = _transport(store)
     producer.handbacks.expect("big", max_bytes=1000)
     producer.publish("big", torch.zeros(251), 251)  # 1004 bytes
-    assert store.names() == ["register"] and producer.handbacks.poll("big") == DECLINED
+    assert store.names() == ["register"] and producer.handbacks.poll("big") is DECLINED
     producer.handbacks.expect("fits", max_bytes=1000)
     producer.publish("fits", torch.zeros(250), 250)
     assert store.names() == ["register"] and producer.handbacks.poll("fits").numel() == 250
@@ -172,7 +172,7 @@ def test_a_delivered_transfer_is_fetched_and_released_without_the_store():
     assert len(consumer.inbox) == 1  # fetched, its release still to come
     consumer.release(_params("t4"))
     assert store.calls == [] and len(consumer.inbox) == 0
-    consumer.inbox.deliver("t5", "KV export failed: disk on fire")
+    consumer.inbox.deliver("t5", ExportFailed("KV export failed: disk on fire"))
     failed = _fetch_now(consumer, "t5")
     assert isinstance(failed, TransferError) and "disk on fire" in str(failed)
     consumer.release(_params("t5"))
@@ -200,13 +200,13 @@ def test_the_inbox_drops_what_outlived_its_ttl_at_the_next_delivery():
     inbox = Inbox(ttl_s=10.0, clock=lambda: now[0])
     inbox.deliver("old", torch.ones(1))
     inbox.deliver("fetched", torch.ones(1))
-    assert inbox.claim("fetched") is not MISSING
+    assert inbox.claim("fetched") is not None
     now[0] = 9.0
     inbox.deliver("new", torch.ones(1))
     assert len(inbox) == 3
     now[0] = 10.5
     inbox.deliver("newer", torch.ones(1))
-    assert len(inbox) == 2 and inbox.claim("old") is MISSING
+    assert len(inbox) == 2 and inbox.claim("old") is None
     assert not inbox.forget("fetched") and inbox.forget("new") and inbox.forget("newer")
     assert len(inbox) == 0
 
@@ -220,7 +220,7 @@ def test_counting_the_inbox_drops_what_outlived_its_ttl_without_a_delivery():
     inbox.claim("loading")
     assert len(inbox) == 2
     now[0] = 10.0
-    assert len(inbox) == 0 and inbox.claim("left") is MISSING and not inbox.forget("loading")
+    assert len(inbox) == 0 and inbox.claim("left") is None and not inbox.forget("loading")
     # Taken entries expire by their own deadlines, not in the order they were claimed.
     inbox.deliver("early", torch.ones(1))
     now[0] = 15.0
@@ -252,7 +252,7 @@ def test_a_handoff_pickles_its_kv_bit_for_bit_as_one_out_of_band_buffer(dtype):
 
 def test_a_handoff_says_whether_it_carries_the_kv():
     assert not KVHandoff(None).handed_off
-    assert KVHandoff(None, error="why").value == "why"
+    assert KVHandoff(None, error="why").value == ExportFailed("why")
     kv = torch.zeros(1)
     assert KVHandoff(None, kv=kv).handed_off and KVHandoff(None, kv=kv).value is kv
 
@@ -291,7 +291,7 @@ def test_pd_across_core_processes_with_the_kv_in_the_reply_matches_transformers(
             kv = producer.handbacks.take(f"t{i}", timeout_s=_WAIT_S)  # may still cross the relay
             assert isinstance(kv, torch.Tensor)
             # The last prompt's export "failed": its decode fails with the reason, never runs.
-            consumer.inbox.deliver(f"t{i}", "KV export failed: test" if policy_fail and i == 4 else kv)
+            consumer.inbox.deliver(f"t{i}", ExportFailed("KV export failed: test") if policy_fail and i == 4 else kv)
             decode.add_request(f"r{i}", decode_prompt(prompt, first.outputs[0].token_ids[0]), decode_params(greedy),
                                kv_transfer_params=decode_kv_params(first.kv_transfer_params))
         lasts = finish_all(decode, rids)
@@ -313,7 +313,7 @@ def test_pd_across_core_processes_with_the_kv_in_the_reply_matches_transformers(
         assert len(consumer.inbox) == 0
         for engine in (prefill, decode):
             figures = engine.core.load()
-            assert figures["free_blocks"] == figures["total_blocks"]
+            assert figures.free_blocks == figures.total_blocks
     finally:
         prefill.core.shutdown()
         decode.core.shutdown()

@@ -225,11 +225,11 @@ def test_pd_across_two_core_processes_loads_the_prompt_kv_and_matches_transforme
         assert prefill.core.kv_transfer_stats()["exports"] == len(prompts)
         for engine in (prefill, decode):
             figures = engine.core.load()
-            assert figures["free_blocks"] == figures["total_blocks"]
+            assert figures.free_blocks == figures.total_blocks
         assert behind.live_transfers == 0  # every transfer released by the decode side
         # A core that dies ends its relay (its replica's health check reads `alive`): the front
         # end closed its copy of the core's end, so the pipe closes with the core.
-        [pid] = decode.core.cores.pids
+        [pid] = decode.core.core_pids()
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + _WAIT_S
         while d_relay.alive and time.monotonic() < deadline:

@@ -1,4 +1,4 @@
-"""BlockTable slot mapping (seed 001) and the persistent input batch."""
+"""BlockTable slot mapping (docs/architecture.md#kernels) and the persistent input batch."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""What crosses between the front end and its data-parallel engine cores: typed, small, and
-one message per core step (deltas only, as EngineCoreOutputs are)."""
+"""What crosses between a front end and engine cores that run apart from it (a child process,
+data-parallel cores): typed, small, and one message per core step (deltas only, as
+EngineCoreOutputs are). The wave messages are data parallelism's (engine.dp): a lone core never
+sees them."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from engine.sched.output import EngineCoreOutput
 @dataclass(frozen=True)
 class AddRequest:
     request: Request
-    # The wave the front end believes current. A core that already finished it (and paused)
-    # asks for a new one (seed 004).
-    wave: int
+    # Data parallel: the wave the front end believes current. A core that already finished it
+    # (and paused) asks for a new one (docs/parallel.md#data-parallel). A lone core ignores it.
+    wave: int = 0
     # How long the request has waited since it arrived at the front end: the core's clock
     # may be another machine's, so the arrival time is carried as an age.
     queued_for_s: float = 0.0
@@ -71,7 +73,7 @@ class CoreStep:
     running: int
     # Requests scheduled for the first time in this step: their time in the queue.
     queue_times: dict[str, float] = field(default_factory=dict)
-    # The core's load figures (DPCoreLoop.figures), when they changed since the last message.
+    # The core's load figures (CoreLoop.figures), when they changed since the last message.
     figures: dict | None = None
 
 

@@ -1,0 +1,64 @@
+"""What a route needs to turn an OpenAI body into engine requests, and what it hands back.
+
+`FrontEnd` is the model's side of the ingress: its served name, tokenizer and input processor,
+so a request is tokenized and validated exactly as the engine will (a bad one is a 400 before
+any replica sees it). A route (cluster.http.chat, cluster.http.completions) builds a `Job` from
+it; the ingress admits and runs the job and answers with its `whole` or `chunks`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from cluster.http import openai_format as fmt
+from cluster.http.errors import OpenAIError
+from engine.outputs import RequestOutput
+from engine.processor import InputProcessor
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    model_name: str  # what clients put in `model`
+    model_dir: str
+    tokenizer: object
+    processor: InputProcessor
+    text_of: fmt.TokenText  # per-token strings for logprobs (cached)
+    allowed_local_media_path: str | None = None  # where file:// images may come from
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist. Available: `{self.model_name}`.",
+                              "not_found_error", param="model", code="model_not_found")
+
+    def prepare(self, ids: list[int], params: SamplingParams, images: list | None = None
+                ) -> tuple[list[int], SamplingParams]:
+        """(token ids, params) of one prompt as the engine will run it: checked exactly as the
+        engine checks it (a ParameterError otherwise), image placeholders expanded, and an
+        unset max_tokens resolved by the engine's own rule (the room left in the context), so
+        a P/D split knows when the prefill's token is the last one."""
+        prompt: dict = {"prompt_token_ids": ids}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        request, _ = self.processor.process(prompt, params)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=request.max_tokens)
+        return request.prompt_token_ids, params
+
+
+@dataclass(frozen=True)
+class Job:
+    """One HTTP request's engine requests and how to answer it. With `n` > 1 the lists hold
+    each prompt n times in a row (its parallel samples, each with its own params:
+    engine.parallel_sampling), so output g is choice `index` g."""
+
+    prompts: list[dict]
+    params: list[SamplingParams]
+    request_id: str  # the response's id
+    stream: bool
+    # SSE: the response objects for the merged (index, output) stream of every request.
+    chunks: Callable[[AsyncIterator[tuple[int, RequestOutput]]], AsyncIterator[dict]]
+    whole: Callable[[list[RequestOutput]], dict]  # the response object from every final output
+    n: int = 1

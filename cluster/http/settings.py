@@ -1,0 +1,33 @@
+"""What the app builder (cluster.launch.app) hands each ingress replica: typed, frozen, and
+plain enough for Serve to ship in the deployment's arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.http.pd_serve import LocalPrefillRule
+from engine.args import EngineArgs
+
+
+@dataclass(frozen=True)
+class DirectSettings:
+    """Direct streaming: the engine this ingress replica runs itself (cluster.replica.direct)."""
+
+    server_kwargs: dict  # cluster.replica.server.EngineServer's keyword arguments
+    report_period_s: float  # how often it reports its figures to the Coordinator
+
+
+@dataclass(frozen=True)
+class IngressSettings:
+    mode: str  # "pd" or "colocated"
+    engine_args: EngineArgs  # the engine the requests are validated for
+    served_model_name: str
+    app_name: str
+    max_pending_requests: int = 1024
+    load_failure_policy: str = "fail"
+    # When the app was built: the same on every ingress replica (`/v1/models` answers alike).
+    created: int = 0
+    local_prefill: LocalPrefillRule = field(default_factory=LocalPrefillRule)
+    # SHA-256 digests only: the keys themselves never enter the Serve config or its logs.
+    api_key_digests: tuple[str, ...] = ()
+    direct: DirectSettings | None = None

@@ -1,0 +1,317 @@
+"""The `pdserve` Serve application's configuration: `AppConfig`, one frozen dataclass of the
+app's own fields beside its EngineArgs, validated when made (each refusal names its field,
+before Ray starts), and what it resolves per role (engine arguments, resources, placement).
+cluster.launch.app builds the deployments from it; the flags are documented once, in
+docs/serving.md#flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from actors.ray_executor import replica_bundles
+from actors.roles import Role
+from actors.worker import cluster_engine_args
+from cluster.control.autoscale import build_config
+from cluster.control.capacity import auto_replica_cpus
+from cluster.control.coordinator import SCALE_TIMEOUT_S
+from cluster.launch.app_checks import (
+    check_core_process,
+    check_direct,
+    direct_by_default,
+    direct_role,
+)
+from engine.args import EngineArgs
+from engine.errors import ParameterError, check_choice, check_int
+from engine.models.default_model import require_model_dir, served_name
+
+MODES = ("pd", "colocated")
+POLICIES = ("fail", "recompute")
+# Least time between two streamed messages of an engine replica to an ingress (Ray Serve
+# LLM's stream_batching_interval_ms has the same default). Measured on 2 CPU cores at
+# concurrency 8: 50 ms carried 1.9-3.4 tokens per SSE chunk and cut the CPU outside the
+# engines by a quarter to almost half, TTFT unchanged (the first message is never held);
+# 10 ms never coalesced there (docs/benchmarks.md#stream-interval).
+STREAM_INTERVAL_MS = 50.0
+# Prompts per prefill replica before a P/D prompt may prefill on its decode replica. Measured
+# on 2 CPU cores at concurrency 8 over four rounds: mean TTFT p95 9.0 s against 15.8 s with
+# strict disaggregation and 9.4 s colocated, throughput within noise, median ITL 1-41% higher
+# (docs/benchmarks.md#http-against-offline-with-guidellm); 1 moved more prompts for no better p95. Not measured
+# on GPUs.
+LOCAL_PREFILL_QUEUE = 2
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    engine_args: EngineArgs  # the same engine on every replica; the ingress validates with it
+    mode: str = "pd"
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    colocated_replicas: int = 1
+    served_model_name: str | None = None
+    app_name: str = "pdserve"
+    load_failure_policy: str = "fail"
+    # Ingress replicas (vLLM's --api-server-count): each tokenizes, validates and streams its
+    # share of the HTTP requests in a process of its own; /metrics shows their sum.
+    api_server_count: int = 1
+    max_pending_requests: int = 1024  # per ingress replica; beyond it: 503 + Retry-After
+    max_ongoing_requests: int = 1024  # per engine replica (Serve's own cap)
+    graceful_shutdown_timeout_s: float = 60.0
+    # Serve's health-check period for engine replicas: a replica whose engine died is replaced
+    # after three failed checks in a row.
+    health_check_period_s: float = 5.0
+    # Engine replicas send each ingress one message per step; > 0 waits at least this long
+    # between messages, so one carries several steps (Ray Serve LLM's stream_batching_interval_ms).
+    stream_interval_ms: float = STREAM_INTERVAL_MS
+    prefix_affinity: bool = False
+    # Conditional disaggregation (cluster.http.pd_serve): once the prefill replicas hold this
+    # many of an ingress's prompts each, its next prompt may prefill on its decode replica
+    # (the shorter queue); 0: always on a prefill replica.
+    local_prefill_queue: int = LOCAL_PREFILL_QUEUE
+    # P/D prompts of at most this many tokens prefill on their decode replica (0: none).
+    max_local_prefill_length: int = 0
+    routing_stats_period_s: float = 0.5
+    # CPUs Ray reserves per engine replica, which are also its torch threads (Ray sets
+    # OMP_NUM_THREADS to them). None: 1 with GPUs; on CPU the cluster's CPUs shared among the
+    # engine replicas (cluster.control.capacity.auto_replica_cpus), resolved when the app is built.
+    replica_num_cpus: float | None = None
+    # Torch threads of each engine replica when they should differ from its CPUs (None: the
+    # same). More threads than CPUs lets replicas sharing a node use each other's idle cores.
+    replica_num_threads: int | None = None
+    replica_num_gpus: float | None = None  # None: see num_gpus
+    # Tensor-parallel size of each P/D role (None: engine_args.tensor_parallel_size). Each rank
+    # moves its own heads of the prompt KV, so the two must be equal (refused otherwise).
+    prefill_tensor_parallel_size: int | None = None
+    decode_tensor_parallel_size: int | None = None
+    # Data-parallel engine cores of each P/D role's replica (None: engine_args.data_parallel_size).
+    # Each core schedules its own requests, so the two may differ.
+    prefill_data_parallel_size: int | None = None
+    decode_data_parallel_size: int | None = None
+    max_replicas: int = 8  # per role: the ceiling of POST /scale (and of autoscaling by default)
+    # Bearer keys guarding /v1/*, /scale, /status (cluster.http.auth); PDSERVE_API_KEY adds more.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # The cluster's autoscaler may add nodes: a scale target that does not fit the free
+    # resources now is accepted (and /status shows what it waits for) instead of a 409.
+    cluster_autoscaling: bool = False
+    scale_timeout_s: float = SCALE_TIMEOUT_S  # a target not reached by then is reported stuck
+    autoscale: dict | None = None  # cluster.control.autoscale.AutoscaleConfig fields; {"enabled": True} turns it on
+    # The ingress's one line per HTTP request in Serve's replica log (like uvicorn's access log
+    # in vLLM, on by default). The internal calls between deployments are never logged.
+    disable_access_log: bool = False
+    # Each ingress replica runs its own engine (its core in a child process) instead of
+    # calling an engine deployment, so a streamed token takes no hop between replicas (Ray
+    # Serve LLM's direct streaming; vLLM's API server + engine core): the colocated engine, or
+    # in P/D the decode engine (prefills still go to the Prefill deployment). The proxy
+    # spreads requests over the replicas; `colocated_replicas` or `decode_replicas` counts
+    # them (cluster.replica.direct). None: on unless something needs an engine deployment behind the
+    # ingress (api_server_count > 1, prefix_affinity, tensor or data parallel); True insists
+    # (and refuses those), False keeps the engine deployment.
+    direct_streaming: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine_args, EngineArgs):
+            raise ParameterError("engine_args", f"engine_args must be an EngineArgs, got "
+                                 f"{type(self.engine_args).__name__}")
+        check_choice("mode", self.mode, MODES)
+        check_choice("load_failure_policy", self.load_failure_policy, POLICIES)
+        for name in ("prefill_replicas", "decode_replicas", "colocated_replicas", "api_server_count",
+                     "max_pending_requests",
+                     "max_ongoing_requests", "max_replicas"):
+            check_int(name, getattr(self, name))
+        check_int("local_prefill_queue", self.local_prefill_queue, minimum=0)
+        check_int("max_local_prefill_length", self.max_local_prefill_length, minimum=0)
+        require_model_dir(self.engine_args.model)
+        self.engine_args.create_engine_config()  # every engine field, checked before Ray starts
+        if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ParameterError("api_keys", "api_keys must be a list of non-empty strings")
+        if not 0 < self.scale_timeout_s <= 3600:
+            raise ParameterError("scale_timeout_s", f"scale_timeout_s must be in (0, 3600], got {self.scale_timeout_s}")
+        if not 0 <= self.stream_interval_ms <= 1000:
+            raise ParameterError("stream_interval_ms",
+                                 f"stream_interval_ms must be in [0, 1000], got {self.stream_interval_ms}")
+        if not 0 < self.health_check_period_s <= 600:
+            raise ParameterError("health_check_period_s",
+                                 f"health_check_period_s must be in (0, 600], got {self.health_check_period_s}")
+        if self.replica_num_cpus is not None and self.replica_num_cpus < 0:
+            raise ParameterError("replica_num_cpus", f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
+        if self.replica_num_threads is not None:
+            check_int("replica_num_threads", self.replica_num_threads)
+        if self.replica_num_gpus is not None and self.replica_num_gpus < 0:
+            raise ParameterError("replica_num_gpus", f"replica_num_gpus must be >= 0, got {self.replica_num_gpus}")
+        for role, n in self.targets().items():
+            if n > self.max_replicas:
+                raise ParameterError(f"{role}_replicas",
+                                     f"{role}_replicas must be <= max_replicas ({self.max_replicas})")
+        build_config(self.autoscale, self.max_replica_map())  # validates, as the Coordinator will build it
+        for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size", "prefill_data_parallel_size",
+                     "decode_data_parallel_size"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name))
+        if self.direct_streaming not in (None, True, False):
+            raise ParameterError("direct_streaming", f"direct_streaming must be true, false or null (auto), "
+                                 f"got {self.direct_streaming!r}")
+        if self.direct:  # refusals only when asked for; the core process's config always
+            check_direct(self.mode, self.api_server_count, self.prefix_affinity,
+                         self.role_engine_args(self.direct_role))
+        if self.engine_args.engine_core_process:
+            check_core_process([self.role_engine_args(role) for role in self.targets()])
+        if self.mode == "pd" and self.tensor_parallel_size(Role.PREFILL) != self.tensor_parallel_size(Role.DECODE):
+            raise ParameterError(
+                "decode_tensor_parallel_size",
+                f"decode_tensor_parallel_size={self.tensor_parallel_size(Role.DECODE)} must equal "
+                f"prefill_tensor_parallel_size={self.tensor_parallel_size(Role.PREFILL)}: each rank moves its "
+                "own shard of the KV heads, which only a decode replica split the same way can load",
+            )
+
+    @property
+    def direct(self) -> bool:
+        """Whether the ingress replicas run the engines of `direct_role` themselves (cluster.replica.direct)."""
+        if self.direct_streaming is not None:
+            return self.direct_streaming
+        return direct_by_default(self.mode, self.api_server_count, self.prefix_affinity,
+                                 self._parallel_args(self.direct_role))
+
+    @property
+    def direct_role(self) -> Role:
+        return direct_role(self.mode)
+
+    @classmethod
+    def from_flat(cls, args: dict) -> AppConfig:
+        """An AppConfig from one flat mapping of AppConfig and EngineArgs fields (a Serve
+        config's `args:`). Unknown keys are an error listing the allowed ones."""
+        app_keys = {f.name for f in dataclasses.fields(cls)} - {"engine_args"}
+        engine_keys = set(EngineArgs.field_names())
+        unknown = sorted(set(args) - app_keys - engine_keys)
+        if unknown:
+            raise ValueError(f"unknown app arguments {unknown}; allowed: {sorted(app_keys | engine_keys)}")
+        engine_args = EngineArgs(**{k: v for k, v in args.items() if k in engine_keys})
+        return cls(engine_args=engine_args, **{k: v for k, v in args.items() if k in app_keys})
+
+    @property
+    def model(self) -> str:
+        return self.engine_args.model
+
+    def targets(self) -> dict[Role, int]:
+        """Each role's replica count at start-up."""
+        if self.mode == "pd":
+            return {Role.PREFILL: self.prefill_replicas, Role.DECODE: self.decode_replicas}
+        return {Role.COLOCATED: self.colocated_replicas}
+
+    def max_replica_map(self) -> dict[str, int]:
+        return {r: self.max_replicas for r in self.targets()}
+
+    @property
+    def model_name(self) -> str:
+        return served_name(self.model, self.served_model_name)
+
+    def tensor_parallel_size(self, role: Role) -> int:
+        own = {Role.PREFILL: self.prefill_tensor_parallel_size, Role.DECODE: self.decode_tensor_parallel_size}.get(role)
+        return own if own is not None else self.engine_args.tensor_parallel_size
+
+    def data_parallel_size(self, role: Role) -> int:
+        own = {Role.PREFILL: self.prefill_data_parallel_size, Role.DECODE: self.decode_data_parallel_size}.get(role)
+        return own if own is not None else self.engine_args.data_parallel_size
+
+    def _parallel_args(self, role: Role) -> EngineArgs:
+        """The engine args with `role`'s own tensor and data parallel sizes."""
+        return dataclasses.replace(self.engine_args, tensor_parallel_size=self.tensor_parallel_size(role),
+                                   data_parallel_size=self.data_parallel_size(role))
+
+    def role_engine_args(self, role: Role) -> EngineArgs:
+        """The engine of `role`'s replicas; its ranks (tp > 1) and data-parallel cores (dp > 1)
+        are Ray actors unless the config names another backend."""
+        args = cluster_engine_args(self._parallel_args(role))
+        if self.direct and role == self.direct_role:
+            # The ingress's event loop serves HTTP: its engine must not hold the GIL while it
+            # steps (measured: an engine thread in the ingress cost throughput, docs/benchmarks.md#engine-core-process).
+            args = dataclasses.replace(args, engine_core_process=True)
+        return args
+
+    def replica_cpus(self) -> float:
+        """CPUs each engine replica reserves (its ranks' and cores' threads included)."""
+        if self.replica_num_cpus is not None:
+            return self.replica_num_cpus
+        if self._engines_on_gpus():
+            return 1.0  # the engine's own host thread; the GPU does the work
+        raise RuntimeError("replica_num_cpus is sized from the cluster on CPU: use AppConfig.sized_for first")
+
+    def sized_for(self, node_cpus: list[float]) -> AppConfig:
+        """This config with `replica_num_cpus` decided for a cluster of these nodes' CPUs
+        (unchanged when it was given, or on GPUs). An app that scales itself shares the CPUs
+        among its largest replica counts, so scaling up finds room."""
+        if self.replica_num_cpus is not None or self._engines_on_gpus():
+            return self
+        autoscaling = build_config(self.autoscale, self.max_replica_map()).enabled
+        replicas = sum((self.max_replica_map() if autoscaling else self.targets()).values())
+        return dataclasses.replace(self, replica_num_cpus=auto_replica_cpus(node_cpus, replicas))
+
+    def _engines_on_gpus(self) -> bool:
+        # A GPU reservation given explicitly counts too: a CPU-only head node (where this runs)
+        # may deploy replicas onto GPU workers.
+        return self.uses_gpus() or (self.replica_num_gpus or 0.0) > 0
+
+    def uses_gpus(self) -> bool:
+        if self.engine_args.device != "auto":
+            return self.engine_args.device == "cuda"
+        import torch
+
+        return torch.cuda.is_available()
+
+    def num_gpus(self, role: Role | None = None) -> float:
+        """GPUs the replica actor itself reserves: one on a GPU machine; one per rank with the
+        "mp" executor (its ranks are child processes sharing its reservation); none with the
+        "ray" executor (each rank actor holds its own, in the replica's placement group)."""
+        if self.replica_num_gpus is not None:
+            return self.replica_num_gpus
+        if not self.uses_gpus():
+            return 0.0
+        args = self.role_engine_args(role or next(iter(self.targets())))
+        if args.data_parallel_size > 1:
+            return 0.0  # its cores (or their rank actors) hold the GPUs, in the replica's group
+        if args.tensor_parallel_size == 1:
+            return 1.0
+        return 0.0 if args.distributed_executor_backend == "ray" else float(args.tensor_parallel_size)
+
+    def placement_bundles(self, role: Role) -> list[dict[str, float]] | None:
+        """Serve's placement_group_bundles for a replica of `role` whose ranks or cores are Ray
+        actors: data_parallel_size x tensor_parallel_size bundles, the replica actor in bundle 0
+        with rank 0 of core 0 (core d's rank r goes to bundle d * tp + r); None otherwise."""
+        args = self.role_engine_args(role)
+        tp, dp = args.tensor_parallel_size, args.data_parallel_size
+        if dp == 1 and (tp == 1 or args.distributed_executor_backend != "ray"):
+            return None
+        return replica_bundles("cuda" if self.uses_gpus() else "cpu", dp * tp,
+                               {"CPU": self.replica_cpus(), "GPU": self.num_gpus(role)})
+
+    def engine_actor_options(self, role: Role) -> dict:
+        """Ray actor options of `role`'s replicas: their CPUs, GPUs, and environment (threads
+        when `replica_num_threads` is given). CPU engines get OMP_WAIT_POLICY=PASSIVE
+        (unless the environment names a policy): by default OpenMP's idle threads spin
+        between parallel regions, taking the cores the ingress, the proxy and the other
+        role's engine need on the same node (docs/serving.md#threads-of-cpu-engine-replicas). It
+        must be in the process's environment before torch loads OpenMP, hence runtime_env;
+        rank and core actors the replica starts inherit it."""
+        options = {"num_cpus": self.replica_cpus(), "num_gpus": self.num_gpus(role)}
+        env = {}
+        if not self._engines_on_gpus():
+            env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+        if self.replica_num_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.replica_num_threads)  # Ray keeps a value already set
+        if env:
+            options["runtime_env"] = {"env_vars": env}
+        return options
+
+    def role_resources(self, role: Role) -> dict[str, float]:
+        """What one replica of `role` reserves in all, its ranks' bundles included."""
+        bundles = self.placement_bundles(role) or [{"CPU": self.replica_cpus(), "GPU": self.num_gpus(role)}]
+        return {name: sum(b.get(name, 0.0) for b in bundles) for name in ("CPU", "GPU")}
+
+    def replica_resources(self) -> dict[str, float]:
+        """What the largest replica of any role reserves in all, its ranks' bundles included
+        (the Coordinator's capacity checks before scaling)."""
+        totals = [self.role_resources(role) for role in self.targets()]
+        return {name: max(t[name] for t in totals) for name in ("CPU", "GPU")}
+
+

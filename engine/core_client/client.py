@@ -1,0 +1,397 @@
+"""The front end's side of engine cores that run apart from it, reached by messages.
+
+`CoresClient` is what both kinds of client share: requests go to a core and are remembered
+until their last output, each core sends one CoreStep per step, `step()` returns every output
+that has arrived (waiting a little for the first, so its driver does not spin), calls run on every core
+between its steps, and every wait is bounded. A core that dies fails the client: every later
+call raises EngineDeadError. `CoreProcClient` is one core in a child process
+(engine_core_process); engine.dp.DPEngineClient is several data-parallel cores.
+
+`CoreProcess` spawns one core process (not a daemon: its executor may spawn tensor-parallel
+ranks of its own), sends it messages, and runs one reader thread that moves the core's
+messages to the client's inbox; when the pipe closes without a Shutdown (the process died) the
+reader posts a CoreFailed instead, so a death is seen at once. The core's side of the pipe is
+engine.core_client.core_proc. CoreProcClient and each data-parallel core of the "mp" backend
+(engine.dp.mp_cores) use it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import queue
+import threading
+import time
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from engine.child_signals import process_blocked_signals
+from engine.config import EngineConfig
+from engine.core_client.core_proc import run_core
+from engine.core_client.messages import (
+    AbortRequests,
+    AddRequest,
+    CallResult,
+    CoreCall,
+    CoreFailed,
+    CoreReady,
+    CoreStep,
+    Shutdown,
+)
+from engine.errors import EngineDeadError, ParameterError
+from engine.executor.multiproc import reap_children
+from engine.kv_connector import KVConnectorFactory
+from engine.load import EngineLoad
+from engine.models.arch import load_arch
+from engine.request import Request, RequestStatus
+from engine.sched.output import EngineCoreOutput
+
+# Loading a model and warming it up on every core (under expert parallelism their warm-up
+# forward passes are collective, so the cores start together).
+START_TIMEOUT_S = 600.0
+# The longest step() waits for a core's message before returning nothing (a wake() ends it
+# sooner): the driver then looks at its own inputs again.
+STEP_WAIT_S = 0.1
+_CALL_TIMEOUT_S = 60.0
+_WAKE = object()
+STOP_GRACE_S = 10.0  # a core asked to stop has this long before it is killed
+
+
+class CoreProcess:
+    """One spawned core process, `target(*args, child_conn)`; its messages go to `outbox`."""
+
+    def __init__(self, target: Callable, args: tuple, outbox: queue.Queue, rank: int, label: str,
+                 name: str) -> None:
+        self.rank = rank
+        self.label = label  # how errors name it
+        self.outbox = outbox
+        ctx = mp.get_context("spawn")  # fork would copy the front end's threads
+        parent, child = ctx.Pipe()
+        self.conn = parent
+        self.proc = ctx.Process(target=target, name=name, daemon=False, args=(*args, child))
+        self._lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.proc.start()
+        child.close()
+        threading.Thread(target=self._read, name=f"{name}-reader", daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            self.outbox.put(message)
+        if not self.stopping.is_set():
+            self.proc.join(1.0)  # for its exit code
+            self.outbox.put(CoreFailed(self.rank, f"{self.label} (pid {self.pid}) exited with code "
+                                                  f"{self.proc.exitcode}"))
+
+    def send(self, message: object) -> None:
+        try:
+            with self._lock:
+                self.conn.send(message)
+        except OSError as e:
+            raise EngineDeadError(f"{self.label} (pid {self.pid}) is gone: {e}") from None
+
+    def check_health(self) -> None:
+        if not self.proc.is_alive():
+            raise EngineDeadError(f"{self.label} (pid {self.pid}) exited with code {self.proc.exitcode}")
+
+
+def stop_core_processes(processes: list[CoreProcess], store_dir: str | None = None) -> None:
+    """Ask every core to stop, then kill what is left after STOP_GRACE_S; none outlives its
+    front end. Idempotent."""
+    for p in processes:
+        p.stopping.set()
+    reap_children([p.proc for p in processes], [p.conn for p in processes], lambda conn: conn.send(Shutdown()),
+                  store_dir, STOP_GRACE_S)
+
+
+def reap_at_exit(owner: object, processes: list[CoreProcess], store_dir: str | None = None) -> Callable[[], None]:
+    """A finalizer that stops `processes` when `owner` is collected or the interpreter exits
+    (call it to stop them now)."""
+    return weakref.finalize(owner, stop_core_processes, processes, store_dir)
+
+
+class CoresClient(ABC):
+    runs_apart = True  # load(fresh=False) serves the figures the cores sent: any thread, no wait
+    idle = False  # step() itself waits for the cores: its driver never has to poll
+    last_step_ran_model = False
+
+    def __init__(self, config: EngineConfig, size: int) -> None:
+        self.config = config
+        self.size = size
+        self.arch = load_arch(config.model.model)
+        # Each core's latest figures, kept by the threads that receive its messages (so they
+        # are current even while nothing drives step()): load(fresh=False) reads them.
+        self._figures: list[EngineLoad | None] = [None] * size
+        self._inbox: queue.Queue = _Inbox(self._figures)
+        self._owners: dict[str, tuple[int, Request]] = {}  # unfinished request -> (core, request)
+        self._ready: list[EngineCoreOutput] = []
+        self._results: dict[int, CallResult] = {}
+        self._call_ids = itertools.count()
+        self.failure: str | None = None
+        self.max_model_len = 0
+        self.num_kv_blocks = 0
+
+    # ---- what each kind fills in --------------------------------------------------------
+    @abstractmethod
+    def label(self, rank: int | None = None) -> str:
+        """How errors name a core (or, without a rank, the cores)."""
+
+    @abstractmethod
+    def _send(self, rank: int, message: object) -> None:
+        """Queue `message` for core `rank` (in order with earlier ones)."""
+
+    @abstractmethod
+    def _route(self, request: Request) -> int:
+        """Send a new request to the core that takes it (and whatever else that takes); its
+        rank."""
+
+    @abstractmethod
+    def _stop_cores(self) -> None:
+        """Stop every core and release what it holds; bounded and idempotent."""
+
+    @abstractmethod
+    def _check_cores(self) -> None:
+        """Raise EngineDeadError if a core is known to be gone (any thread)."""
+
+    def _handle_other(self, message) -> None:
+        """A message only a subclass knows (data parallelism's waves)."""
+        raise TypeError(f"unexpected message {type(message).__name__}")
+
+    # ---- start --------------------------------------------------------------------------
+    def _wait_started(self) -> None:
+        """Every core's CoreReady and first figures, within START_TIMEOUT_S; stops the cores
+        and raises EngineDeadError otherwise."""
+        try:
+            ready: dict[int, CoreReady] = {}
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while len(ready) < self.size:
+                try:
+                    message = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    missing = sorted(set(range(self.size)) - set(ready))
+                    raise EngineDeadError(f"{self.label()} {missing} did not start within "
+                                          f"{START_TIMEOUT_S:.0f} s") from None
+                if isinstance(message, CoreFailed):
+                    raise EngineDeadError(f"{self.label(message.rank)} failed to start:\n{message.message}")
+                if isinstance(message, CoreReady):
+                    ready[message.rank] = message
+            while any(f is None for f in self._figures):  # every core's first figures
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(f"{self.label()} sent no figures after starting")
+                self._pump(STEP_WAIT_S)
+        except BaseException:
+            self._stop_cores()
+            raise
+        self.max_model_len = ready[0].max_model_len
+        self.num_kv_blocks = ready[0].num_kv_blocks
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self._check()
+        self._owners[request.request_id] = (self._route(request), request)
+
+    def abort_requests(self, request_ids: list[str], status=RequestStatus.FINISHED_ABORTED) -> None:
+        by_core: dict[int, list[str]] = {}
+        for rid in request_ids:
+            owner = self._owners.pop(rid, None)
+            if owner is not None:
+                by_core.setdefault(owner[0], []).append(rid)
+        if self.failure is not None:
+            return  # the cores are gone, and their requests with them
+        for rank, ids in by_core.items():
+            self._send(rank, AbortRequests(tuple(ids), status))
+
+    def step(self) -> list[EngineCoreOutput]:
+        self._check()
+        if not self._ready:
+            self._pump(STEP_WAIT_S)
+        outputs, self._ready = self._ready, []
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._owners)
+
+    def has_work(self) -> bool:
+        return bool(self._owners) or bool(self._ready)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._owners)
+
+    def wake(self) -> None:
+        """Cut a waiting step() short: its driver has new input (any thread)."""
+        self._inbox.put(_WAKE)
+
+    def set_kv_wakeup(self, callback) -> None:
+        """Each core wakes its own loop when its KV arrives; nothing to forward."""
+        return None
+
+    # ---- messages from the cores --------------------------------------------------------
+    def _pump(self, wait_s: float) -> None:
+        """Handle the cores' messages: wait up to `wait_s` for the first, then take what is
+        there."""
+        try:
+            message = self._inbox.get(timeout=wait_s)
+            while True:
+                if message is not _WAKE:
+                    self._handle(message)
+                message = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _handle(self, message) -> None:
+        if isinstance(message, CoreStep):
+            self._on_step(message)
+            for rid, queued in message.queue_times.items():
+                owner = self._owners.get(rid)
+                if owner is not None:
+                    owner[1].first_scheduled_time = owner[1].arrival_time + queued
+            for out in message.outputs:
+                if out.request_id not in self._owners:
+                    continue  # aborted here while the core was stepping
+                if out.finished:
+                    del self._owners[out.request_id]
+                self._ready.append(out)
+        elif isinstance(message, CallResult):
+            self._results[message.call_id] = message
+        elif isinstance(message, CoreFailed):
+            self._fail(f"{self.label(message.rank)} failed:\n{message.message}")
+        else:
+            self._handle_other(message)
+
+    def _on_step(self, message: CoreStep) -> None:
+        """A core's step arrived (data parallelism notes its queue figures for routing)."""
+        return None
+
+    # ---- calls on every core ------------------------------------------------------------
+    def _call_all(self, method: str, *args) -> list:
+        """method(*args) on every core between its steps; one value per core, in rank order."""
+        self._check()
+        ids = []
+        for rank in range(self.size):
+            call_id = next(self._call_ids)
+            ids.append(call_id)
+            self._send(rank, CoreCall(call_id, method, args))
+        deadline = time.monotonic() + _CALL_TIMEOUT_S
+        while not all(i in self._results for i in ids):
+            if time.monotonic() > deadline:
+                self._fail(f"{self.label()} did not answer {method!r} within {_CALL_TIMEOUT_S:.0f} s")
+            self._pump(min(STEP_WAIT_S, max(0.0, deadline - time.monotonic())))
+            self._check()
+        results = [self._results.pop(i) for i in ids]
+        for result in results:
+            if result.error is not None:
+                raise RuntimeError(f"{self.label(result.rank)} failed in {method!r}:\n{result.error}")
+        return [r.value for r in results]
+
+    def load(self, fresh: bool = True) -> EngineLoad:
+        """The figures of every core as one engine's. `fresh`: asked from every core now (one
+        step's wait on the engine thread); otherwise the copies the cores sent with their
+        steps (any thread, no wait: what a serving replica reports several times a second)."""
+        per_core = self._call_all("load") if fresh else list(self._figures)
+        return per_core[0] if self.size == 1 else EngineLoad.summed(per_core)
+
+    def reset_prefix_cache(self) -> bool:
+        return all(self._call_all("reset_prefix_cache"))
+
+    def kv_transfer_stats(self) -> dict:
+        total: dict = {}
+        for stats in self._call_all("kv_transfer_stats"):
+            for key, value in stats.items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    def kv_outbox_size(self) -> int:
+        return sum(self._call_all("kv_outbox_size"))
+
+    # ---- where the cores run (operators and tests) --------------------------------------
+    def core_pids(self) -> list[int]:
+        """Pids of the cores' processes on this node; empty for cores that are Ray actors."""
+        return []
+
+    def core_actors(self) -> list:
+        """Handles of the cores' Ray actors; empty for cores that are processes."""
+        return []
+
+    def rank_actors(self) -> list:
+        """Tensor-parallel rank actors this client holds itself: none (a core holds its own)."""
+        return []
+
+    # ---- health and shutdown ------------------------------------------------------------
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+
+    def _fail(self, message: str):
+        self.failure = message
+        self._stop_cores()
+        raise EngineDeadError(message)
+
+    def check_health(self) -> None:
+        self._check()
+        self._check_cores()
+
+    def shutdown(self) -> None:
+        self._stop_cores()
+
+
+class CoreProcClient(CoresClient):
+    """One engine core in a child process of its own (engine_core_process), as vLLM V1 runs
+    EngineCoreProc: the front end's threads (HTTP, detokenization) then never hold the GIL
+    that the engine loop needs between its torch ops."""
+
+    def __init__(self, config: EngineConfig, kv_connector_factory: KVConnectorFactory | None = None) -> None:
+        super().__init__(config, 1)
+        if kv_connector_factory is not None and not getattr(kv_connector_factory, "spawn_safe", False):
+            # A relayed connector (kvstore.transports.relay) crosses into the core's process;
+            # one that calls the cluster from wherever it is built cannot.
+            raise ParameterError("engine_core_process", "engine_core_process: this KV connector talks to the "
+                                 "cluster's KV store from the engine core, which must then stay in the "
+                                 "replica's process; a relayed connector (spawn_safe) can run in a core process")
+        blocked = process_blocked_signals()  # the replica's, for the core (engine.child_signals)
+        self.process = CoreProcess(run_core, (config, torch.get_num_threads(), blocked, kv_connector_factory),
+                                   self._inbox, 0, self.label(), "pdserve-core")
+        self._stop = reap_at_exit(self, [self.process])
+        self._wait_started()
+
+    def label(self, rank: int | None = None) -> str:
+        return "the engine core process"
+
+    def _send(self, rank: int, message: object) -> None:
+        self.process.send(message)
+
+    def _route(self, request: Request) -> int:
+        self._send(0, AddRequest(request, queued_for_s=time.monotonic() - request.arrival_time))
+        return 0
+
+    def _stop_cores(self) -> None:
+        self._stop()
+
+    def _check_cores(self) -> None:
+        self.process.check_health()
+
+    def core_pids(self) -> list[int]:
+        return [self.process.pid]
+
+
+class _Inbox(queue.Queue):
+    """The cores' messages, noting each core's figures as they arrive."""
+
+    def __init__(self, figures: list[EngineLoad | None]) -> None:
+        super().__init__()
+        self._figures = figures
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        if isinstance(item, CoreStep) and item.figures is not None:
+            self._figures[item.rank] = item.figures
+        super().put(item, block, timeout)
