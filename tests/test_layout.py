@@ -1,6 +1,7 @@
 """The project's shape (docs/architecture.md#layers): no import cycle among its modules, the one-way
 dependency direction kernels <- engine <- kvstore <- actors <- cluster (and an engine free of
-Ray), and source files small enough to read (at most 400 lines).
+Ray), the rooms of cluster/ and of the engine depending on each other one way too
+(docs/architecture.md#layout), and source files small enough to read (at most 400 lines).
 
 Imports are read with `ast` from the source, not by importing it, so every import counts:
 module level, inside functions, in any branch.
@@ -19,6 +20,16 @@ PACKAGES = ("kernels", "engine", "kvstore", "actors", "cluster", "scripts")
 # Lower rank may not import higher rank; scripts sit on top and may use everything.
 RANK = {"kernels": 0, "engine": 1, "kvstore": 2, "actors": 3, "cluster": 4, "scripts": 5}
 MAX_LINES = 400
+# cluster/'s rooms: one may import only the rooms listed for it (launch starts everything; the
+# ingress reaches engine replicas and the Coordinator; those three and batch stand alone).
+# cluster/tasks.py is shared by all.
+CLUSTER_ROOMS = {
+    "launch": {"http", "replica", "control", "batch"},
+    "http": {"replica", "control"},
+    "replica": set(),
+    "control": set(),
+    "batch": set(),
+}
 
 
 def _module_files() -> dict[str, str]:
@@ -160,6 +171,41 @@ def test_dependencies_point_one_way():
             if RANK[target.split(".")[0]] > rank:
                 wrong.append(f"{module} imports {target}")
     assert not wrong, "kernels <- engine <- kvstore <- actors <- cluster is broken:\n" + "\n".join(wrong)
+
+
+def _cluster_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "cluster" and len(parts) > 1 and parts[1] in CLUSTER_ROOMS else None
+
+
+def test_every_cluster_module_lives_in_a_room():
+    loose = [m for m in MODULES if m.split(".")[0] == "cluster" and _cluster_room(m) is None
+             and m not in ("cluster", "cluster.tasks")]
+    assert not loose, f"cluster modules outside {sorted(CLUSTER_ROOMS)}: {loose}"
+
+
+def test_cluster_rooms_depend_on_each_other_one_way():
+    wrong = []
+    for module in MODULES:
+        room = _cluster_room(module)
+        if room is None:
+            continue
+        for target in sorted(imports_of(module)):
+            other = _cluster_room(target)
+            if other is not None and other != room and other not in CLUSTER_ROOMS[room]:
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, f"room dependencies {CLUSTER_ROOMS} are broken:\n" + "\n".join(wrong)
+
+
+def test_the_scheduler_and_the_core_clients_stay_below_the_engine_core():
+    """engine/sched/ knows nothing of where its core runs; a one-core client never reaches
+    engine/dp/ (only make_core_client, which picks the data-parallel client, does)."""
+    wrong = [f"{m} imports {t}" for m in MODULES if m.startswith("engine.sched")
+             for t in imports_of(m) if t.startswith(("engine.core_client", "engine.dp", "engine.core"))
+             and t != "engine.core_client.messages"]
+    wrong += [f"{m} imports {t}" for m in MODULES if m.startswith("engine.core_client.")
+              for t in imports_of(m) if t.startswith("engine.dp")]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_engine_and_kernels_never_import_ray():

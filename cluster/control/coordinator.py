@@ -20,7 +20,7 @@ from actors.report import ReplicaReport
 from actors.roles import Role
 from cluster.control.autoscale import PolicyState, RoleSignal, build_config, decide
 from cluster.control.capacity import describe, free_resources, needed_for, shortfall
-from cluster.http.metrics_merge import Snapshot, add
+from cluster.control.metrics_merge import Snapshot, add
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class Coordinator:
         self.max_replicas = {r: int((max_replicas or {}).get(r, 8)) for r in self.roles}
         self.autoscale = build_config(autoscale, self.max_replicas)
         self.board = Board()
-        # Each ingress replica's latest request metrics; kept after it stops (cluster.http.metrics_merge).
+        # Each ingress replica's latest request metrics; kept after it stops (cluster.control.metrics_merge).
         # One small snapshot per ingress replica ever started.
         self.ingress_metrics: dict[str, Snapshot] = {}
         if control is None:
@@ -154,7 +154,7 @@ class Coordinator:
     async def replicas(self) -> list[ReplicaReport]:
         return self.board.live()
 
-    # ---- the ingress replicas' request metrics (cluster.http.metrics_merge) ---------------------
+    # ---- the ingress replicas' request metrics (cluster.control.metrics_merge) ---------------------
     async def report_ingress_metrics(self, ingress_id: str, snapshot: Snapshot) -> None:
         self.ingress_metrics[ingress_id] = snapshot
 

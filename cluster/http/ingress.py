@@ -41,9 +41,10 @@ from cluster.http.pd_serve import (
 )
 from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.http.settings import IngressSettings
-from cluster.http.streams import detached_task, merge, timed
+from cluster.http.streams import merge, timed
 from cluster.replica.direct import DirectEngine
 from cluster.replica.front_streams import ReplicaStreams
+from cluster.tasks import detached_task
 from engine.llm_engine import front_end
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -211,7 +212,7 @@ class Ingress:
             self._release(token)
         yield fmt.sse("[DONE]")
 
-    # ---- request metrics of several ingress replicas (cluster.http.metrics_merge) -------------
+    # ---- request metrics of several ingress replicas (cluster.control.metrics_merge) -------------
     async def _push_metrics(self) -> None:
         sent = 0
         while True:

@@ -7,7 +7,7 @@ Names follow vLLM wherever vLLM has the metric (`vllm:time_to_first_token_second
 
 Request latencies (TTFT, ITL, E2E, queue time) are observed where the client's request is
 seen whole: the ingress; with several ingress replicas a scrape shows their sum
-(cluster.http.metrics_merge). Engine figures come from the Coordinator's board of replica reports,
+(cluster.control.metrics_merge). Engine figures come from the Coordinator's board of replica reports,
 labelled by role and replica, and are turned into metric families at scrape time. All text is
 produced by prometheus_client.
 """
@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from actors.report import ReplicaReport
-from cluster.http.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
+from cluster.control.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
 from engine.metrics import names
 from engine.metrics.names import MetricDef
 
@@ -152,7 +152,7 @@ class AppMetrics:
         self._local_prefills.inc()
 
     def snapshot(self) -> Snapshot:
-        """This replica's request metrics, as plain data (cluster.http.metrics_merge)."""
+        """This replica's request metrics, as plain data (cluster.control.metrics_merge)."""
         return snapshot_of(self.registry)
 
     def render(self, replica_reports: list[ReplicaReport], requests: Snapshot | None = None) -> bytes:

@@ -4,20 +4,12 @@ timing one request's stream into the app's latency metrics."""
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from cluster.http.metrics import AppMetrics
 from engine.outputs import RequestOutput
-
-
-def detached_task(coro) -> asyncio.Task:
-    """A task in a context of its own. A task copies the context current at its creation, so
-    one created while serving an HTTP request would be that request's child, and Serve cancels
-    a request's children when its client leaves. (Python 3.10's create_task has no context=.)"""
-    return contextvars.Context().run(asyncio.get_running_loop().create_task, coro)
 
 
 async def merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from cluster.batch.cli import add_batch_parser
+from cluster.launch.batch_cli import add_batch_parser
 from cluster.launch.sampling_flags import add_sampling_args, sampling_params
 from cluster.launch.serve_cli import add_serve_parser
 from engine.args import EngineArgs

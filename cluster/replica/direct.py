@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from cluster.http.streams import detached_task
 from cluster.replica.server import EngineServer
+from cluster.tasks import detached_task
 
 logger = logging.getLogger(__name__)
 # Bound on one figures report (Serve's routing-stats timeout for engine deployments is 5 s).

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 
 import ray
 
-from cluster.http.streams import detached_task
+from cluster.tasks import detached_task
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import DeltaAccumulator, RequestDelta, RequestOutput
 from engine.sampling_params import SamplingParams

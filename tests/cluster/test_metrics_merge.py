@@ -1,4 +1,4 @@
-"""Request metrics of several ingress replicas summed (cluster.http.metrics_merge): against one
+"""Request metrics of several ingress replicas summed (cluster.control.metrics_merge): against one
 registry that recorded every request itself (the oracle), and never decreasing between
 scrapes whichever replica answers."""
 
@@ -10,8 +10,8 @@ import random
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.control.coordinator import Coordinator
+from cluster.control.metrics_merge import add
 from cluster.http.metrics import AppMetrics
-from cluster.http.metrics_merge import add
 
 
 def _record(metrics: AppMetrics, rng: random.Random, n: int) -> None:
