@@ -129,7 +129,7 @@ class RayCores(DPCores):
                 raise EngineDeadError(f"data-parallel core {rank} failed in {what!r}:\n{e}") from None
         return [results[r] for r in range(len(refs))]
 
-    def actors(self) -> list:
+    def actor_handles(self) -> list:
         """The core actors, in rank order."""
         return list(self.actors)
 

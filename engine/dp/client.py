@@ -67,4 +67,4 @@ class DPEngineClient(CoresClient):
         return self.cores.pids()
 
     def core_actors(self) -> list:
-        return self.cores.actors()
+        return self.cores.actor_handles()

@@ -39,7 +39,7 @@ class DPCores(ABC):
         """The cores' process ids when they are processes on this node."""
         return []
 
-    def actors(self) -> list:
+    def actor_handles(self) -> list:
         """The cores' Ray actor handles when they are actors."""
         return []
 

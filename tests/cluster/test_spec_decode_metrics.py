@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from actors.report import ReplicaReport
+from actors.roles import Role
 from cluster.http.metrics import AppMetrics
+from engine.load import EngineLoad, SpecDecodeCounts
 
-SPEC = {"spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 30, "spec_decode_num_accepted_tokens": 17,
-        "spec_decode_num_accepted_tokens_per_pos": [9, 5, 3]}
+SPEC = SpecDecodeCounts(num_drafts=10, num_draft_tokens=30, num_accepted_tokens=17,
+                        num_accepted_tokens_per_pos=(9, 5, 3))
 REPORTS = [
-    {"role": "prefill", "replica": "p-1", "running": 1, "waiting": 0},
-    {"role": "decode", "replica": "d-1", "running": 2, "waiting": 0, **SPEC},
+    ReplicaReport("p-1", Role.PREFILL, EngineLoad(running=1)),
+    ReplicaReport("d-1", Role.DECODE, EngineLoad(running=2, spec_decode=SPEC)),
 ]
 
 
