@@ -66,6 +66,10 @@ def ray_local():
     from cluster.launch.serve_env import configure_serve_env
 
     before = set(os.environ)
+    # A stopping direct-ingress replica keeps serving for this long so HAProxy can stop sending
+    # it requests (pdserve's 2 s, cluster/http/front.py). The suite's apps answer through Serve's
+    # own proxy, and it stops dozens of replicas (deleted apps, scale-downs, replacements).
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0.2")
     # Serve's switches as `pdserve serve` sets them, for the processes this Ray starts (they
     # take the environment of its start).
     configure_serve_env()

@@ -47,6 +47,7 @@ def build_app(cfg: AppConfig):
         logging_config=_NO_ACCESS_LOG,
         max_ongoing_requests=cfg.max_ongoing_requests,
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s,
         health_check_period_s=cfg.health_check_period_s,
         request_router_config=router,
     )
@@ -70,6 +71,7 @@ def build_app(cfg: AppConfig):
     # With direct streaming the colocated (or decode) engines are the ingress replicas themselves.
     deployments = dict(DEPLOYMENTS, **{cfg.direct_role: "Ingress"}) if cfg.direct else DEPLOYMENTS
     coordinator = serve.deployment(Coordinator, name="Coordinator", num_replicas=1, logging_config=_NO_ACCESS_LOG,
+                                   graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s,
                                    ray_actor_options={"num_cpus": 0}).bind(
         cfg.mode, cfg.app_name, cfg.targets(), cfg.max_replica_map(), dict(cfg.autoscale or {}),
         scale_timeout_s=cfg.scale_timeout_s,
@@ -98,6 +100,7 @@ def build_app(cfg: AppConfig):
         api_key_digests=tuple(digest(k) for k in keys_from(cfg.api_keys)), direct=direct)
     return serve.deployment(Ingress, name="Ingress", max_ongoing_requests=cfg.max_pending_requests * 2,
                             graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+                            graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s,
                             logging_config={"enable_access_log": not cfg.disable_access_log},
                             **ingress_options).bind(first, second, coordinator, settings)
 

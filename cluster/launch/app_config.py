@@ -59,6 +59,9 @@ class AppConfig:
     max_pending_requests: int = 1024  # per ingress replica; beyond it: 503 + Retry-After
     max_ongoing_requests: int = 1024  # per engine replica (Serve's own cap)
     graceful_shutdown_timeout_s: float = 60.0
+    # How often a stopping replica looks whether its in-flight requests are done (Serve's
+    # option of that name; it waits one period before its first look).
+    graceful_shutdown_wait_loop_s: float = 2.0
     # Serve's health-check period for engine replicas: a replica whose engine died is replaced
     # after three failed checks in a row.
     health_check_period_s: float = 5.0
@@ -134,6 +137,9 @@ class AppConfig:
         if not 0 < self.health_check_period_s <= 600:
             raise ParameterError("health_check_period_s",
                                  f"health_check_period_s must be in (0, 600], got {self.health_check_period_s}")
+        if not 0 < self.graceful_shutdown_wait_loop_s <= 60:
+            raise ParameterError("graceful_shutdown_wait_loop_s", "graceful_shutdown_wait_loop_s must be in "
+                                 f"(0, 60], got {self.graceful_shutdown_wait_loop_s}")
         if self.replica_num_cpus is not None and self.replica_num_cpus < 0:
             raise ParameterError("replica_num_cpus", f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
         if self.replica_num_threads is not None:

@@ -51,6 +51,8 @@ def _cfg(model: str, **kw) -> AppConfig:
     ({"stream_interval_ms": -1}, "stream_interval_ms"),
     ({"stream_interval_ms": 5000}, "stream_interval_ms"),
     ({"health_check_period_s": 0}, "health_check_period_s"),
+    ({"graceful_shutdown_wait_loop_s": 0}, "graceful_shutdown_wait_loop_s"),
+    ({"graceful_shutdown_wait_loop_s": 61}, "graceful_shutdown_wait_loop_s"),
     ({"scale_timeout_s": 0}, "scale_timeout_s"),
     ({"api_keys": ("",)}, "api_keys"),
 ])
@@ -482,6 +484,17 @@ def test_only_the_ingress_writes_access_lines_unless_disabled(tiny_model, monkey
     internal = {d._bound_deployment.name: d._bound_deployment.logging_config["enable_access_log"]
                 for d in ingress.init_args[:3]}
     assert internal == {"Prefill": False, "Decode": False, "Coordinator": False}
+
+
+def test_every_deployment_stops_with_the_configured_wait_loop(tiny_model, monkeypatch):
+    import cluster.launch.app
+
+    monkeypatch.setattr(cluster.launch.app, "node_cpus", lambda: [2.0])
+    ingress = cluster.launch.app.build_app(_cfg(tiny_model, mode="pd", direct_streaming=False,
+                                                graceful_shutdown_wait_loop_s=0.25))._bound_deployment
+    deployments = [ingress] + [d._bound_deployment for d in ingress.init_args[:3]]
+    assert {d.name: d._deployment_config.graceful_shutdown_wait_loop_s for d in deployments} == {
+        "Ingress": 0.25, "Prefill": 0.25, "Decode": 0.25, "Coordinator": 0.25}
 
 
 @pytest.mark.parametrize("autoscale, window", [(None, 10.0), ({"enabled": True, "look_back_period_s": 2.5}, 2.5)])
