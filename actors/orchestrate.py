@@ -13,7 +13,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvstore.pd import PDRequestError, pd_flow
 
-__all__ = ["ActorPeers", "PDRequestError", "colocated_generate", "pd_flow", "pd_generate"]
+__all__ = ["ActorPeers", "colocated_generate", "pd_generate"]
 
 
 class ActorPeers:

@@ -15,7 +15,8 @@ from engine.sampling_params import SamplingParams
 
 class ServingEngine(Protocol):
     def generate(self, prompt, sampling_params: SamplingParams, request_id: str | None = None, *,
-                 kv_transfer_params: KVTransferParams | None = None) -> AsyncIterator[RequestOutput]: ...
+                 kv_transfer_params: KVTransferParams | None = None,
+                 observe: Callable[[RequestOutput], None] | None = None) -> AsyncIterator[RequestOutput]: ...
 
     async def submit(self, prompt, sampling_params: SamplingParams, request_id: str,
                      sink: Callable[[object], None], *,

@@ -13,6 +13,7 @@ import dataclasses
 import multiprocessing as mp
 import uuid
 from collections.abc import Callable
+from contextlib import aclosing
 
 import ray
 import torch
@@ -25,6 +26,7 @@ from actors.serving_engine import ServingEngine
 from engine import AsyncLLM, EngineArgs, SamplingParams
 from engine.kv_connector import KVConnectorRole
 from engine.kv_transfer_params import KVTransferParams
+from engine.load import summed_counters
 from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
 from kvstore.connector_factory import PDConnectorFactory
@@ -74,7 +76,10 @@ class EngineWorker:
         engine_cls: Callable[..., ServingEngine] = AsyncLLM,
         transport_timeout_s: float = 60.0,
         store_pulls: bool = True,
+        handoff_ttl_s: float | None = None,
     ) -> None:
+        """`handoff_ttl_s`: how long prompt KV received in a prefill's reply waits for its load
+        (kvstore.handoff.Inbox; None: the inbox's default)."""
         role = Role.of(role)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -123,6 +128,8 @@ class EngineWorker:
                 core_end.close()
         if self.transport is not None:
             self.transport.warm_up(producer=role == Role.PREFILL)
+        if self.handoff_transport is not None and handoff_ttl_s is not None:
+            self.handoff_transport.inbox.ttl_s = handoff_ttl_s
 
     def _remote_factory(self, transport: str, pd_role: str, store, block_size: int, load_failure_policy: str,
                         tp: int, timeout_s: float) -> PDConnectorFactory:
@@ -161,10 +168,14 @@ class EngineWorker:
 
     # ---- requests -----------------------------------------------------------------------
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
-                       kv_transfer_params: KVTransferParams | None = None):
-        """Stream RequestOutputs (a Ray streaming generator when called on the actor)."""
-        async for out in self.engine.generate(prompt, params, request_id, kv_transfer_params=kv_transfer_params):
-            yield out
+                       kv_transfer_params: KVTransferParams | None = None,
+                       observe: Callable[[RequestOutput], None] | None = None):
+        """Stream RequestOutputs (a Ray streaming generator when called on the actor). Closing
+        it early aborts the request in the engine before the close returns."""
+        async with aclosing(self.engine.generate(prompt, params, request_id, kv_transfer_params=kv_transfer_params,
+                                                 observe=observe)) as outputs:
+            async for out in outputs:
+                yield out
 
     async def submit(self, prompt, params: SamplingParams, request_id: str, sink,
                      kv_transfer_params: KVTransferParams | None = None) -> None:
@@ -188,6 +199,13 @@ class EngineWorker:
         in from one (kvstore.handoff), else None (tensor or data parallel, torch_dist)."""
         transport = self.transport
         return transport if transport is not None and transport.hands_off else None
+
+    def kv_inbox(self):
+        """Where prompt KV handed back in a prefill's reply waits for this engine's load
+        (kvstore.handoff.Inbox), or None when this replica cannot take it in (tensor or data
+        parallel, torch_dist: the KV then goes through the store)."""
+        transport = self.handoff_transport
+        return transport.inbox if transport is not None else None
 
     async def prefill_handoff(self, prompt, params: SamplingParams, request_id: str,
                               transfer_id: str, max_kv_bytes: int | None = None) -> KVHandoff:
@@ -237,6 +255,8 @@ class EngineWorker:
 
     async def outbox_size(self) -> int:
         """Exports this replica still holds for the KV store to take."""
+        if self.role == Role.COLOCATED:
+            return 0  # no connector anywhere
         if self.transport is not None:
             return self.transport.outbox_size
         ranks = self.engine.rank_actors()
@@ -295,8 +315,7 @@ class EngineWorker:
             return {}  # no connector anywhere
         ranks = self.engine.rank_actors()
         if ranks:
-            per_rank = await self._ask_ranks(ranks, "kv_transfer_stats")  # summed: each rank moved its own heads
-            return {k: sum(stats[k] for stats in per_rank) for k in per_rank[0]} if per_rank[0] else {}
+            return summed_counters(await self._ask_ranks(ranks, "kv_transfer_stats"))  # each moved its own heads
         return await self.engine.kv_transfer_stats()  # from a core apart (a child process, data parallel)
 
 

@@ -2,8 +2,9 @@
 
 As vLLM's EngineCoreProc does: one background thread owns the engine and runs a busy loop —
 drain the input queue (add / abort / calls), step while there is work, post each output to
-its stream's event loop, and block on the input queue when idle. Nothing else touches the
-engine, so it needs no locks, and the event loop never waits on a forward pass.
+its stream's event loop, and block on the input queue when idle. Nothing else steps or changes
+the engine, so it needs no locks, and the event loop never waits on a forward pass (it only
+reads figures a core apart from this process sent, and which processes or actors hold it).
 """
 
 from __future__ import annotations
@@ -163,14 +164,23 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        observe: Callable[[RequestOutput], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last one has `finished=True`. Leaving the loop
-        early (client gone, task cancelled) aborts the request and frees its KV blocks."""
+        early (client gone, task cancelled) aborts the request and frees its KV blocks.
+        `observe` sees each engine step's output as it arrives on this loop, before outputs
+        that queue behind a busy caller are merged (a replica's latency figures)."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q.put_nowait)
+        put = q.put_nowait
+        if observe is not None:
+            def put(item, observe=observe, queue_put=q.put_nowait) -> None:
+                if isinstance(item, RequestOutput):
+                    observe(item)
+                queue_put(item)
+        self._streams[request_id] = (asyncio.get_running_loop(), put)
         finished = False
         carried = None  # taken from the queue while catching up, handled next
         try:

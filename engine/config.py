@@ -152,9 +152,9 @@ class ParallelConfig:
     # The experts of every MoE layer are partitioned whole over data_parallel_size x
     # tensor_parallel_size ranks instead of being TP-sliced; attention stays data parallel.
     enable_expert_parallel: bool = False
-    # One engine core in a child process of its own (engine.dp's "mp" backend with one core),
-    # as vLLM V1 runs EngineCoreProc: the front end's threads then never hold the GIL that
-    # the engine loop needs between its torch ops.
+    # One engine core in a child process of its own (engine.core_client.CoreProcClient), as
+    # vLLM V1 runs EngineCoreProc: the front end's threads then never hold the GIL that the
+    # engine loop needs between its torch ops.
     engine_core_process: bool = False
 
     def __post_init__(self) -> None:
@@ -179,8 +179,8 @@ class ParallelConfig:
                                  f"front end; data_parallel_size={self.data_parallel_size} cores already run in "
                                  "processes (or actors) of their own: leave engine_core_process off")
         if self.data_parallel_backend == "ray":
-            raise ParameterError("engine_core_process", "engine_core_process runs the core as a child process "
-                                 "(data_parallel_backend 'mp'), not as a Ray actor; got data_parallel_backend='ray'")
+            raise ParameterError("engine_core_process", "engine_core_process runs the core as a child process, "
+                                 "not as a Ray actor; got data_parallel_backend='ray' (for data_parallel_size > 1)")
         if self.distributed_executor_backend == "ray":
             raise ParameterError("engine_core_process", "the engine core's child process is not a Ray worker, so "
                                  "its tensor-parallel ranks cannot be Ray actors: give distributed_executor_backend "

@@ -17,7 +17,7 @@ from engine.errors import ParameterError
 from engine.executor import Executor, WorkerConfig, executor_class
 from engine.kv_cache import KVCacheManager
 from engine.kv_connector import KVConnectorFactory, KVConnectorRole
-from engine.load import EngineLoad, SpecDecodeCounts
+from engine.load import EngineLoad, SpecDecodeCounts, summed_counters
 from engine.models.arch import ModelArch, load_arch
 from engine.models.gguf_file import find_gguf
 from engine.models.llava import load_vision_arch
@@ -261,17 +261,25 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def queue_lengths(self) -> tuple[int, int]:
+        """(waiting, running) requests: what a core loop reports after every step."""
+        return len(self.scheduler.waiting), len(self.scheduler.running)
+
+    def num_free_blocks(self) -> int:
+        return self.kv_cache_manager.get_num_free_blocks()
+
+    def execute_dummy_batch(self) -> None:
+        """A forward pass on no tokens, touching no KV: a data-parallel core with nothing to
+        run keeps its peers' expert-parallel collectives going (engine.dp.core_loop)."""
+        self.executor.execute_dummy_batch()
+
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def kv_transfer_stats(self) -> dict:
         """The KV connector's counters (exports, loads, bytes, ...) summed over the ranks, each
         of which moves its own heads; {} without a connector."""
-        total: dict = {}
-        for stats in self.executor.collective_rpc("kv_transfer_stats"):
-            for key, value in stats.items():
-                total[key] = total.get(key, 0) + value
-        return total
+        return summed_counters(self.executor.collective_rpc("kv_transfer_stats"))
 
     def kv_outbox_size(self) -> int:
         """Exports the ranks still hold for the KV store to take."""

@@ -127,6 +127,13 @@ class KVConnectorBase(ABC):
 KVConnectorFactory = Callable[[KVConnectorRole], "KVConnectorBase"]
 
 
+def spawn_safe(factory: KVConnectorFactory) -> bool:
+    """Whether `factory` may be pickled into a spawned engine core process and build its
+    connector there (a relayed one, kvstore.transports.relay, says so with `spawn_safe = True`);
+    one that calls the cluster from wherever it is built must stay in the replica's process."""
+    return bool(getattr(factory, "spawn_safe", False))
+
+
 def run_worker_step(connector: KVConnectorBase | None, metadata: KVConnectorMetadata | None,
                     execute: Callable[[], object]):
     """The worker side around one forward pass: start loads, run `execute`, save; returns

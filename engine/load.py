@@ -10,6 +10,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
+def summed_counters(counters: Sequence[dict]) -> dict:
+    """Counters of several cores or ranks (each moved its own share), added key by key."""
+    total: dict = {}
+    for c in counters:
+        for key, value in c.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
 @dataclass(frozen=True)
 class SpecDecodeCounts:
     """Speculative decoding's counters (vLLM's vllm:spec_decode_* metrics)."""

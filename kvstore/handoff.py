@@ -35,11 +35,10 @@ class ExportFailed:
     reason: str
 
 
+@dataclass(frozen=True)
 class Declined:
-    """Handbacks.poll/take: the export was too big for a reply and went to the store."""
-
-    def __repr__(self) -> str:
-        return "DECLINED"
+    """Handbacks.poll/take: the export was too big for a reply and went to the store (every
+    instance equals every other: it carries nothing)."""
 
 
 DECLINED = Declined()

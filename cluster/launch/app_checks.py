@@ -17,40 +17,40 @@ def direct_role(mode: str) -> Role:
 
 
 def direct_by_default(mode: str, api_server_count: int, prefix_affinity: bool, role_args: EngineArgs) -> bool:
-    """Direct streaming unless something needs an engine deployment behind the ingress: HTTP
-    processes scaled apart from the engines, pdserve's router in front of colocated engines
-    (prefix affinity; in P/D it routes the prefills, which stay a deployment), or ranks and
-    cores that are Ray actors of an engine replica. `role_args`: the engine of the role the
-    ingress would run (its own tensor and data parallel sizes)."""
-    return (api_server_count == 1 and not _affinity_needs_router(mode, prefix_affinity)
-            and role_args.tensor_parallel_size == 1 and role_args.data_parallel_size == 1
+    """Direct streaming unless something needs an engine deployment behind the ingress (see
+    `_direct_refusal`), or the role's ranks or cores would be Ray actors of an engine replica.
+    `role_args`: the engine of the role the ingress would run (its own tensor and data
+    parallel sizes)."""
+    return (_direct_refusal(mode, api_server_count, prefix_affinity, role_args) is None
             and role_args.data_parallel_backend != "ray" and role_args.distributed_executor_backend != "ray")
-
-
-def _affinity_needs_router(mode: str, prefix_affinity: bool) -> bool:
-    # Prompts sharing a prefix go to one engine replica by pdserve's router. In P/D that is
-    # the prefill's (where the prefix is computed), which direct streaming leaves in place.
-    return prefix_affinity and mode == "colocated"
 
 
 def check_direct(mode: str, api_server_count: int, prefix_affinity: bool, role_args: EngineArgs) -> None:
     """Refuse direct streaming where it cannot run; `role_args` as for direct_by_default, with
     its core process."""
-    def refuse(why: str) -> None:
+    why = _direct_refusal(mode, api_server_count, prefix_affinity, role_args)
+    if why is not None:
         raise ParameterError("direct_streaming", f"direct_streaming {why}")
+    role_args.create_engine_config()  # with its core process
 
+
+def _direct_refusal(mode: str, api_server_count: int, prefix_affinity: bool, role_args: EngineArgs) -> str | None:
+    """Why the ingress cannot run the engines of its role itself, or None: HTTP processes
+    scaled apart from the engines, pdserve's router in front of colocated engines (prefix
+    affinity; in P/D it routes the prefills, which stay a deployment), or more than one
+    core or rank per engine (direct streaming runs one core per replica, in a child process)."""
     role = direct_role(mode)
     if api_server_count != 1:
-        refuse(f"makes every {role} replica its own HTTP server: scale with {role}_replicas, "
-               f"not api_server_count (got {api_server_count})")
-    if _affinity_needs_router(mode, prefix_affinity):
-        refuse("leaves spreading requests over the replicas to the HTTP proxy: prefix_affinity "
-               "needs pdserve's router between the ingress and the colocated engines")
+        return (f"makes every {role} replica its own HTTP server: scale with {role}_replicas, "
+                f"not api_server_count (got {api_server_count})")
+    if prefix_affinity and mode == "colocated":
+        return ("leaves spreading requests over the replicas to the HTTP proxy: prefix_affinity "
+                "needs pdserve's router between the ingress and the colocated engines")
     tp, dp = role_args.tensor_parallel_size, role_args.data_parallel_size
     if tp > 1 or dp > 1:
-        refuse(f"runs one engine core per {role} replica in a child process; got "
-               f"tensor_parallel_size={tp}, data_parallel_size={dp}")
-    role_args.create_engine_config()  # with its core process
+        return (f"runs one engine core per {role} replica in a child process; got "
+                f"tensor_parallel_size={tp}, data_parallel_size={dp}")
+    return None
 
 
 def check_core_process(roles_args: list[EngineArgs]) -> None:

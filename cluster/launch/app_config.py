@@ -65,8 +65,9 @@ class AppConfig:
     # Serve's health-check period for engine replicas: a replica whose engine died is replaced
     # after three failed checks in a row.
     health_check_period_s: float = 5.0
-    # Engine replicas send each ingress one message per step; > 0 waits at least this long
-    # between messages, so one carries several steps (Ray Serve LLM's stream_batching_interval_ms).
+    # Engine replicas behind the ingress send it one message per step; > 0 waits at least this
+    # long between messages, so one carries several steps (Ray Serve LLM's
+    # stream_batching_interval_ms). A direct-streaming ingress reads its own engine instead.
     stream_interval_ms: float = STREAM_INTERVAL_MS
     prefix_affinity: bool = False
     # Conditional disaggregation (cluster.http.pd_serve): once the prefill replicas hold this
@@ -109,7 +110,8 @@ class AppConfig:
     # in P/D the decode engine (prefills still go to the Prefill deployment). The proxy
     # spreads requests over the replicas; `colocated_replicas` or `decode_replicas` counts
     # them (cluster.replica.direct). None: on unless something needs an engine deployment behind the
-    # ingress (api_server_count > 1, prefix_affinity, tensor or data parallel); True insists
+    # ingress (api_server_count > 1, prefix_affinity in colocated mode, tensor or data
+    # parallel of that role); True insists
     # (and refuses those), False keeps the engine deployment.
     direct_streaming: bool | None = None
 

@@ -35,8 +35,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-pending-requests", type=int, default=1024,
                    help="requests in flight per ingress before answering 503")
     p.add_argument("--stream-interval-ms", type=float, default=None,
-                   help="least time between two streamed messages of an engine replica to an ingress "
-                        "(0: every engine step; default: AppConfig.stream_interval_ms)")
+                   help="least time between two streamed messages of an engine replica behind the ingress "
+                        "(0: every engine step; default: AppConfig.stream_interval_ms). A direct-streaming "
+                        "ingress reads its own engine and merges outputs that queued meanwhile instead")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/*, /scale and /status "
                         "(repeatable; PDSERVE_API_KEY, comma-separated, adds more)")
@@ -45,7 +46,8 @@ def add_serve_parser(sub) -> None:
                    help="each colocated (P/D: decode) replica serves HTTP itself with its engine core in a "
                         "child process (no hop between an ingress and an engine replica; it counts as one of "
                         "--replicas / --decode-replicas). Default: on unless --api-server-count > 1, "
-                        "--prefix-affinity, tensor or data parallel need an engine deployment behind the ingress")
+                        "--prefix-affinity in colocated mode, tensor or data parallel need an engine deployment "
+                        "behind the ingress")
     p.add_argument("--disable-access-log", action="store_true",
                    help="no line per HTTP request in the ingress's Serve log (vLLM: --disable-uvicorn-access-log)")
     p.add_argument("--local-prefill-queue", type=int, default=None, metavar="N",

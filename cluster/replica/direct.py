@@ -41,8 +41,7 @@ class DirectEngine:
     def kv_inbox(self):
         """The decode engine's KV inbox (kvstore.handoff), or None when its transport has
         none (tensor or data parallel: prompt KV then goes through the store)."""
-        transport = self.server.worker.handoff_transport
-        return transport.inbox if transport is not None else None
+        return self.server.worker.kv_inbox()
 
     def start_reporting(self) -> None:
         """Start the figures loop on the running event loop (once)."""

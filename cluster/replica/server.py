@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from ray import serve
 
@@ -55,11 +56,10 @@ class EngineServer:
         self.replica_id = f"{role}-{self.unique_id}"
         store = None if role == Role.COLOCATED else app_store(app_name, **(store_kwargs or {}))
         self.store = store
+        # Handed-back KV waits for its load as long as a store transfer's lease would.
         self.worker = EngineWorker(engine_args, role, self.replica_id, store, "object_store",
-                                   load_failure_policy, store_pulls=False)
-        transport = self.worker.handoff_transport
-        if transport is not None and store_kwargs and "lease_s" in store_kwargs:
-            transport.inbox.ttl_s = store_kwargs["lease_s"]  # handed-back KV lives as long as a lease
+                                   load_failure_policy, store_pulls=False,
+                                   handoff_ttl_s=(store_kwargs or {}).get("lease_s"))
         self._coordinator = (serve.get_deployment_handle(coordinator, app_name)
                              if coordinator else None)
         self._seq = 0
@@ -92,23 +92,20 @@ class EngineServer:
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str,
                        kv_transfer_params: KVTransferParams | None = None) -> AsyncIterator[RequestOutput]:
         """One request's outputs, for a caller in this process (a direct-streaming ingress):
-        closing the iterator early aborts the request in the engine and frees its KV blocks. A
-        dead or failing engine is PDRequestError(replica_died=True) (the ingress validated the
-        request: a 503 with Retry-After, not a 500)."""
-        start = last = time.monotonic()
-        first = True
+        closing the iterator early aborts the request in the engine (and frees its KV blocks)
+        before the close returns. A dead or failing engine is PDRequestError(replica_died=True)
+        (the ingress validated the request: a 503 with Retry-After, not a 500). The latency
+        windows see each engine step's output, as for a routed request (`_observe`)."""
+        self._timing[request_id] = (time.monotonic(), None)
         try:
-            async for out in self.worker.generate(prompt, params, request_id, kv_transfer_params):
-                if out.delta_token_ids:
-                    now = time.monotonic()
-                    if not first:
-                        self.itl.add(now - last)
-                    elif self.role == Role.COLOCATED:
-                        self.ttft.add(now - start)
-                    first, last = False, now
-                yield out
-        except (RuntimeError, ValueError) as e:
+            async with aclosing(self.worker.generate(prompt, params, request_id, kv_transfer_params,
+                                                     observe=self._observe)) as outputs:
+                async for out in outputs:
+                    yield out
+        except Exception as e:
             raise PDRequestError(f"engine unavailable: {e}", replica_died=True) from e
+        finally:
+            self._timing.pop(request_id, None)
 
     # ---- per-step messages (cluster.replica.step_channel) ----------------------------------------
     async def submit(self, prompt: dict, params: SamplingParams, request_id: str, ingress_id: str,

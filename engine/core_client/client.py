@@ -30,6 +30,7 @@ import torch
 
 from engine.child_signals import process_blocked_signals
 from engine.config import EngineConfig
+from engine.core import check_parallel, resolve_device
 from engine.core_client.core_proc import run_core
 from engine.core_client.messages import (
     AbortRequests,
@@ -43,8 +44,8 @@ from engine.core_client.messages import (
 )
 from engine.errors import EngineDeadError, ParameterError
 from engine.executor.multiproc import reap_children
-from engine.kv_connector import KVConnectorFactory
-from engine.load import EngineLoad
+from engine.kv_connector import KVConnectorFactory, spawn_safe
+from engine.load import EngineLoad, summed_counters
 from engine.models.arch import load_arch
 from engine.request import Request, RequestStatus
 from engine.sched.output import EngineCoreOutput
@@ -111,8 +112,12 @@ def stop_core_processes(processes: list[CoreProcess], store_dir: str | None = No
     front end. Idempotent."""
     for p in processes:
         p.stopping.set()
-    reap_children([p.proc for p in processes], [p.conn for p in processes], lambda conn: conn.send(Shutdown()),
-                  store_dir, STOP_GRACE_S)
+        try:
+            p.send(Shutdown())  # under its lock: the engine thread may be sending too
+        except EngineDeadError:
+            pass  # already gone
+    reap_children([p.proc for p in processes], [p.conn for p in processes], lambda conn: None, store_dir,
+                  STOP_GRACE_S)
 
 
 def reap_at_exit(owner: object, processes: list[CoreProcess], store_dir: str | None = None) -> Callable[[], None]:
@@ -165,8 +170,8 @@ class CoresClient(ABC):
         """Raise EngineDeadError if a core is known to be gone (any thread)."""
 
     def _handle_other(self, message) -> None:
-        """A message only a subclass knows (data parallelism's waves)."""
-        raise TypeError(f"unexpected message {type(message).__name__}")
+        """A message only a subclass knows (data parallelism's waves); a stray one is dropped."""
+        return None
 
     # ---- start --------------------------------------------------------------------------
     def _wait_started(self) -> None:
@@ -305,11 +310,7 @@ class CoresClient(ABC):
         return all(self._call_all("reset_prefix_cache"))
 
     def kv_transfer_stats(self) -> dict:
-        total: dict = {}
-        for stats in self._call_all("kv_transfer_stats"):
-            for key, value in stats.items():
-                total[key] = total.get(key, 0) + value
-        return total
+        return summed_counters(self._call_all("kv_transfer_stats"))
 
     def kv_outbox_size(self) -> int:
         return sum(self._call_all("kv_outbox_size"))
@@ -352,7 +353,9 @@ class CoreProcClient(CoresClient):
 
     def __init__(self, config: EngineConfig, kv_connector_factory: KVConnectorFactory | None = None) -> None:
         super().__init__(config, 1)
-        if kv_connector_factory is not None and not getattr(kv_connector_factory, "spawn_safe", False):
+        # Here, before the core starts, so a bad size is the user's ParameterError.
+        check_parallel(self.arch, resolve_device(config.model.device), config.parallel)
+        if kv_connector_factory is not None and not spawn_safe(kv_connector_factory):
             # A relayed connector (kvstore.transports.relay) crosses into the core's process;
             # one that calls the cluster from wherever it is built cannot.
             raise ParameterError("engine_core_process", "engine_core_process: this KV connector talks to the "

@@ -159,12 +159,11 @@ class CoreLoop:
 
     # ---- outputs ------------------------------------------------------------------------
     def _queue_figures(self) -> tuple[int, int]:
-        scheduler = self.core.scheduler
-        return len(scheduler.waiting), len(scheduler.running)
+        return self.core.queue_lengths()
 
     def _figures_state(self) -> tuple:
         """What, when it changes, makes this core's figures worth sending at once."""
-        return *self._queue_figures(), self.core.kv_cache_manager.get_num_free_blocks(), self.num_requests
+        return *self._queue_figures(), self.core.num_free_blocks(), self.num_requests
 
     def _figures_due(self) -> EngineLoad | None:
         """This core's figures when the front end's copy is out of date: its queues or free

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.load import EngineLoad
 from engine.request import Request, RequestStatus
 from engine.sched.output import EngineCoreOutput
 
@@ -74,7 +75,7 @@ class CoreStep:
     # Requests scheduled for the first time in this step: their time in the queue.
     queue_times: dict[str, float] = field(default_factory=dict)
     # The core's load figures (CoreLoop.figures), when they changed since the last message.
-    figures: dict | None = None
+    figures: EngineLoad | None = None
 
 
 @dataclass(frozen=True)

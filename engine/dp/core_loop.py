@@ -49,7 +49,7 @@ class DPCoreLoop(CoreLoop):
         if not ran_model:
             if not unfinished and not self.running:
                 return  # the group is paused and so is this core
-            self.core.executor.execute_dummy_batch()
+            self.core.execute_dummy_batch()
             self.dummy_steps += 1
             self._stepped = True
         self.steps_in_wave += 1

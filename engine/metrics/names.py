@@ -73,7 +73,7 @@ def request_generation_tokens(max_len: int) -> MetricDef:
                      token_count_buckets(max_len))
 
 
-# ---- per engine, read from EngineCore.load() (key -> metric) -----------------------------------
+# ---- per engine, read from EngineLoad.figures() (key -> metric) ----------------------------------
 ENGINE_FIGURES: dict[str, MetricDef] = {
     "running": MetricDef("vllm:num_requests_running", "gauge", "Requests in the engine's running set"),
     "waiting": MetricDef("vllm:num_requests_waiting", "gauge", "Requests waiting in the engine's queue"),
@@ -97,7 +97,7 @@ ENGINE_FIGURES: dict[str, MetricDef] = {
                                        "Prefix cache hit rate (tokens), since the engine started"),
 }
 
-# ---- speculative decoding, read from EngineCore.load() when the engine speculates ---------------
+# ---- speculative decoding, in EngineLoad.figures() when the engine speculates -------------------
 SPEC_DECODE_FIGURES: dict[str, MetricDef] = {
     "spec_decode_num_drafts": MetricDef("vllm:spec_decode_num_drafts", "counter",
                                         "Verification steps of a request with at least one draft token"),
@@ -106,12 +106,12 @@ SPEC_DECODE_FIGURES: dict[str, MetricDef] = {
     "spec_decode_num_accepted_tokens": MetricDef("vllm:spec_decode_num_accepted_tokens", "counter",
                                                  "Draft tokens the target model accepted"),
 }
-# A list in EngineCore.load(): one counter per draft position, labelled position="0", "1", ...
+# A list in EngineLoad.figures(): one counter per draft position, labelled position="0", "1", ...
 SPEC_DECODE_PER_POS_KEY = "spec_decode_num_accepted_tokens_per_pos"
 SPEC_DECODE_PER_POS = MetricDef("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
                                 "Draft tokens accepted, by position in the draft (label position)")
 
-# ---- data parallelism: EngineCore figures per core, in load()["data_parallel"] (a list whose
+# ---- data parallelism: figures per core, in EngineLoad.figures()["data_parallel"] (a list whose
 # entry i is core i's), labelled engine="i" as vLLM labels its data-parallel engines -------------
 DP_KEY = "data_parallel"
 DP_FIGURES: dict[str, MetricDef] = {

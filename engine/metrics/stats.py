@@ -4,7 +4,7 @@ The recorder sees each request when it is added and each RequestOutput a step pr
 and keeps vLLM's per-request figures (TTFT, inter-token latency, E2E, queue time, token
 counts, finish reasons) as cumulative counters and histograms. Engine-wide figures (running,
 waiting, KV usage, prefix-cache and preemption counters) are not kept here: they are read
-from EngineCore.load() when a snapshot is taken, as the replicas report them online.
+from EngineLoad.figures() when a snapshot is taken, as the replicas report them online.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class StatsRecorder:
                 self.request_generation_tokens.observe(len(out.outputs[0].token_ids))
 
     def snapshot(self, engine_figures: dict) -> list[Metric]:
-        """Every metric now, engine-wide ones from `engine_figures` (EngineCore.load())."""
+        """Every metric now, engine-wide ones from `engine_figures` (EngineLoad.figures())."""
         labels = self.labels
         metrics: list[Metric] = []
         for key, definition in names.ENGINE_FIGURES.items():

@@ -251,7 +251,7 @@ class KVRelay:
 class RelayConnectorFactory:
     """Builds the P/D connector's sides in the engine core process, over one RelayTransport
     (both sides share it: one reader of the pipe). Crosses into the spawned process with the
-    core's end of the pipe (`spawn_safe`: engine.llm_engine accepts it for engine_core_process)."""
+    core's end of the pipe (`spawn_safe`: engine.core_client.client.CoreProcClient accepts it)."""
 
     spawn_safe = True
 

@@ -56,6 +56,7 @@ def _server(errored=None, coordinator=None) -> EngineServer:
     server._coordinator, server._seq = coordinator, 0
     server._forwarded, server._forwarded_at = None, 0.0
     server.ttft, server.itl = LatencyWindow(), LatencyWindow()
+    server._timing = {}
     return server
 
 
@@ -106,7 +107,7 @@ def test_an_engine_that_fails_under_an_in_process_caller_is_a_replica_failure():
     FIRST = SimpleNamespace(delta_token_ids=[7])
 
     class _DeadWorker:
-        async def generate(self, prompt, params, request_id, kv_transfer_params=None):
+        async def generate(self, prompt, params, request_id, kv_transfer_params=None, observe=None):
             yield FIRST
             raise RuntimeError("engine failed: EngineDeadError('the engine core process exited')")
 
@@ -122,3 +123,25 @@ def test_an_engine_that_fails_under_an_in_process_caller_is_a_replica_failure():
 
     got, error = asyncio.run(run())
     assert got == [FIRST] and error.replica_died and "exited" in str(error)
+
+
+def test_an_in_process_caller_feeds_the_latency_windows_per_engine_step_not_per_output_it_reads():
+    """A direct-streaming ingress that fell behind reads several engine steps as one output
+    (AsyncLLM merges them); the replica's ITL window (autoscaling's signal) still sees one gap
+    per step, as a routed replica's per-step channel does."""
+    steps = [SimpleNamespace(request_id="r", delta_token_ids=[t], finished=t == 3) for t in (1, 2, 3)]
+
+    class _Worker:
+        async def generate(self, prompt, params, request_id, kv_transfer_params=None, observe=None):
+            for out in steps:  # three engine steps arrive while the caller is busy ...
+                observe(out)
+            yield steps[-1]  # ... and it reads them as one output
+
+    server = _server()
+    server.worker = _Worker()
+
+    async def run():
+        return [out async for out in server.generate({"prompt_token_ids": [1]}, None, "r")]
+
+    assert asyncio.run(run()) == [steps[-1]]
+    assert len(server.itl._samples) == 2 and server._timing == {}  # gaps 1-2 and 2-3; nothing left behind

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from types import SimpleNamespace
 
 from engine.core_client.messages import CoreReady, Shutdown
 from engine.dp.core_loop import DPCoreLoop
@@ -22,16 +21,19 @@ class StandInCore:
     def __init__(self, steps: int = 2) -> None:
         self.steps = steps
         self.left: dict[str, int] = {}
-        self.scheduler = SimpleNamespace(waiting=[], running=[])
         self.dummy_batches = 0
-        self.executor = SimpleNamespace(execute_dummy_batch=self._dummy)
         self.last_step_ran_model = False
         self.idle = False
         self.aborted: list[str] = []
-        self.kv_cache_manager = SimpleNamespace(get_num_free_blocks=lambda: 16 - len(self.left))
 
-    def _dummy(self) -> None:
+    def execute_dummy_batch(self) -> None:
         self.dummy_batches += 1
+
+    def queue_lengths(self) -> tuple[int, int]:
+        return 0, 0  # nothing queues here (the coordinator's routing then spreads by what it sent)
+
+    def num_free_blocks(self) -> int:
+        return 16 - len(self.left)
 
     def add_request(self, request: Request) -> None:
         request.first_scheduled_time = request.arrival_time + 0.25
