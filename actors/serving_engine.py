@@ -16,7 +16,8 @@ from engine.sampling_params import SamplingParams
 class ServingEngine(Protocol):
     def generate(self, prompt, sampling_params: SamplingParams, request_id: str | None = None, *,
                  kv_transfer_params: KVTransferParams | None = None,
-                 observe: Callable[[RequestOutput], None] | None = None) -> AsyncIterator[RequestOutput]: ...
+                 observe: Callable[[RequestOutput], None] | None = None,
+                 stream_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]: ...
 
     async def submit(self, prompt, sampling_params: SamplingParams, request_id: str,
                      sink: Callable[[object], None], *,

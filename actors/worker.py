@@ -169,11 +169,12 @@ class EngineWorker:
     # ---- requests -----------------------------------------------------------------------
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
                        kv_transfer_params: KVTransferParams | None = None,
-                       observe: Callable[[RequestOutput], None] | None = None):
+                       observe: Callable[[RequestOutput], None] | None = None, stream_interval_s: float = 0.0):
         """Stream RequestOutputs (a Ray streaming generator when called on the actor). Closing
-        it early aborts the request in the engine before the close returns."""
+        it early aborts the request in the engine before the close returns. `observe` and
+        `stream_interval_s`: as for AsyncLLM.generate."""
         async with aclosing(self.engine.generate(prompt, params, request_id, kv_transfer_params=kv_transfer_params,
-                                                 observe=observe)) as outputs:
+                                                 observe=observe, stream_interval_s=stream_interval_s)) as outputs:
             async for out in outputs:
                 yield out
 

@@ -165,48 +165,42 @@ class AsyncLLM:
         cache_salt: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
         observe: Callable[[RequestOutput], None] | None = None,
+        stream_interval_s: float = 0.0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last one has `finished=True`. Leaving the loop
         early (client gone, task cancelled) aborts the request and frees its KV blocks.
-        `observe` sees each engine step's output as it arrives on this loop, before outputs
-        that queue behind a busy caller are merged (a replica's latency figures)."""
+
+        Outputs that queued while the caller was busy come out merged as one (as vLLM's
+        output collector merges them). `stream_interval_s` > 0 also lets the steps after an
+        output gather for that long before the next one (Ray Serve LLM's stream batching: a
+        streamed chunk then carries several tokens); the first output and the last are never
+        held. `observe` sees each engine step's output as it arrives on this loop, before any
+        merging (a replica's latency figures)."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
-        put = q.put_nowait
-        if observe is not None:
-            def put(item, observe=observe, queue_put=q.put_nowait) -> None:
-                if isinstance(item, RequestOutput):
-                    observe(item)
-                queue_put(item)
-        self._streams[request_id] = (asyncio.get_running_loop(), put)
+        loop = asyncio.get_running_loop()
+        outputs = _Collector(observe)
+        self._streams[request_id] = (loop, outputs.put)
         finished = False
-        carried = None  # taken from the queue while catching up, handled next
+        not_before = None  # loop time before which the next output waits for more steps
         try:
             await asyncio.wrap_future(self.call(
                 self.engine.add_request, request_id, prompt, sampling_params, priority, cache_salt,
                 kv_transfer_params,
             ))
             while not finished:
-                item, carried = (carried if carried is not None else await q.get()), None
+                item = await outputs.get(not_before)
                 if item is _ABORTED:
                     finished = True
                     return
                 if isinstance(item, BaseException):
                     finished = True
                     raise RuntimeError(f"engine failed: {item!r}") from item
-                # Outputs that queued while the caller was busy go out as one (as vLLM's
-                # output collector merges them): a caller that fell behind catches up in one
-                # step, not one chunk per step it missed.
-                while not item.finished and not q.empty():
-                    more = q.get_nowait()
-                    if more is _ABORTED or isinstance(more, BaseException):
-                        carried = more
-                        break
-                    item = more.after(item)
                 finished = item.finished
                 yield item
+                if stream_interval_s > 0:
+                    not_before = loop.time() + stream_interval_s
         except ValueError:
             finished = True  # rejected by validation: nothing was queued
             raise
@@ -303,6 +297,48 @@ class AsyncLLM:
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self.engine.core.shutdown()
+
+
+class _Collector:
+    """One streamed request's outputs on its event loop: put by the engine thread's callbacks,
+    taken by the stream, each output merged with those queued behind it."""
+
+    def __init__(self, observe: Callable[[RequestOutput], None] | None) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._observe = observe
+        self._carried = None  # a non-output taken while merging: handed out next
+        self._ended = asyncio.Event()  # the finished output, an abort or a failure was put
+
+    def put(self, item) -> None:
+        if isinstance(item, RequestOutput):
+            if self._observe is not None:
+                self._observe(item)
+            if item.finished:
+                self._ended.set()
+        else:
+            self._ended.set()
+        self._queue.put_nowait(item)
+
+    async def get(self, not_before: float | None = None):
+        """The next output (with every output queued behind it merged in), or the abort or
+        failure that ended the request. With `not_before` (loop time) it first lets more
+        steps gather until then, unless the request ends meanwhile."""
+        if self._carried is None and not_before is not None and not self._ended.is_set():
+            wait = not_before - asyncio.get_running_loop().time()
+            if wait > 0:
+                try:
+                    await asyncio.wait_for(self._ended.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass  # the interval is over: take what gathered
+        item, self._carried = (self._carried if self._carried is not None else await self._queue.get()), None
+        if isinstance(item, RequestOutput):
+            while not item.finished and not self._queue.empty():
+                more = self._queue.get_nowait()
+                if not isinstance(more, RequestOutput):
+                    self._carried = more
+                    break
+                item = more.after(item)
+        return item
 
 
 def _deliver(items: list) -> None:

@@ -65,9 +65,9 @@ class AppConfig:
     # Serve's health-check period for engine replicas: a replica whose engine died is replaced
     # after three failed checks in a row.
     health_check_period_s: float = 5.0
-    # Engine replicas behind the ingress send it one message per step; > 0 waits at least this
-    # long between messages, so one carries several steps (Ray Serve LLM's
-    # stream_batching_interval_ms). A direct-streaming ingress reads its own engine instead.
+    # > 0: a request's outputs after its first come at most this often, each carrying the
+    # steps since the last (Ray Serve LLM's stream_batching_interval_ms): a direct-streaming
+    # ingress reads its own engine so, and routed engine replicas send their per-step messages so.
     stream_interval_ms: float = STREAM_INTERVAL_MS
     prefix_affinity: bool = False
     # Conditional disaggregation (cluster.http.pd_serve): once the prefill replicas hold this

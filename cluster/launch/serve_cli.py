@@ -35,9 +35,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-pending-requests", type=int, default=1024,
                    help="requests in flight per ingress before answering 503")
     p.add_argument("--stream-interval-ms", type=float, default=None,
-                   help="least time between two streamed messages of an engine replica behind the ingress "
-                        "(0: every engine step; default: AppConfig.stream_interval_ms). A direct-streaming "
-                        "ingress reads its own engine and merges outputs that queued meanwhile instead")
+                   help="least time between two streamed outputs of a request after its first, so one SSE "
+                        "chunk carries the tokens of several engine steps (0: every step; default: "
+                        "AppConfig.stream_interval_ms)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/*, /scale and /status "
                         "(repeatable; PDSERVE_API_KEY, comma-separated, adds more)")

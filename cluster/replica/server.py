@@ -70,7 +70,10 @@ class EngineServer:
         self.ttft = LatencyWindow(latency_window_s)
         self.itl = LatencyWindow(latency_window_s)
         self._timing: dict[str, tuple[float, float | None]] = {}  # request id -> (start, last token)
-        self.hub = StepHub(stream_interval_ms / 1000.0, on_output=self._observe)
+        # Least time between two streamed outputs of a request, in process (generate) as over
+        # the per-step channel (the hub): a chunk then carries several tokens.
+        self.stream_interval_s = stream_interval_ms / 1000.0
+        self.hub = StepHub(self.stream_interval_s, on_output=self._observe)
 
     # ---- requests (called through DeploymentHandles) -------------------------------------
     async def prefill(self, prompt: dict, params: SamplingParams, request_id: str, transfer_id: str | None = None):
@@ -91,15 +94,16 @@ class EngineServer:
 
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str,
                        kv_transfer_params: KVTransferParams | None = None) -> AsyncIterator[RequestOutput]:
-        """One request's outputs, for a caller in this process (a direct-streaming ingress):
-        closing the iterator early aborts the request in the engine (and frees its KV blocks)
-        before the close returns. A dead or failing engine is PDRequestError(replica_died=True)
+        """One request's outputs, for a caller in this process (a direct-streaming ingress), at
+        most one per stream interval but the first and the last: closing the iterator early
+        aborts the request in the engine (and frees its KV blocks) before the close returns. A dead or failing engine is PDRequestError(replica_died=True)
         (the ingress validated the request: a 503 with Retry-After, not a 500). The latency
         windows see each engine step's output, as for a routed request (`_observe`)."""
         self._timing[request_id] = (time.monotonic(), None)
         try:
             async with aclosing(self.worker.generate(prompt, params, request_id, kv_transfer_params,
-                                                     observe=self._observe)) as outputs:
+                                                     observe=self._observe,
+                                                     stream_interval_s=self.stream_interval_s)) as outputs:
                 async for out in outputs:
                     yield out
         except Exception as e:

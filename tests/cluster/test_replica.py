@@ -56,7 +56,7 @@ def _server(errored=None, coordinator=None) -> EngineServer:
     server._coordinator, server._seq = coordinator, 0
     server._forwarded, server._forwarded_at = None, 0.0
     server.ttft, server.itl = LatencyWindow(), LatencyWindow()
-    server._timing = {}
+    server._timing, server.stream_interval_s = {}, 0.0
     return server
 
 
@@ -107,7 +107,8 @@ def test_an_engine_that_fails_under_an_in_process_caller_is_a_replica_failure():
     FIRST = SimpleNamespace(delta_token_ids=[7])
 
     class _DeadWorker:
-        async def generate(self, prompt, params, request_id, kv_transfer_params=None, observe=None):
+        async def generate(self, prompt, params, request_id, kv_transfer_params=None, observe=None,
+                           stream_interval_s=0.0):
             yield FIRST
             raise RuntimeError("engine failed: EngineDeadError('the engine core process exited')")
 
@@ -132,7 +133,8 @@ def test_an_in_process_caller_feeds_the_latency_windows_per_engine_step_not_per_
     steps = [SimpleNamespace(request_id="r", delta_token_ids=[t], finished=t == 3) for t in (1, 2, 3)]
 
     class _Worker:
-        async def generate(self, prompt, params, request_id, kv_transfer_params=None, observe=None):
+        async def generate(self, prompt, params, request_id, kv_transfer_params=None, observe=None,
+                           stream_interval_s=0.0):
             for out in steps:  # three engine steps arrive while the caller is busy ...
                 observe(out)
             yield steps[-1]  # ... and it reads them as one output

@@ -243,3 +243,17 @@ def test_outputs_that_queue_while_the_caller_is_busy_come_out_as_one(engine, off
     assert len(rest) == 1 and rest[0].finished  # every queued step in one output
     assert first.delta_token_ids + rest[0].delta_token_ids == want.token_ids == rest[0].outputs[0].token_ids
     assert first.delta_text + rest[0].delta_text == want.text
+
+
+def test_a_stream_interval_gathers_the_steps_after_the_first_output_until_the_last(engine, offline):
+    """With an interval longer than the whole request, the caller gets the first token at once
+    and everything else in one final output: the interval holds outputs back, but never the
+    first one, and the request's end cuts the hold short (no wait for the interval's end)."""
+
+    async def main():
+        return [out async for out in engine.generate(PROMPTS[1], PARAMS, stream_interval_s=30.0)]
+
+    outs = asyncio.run(main())
+    want = offline[PROMPTS[1]]
+    assert [len(o.delta_token_ids) for o in outs] == [1, len(want.token_ids) - 1] and outs[-1].finished
+    assert "".join(o.delta_text for o in outs) == want.text and outs[-1].outputs[0].token_ids == want.token_ids
