@@ -13,6 +13,7 @@ import asyncio
 import queue
 import threading
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
@@ -301,44 +302,57 @@ class AsyncLLM:
 
 class _Collector:
     """One streamed request's outputs on its event loop: put by the engine thread's callbacks,
-    taken by the stream, each output merged with those queued behind it."""
+    taken by the stream, each output merged with those queued behind it. One future at a time
+    waits for it, and a timer only while outputs are held for the interval: no task or
+    exception per output (a stream takes one output per engine step)."""
 
     def __init__(self, observe: Callable[[RequestOutput], None] | None) -> None:
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._items: deque = deque()
         self._observe = observe
-        self._carried = None  # a non-output taken while merging: handed out next
-        self._ended = asyncio.Event()  # the finished output, an abort or a failure was put
+        self._ended = False  # the finished output, an abort or a failure was put
+        self._waiter: asyncio.Future | None = None
+        self._holding = False  # the waiter waits for the interval's end, not for an item
 
     def put(self, item) -> None:
         if isinstance(item, RequestOutput):
             if self._observe is not None:
                 self._observe(item)
-            if item.finished:
-                self._ended.set()
+            self._ended = self._ended or item.finished
         else:
-            self._ended.set()
-        self._queue.put_nowait(item)
+            self._ended = True
+        self._items.append(item)
+        if self._waiter is not None and (not self._holding or self._ended):
+            _wake(self._waiter)
 
     async def get(self, not_before: float | None = None):
         """The next output (with every output queued behind it merged in), or the abort or
-        failure that ended the request. With `not_before` (loop time) it first lets more
-        steps gather until then, unless the request ends meanwhile."""
-        if self._carried is None and not_before is not None and not self._ended.is_set():
-            wait = not_before - asyncio.get_running_loop().time()
-            if wait > 0:
-                try:
-                    await asyncio.wait_for(self._ended.wait(), wait)
-                except asyncio.TimeoutError:
-                    pass  # the interval is over: take what gathered
-        item, self._carried = (self._carried if self._carried is not None else await self._queue.get()), None
+        failure that ended the request. With `not_before` (loop time) it lets more steps
+        gather until then, unless the request ends meanwhile."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._items and (self._ended or not_before is None or loop.time() >= not_before):
+                return self._take()
+            self._waiter = loop.create_future()
+            self._holding = bool(self._items)
+            timer = loop.call_at(not_before, _wake, self._waiter) if self._holding else None
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+
+    def _take(self):
+        item = self._items.popleft()
         if isinstance(item, RequestOutput):
-            while not item.finished and not self._queue.empty():
-                more = self._queue.get_nowait()
-                if not isinstance(more, RequestOutput):
-                    self._carried = more
-                    break
-                item = more.after(item)
+            while not item.finished and self._items and isinstance(self._items[0], RequestOutput):
+                item = self._items.popleft().after(item)
         return item
+
+
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _deliver(items: list) -> None:
