@@ -46,6 +46,7 @@ class EngineArgs:
     max_model_len: int | None = _arg(None, "context length (default: the model's)")
     seed: int = _arg(0, "random seed of the engine (weights init order, unseeded sampling)")
     device: str = _arg("auto", "device to run on (auto: CUDA when available)", DEVICES)
+    max_logprobs: int = _arg(20, "most logprobs and prompt logprobs a request may ask for")
     # cache
     block_size: int = _arg(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _arg(True, "reuse the KV of shared prompt prefixes")
@@ -152,7 +153,7 @@ class EngineArgs:
             raise ParameterError("model", f"model must be a model directory or .gguf file, got {self.model!r}")
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
-                              seed=self.seed, device=self.device),
+                              seed=self.seed, device=self.device, max_logprobs=self.max_logprobs),
             cache=CacheConfig(
                 block_size=self.block_size,
                 enable_prefix_caching=self.enable_prefix_caching,

@@ -30,9 +30,12 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: str = "auto"
+    # Most logprobs (and prompt logprobs) a request may ask for (vLLM's max_logprobs).
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
+        check_int("max_logprobs", self.max_logprobs, 0)
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2)
         check_choice("device", self.device, DEVICES)

@@ -36,7 +36,8 @@ def input_processor(config: EngineConfig, tokenizer, max_model_len: int, vocab_s
     vision = None if find_gguf(model_dir) is not None else load_vision_arch(model_dir)
     mm = None if vision is None else MultiModalProcessor(
         model_dir, vision, tokenizer, config.multimodal.limit_mm_per_prompt)
-    return InputProcessor(tokenizer, max_model_len, vocab_size, eos_token_ids(model_dir, tokenizer), mm)
+    return InputProcessor(tokenizer, max_model_len, vocab_size, eos_token_ids(model_dir, tokenizer), mm,
+                          max_logprobs=config.model.max_logprobs)
 
 
 class LLMEngine:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from engine.multimodal.features import MultiModalFeatures
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from engine.request import Request
 from engine.sched.output import EngineCoreOutput
 
@@ -21,6 +21,7 @@ class _RequestState:
     logprobs: list[dict[int, float]] | None = None
     sent_chars: int = 0  # how much of `text` streaming has handed out
     mm_features: MultiModalFeatures | None = None  # without pixels, for the RequestOutputs
+    prompt_logprobs: PromptLogprobs | None = None  # from the first output on
 
 
 class OutputProcessor:
@@ -57,6 +58,8 @@ class OutputProcessor:
             if state is None:
                 continue
             params = state.request.sampling_params
+            if co.prompt_logprobs is not None:
+                state.prompt_logprobs = _with_text(self.tokenizer, co.prompt_logprobs)
             finish_reason, stop_reason = co.finish_reason, co.stop_reason
             new_ids: list[int] = []
             for i, tok in enumerate(co.new_token_ids):
@@ -109,6 +112,7 @@ class OutputProcessor:
                     kv_transfer_params=co.kv_transfer_params,
                     # Only the first output carries it (the queue time is known by then).
                     metrics=_metrics(state.request) if first else {},
+                    prompt_logprobs=state.prompt_logprobs,
                 )
             )
             if finished:
@@ -124,6 +128,14 @@ def _detokenizer(tokenizer, request: Request) -> tuple[IncrementalDetokenizer, s
     detok = IncrementalDetokenizer(tokenizer, ids[: len(ids) - k], request.sampling_params.skip_special_tokens)
     text = "".join(detok.step(token) for token in ids[len(ids) - k:])
     return detok, text
+
+
+def _with_text(tokenizer, entries: PromptLogprobs) -> PromptLogprobs:
+    """The entries with each token's text (vLLM's decoded_token), decoded once per distinct id."""
+    ids = sorted({t for e in entries if e for t in e})
+    text = dict(zip(ids, tokenizer.batch_decode([[t] for t in ids]))) if ids else {}
+    return [None if e is None else {t: Logprob(lp.logprob, lp.rank, text[t]) for t, lp in e.items()}
+            for e in entries]
 
 
 def _stop_hold(params) -> int:

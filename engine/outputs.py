@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.kv_transfer_params import KVTransferParams
 from engine.multimodal.features import MultiModalFeatures
 
 # {token_id: logprob} for the sampled token plus the top-N alternatives at one position.
 PositionLogprobs = dict[int, float]
+
+
+class Logprob(NamedTuple):
+    """One token's entry at one prompt position (vLLM's Logprob): its logprob given the
+    prefix, its rank in the model's distribution there (1 = most likely), its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# Per prompt position: None for the first token (nothing before it), else {token_id: Logprob}
+# for the prompt's own token plus the top-k (vLLM's RequestOutput.prompt_logprobs).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -41,6 +56,8 @@ class RequestOutput:
     # The prompt's image placeholders and hashes, never pixels: what a P/D decode side needs
     # to hash its prompt blocks as the prefill side did (vLLM reports placeholders here too).
     multi_modal_features: MultiModalFeatures | None = None
+    # When the request asked (SamplingParams.prompt_logprobs): set from the first output on.
+    prompt_logprobs: PromptLogprobs | None = None
 
     def after(self, earlier: RequestOutput) -> RequestOutput:
         """This output with `earlier`'s deltas in front: two steps' outputs as one (a stream
@@ -50,7 +67,8 @@ class RequestOutput:
             logprobs = earlier.delta_logprobs + (logprobs or [])
         return dataclasses.replace(self, delta_text=earlier.delta_text + self.delta_text,
                                    delta_token_ids=earlier.delta_token_ids + self.delta_token_ids,
-                                   delta_logprobs=logprobs, metrics={**earlier.metrics, **self.metrics})
+                                   delta_logprobs=logprobs, metrics={**earlier.metrics, **self.metrics},
+                                   prompt_logprobs=self.prompt_logprobs or earlier.prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -69,13 +87,18 @@ class RequestDelta:
     num_cached_tokens: int = 0
     kv_transfer_params: KVTransferParams | None = None
     metrics: dict | None = None
+    # Only in the request's first delta (the prompt's logprobs travel once).
+    prompt_logprobs: PromptLogprobs | None = None
 
     @classmethod
     def of(cls, out: RequestOutput) -> RequestDelta:
         c = out.outputs[0]
+        # The request's first output is the one whose delta holds every token so far.
+        first = len(out.delta_token_ids) == len(c.token_ids)
         return cls(out.request_id, list(out.delta_token_ids), out.delta_text, out.delta_logprobs, out.finished,
                    c.finish_reason if out.finished else None, c.stop_reason if out.finished else None,
-                   out.num_cached_tokens, out.kv_transfer_params if out.finished else None, out.metrics or None)
+                   out.num_cached_tokens, out.kv_transfer_params if out.finished else None, out.metrics or None,
+                   out.prompt_logprobs if first else None)
 
     def merge(self, later: RequestDelta) -> None:
         """Fold a later delta of the same request into this one (coalescing)."""
@@ -88,6 +111,7 @@ class RequestDelta:
         self.kv_transfer_params = later.kv_transfer_params or self.kv_transfer_params
         if later.metrics:
             self.metrics = {**(self.metrics or {}), **later.metrics}
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
 
 
 class DeltaAccumulator:
@@ -99,8 +123,10 @@ class DeltaAccumulator:
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[PositionLogprobs] | None = [] if logprobs else None
+        self.prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, d: RequestDelta) -> RequestOutput:
+        self.prompt_logprobs = self.prompt_logprobs or d.prompt_logprobs
         self.token_ids += d.token_ids
         self.text += d.text
         if self.logprobs is not None and d.logprobs:
@@ -109,4 +135,4 @@ class DeltaAccumulator:
         c = CompletionOutput(0, self.text, self.token_ids, d.finish_reason, d.stop_reason, self.logprobs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [c], d.finished,
                              d.num_cached_tokens, d.text, d.token_ids, d.logprobs, d.kv_transfer_params,
-                             d.metrics or {})
+                             d.metrics or {}, prompt_logprobs=self.prompt_logprobs)

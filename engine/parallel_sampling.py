@@ -21,7 +21,9 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
     """The n=1 params of each of `params.n` children (only the seed differs)."""
     if params.n == 1:
         return [params]
-    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else _wrap_seed(params.seed + j))
+    # Only the first child scores the prompt: the others' prompt logprobs would be the same.
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else _wrap_seed(params.seed + j),
+                                prompt_logprobs=params.prompt_logprobs if j == 0 else None)
             for j in range(params.n)]
 
 
@@ -35,7 +37,8 @@ def merge_children(parent_id: str, children: list[RequestOutput]) -> RequestOutp
     outputs = [dataclasses.replace(child.outputs[0], index=j) for j, child in enumerate(children)]
     return RequestOutput(parent_id, first.prompt, first.prompt_token_ids, outputs,
                          all(c.finished for c in children), first.num_cached_tokens,
-                         metrics=first.metrics, multi_modal_features=first.multi_modal_features)
+                         metrics=first.metrics, multi_modal_features=first.multi_modal_features,
+                         prompt_logprobs=first.prompt_logprobs)
 
 
 def _wrap_seed(seed: int) -> int:

@@ -20,8 +20,9 @@ FEATURES_FIELD = "multi_modal_features"
 
 class InputProcessor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int],
-                 mm_processor=None) -> None:
+                 mm_processor=None, max_logprobs: int = 20) -> None:
         self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
         # engine.multimodal.processor.MultiModalProcessor for an image model, else None.
         self.mm_processor = mm_processor
         self.max_model_len = max_model_len
@@ -82,12 +83,11 @@ class InputProcessor:
                 "max_tokens", f"max_tokens must be <= {room} for this prompt: prompt ({n} tokens) + max_tokens "
                 f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})"
             )
-        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_stop:
-            raise ParameterError("stop_token_ids", f"stop_token_ids must be in [0, {self.vocab_size}), got {bad_stop}")
+        self._check_sampling_tokens(params)
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)  # a bad spec fails here, not in a step
-        params = dataclasses.replace(params, _eos_token_ids=self.eos_token_ids)
+        params = dataclasses.replace(params, _eos_token_ids=self.eos_token_ids,
+                                     _bad_words_token_ids=self._bad_words_ids(params.bad_words))
         request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=ids,
@@ -99,6 +99,36 @@ class InputProcessor:
             mm_features=mm_features,
         )
         return request, text
+
+    def _check_sampling_tokens(self, params: SamplingParams) -> None:
+        """What needs this engine's limits: logprob counts and token ids in the vocabulary."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ParameterError(name, f"{name} must be at most max_logprobs ({self.max_logprobs}), got {value}")
+        V = self.vocab_size
+        bad_stop = [t for t in params.stop_token_ids if t >= V]
+        if bad_stop:
+            raise ParameterError("stop_token_ids", f"stop_token_ids must be in [0, {V}), got {bad_stop}")
+        bad_bias = [t for t in (params.logit_bias or {}) if t >= V]
+        if bad_bias:
+            raise ParameterError("logit_bias", f"logit_bias keys must be token ids in [0, {V}), got {bad_bias[:5]}")
+        bad_allowed = [t for t in (params.allowed_token_ids or []) if t >= V]
+        if bad_allowed:
+            raise ParameterError("allowed_token_ids", f"allowed_token_ids must be in [0, {V}), got {bad_allowed[:5]}")
+
+    def _bad_words_ids(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids as it would appear at the start of the text and after a
+        space (the two ways a tokenizer usually splits it), without special tokens."""
+        if not words:
+            return ()
+        seqs: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for variant in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(variant, add_special_tokens=False))
+                if ids and all(t < self.vocab_size for t in ids):
+                    seqs[ids] = None
+        return tuple(seqs)
 
     def _tokenize_with_media(self, prompt: PromptType, kv_transfer_params: KVTransferParams | None):
         """(text, token ids, MultiModalFeatures or None). An image model runs every prompt

@@ -80,6 +80,8 @@ class Request:
     # Speculative decoding: drafts the proposer made after the last step, to verify in the
     # next one. NOTE: never part of all_token_ids (so never hashed into the prefix cache).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs computed so far (SamplingParams.prompt_logprobs), sent with the first token.
+    prompt_logprob_entries: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

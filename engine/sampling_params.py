@@ -34,12 +34,29 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Per prompt token after the first: its logprob given the prefix, rank and the top-k.
+    prompt_logprobs: int | None = None
+    # Penalties (vLLM's names and meanings): presence and frequency over the generated tokens
+    # (OpenAI's), repetition over prompt and output (HF's: divides a positive logit, multiplies
+    # a negative one).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # token id -> added to its logit (OpenAI's range, [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated: a word's last token is banned where its earlier tokens were just
+    # generated (a one-token word always). Tokenized by the engine (_bad_words_token_ids).
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Constrain the output to a JSON schema / regex / choice / grammar (engine.structured_output).
     structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the model's generation config; not a user field.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # Filled by the engine from bad_words: each word's token ids, with and without a leading space.
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,13 +100,57 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise ParameterError("stop_token_ids", f"stop_token_ids must be non-negative integers, got {t!r}")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
-        ):
-            raise ParameterError("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        # The upper bound is the engine's max_logprobs (engine.processor checks it).
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ParameterError(name, f"{name} must be None or an integer >= 0, got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            check_number(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ParameterError(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        check_number("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise ParameterError("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        self._validate_token_lists()
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ParameterError("structured_outputs", "structured_outputs must be StructuredOutputsParams, "
                                  f"got {type(self.structured_outputs).__name__}")
+
+    def _validate_token_lists(self) -> None:
+        """logit_bias, allowed_token_ids and bad_words; token ids against the vocabulary are
+        the engine's check (engine.processor), which knows its size."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ParameterError("logit_bias", f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+            for tok, bias in self.logit_bias.items():
+                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                    raise ParameterError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+                check_number("logit_bias", bias)
+                if not -100.0 <= bias <= 100.0:
+                    raise ParameterError("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} "
+                                         f"for token {tok}")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ParameterError("allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids, "
+                                     f"got {ids!r}")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)):
+                raise ParameterError("bad_words", f"bad_words must be a list of strings, got {self.bad_words!r}")
+            for w in self.bad_words:
+                if not isinstance(w, str) or not w.strip():
+                    raise ParameterError("bad_words", f"bad_words entries must be non-empty strings, got {w!r}")
+            self.bad_words = list(self.bad_words)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty, bias or allowed list changes this request's logits (bad words
+        are bans, applied with min_tokens')."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.allowed_token_ids is not None)
 
     @property
     def greedy(self) -> bool:

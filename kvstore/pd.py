@@ -68,6 +68,7 @@ def decode_params(params: SamplingParams) -> SamplingParams:
         params,
         max_tokens=None if params.max_tokens is None else params.max_tokens - 1,
         min_tokens=max(params.min_tokens - 1, 0),
+        prompt_logprobs=None,  # the prefill side computed them; decode loads the prompt's KV
     )
 
 
@@ -95,6 +96,7 @@ class _Merged:
         self.text = first.delta_text
         self.logprobs = list(c.logprobs) if c.logprobs is not None else None
         self.num_cached_tokens = first.num_cached_tokens
+        self.prompt_logprobs = first.prompt_logprobs  # the prefill side scored the prompt
 
     def output(self, finished: bool, finish_reason, stop_reason, delta_text: str, delta_ids: list[int],
                delta_logprobs=None, metrics: dict | None = None) -> RequestOutput:
@@ -105,6 +107,7 @@ class _Merged:
             outputs=[CompletionOutput(0, self.text, self.token_ids, finish_reason, stop_reason, self.logprobs)],
             finished=finished, num_cached_tokens=self.num_cached_tokens, delta_text=delta_text,
             delta_token_ids=delta_ids, delta_logprobs=delta_logprobs, metrics=metrics or {},
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def add(self, out: RequestOutput) -> RequestOutput:

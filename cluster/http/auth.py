@@ -1,5 +1,6 @@
-"""API keys: `Authorization: Bearer KEY` on /v1/*, /scale and /status (as vLLM's --api-key
-guards /v1); /health and /metrics stay open for load balancers and Prometheus.
+"""API keys: `Authorization: Bearer KEY` on /v1/*, the tokenizer routes, /scale and /status (as
+vLLM's --api-key guards /v1; the tokenizer routes serve the same model, so they need the same
+key); /health and /metrics stay open for load balancers and Prometheus.
 
 Keys are configured with `--api-key` (repeatable) or PDSERVE_API_KEY (comma-separated). The
 ingress only ever holds their SHA-256 digests — the plaintext is not in the Serve config, its
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse
 from cluster.http import openai_format as fmt
 
 ENV_VAR = "PDSERVE_API_KEY"
-GUARDED_PREFIXES = ("/v1/", "/scale", "/status")
+GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/scale", "/status")
 
 
 def keys_from(flags: Iterable[str] | None, environ: dict | None = None) -> tuple[str, ...]:

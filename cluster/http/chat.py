@@ -3,6 +3,7 @@ whose answer is the chat response (or its SSE chunks)."""
 
 from __future__ import annotations
 
+import inspect
 import uuid
 
 from cluster.http import openai_format as fmt
@@ -30,13 +31,26 @@ def load_images(allowed_local_media_path: str | None, multimodal: bool, body: Ch
     return images
 
 
-def render(tokenizer, body: ChatCompletionRequest) -> tuple[str, list[int]]:
-    """(text, token ids) of the conversation through the model's chat template."""
+def template_kwargs(tokenizer, kwargs: dict | None) -> dict | None:
+    """The client's chat_template_kwargs; apply_chat_template's own parameters (`tokenize`,
+    `chat_template`, `tools`, ...) are the server's to set, not the request's."""
+    own = {name for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+           if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    clash = sorted(own & set(kwargs or ()))
+    if clash:
+        raise OpenAIError(400, f"chat_template_kwargs may not set {clash}", param="chat_template_kwargs")
+    return kwargs
+
+
+def render(tokenizer, body, template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    """(text, token ids) of the conversation through the model's chat template. `body`: a
+    ChatCompletionRequest, or /tokenize's request (cluster.http.tokenize), which must count
+    exactly as this route does; `template_kwargs`: extra variables for the template."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
     try:
         text = tokenizer.apply_chat_template(
-            body.conversation(), tokenize=False,
+            body.conversation(), tokenize=False, **(template_kwargs or {}),
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
             continue_final_message=body.continue_final_message)
     except Exception as e:  # template errors are the caller's messages' fault
@@ -49,7 +63,7 @@ def chat_job(front: FrontEnd, body: ChatCompletionRequest) -> Job:
     with rejecting(body):
         params = body.sampling_params()
     images = load_images(front.allowed_local_media_path, front.processor.mm_processor is not None, body)
-    text, ids = render(front.tokenizer, body)
+    text, ids = render(front.tokenizer, body, template_kwargs(front.tokenizer, body.chat_template_kwargs))
     with rejecting(body):
         ids, params = front.prepare(ids, params, images)
     request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
@@ -65,8 +79,11 @@ def chat_job(front: FrontEnd, body: ChatCompletionRequest) -> Job:
                     "logprobs": logprobs(out.outputs[0].token_ids, out.outputs[0].logprobs),
                     "finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason}
                    for j, out in enumerate(finals)]
-        return fmt.response_object("chat.completion", request_id, model, choices,
-                                   fmt.usage(len(ids), sum(len(out.outputs[0].token_ids) for out in finals)))
+        obj = fmt.response_object("chat.completion", request_id, model, choices,
+                                  fmt.usage(len(ids), sum(len(out.outputs[0].token_ids) for out in finals)))
+        if body.prompt_logprobs is not None:  # vLLM's extra field, beside the choices
+            obj["prompt_logprobs"] = fmt.vllm_prompt_logprobs(finals[0].prompt_logprobs)
+        return obj
 
     async def chunks(merged):
         n_gen = [0] * n

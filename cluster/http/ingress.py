@@ -26,6 +26,7 @@ from ray import serve
 
 from actors.roles import Role
 from cluster.http import openai_format as fmt
+from cluster.http import tokenize as tokenizer_routes
 from cluster.http.auth import ApiKeyCheck, install_api_key_check
 from cluster.http.chat import chat_job
 from cluster.http.completions import completion_job
@@ -242,6 +243,19 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         return await self.respond(chat_job(self.front, body))
+
+    # vLLM's tokenizer routes: the ingress's tokenizer answers, no engine is asked.
+    @app.post("/tokenize")
+    async def tokenize(self, body: tokenizer_routes.TokenizeRequest) -> dict:
+        return tokenizer_routes.tokenize(self.front, body)
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: tokenizer_routes.DetokenizeRequest) -> dict:
+        return tokenizer_routes.detokenize(self.front, body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(self) -> dict:
+        return tokenizer_routes.tokenizer_info(self.front)
 
     @app.get("/health")
     async def health(self) -> Response:

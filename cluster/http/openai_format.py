@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from engine.outputs import PositionLogprobs
+from engine.outputs import PositionLogprobs, PromptLogprobs
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
@@ -39,22 +39,41 @@ def _top(position: PositionLogprobs, n: int) -> list[tuple[int, float]]:
     return sorted(position.items(), key=lambda kv: -kv[1])[:n]
 
 
-def completion_logprobs(text_of: TokenText, token_ids: list[int], positions: list[PositionLogprobs],
+def plain_positions(prompt_logprobs: PromptLogprobs) -> list[PositionLogprobs | None]:
+    """Prompt logprobs as the sampled tokens' {token_id: logprob} (None stays None)."""
+    return [None if e is None else {t: lp.logprob for t, lp in e.items()} for e in prompt_logprobs]
+
+
+def vllm_prompt_logprobs(prompt_logprobs: PromptLogprobs | None) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs` response field: per position None or {token id: {logprob,
+    rank, decoded_token}} (token ids as JSON keys, strings)."""
+    if prompt_logprobs is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in prompt_logprobs]
+
+
+def completion_logprobs(text_of: TokenText, token_ids: list[int], positions: list[PositionLogprobs | None],
                         n: int, offset: int) -> dict:
     """The legacy completions `logprobs` object for these tokens; `offset` is where the first
-    token's text starts in the choice's text."""
+    token's text starts in the choice's text. A None position (an echoed prompt's first
+    token) has null logprobs, as OpenAI's."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for tid, pos in zip(token_ids, positions):
         s = text_of(tid)
         tokens.append(s)
+        text_offset.append(offset)
+        offset += len(s)
+        if pos is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
         token_logprobs.append(pos.get(tid))
         # As vLLM: the top n plus the sampled token (up to n + 1 entries).
         top = {text_of(t): lp for t, lp in _top(pos, n)} if n else {}
         if tid in pos:
             top.setdefault(s, pos[tid])
         top_logprobs.append(top or None)
-        text_offset.append(offset)
-        offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
 

@@ -63,6 +63,9 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
     request_id: str | None = None
     # Structured outputs: vLLM's field, OpenAI's response_format, and the legacy guided_*.
     structured_outputs: dict | None = None
@@ -74,14 +77,22 @@ class _Sampling(BaseModel):
 
     def check_supported(self) -> None:
         """Raise a ParameterError on the first field set to something pdserve cannot do."""
-        if self.presence_penalty:
-            raise ParameterError("presence_penalty", "presence_penalty is not supported (must be 0)")
-        if self.frequency_penalty:
-            raise ParameterError("frequency_penalty", "frequency_penalty is not supported (must be 0)")
-        if self.repetition_penalty not in (None, 1.0):
-            raise ParameterError("repetition_penalty", "repetition_penalty is not supported (must be 1)")
-        if self.logit_bias:
-            raise ParameterError("logit_bias", "logit_bias is not supported")
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias has token ids as JSON object keys (strings)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                out[int(key)] = bias
+            except ValueError:
+                raise ParameterError("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+        return out
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def sampling_params(self) -> SamplingParams:
         """This request's SamplingParams; raises ParameterError naming the field when a
@@ -100,6 +111,13 @@ class _Sampling(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=self.num_logprobs,
+            prompt_logprobs=self.engine_prompt_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias_ids(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured_outputs_params(),
@@ -158,13 +176,27 @@ class CompletionRequest(_Sampling):
             raise ParameterError("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):
             raise ParameterError("best_of", "best_of must be 1")
-        if self.echo and self.logprobs is not None:
-            raise ParameterError("echo", "echo together with logprobs (prompt logprobs) is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ParameterError("max_tokens", "max_tokens must be an integer >= 1 (0 only with echo, "
+                                 "to score the prompt), got 0")
         super().check_supported()
 
     @property
     def max_new_tokens(self) -> int | None:
-        return self.max_tokens
+        # max_tokens=0 (with echo): the engine samples one token, which the answer leaves out.
+        return 1 if self.max_tokens == 0 else self.max_tokens
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """echo with logprobs scores the prompt too (its logprobs are part of the answer)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    def param(self, field: str) -> str:
+        if field == "prompt_logprobs" and self.prompt_logprobs is None:
+            return "logprobs"  # echo asked for them through logprobs
+        return super().param(field)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -233,11 +265,15 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
     tools: list | None = None
 
     def check_supported(self) -> None:
         if self.tools:
             raise ParameterError("tools", "tools (function calling) are not supported")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ParameterError("prompt_logprobs", "prompt_logprobs is not available when stream is true "
+                                 "(as vLLM's chat)")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParameterError("top_logprobs", "top_logprobs requires logprobs=true")
         super().check_supported()

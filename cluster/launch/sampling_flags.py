@@ -18,6 +18,9 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     group.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     group.add_argument("--ignore-eos", action="store_true")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1: off (HF's meaning)")
+    group.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI's meaning)")
+    group.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI's meaning)")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -25,5 +28,6 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         seed=args.sampling_seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-        stop=args.stop or None,
+        stop=args.stop or None, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
     )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
+from engine.sample.penalties import LogitAdjustments
 
 _NEG_INF = float("-inf")
 
@@ -25,8 +26,11 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None  # [N] fp32, 0 = disabled
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> RNG
     num_logprobs: list[int | None] = field(default_factory=list)  # per row
-    # (row, token ids) whose logits are masked out: EOS/stop tokens before min_tokens.
+    # (row, token ids) whose logits are masked out: EOS/stop tokens before min_tokens, the
+    # last tokens of bad words.
     banned_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
+    # Allowed tokens, logit_bias and penalties of the rows that ask (engine.sample.penalties).
+    adjustments: LogitAdjustments | None = None
     # Structured outputs: grammar_bitmask[i] ([M, ceil(V/32)] int32) says which tokens row
     # grammar_rows[i] ([M] int64) may sample; rows not listed are unconstrained.
     grammar_bitmask: torch.Tensor | None = None
@@ -72,15 +76,18 @@ class Sampler:
 
 
 def apply_masks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """`logits` with what a row may not sample at -inf (grammar, then banned tokens); a copy
-    when anything is masked, so the caller's logits stay as they were."""
-    if meta.grammar_bitmask is not None or meta.banned_tokens:
+    """`logits` with what a row may not sample at -inf (grammar, then banned tokens), then
+    allowed tokens, biases and penalties; a copy when anything changes, so the caller's
+    logits stay as they were."""
+    if meta.grammar_bitmask is not None or meta.banned_tokens or meta.adjustments is not None:
         logits = logits.clone()
     if meta.grammar_bitmask is not None:
         # First: temperature, top-k/top-p and min-p then only see tokens the grammar allows.
         kernels.apply_token_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
     for row, token_ids in meta.banned_tokens:
         logits[row, token_ids] = _NEG_INF
+    if meta.adjustments is not None:
+        meta.adjustments.apply(logits)
     return logits
 
 

@@ -9,6 +9,7 @@ import torch
 
 from engine.kv_transfer_params import KVTransferParams
 from engine.multimodal.features import MultiModalFeatures
+from engine.outputs import Logprob, PromptLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -98,6 +99,8 @@ class ModelRunnerOutput:
     # Speculative decoding: per request, the drafts proposed for its next step ([] for none);
     # None when the engine does not speculate.
     spec_token_ids: list[list[int]] | None = None
+    # Prompt logprobs of the positions this step computed, by request (in position order).
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,8 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: KVTransferParams | None = None
+    # The whole prompt's, with the request's first token (None for a request that did not ask).
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -313,6 +313,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        if not request.output_token_ids:
+            request.prompt_logprob_entries = []  # the prompt is scored again from its start
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -332,8 +334,14 @@ class Scheduler:
             new_ids = runner_output.sampled_token_ids[idx]
             if runner_output.spec_token_ids is not None:
                 request.spec_token_ids = runner_output.spec_token_ids[idx]
+            request.prompt_logprob_entries += (runner_output.prompt_logprobs or {}).get(req_id, ())
             if not new_ids:
                 continue  # a prefill chunk: nothing to report yet
+            prompt_logprobs = None
+            if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
+                # The first token: the prompt's logprobs go with it, once.
+                prompt_logprobs = [None, *request.prompt_logprob_entries]
+                request.prompt_logprob_entries = []
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts:
                 # Rejected drafts' KV slots stay allocated; rewinding progress makes the next
@@ -370,6 +378,7 @@ class Scheduler:
                     new_logprobs=logprobs,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     kv_transfer_params=kv_params,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         return outputs

@@ -29,12 +29,17 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # Where the generated tokens start: the prompt's end, less the tokens a P/D prefill
+        # generated, which the decode side receives as part of its prompt (penalties count them).
+        self.output_start = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = BlockTable(
             max_num_reqs, -(-max_model_len // block_size), block_size, kernel_block_size, device
         )
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
         # Per-request RNG for seeded requests, so their tokens do not depend on the batch.
         self.generators: dict[str, torch.Generator] = {}
+        # Requests that asked for prompt logprobs (a step without any skips looking for them).
+        self.prompt_logprob_reqs: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -48,7 +53,7 @@ class InputBatch:
         block_ids: list[int],
         params: SamplingParams,
         device: torch.device,
-        rng_draws_done: int = 0,
+        rng_draws_done: int = 0,  # output tokens sampled elsewhere (P/D: the prefill's)
         vocab_size: int = 0,
     ) -> None:
         if req_id in self.req_id_to_row:
@@ -63,8 +68,11 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = num_prompt_tokens
         self.num_computed_tokens[row] = num_computed_tokens
+        self.output_start[row] = num_prompt_tokens - rng_draws_done
         self.block_table.add_row(row, block_ids)
         self.sampling_params[row] = params
+        if params.prompt_logprobs is not None:
+            self.prompt_logprob_reqs.add(req_id)
         if params.seed is not None and req_id not in self.generators:
             gen = torch.Generator(device=device)
             gen.manual_seed(params.seed)
@@ -81,6 +89,7 @@ class InputBatch:
             return
         if not keep_generator:
             self.generators.pop(req_id, None)
+        self.prompt_logprob_reqs.discard(req_id)
         last = len(self.req_ids) - 1
         if row != last:
             moved = self.req_ids[last]
@@ -88,7 +97,7 @@ class InputBatch:
             self.req_id_to_row[moved] = row
             n = self.num_tokens[last]
             self.token_ids[row, :n] = self.token_ids[last, :n]
-            for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens):
+            for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.output_start):
                 arr[row] = arr[last]
             self.block_table.move_row(last, row)
             self.sampling_params[row] = self.sampling_params[last]

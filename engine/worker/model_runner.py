@@ -14,7 +14,7 @@ from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
 from engine.models.arch import ModelArch
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.loader import load_model
-from engine.sample import Sampler, SamplingMetadata
+from engine.sample import Sampler
 from engine.sample.rejection_sampler import rejection_sample
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.spec_decode import NgramProposer, SpeculativeConfig
@@ -24,6 +24,8 @@ from engine.worker.buffers import StagedBuffer
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from engine.worker.encoder_runner import EncoderRunner
 from engine.worker.input_batch import InputBatch
+from engine.worker.prompt_logprobs import prompt_spans, score_prompt
+from engine.worker.sampling_metadata import sampling_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +155,9 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)  # [T, hidden]
             if self._drafts_by_model:
                 self.proposer.run_step(input_ids, positions, meta)
+        prompt_lps = None
+        if ib.prompt_logprob_reqs:
+            prompt_lps = self._prompt_logprobs(hidden, req_ids, rows, num_sched)
         ib.num_computed_tokens[rows] += num_sched
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprob_lists: list[list[dict[int, float]] | None] = [None] * len(req_ids)
@@ -171,7 +176,19 @@ class ModelRunner:
                     logprob_lists[i] = logprobs[j]
         has_logprobs = any(lp is not None for lp in logprob_lists)
         return ModelRunnerOutput(req_ids, sampled_lists, logprob_lists if has_logprobs else None,
-                                 encoder_seconds=encoder_seconds, spec_token_ids=self._propose(rows, sample_idx))
+                                 encoder_seconds=encoder_seconds, spec_token_ids=self._propose(rows, sample_idx),
+                                 prompt_logprobs=prompt_lps)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, req_ids: list[str], rows: np.ndarray,
+                         num_sched: np.ndarray) -> dict[str, list] | None:
+        """Prompt logprobs of the positions this step computes (before progress advances)."""
+        ib = self.input_batch
+        spans = prompt_spans([ib.sampling_params[r] for r in rows], ib.num_tokens[rows], ib.num_prompt_tokens[rows],
+                             ib.num_computed_tokens[rows], num_sched, self.query_start_loc.np)
+        if not spans:
+            return None
+        scored = score_prompt(spans, hidden, self.model.compute_logits, ib.token_ids, rows, self.tp.is_driver)
+        return {req_ids[i]: entries for i, entries in scored.items()} if self.tp.is_driver else None
 
     def _write_drafts(self, spec: dict[str, list[int]], req_ids: list[str], rows: np.ndarray) -> np.ndarray:
         """Put each request's drafts after its last token (inputs of the lookahead positions);
@@ -202,7 +219,8 @@ class ModelRunner:
         flat = torch.empty(n_logits if speculating else len(sample_idx), dtype=torch.int64, device=self.device)
         logprobs = None
         if self.tp.is_driver:
-            meta = self._sampling_metadata(np.repeat(rows[sample_idx], per), pos_in_req)
+            meta = sampling_metadata(self.input_batch, np.repeat(rows[sample_idx], per), pos_in_req,
+                                     self.arch.vocab_size, self.device)
             if so.grammar_bitmask is not None:
                 row_req_ids = [req_ids[i] for i, n in zip(sample_idx, per) for _ in range(n)]
                 meta.grammar_bitmask, meta.grammar_rows = bitmask_for_sampled_rows(
@@ -317,34 +335,6 @@ class ModelRunner:
             max_seq_len=int(self.seq_lens.np[:R].max()),
         )
         return meta, self.input_ids.to_device(T), self.positions.to_device(T), self.logits_indices.to_device(n_sample)
-
-    def _sampling_metadata(self, rows: np.ndarray, pos_in_req: np.ndarray) -> SamplingMetadata:
-        """Metadata of each logits row: `rows` [N] its input-batch row, `pos_in_req` [N] how
-        many of the request's tokens this step comes before it (0 without drafts)."""
-        ib = self.input_batch
-        params = [ib.sampling_params[r] for r in rows]
-        temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
-        all_greedy = all(p.greedy for p in params)
-        meta = SamplingMetadata(temperature=temps.to(self.device), all_greedy=all_greedy)
-        if not all_greedy:
-            if any(p.top_k > 0 for p in params):
-                meta.top_k = torch.tensor([p.top_k for p in params], device=self.device)
-            if any(p.top_p < 1.0 for p in params):
-                meta.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
-            if any(p.min_p > 0.0 for p in params):
-                meta.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
-            for j, r in enumerate(rows):
-                gen = ib.generators.get(ib.req_ids[r])
-                if gen is not None and not params[j].greedy:
-                    meta.generators[j] = gen
-        meta.num_logprobs = [p.logprobs for p in params]
-        for j, r in enumerate(rows):
-            p = params[j]
-            if p.min_tokens and ib.num_tokens[r] - ib.num_prompt_tokens[r] + pos_in_req[j] < p.min_tokens:
-                banned = sorted(p.all_stop_token_ids)
-                if banned:
-                    meta.banned_tokens.append((j, banned))
-        return meta
 
     @torch.inference_mode()
     def execute_dummy_batch(self) -> None:

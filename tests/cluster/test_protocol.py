@@ -67,36 +67,60 @@ def test_defaults_are_supported():
 
 @pytest.mark.parametrize("field, value", [
     ("n", 0),  # n > 1 is supported (engine.parallel_sampling); 0 is out of range
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", -0.3),
-    ("logit_bias", {"50256": -100.0}),
-    ("repetition_penalty", 1.2),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", -2.01),
+    ("repetition_penalty", 0.0),
+    ("logit_bias", {"50256": -100.5}),
+    ("logit_bias", {"fifty": 1.0}),
+    ("logit_bias", {"-3": 1.0}),
+    ("allowed_token_ids", []),
+    ("bad_words", [" "]),
+    ("prompt_logprobs", -1),
 ])
-def test_common_unsupported_fields(field, value):
+def test_common_fields_out_of_range(field, value):
     for req in (_completion(**{field: value}), _chat(**{field: value})):
         err = _rejected(req)
         assert err.field == field and req.param(err.field) == field
         assert field in str(err)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("n", 1),
-    ("presence_penalty", 0.0),
-    ("frequency_penalty", 0.0),
-    ("logit_bias", {}),
-    ("repetition_penalty", 1.0),
-    ("repetition_penalty", None),
+@pytest.mark.parametrize("field, value, engine", [
+    ("n", 1, 1),
+    ("presence_penalty", 0.5, 0.5),
+    ("frequency_penalty", -0.3, -0.3),
+    ("logit_bias", {"50256": -100.0, "7": 2}, {50256: -100.0, 7: 2}),
+    ("logit_bias", {}, None),
+    ("repetition_penalty", 1.2, 1.2),
+    ("repetition_penalty", None, 1.0),
+    ("allowed_token_ids", [3, 4], [3, 4]),
+    ("bad_words", ["no"], ["no"]),
+    ("prompt_logprobs", 2, 2),
 ])
-def test_neutral_values_are_supported(field, value):
-    _completion(**{field: value}).sampling_params()
-    _chat(**{field: value}).sampling_params()
+def test_common_fields_reach_the_engine(field, value, engine):
+    assert getattr(_completion(**{field: value}).sampling_params(), field) == engine
+    assert getattr(_chat(**{field: value}).sampling_params(), field) == engine
+
+
+def test_echo_with_logprobs_scores_the_prompt():
+    assert _completion(echo=True, logprobs=2).sampling_params().prompt_logprobs == 2
+    assert _completion(echo=True, logprobs=1, prompt_logprobs=4).sampling_params().prompt_logprobs == 4
+    assert _completion(logprobs=2).sampling_params().prompt_logprobs is None
+    assert _completion(echo=True).sampling_params().prompt_logprobs is None
+    # max_tokens=0 scores the prompt only: the engine samples one token the answer leaves out.
+    assert _completion(echo=True, logprobs=1, max_tokens=0).sampling_params().max_tokens == 1
+    req = _completion(echo=True, logprobs=1)
+    assert req.param("prompt_logprobs") == "logprobs"
+
+
+def test_chat_prompt_logprobs_are_not_streamed():
+    err = _rejected(_chat(prompt_logprobs=1, stream=True))
+    assert err.field == "prompt_logprobs"
 
 
 @pytest.mark.parametrize("kw, param", [
     ({"suffix": "tail"}, "suffix"),
     ({"best_of": 2}, "best_of"),
-    ({"echo": True, "logprobs": 1}, "echo"),
-    ({"echo": True, "logprobs": 0}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"),
 ])
 def test_completion_unsupported(kw, param):
     err = _rejected(_completion(**kw))
@@ -107,6 +131,8 @@ def test_completion_unsupported(kw, param):
     {"best_of": 1},
     {"best_of": None},
     {"echo": True},
+    {"echo": True, "logprobs": 1},
+    {"echo": True, "logprobs": 0, "max_tokens": 0},
     {"logprobs": 3},
     {"suffix": ""},
 ])
@@ -170,8 +196,9 @@ def test_chat_max_completion_tokens_error_names_it():
 
 def test_chat_top_logprobs_error_names_it():
     req = _chat(logprobs=True, top_logprobs=30)
-    err = _rejected(req)
-    assert req.param(err.field) == "top_logprobs"
+    # The engine's max_logprobs bounds it (the front end's processor: a 400 naming this param).
+    assert req.sampling_params().logprobs == 30
+    assert req.param("logprobs") == "top_logprobs"
 
 
 # --- chat properties --------------------------------------------------------------------------
@@ -328,8 +355,7 @@ def test_sampling_params_out_of_range_names_the_field(kw, field):
 
 @pytest.mark.parametrize("kw, field", [
     ({"max_tokens": 0}, "max_tokens"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),  # above max_logprobs: the engine's processor (a 400, test_serve_pd)
 ])
 def test_completion_bad_max_tokens_and_logprobs_name_the_field(kw, field):
     err = _rejected(_completion(**kw))

@@ -225,7 +225,13 @@ BAD = [
     ({"max_tokens": "ten"}, "max_tokens"),
     ({"prompt": None}, "prompt"),
     ({"stop_token_ids": [10**9]}, "stop_token_ids"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"1000000": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"echo": True, "logprobs": 21}, "logprobs"),
+    ({"bad_words": [""]}, "bad_words"),
     ({"seed": 2**64}, "seed"),  # beyond the engine's 64-bit generators
     ({"top_k": 2**40}, "top_k"),
     ({"prompt": [-1, 5]}, "prompt"),  # token ids out of the vocabulary

@@ -1,0 +1,208 @@
+"""vLLM's tokenizer routes (cluster.http.tokenize): ids as the model's Hugging Face tokenizer
+gives them, conversations counted as /v1/chat/completions counts them, out-of-vocabulary ids a
+400 naming `tokens`, what lm-eval's remote tokenizer reads, and the API keys of /v1/*."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import requests
+
+from cluster.http import openai_format as fmt
+from cluster.http.auth import guarded
+from cluster.http.errors import OpenAIError
+from cluster.http.front_end import FrontEnd
+from cluster.http.tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+    tokenizer_info,
+)
+from engine import EngineArgs
+from engine.llm_engine import front_end
+from tests.cluster.helpers import ENGINE
+
+TEXT = "The river ran past the old mill."
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def front(tiny_model) -> FrontEnd:
+    tokenizer, processor = front_end(EngineArgs(tiny_model, max_model_len=64).create_engine_config())
+    return FrontEnd("tiny", tiny_model, tokenizer, processor, fmt.TokenText(tokenizer))
+
+
+def _with_tokenizer(front: FrontEnd, edit) -> FrontEnd:
+    tokenizer = copy.deepcopy(front.tokenizer)
+    edit(tokenizer)
+    return dataclasses.replace(front, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def bos_front(front) -> FrontEnd:
+    """The tiny tokenizer made to add a BOS (`<|endoftext|>`), as Llama's does."""
+    from tokenizers.processors import TemplateProcessing
+
+    def add_bos(tok):
+        bos = tok.convert_tokens_to_ids("<|endoftext|>")
+        tok.backend_tokenizer.post_processor = TemplateProcessing(
+            single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    return _with_tokenizer(front, add_bos)
+
+
+def _rejected(fn, *args) -> OpenAIError:
+    with pytest.raises(OpenAIError) as e:
+        fn(*args)
+    return e.value
+
+
+def test_a_prompt_gets_the_tokenizers_ids_with_special_tokens_unless_told_not_to(bos_front):
+    tok = bos_front.tokenizer
+    with_bos = tokenize(bos_front, TokenizeRequest(prompt=TEXT))
+    assert with_bos["tokens"] == tok(TEXT)["input_ids"] and with_bos["tokens"][0] == tok.convert_tokens_to_ids("<|endoftext|>")
+    assert with_bos["count"] == len(with_bos["tokens"]) and with_bos["max_model_len"] == 64
+    assert with_bos["token_strs"] is None
+    plain = tokenize(bos_front, TokenizeRequest(prompt=TEXT, add_special_tokens=False, return_token_strs=True))
+    assert plain["tokens"] == tok(TEXT, add_special_tokens=False)["input_ids"]
+    assert plain["token_strs"] == tok.convert_ids_to_tokens(plain["tokens"])
+
+
+@pytest.mark.parametrize("flags", [{}, {"add_generation_prompt": False},
+                                   {"continue_final_message": True, "add_generation_prompt": False}])
+def test_messages_get_the_chat_templates_ids_without_added_special_tokens(bos_front, flags):
+    tok = bos_front.tokenizer
+    template = {"add_generation_prompt": flags.get("add_generation_prompt", True),
+                "continue_final_message": flags.get("continue_final_message", False)}
+    expected = tok.apply_chat_template(CONVERSATION, **template)["input_ids"]
+    got = tokenize(bos_front, TokenizeRequest(messages=CONVERSATION, **flags))
+    assert got["tokens"] == expected and got["count"] == len(expected)
+    text = tok.apply_chat_template(CONVERSATION, tokenize=False, **template)
+    with_bos = tokenize(bos_front, TokenizeRequest(messages=CONVERSATION, add_special_tokens=True, **flags))
+    assert with_bos["tokens"] == tok(text)["input_ids"] and len(with_bos["tokens"]) == len(expected) + 1
+
+
+def test_chat_template_kwargs_reach_the_template_but_not_its_own_parameters(front):
+    def thinking_switch(tok):
+        tok.chat_template += "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    thinking = _with_tokenizer(front, thinking_switch)
+    tok = thinking.tokenizer
+    got = tokenize(thinking, TokenizeRequest(messages=CONVERSATION, chat_template_kwargs={"enable_thinking": False}))
+    assert got["tokens"] == tok.apply_chat_template(CONVERSATION, add_generation_prompt=True,
+                                                    enable_thinking=False)["input_ids"]
+    assert got["tokens"] != tokenize(thinking, TokenizeRequest(messages=CONVERSATION))["tokens"]
+    for kwargs in ({"tokenize": True}, {"chat_template": "{{ 'x' }}"}):
+        e = _rejected(tokenize, thinking, TokenizeRequest(messages=CONVERSATION, chat_template_kwargs=kwargs))
+        assert e.status == 400 and e.param == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "prompt"),
+    ({"prompt": TEXT, "messages": CONVERSATION}, "messages"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "file:///x.png"}}]}]},
+     "messages[0].content[1]"),
+])
+def test_a_body_without_exactly_one_text_input_is_a_400_naming_the_field(front, body, param):
+    e = _rejected(tokenize, front, TokenizeRequest(**body))
+    assert e.status == 400 and e.param == param
+
+
+def test_model_is_optional_but_if_given_must_be_the_served_one(front):
+    assert tokenize(front, TokenizeRequest(model="tiny", prompt=TEXT))["count"] > 0
+    e = _rejected(tokenize, front, TokenizeRequest(model="gpt-4", prompt=TEXT))
+    assert e.status == 404 and e.param == "model"
+    e = _rejected(detokenize, front, DetokenizeRequest(model="gpt-4", tokens=[1]))
+    assert e.status == 404
+
+
+def test_detokenize_gives_the_tokenizers_text_and_refuses_ids_outside_its_vocabulary(front):
+    tok = front.tokenizer
+    ids = tok(TEXT)["input_ids"] + [tok.eos_token_id]
+    assert detokenize(front, DetokenizeRequest(tokens=ids)) == {"prompt": tok.decode(ids)}
+    assert detokenize(front, DetokenizeRequest(tokens=ids))["prompt"] == TEXT + tok.eos_token
+    for bad in (len(tok), -1):
+        e = _rejected(detokenize, front, DetokenizeRequest(tokens=[5, bad]))
+        assert e.status == 400 and e.param == "tokens" and str(bad) in e.message
+
+
+def test_tokenizer_info_has_what_lm_evals_remote_tokenizer_reads(front):
+    tok = front.tokenizer
+    info = json.loads(json.dumps(tokenizer_info(front)))  # JSON as it is, no special objects
+    assert info["tokenizer_class"] == type(tok).__name__
+    assert (info["eos_token"], info["bos_token"], info["pad_token"]) == (tok.eos_token, tok.bos_token, tok.pad_token)
+    assert info["chat_template"] == tok.chat_template
+    assert info["max_model_len"] == 64 and info["model_max_length"] == tok.model_max_length
+    assert not {"vocab_file", "merges_file", "tokenizer_file"} & set(info)
+    # lm-eval's eos_token_id: the first id of /tokenize of the eos string, without specials.
+    eos = tokenize(front, TokenizeRequest(prompt=info["eos_token"], add_special_tokens=False))["tokens"]
+    assert eos == [tok.eos_token_id]
+
+
+def test_the_tokenizer_routes_need_the_api_key_as_v1_does():
+    for path in ("/tokenize", "/detokenize", "/tokenizer_info", "/v1/completions"):
+        assert guarded(path), path
+    assert not guarded("/health") and not guarded("/metrics")
+
+
+# ---- through a deployed app ----------------------------------------------------------------
+NAME, KEY = "tiny-tok", "sk-tok"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def app(deploy, tiny_model):
+    from cluster.launch.app_config import AppConfig
+
+    cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE), mode="colocated", served_model_name=NAME,
+                    app_name="toktest", replica_num_cpus=0, api_keys=(KEY,))
+    return deploy(cfg)
+
+
+def test_http_tokenize_then_detokenize_gives_the_text_back_and_counts_as_chat(app, tiny_model):
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    r = requests.post(f"{app}/tokenize", json={"model": NAME, "prompt": TEXT}, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == tok(TEXT)["input_ids"] and r.json()["max_model_len"] == ENGINE["max_model_len"]
+    back = requests.post(f"{app}/detokenize", json={"tokens": r.json()["tokens"]}, headers=AUTH, timeout=30)
+    assert back.json() == {"prompt": TEXT}
+
+    counted = requests.post(f"{app}/tokenize", json={"messages": CONVERSATION}, headers=AUTH, timeout=30).json()
+    chat = OpenAI(base_url=f"{app}/v1", api_key=KEY, max_retries=0).chat.completions.create(
+        model=NAME, messages=CONVERSATION, max_tokens=1)
+    assert counted["count"] == chat.usage.prompt_tokens
+    assert counted["tokens"] == tok.apply_chat_template(CONVERSATION, add_generation_prompt=True)["input_ids"]
+
+    info = requests.get(f"{app}/tokenizer_info", headers=AUTH, timeout=30).json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+
+
+def test_http_bad_bodies_are_openai_400s_naming_the_field(app, tiny_model):
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(tiny_model))
+    for path, body, param in (("/detokenize", {"tokens": [1, vocab]}, "tokens"),
+                              ("/detokenize", {"tokens": "1 2"}, "tokens"),
+                              ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"messages": [{"role": "robot", "content": "hi"}]}, "messages")):
+        r = requests.post(f"{app}{path}", json=body, headers=AUTH, timeout=30)
+        assert r.status_code == 400, (path, body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", err
+    r = requests.post(f"{app}/tokenize", json={"model": "gpt-4", "prompt": "x"}, headers=AUTH, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_http_tokenizer_routes_answer_401_without_the_key(app):
+    for method, path, body in (("post", "/tokenize", {"prompt": "x"}), ("post", "/detokenize", {"tokens": [1]}),
+                               ("get", "/tokenizer_info", None)):
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+            r = requests.request(method, f"{app}{path}", json=body, headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+        assert requests.request(method, f"{app}{path}", json=body, headers=AUTH, timeout=30).status_code == 200
