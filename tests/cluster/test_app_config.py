@@ -172,7 +172,7 @@ def test_replica_num_gpus_explicit(tiny_model):
 def test_from_flat_splits_every_engine_argument_from_the_app_fields(tiny_model):
     """Every EngineArgs field is accepted flat, next to the AppConfig fields, with no list
     of engine names in cluster/ (a new EngineArgs field needs no change there)."""
-    engine_values = {"dtype": "float32", "num_kv_blocks": 96, "max_model_len": 512, "max_num_seqs": 16,
+    engine_values = {"dtype": "float32", "num_kv_blocks": 96, "max_model_len": 512, "max_logprobs": 7, "max_num_seqs": 16,
                      "block_size": 8, "enable_prefix_caching": False, "seed": 7, "kv_cache_memory_gb": 0.5,
                      "max_num_batched_tokens": 256, "gpu_memory_utilization": 0.5, "enforce_eager": True,
                      "long_prefill_token_threshold": 64, "scheduling_policy": "priority",
