@@ -68,7 +68,8 @@ def score_prompt(spans: list[PromptSpan], hidden: torch.Tensor, compute_logits, 
 def _entries(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[dict[int, Logprob]]:
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, targets.unsqueeze(1))
-    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    # int32: summing the comparison as int64 (torch's default for bool) takes twice as long.
+    ranks = ((lp > chosen).sum(dim=-1, dtype=torch.int32) + 1).tolist()
     chosen = chosen.squeeze(1).tolist()
     top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (None, None)
     top_vals = top_vals.tolist() if k > 0 else None
