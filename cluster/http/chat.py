@@ -3,6 +3,7 @@ whose answer is the chat response (or its SSE chunks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import uuid
 
@@ -10,9 +11,11 @@ from cluster.http import openai_format as fmt
 from cluster.http.errors import OpenAIError, rejecting
 from cluster.http.front_end import FrontEnd, Job
 from cluster.http.protocol import ChatCompletionRequest
+from cluster.http.tools import ToolPlan, message_tool_calls, plain_conversation, supports_tools
 from engine.errors import ParameterError
 from engine.multimodal.media import load_image
 from engine.parallel_sampling import child_params
+from engine.sampling_params import SamplingParams
 
 
 def load_images(allowed_local_media_path: str | None, multimodal: bool, body: ChatCompletionRequest) -> list:
@@ -42,15 +45,24 @@ def template_kwargs(tokenizer, kwargs: dict | None) -> dict | None:
     return kwargs
 
 
-def render(tokenizer, body, template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+def render(tokenizer, body, template_kwargs: dict | None = None, plan: ToolPlan | None = None
+           ) -> tuple[str, list[int]]:
     """(text, token ids) of the conversation through the model's chat template. `body`: a
     ChatCompletionRequest, or /tokenize's request (cluster.http.tokenize), which must count
-    exactly as this route does; `template_kwargs`: extra variables for the template."""
+    exactly as this route does; `template_kwargs`: extra variables for the template; `plan`:
+    the request's tools (cluster.http.tools), shown by the template or, where it cannot, by a
+    system message written here."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    conv, kwargs = body.conversation(), dict(template_kwargs or {})
+    if supports_tools(tokenizer):
+        if plan is not None and plan.template_tools() is not None:
+            kwargs["tools"] = plan.template_tools()
+    elif plan is not None or any("tool_calls" in m or "tool_call_id" in m for m in conv):
+        conv = plain_conversation(conv, plan)
     try:
         text = tokenizer.apply_chat_template(
-            body.conversation(), tokenize=False, **(template_kwargs or {}),
+            conv, tokenize=False, **kwargs,
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
             continue_final_message=body.continue_final_message)
     except Exception as e:  # template errors are the caller's messages' fault
@@ -62,8 +74,12 @@ def chat_job(front: FrontEnd, body: ChatCompletionRequest) -> Job:
     front.check_model(body.model)
     with rejecting(body):
         params = body.sampling_params()
+        body.check_tool_messages()
+        plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, front.tool_parser,
+                           front.enable_auto_tool_choice)
+        params = _with_tools(params, plan)
     images = load_images(front.allowed_local_media_path, front.processor.mm_processor is not None, body)
-    text, ids = render(front.tokenizer, body, template_kwargs(front.tokenizer, body.chat_template_kwargs))
+    text, ids = render(front.tokenizer, body, template_kwargs(front.tokenizer, body.chat_template_kwargs), plan)
     with rejecting(body):
         ids, params = front.prepare(ids, params, images)
     request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
@@ -74,16 +90,33 @@ def chat_job(front: FrontEnd, body: ChatCompletionRequest) -> Job:
             return None
         return fmt.chat_logprobs(front.text_of, token_ids, positions or [], n_logprobs)
 
+    def choice(j, out) -> dict:
+        c = out.outputs[0]
+        content, calls = plan.parse(c.text) if plan is not None else (c.text, [])
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = message_tool_calls(calls)
+        finish = plan.finish_reason(calls, c.finish_reason) if plan is not None else c.finish_reason
+        return {"index": j, "message": message, "logprobs": logprobs(c.token_ids, c.logprobs),
+                "finish_reason": finish, "stop_reason": c.stop_reason}
+
     def whole(finals):
-        choices = [{"index": j, "message": {"role": "assistant", "content": out.outputs[0].text},
-                    "logprobs": logprobs(out.outputs[0].token_ids, out.outputs[0].logprobs),
-                    "finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason}
-                   for j, out in enumerate(finals)]
-        obj = fmt.response_object("chat.completion", request_id, model, choices,
+        obj = fmt.response_object("chat.completion", request_id, model, [choice(j, out) for j, out in enumerate(finals)],
                                   fmt.usage(len(ids), sum(len(out.outputs[0].token_ids) for out in finals)))
         if body.prompt_logprobs is not None:  # vLLM's extra field, beside the choices
             obj["prompt_logprobs"] = fmt.vllm_prompt_logprobs(finals[0].prompt_logprobs)
         return obj
+
+    def deltas(j, out, finish) -> tuple[list[dict], str | None]:
+        """This output's delta dicts (text, or tool-call pieces) and its finish reason."""
+        if plan is None:
+            return ([{"content": out.delta_text}] if out.delta_text or finish is None else [{}]), finish
+        streamer = streamers[j]
+        parts = streamer.feed(out.delta_text) if out.delta_text else []
+        if finish is not None:
+            parts += streamer.finish()
+            finish = plan.finish_reason([None] * streamer.calls, finish)
+        return parts or ([{}] if finish is not None else []), finish
 
     async def chunks(merged):
         n_gen = [0] * n
@@ -96,17 +129,40 @@ def chat_job(front: FrontEnd, body: ChatCompletionRequest) -> Job:
             finish = c.finish_reason if out.finished else None
             if not out.delta_text and not out.delta_token_ids and finish is None:
                 continue
-            delta = {"content": out.delta_text} if out.delta_text or finish is None else {}
-            u = fmt.usage(len(ids), n_gen[j]) if body.continuous_usage else None
-            yield fmt.response_object("chat.completion", request_id, model, [
-                {"index": j, "delta": delta, "logprobs": logprobs(out.delta_token_ids, out.delta_logprobs),
-                 "finish_reason": finish}], u, True)
+            parts, finish = deltas(j, out, finish)
+            lp = logprobs(out.delta_token_ids, out.delta_logprobs)
+            if not parts and lp is None:
+                continue  # text a tool parser holds back for now
+            parts = parts or [{}]
+            for k, delta in enumerate(parts):
+                last = k == len(parts) - 1
+                u = fmt.usage(len(ids), n_gen[j]) if body.continuous_usage and last else None
+                yield fmt.response_object("chat.completion", request_id, model, [
+                    {"index": j, "delta": delta, "logprobs": lp if k == 0 else None,
+                     "finish_reason": finish if last else None}], u, True)
         if body.include_usage:
             yield fmt.response_object("chat.completion", request_id, model, [], fmt.usage(len(ids), sum(n_gen)), True)
 
     # `n` > 1: n requests of the same prompt (engine.parallel_sampling); choice j is sample j.
     n = params.n
+    streamers = [plan.streamer() for _ in range(n)] if plan is not None else []
     prompt = {"prompt": text, "prompt_token_ids": ids}
     if images:
         prompt["multi_modal_data"] = {"image": images}
     return Job([prompt] * n, child_params(params), request_id, body.stream, chunks, whole, n)
+
+
+def _with_tools(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
+    """The params a tool plan needs: its grammar for a forced call; the special tokens some
+    parsers read (mistral's [TOOL_CALLS]) kept in the text."""
+    if plan is None:
+        return params
+    constraint = plan.constraint()
+    if constraint is not None:
+        if params.structured_outputs is not None:
+            raise ParameterError("tool_choice", "a forced tool call (tool_choice required or named) cannot be "
+                                 "combined with response_format or structured outputs")
+        params = dataclasses.replace(params, structured_outputs=constraint)
+    if plan.mode == "auto" and plan.parser.keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params

@@ -27,6 +27,8 @@ class FrontEnd:
     processor: InputProcessor
     text_of: fmt.TokenText  # per-token strings for logprobs (cached)
     allowed_local_media_path: str | None = None  # where file:// images may come from
+    tool_parser: type | None = None  # the tool-call parser class (cluster.http.tool_parsers)
+    enable_auto_tool_choice: bool = False
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -48,6 +50,24 @@ class FrontEnd:
         return request.prompt_token_ids, params
 
 
+def _error_body(err: OpenAIError) -> dict:
+    return fmt.error_body(err.message, err.type, None, err.status)
+
+
+@dataclass(frozen=True)
+class SSEFormat:
+    """How a Job's stream goes on the wire: each piece from `chunks` and the piece that reports
+    a failure mid-stream, as SSE text, and whether `data: [DONE]` ends it. The default is chat's
+    and completions' (OpenAI's `data:` lines); the Responses route names each event instead."""
+
+    piece: Callable[[dict], str] = fmt.sse
+    failure: Callable[[OpenAIError], dict] = _error_body
+    done: bool = True
+
+
+DATA_LINES = SSEFormat()
+
+
 @dataclass(frozen=True)
 class Job:
     """One HTTP request's engine requests and how to answer it. With `n` > 1 the lists hold
@@ -62,3 +82,4 @@ class Job:
     chunks: Callable[[AsyncIterator[tuple[int, RequestOutput]]], AsyncIterator[dict]]
     whole: Callable[[list[RequestOutput]], dict]  # the response object from every final output
     n: int = 1
+    sse: SSEFormat = DATA_LINES

@@ -31,7 +31,7 @@ from cluster.http.auth import ApiKeyCheck, install_api_key_check
 from cluster.http.chat import chat_job
 from cluster.http.completions import completion_job
 from cluster.http.errors import OpenAIError, install_error_handlers, overloaded, replica_error
-from cluster.http.front_end import FrontEnd, Job
+from cluster.http.front_end import DATA_LINES, FrontEnd, Job, SSEFormat
 from cluster.http.metrics import AppMetrics
 from cluster.http.pd_serve import (
     EngineStreams,
@@ -41,8 +41,10 @@ from cluster.http.pd_serve import (
     serve_plain_generate,
 )
 from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.http.responses import ResponsesRequest, responses_job
 from cluster.http.settings import IngressSettings
 from cluster.http.streams import merge, timed
+from cluster.http.tool_parsers import get_tool_parser
 from cluster.replica.direct import DirectEngine
 from cluster.replica.front_streams import ReplicaStreams
 from cluster.tasks import detached_task
@@ -91,7 +93,10 @@ class Ingress:
         engine_args = settings.engine_args
         tokenizer, processor = front_end(engine_args.create_engine_config())
         self.front = FrontEnd(settings.served_model_name, engine_args.model, tokenizer, processor,
-                              fmt.TokenText(tokenizer), engine_args.allowed_local_media_path)
+                              fmt.TokenText(tokenizer), engine_args.allowed_local_media_path,
+                              tool_parser=(None if settings.tool_call_parser is None
+                                           else get_tool_parser(settings.tool_call_parser)),
+                              enable_auto_tool_choice=settings.enable_auto_tool_choice)
         self.max_pending = settings.max_pending_requests
         self.load_failure_policy = settings.load_failure_policy
         self.store = app_store(settings.app_name) if self.mode == "pd" else None
@@ -162,7 +167,7 @@ class Ingress:
         gens = [timed(self._run(p, pp, f"{job.request_id}-{i}-{suffix}"), self.metrics, len(p["prompt_token_ids"]))
                 for i, (p, pp) in enumerate(zip(prompts, job.params))]
         if job.stream:
-            body = self._sse(gens, job.chunks, token)
+            body = self._sse(gens, job.chunks, token, job.sse)
             # A client gone before the body starts leaves the generator unstarted (its finally
             # never runs); its admission is then returned when the generator is collected.
             weakref.finalize(body, self._release, token)
@@ -202,16 +207,16 @@ class Ingress:
             lambda: serve_plain_generate(self.engines, prompt, params, request_id),
             self.metrics.local_prefill)
 
-    async def _sse(self, gens, chunks, token) -> AsyncIterator[str]:
+    async def _sse(self, gens, chunks, token, wire: SSEFormat = DATA_LINES) -> AsyncIterator[str]:
         try:
             async for piece in chunks(merge(gens)):
-                yield fmt.sse(piece)
+                yield wire.piece(piece)
         except Exception as e:
-            err = replica_error(e)
-            yield fmt.sse(fmt.error_body(err.message, err.type, None, err.status))
+            yield wire.piece(wire.failure(replica_error(e)))
         finally:
             self._release(token)
-        yield fmt.sse("[DONE]")
+        if wire.done:
+            yield fmt.sse("[DONE]")
 
     # ---- request metrics of several ingress replicas (cluster.control.metrics_merge) -------------
     async def _push_metrics(self) -> None:
@@ -243,6 +248,10 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         return await self.respond(chat_job(self.front, body))
+
+    @app.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest) -> Response:
+        return await self.respond(responses_job(self.front, body))
 
     # vLLM's tokenizer routes: the ingress's tokenizer answers, no engine is asked.
     @app.post("/tokenize")

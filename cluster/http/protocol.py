@@ -9,6 +9,7 @@ field of this request that is, so the ingress answers a 400 with OpenAI's `param
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -234,6 +235,10 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart | ImageURLPart] | None = None
     name: str | None = None
+    # An assistant's calls ([{"id", "type": "function", "function": {"name", "arguments"}}]) and
+    # a tool message's answer to one of them.
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -267,10 +272,10 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
-        if self.tools:
-            raise ParameterError("tools", "tools (function calling) are not supported")
         if self.stream and self.prompt_logprobs is not None:
             raise ParameterError("prompt_logprobs", "prompt_logprobs is not available when stream is true "
                                  "(as vLLM's chat)")
@@ -298,12 +303,45 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.template_content()} for m in self.messages]
+        """The messages as the chat template takes them: a call's JSON arguments as an object
+        (templates print them with `tojson`), a tool answer with the id it answers."""
+        conv = []
+        for m in self.messages:
+            msg = {"role": m.role, "content": m.template_content()}
+            if m.tool_calls:
+                msg["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            conv.append(msg)
+        return conv
+
+    def check_tool_messages(self) -> None:
+        """Every tool message answers a call an earlier assistant message made."""
+        ids: set[str] = set()
+        for i, m in enumerate(self.messages):
+            for c in m.tool_calls or []:
+                if not isinstance(c, dict) or not isinstance(c.get("function"), dict) or not c["function"].get("name"):
+                    raise ParameterError("messages", f"messages[{i}].tool_calls entries must be "
+                                         '{"id", "type": "function", "function": {"name", "arguments"}}')
+                ids.add(c.get("id"))
+            if m.role == "tool" and m.tool_call_id not in ids:
+                raise ParameterError("messages", f"messages[{i}] is a tool message whose tool_call_id "
+                                     f"{m.tool_call_id!r} matches no earlier tool call")
 
     def image_urls(self) -> list[tuple[str, str]]:
         """(OpenAI `param` path, url) of every image part, in conversation order."""
         return [(f"messages[{i}].content[{j}].image_url.url", url)
                 for i, m in enumerate(self.messages) for j, url in m.image_urls()]
+
+
+def _template_call(call: dict) -> dict:
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass  # not JSON: the template gets the text as sent
+    return {**call, "function": fn}
 
 
 def _response_format_params(rf: dict) -> StructuredOutputsParams:

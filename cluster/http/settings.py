@@ -31,3 +31,6 @@ class IngressSettings:
     # SHA-256 digests only: the keys themselves never enter the Serve config or its logs.
     api_key_digests: tuple[str, ...] = ()
     direct: DirectSettings | None = None
+    # Tool calling: "auto" tool choice allowed, and the parser that finds the calls.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None

@@ -97,7 +97,8 @@ def build_app(cfg: AppConfig):
         mode=cfg.mode, engine_args=cfg.engine_args, served_model_name=cfg.model_name, app_name=cfg.app_name,
         max_pending_requests=cfg.max_pending_requests, load_failure_policy=cfg.load_failure_policy,
         created=int(time.time()), local_prefill=LocalPrefillRule(cfg.local_prefill_queue, cfg.max_local_prefill_length),
-        api_key_digests=tuple(digest(k) for k in keys_from(cfg.api_keys)), direct=direct)
+        api_key_digests=tuple(digest(k) for k in keys_from(cfg.api_keys)), direct=direct,
+        enable_auto_tool_choice=cfg.enable_auto_tool_choice, tool_call_parser=cfg.tool_call_parser)
     return serve.deployment(Ingress, name="Ingress", max_ongoing_requests=cfg.max_pending_requests * 2,
                             graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                             graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s,

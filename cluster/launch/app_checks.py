@@ -53,6 +53,20 @@ def _direct_refusal(mode: str, api_server_count: int, prefix_affinity: bool, rol
     return None
 
 
+def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
+    """vLLM's rule: "auto" tool choice needs a parser, and a parser must be a known one."""
+    from cluster.http.tool_parsers import get_tool_parser
+
+    if tool_call_parser is not None:
+        try:
+            get_tool_parser(tool_call_parser)
+        except ValueError as e:
+            raise ParameterError("tool_call_parser", str(e)) from None
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ParameterError("enable_auto_tool_choice", "enable_auto_tool_choice needs tool_call_parser "
+                             "(--tool-call-parser NAME)")
+
+
 def check_core_process(roles_args: list[EngineArgs]) -> None:
     """Refuse engine_core_process where a replica's engine cannot run apart; `roles_args`: the
     engine of each role's replicas."""

@@ -20,6 +20,7 @@ from cluster.control.coordinator import SCALE_TIMEOUT_S
 from cluster.launch.app_checks import (
     check_core_process,
     check_direct,
+    check_tool_flags,
     direct_by_default,
     direct_role,
 )
@@ -114,6 +115,10 @@ class AppConfig:
     # parallel of that role); True insists
     # (and refuses those), False keeps the engine deployment.
     direct_streaming: bool | None = None
+    # Tool calling (vLLM's --enable-auto-tool-choice / --tool-call-parser): "auto" tool choice
+    # turns the model's text into tool_calls with this parser (cluster.http.tool_parsers).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine_args, EngineArgs):
@@ -129,6 +134,7 @@ class AppConfig:
         check_int("max_local_prefill_length", self.max_local_prefill_length, minimum=0)
         require_model_dir(self.engine_args.model)
         self.engine_args.create_engine_config()  # every engine field, checked before Ray starts
+        check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
         if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
             raise ParameterError("api_keys", "api_keys must be a list of non-empty strings")
         if not 0 < self.scale_timeout_s <= 3600:

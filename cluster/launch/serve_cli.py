@@ -12,6 +12,7 @@ import sys
 import traceback
 from typing import NoReturn
 
+from cluster.http.tool_parsers import TOOL_PARSERS
 from engine.args import EngineArgs
 
 # Blocked in the Ray node that `pdserve serve` starts (see run_serve).
@@ -42,6 +43,10 @@ def add_serve_parser(sub) -> None:
                    help="require `Authorization: Bearer KEY` on /v1/*, /scale and /status "
                         "(repeatable; PDSERVE_API_KEY, comma-separated, adds more)")
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": the model decides, --tool-call-parser finds its calls')
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model family's tool-call format: hermes (Qwen2.5/Qwen3/Hermes), llama3_json, mistral")
     p.add_argument("--direct-streaming", action=argparse.BooleanOptionalAction, default=None,
                    help="each colocated (P/D: decode) replica serves HTTP itself with its engine core in a "
                         "child process (no hop between an ingress and an engine replica; it counts as one of "
@@ -152,6 +157,7 @@ def _config(args: argparse.Namespace):
         api_server_count=args.api_server_count,
         prefix_affinity=args.prefix_affinity, disable_access_log=args.disable_access_log,
         direct_streaming=args.direct_streaming,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         max_local_prefill_length=args.max_local_prefill_length,
         replica_num_cpus=args.replica_cpus,
         replica_num_threads=args.replica_threads,

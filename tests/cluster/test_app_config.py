@@ -592,3 +592,18 @@ def _initial(cfg: AppConfig) -> dict[str, float]:
 
     targets = cfg.targets()
     return initial_resources(targets, {role: cfg.role_resources(role) for role in targets})
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"tool_call_parser": "nonsense"}, "tool_call_parser"),
+    ({"enable_auto_tool_choice": True}, "enable_auto_tool_choice"),
+])
+def test_tool_flags_are_checked_before_ray_starts(tiny_model, kw, field):
+    from cluster.launch.app_config import AppConfig
+    from engine.errors import ParameterError
+
+    with pytest.raises(ParameterError) as e:
+        AppConfig(engine_args=EngineArgs(model=tiny_model), **kw)
+    assert e.value.field == field
+    assert AppConfig(engine_args=EngineArgs(model=tiny_model), enable_auto_tool_choice=True,
+                     tool_call_parser="hermes").tool_call_parser == "hermes"

@@ -141,7 +141,6 @@ def test_completion_supported(kw):
 
 
 @pytest.mark.parametrize("kw, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"top_logprobs": 2, "logprobs": False}, "top_logprobs"),

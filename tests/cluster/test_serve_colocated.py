@@ -125,7 +125,8 @@ CHAT_BAD = [
     ({"messages": [{"role": "user", "content": "word " * 600}]}, "messages"),  # over the context
     ({"n": 0}, "n"),
     ({"n": 3}, "n"),  # 3 sequences > this app's max_pending_requests of 2
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools"),  # no name
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto: this app has no parser
     ({"temperature": -1}, "temperature"),
 ]
 COMPLETION_BAD = [
@@ -133,7 +134,7 @@ COMPLETION_BAD = [
     ({"prompt": [[1, 2], []]}, "prompt"),
     ({"best_of": 2}, "best_of"),
     ({"logprobs": 21}, "logprobs"),
-    ({"frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
 ]
 
 

@@ -51,3 +51,32 @@ def test_chat_response_format_json_schema_validates(app):
     assert r.choices[0].finish_reason == "stop", text
     assert_valid_json(text, COUNTRY_SCHEMA)
     assert_no_leaks(app, APP, {"colocated"})
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_tool_calls_on_a_template_without_tool_support(app):
+    """SmolLM2's template shows no tools: they reach the model in a system message; a required
+    call still validates, and "auto" needs the server's --enable-auto-tool-choice."""
+    import json
+
+    import jsonschema
+    import requests
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model=NAME, messages=ask, tools=[WEATHER_TOOL], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=40, temperature=0)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER_TOOL["function"]["parameters"])
+    body = {"model": NAME, "messages": ask, "tools": [WEATHER_TOOL], "tool_choice": "auto"}
+    err = requests.post(f"{app}/v1/chat/completions", json=body, timeout=30)
+    assert err.status_code == 400 and err.json()["error"]["param"] == "tool_choice"
+    assert "--enable-auto-tool-choice" in err.json()["error"]["message"]
+    assert_no_leaks(app, APP, {"colocated"})

@@ -1,0 +1,206 @@
+"""The Responses API's answer, made from the chat route's: the chat response as a Response
+object, the chat chunks as the Responses stream's typed events (each on an `event:` line, no
+`data: [DONE]`), in OpenAI's shapes (the openai SDK parses them into its models)."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from contextlib import aclosing
+
+from cluster.http import openai_format as fmt
+from cluster.http.errors import OpenAIError
+from cluster.http.front_end import Job, SSEFormat
+
+
+@dataclasses.dataclass(frozen=True)
+class Shell:
+    """What every Response object of one request shares: its id, time, model and echoed settings."""
+
+    id: str
+    created_at: int
+    model: str
+    echo: dict
+
+    def response(self, output: list[dict], status: str, usage: dict | None) -> dict:
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
+                "status": status, "output": output, "usage": usage, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                **self.echo}
+
+
+def adapt(chat: Job, shell: Shell) -> Job:
+    """`chat` answering as the Responses API: its response as a Response object, its chunks as
+    the Responses stream's events."""
+
+    def whole(finals) -> dict:
+        answer = chat.whole(finals)
+        choice = answer["choices"][0]  # n is 1
+        status = _status(choice["finish_reason"])
+        content, calls = choice["message"].get("content"), choice["message"].get("tool_calls") or []
+        output = [_Item(0, _new_id("msg"), text=content or "")] if content or not calls else []
+        output += [_Item(len(output) + i, _new_id("fc"), {"call_id": c["id"], "name": c["function"]["name"]},
+                         c["function"]["arguments"]) for i, c in enumerate(calls)]
+        # Every item but the last is whole; the last is what a length cut cut.
+        items = [item.as_dict("completed" if item is not output[-1] else status) for item in output]
+        return shell.response(items, status, _usage(answer["usage"]))
+
+    events = Events(shell)
+
+    async def chunks(merged):
+        for event in events.start():
+            yield event
+        async with aclosing(chat.chunks(merged)) as chat_chunks:
+            async for chunk in chat_chunks:
+                for event in events.feed(chunk):
+                    yield event
+        for event in events.end():
+            yield event
+
+    return dataclasses.replace(chat, chunks=chunks, whole=whole,
+                               sse=SSEFormat(piece=_event_sse, failure=events.failure, done=False))
+
+
+def _event_sse(event: dict) -> str:
+    """OpenAI's Responses stream names each event on an `event:` line."""
+    return f"event: {event['type']}\n{fmt.sse(event)}"
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _usage(usage: dict) -> dict:
+    return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def _output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+@dataclasses.dataclass
+class _Item:
+    """One output item: an assistant message's text, or (with `call`: its call_id and name) a
+    function call's arguments."""
+
+    index: int  # in the response's `output`
+    id: str
+    call: dict | None = None
+    text: str = ""
+
+    def as_dict(self, status: str) -> dict:
+        """The item as the Response lists it; "in_progress" is how it is announced, still empty."""
+        text = "" if status == "in_progress" else self.text
+        if self.call is None:
+            return {"type": "message", "id": self.id, "status": status, "role": "assistant",
+                    "content": [] if status == "in_progress" else [_output_text(text)]}
+        return {"type": "function_call", "id": self.id, "status": status, **self.call, "arguments": text}
+
+
+class Events:
+    """Chat chunks in, the Responses stream's events out, in OpenAI's order: response.created,
+    response.in_progress, each output item whole (added, its text or arguments, done) before the
+    next, then response.completed (or response.incomplete) with the Response they add up to.
+    Every event has the next `sequence_number`, a failure's `error` event included.
+
+    NOTE: chat streams each tool call whole before the next (cluster.http.tool_parsers emits
+    a call once complete), so a call's argument fragments always belong to the open item.
+    """
+
+    def __init__(self, shell: Shell) -> None:
+        self.shell = shell
+        self.sequence = 0
+        self.output: list[dict] = []  # the closed items, as the final Response lists them
+        self.open: _Item | None = None
+        self.calls: dict[int, _Item] = {}  # chat's tool call index -> its item
+        self.finish: str | None = None
+        self.usage: dict | None = None
+
+    def event(self, type_: str, **fields) -> dict:
+        self.sequence += 1
+        return {"type": type_, "sequence_number": self.sequence - 1, **fields}
+
+    def start(self) -> list[dict]:
+        response = self.shell.response([], "in_progress", None)
+        return [self.event("response.created", response=response),
+                self.event("response.in_progress", response=response)]
+
+    def feed(self, chunk: dict) -> list[dict]:
+        if chunk.get("usage") is not None:
+            self.usage = _usage(chunk["usage"])
+        events = []
+        for choice in chunk["choices"]:  # one: n is 1
+            delta = choice["delta"]
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                events += self._call(call)
+            if choice["finish_reason"] is not None:
+                self.finish = choice["finish_reason"]
+        return events
+
+    def end(self) -> list[dict]:
+        # An answer with neither text nor a call is one empty message, as the whole response's.
+        events = self._open(_Item(0, _new_id("msg"))) if not self.output and self.open is None else []
+        status = _status(self.finish)
+        events += self._close(status)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return events + [self.event(kind, response=self.shell.response(self.output, status, self.usage))]
+
+    def failure(self, err: OpenAIError) -> dict:
+        """The `error` event that ends a stream whose request failed."""
+        return self.event("error", code=err.code or err.type, message=err.message, param=None)
+
+    def _text(self, delta: str) -> list[dict]:
+        events = []
+        if self.open is None or self.open.call is not None:
+            events = self._close("completed")
+            events += self._open(_Item(len(self.output), _new_id("msg")))
+        item = self.open
+        item.text += delta
+        return events + [self.event("response.output_text.delta", item_id=item.id, output_index=item.index,
+                                    content_index=0, delta=delta, logprobs=[])]
+
+    def _call(self, call: dict) -> list[dict]:
+        events = []
+        item = self.calls.get(call["index"])
+        if item is None:
+            events = self._close("completed")
+            item = _Item(len(self.output), _new_id("fc"), {"call_id": call["id"], "name": call["function"]["name"]})
+            events += self._open(item)
+            self.calls[call["index"]] = item
+        fragment = (call.get("function") or {}).get("arguments")
+        if fragment:
+            item.text += fragment
+            events.append(self.event("response.function_call_arguments.delta", item_id=item.id,
+                                     output_index=item.index, delta=fragment))
+        return events
+
+    def _open(self, item: _Item) -> list[dict]:
+        self.open = item
+        events = [self.event("response.output_item.added", output_index=item.index, item=item.as_dict("in_progress"))]
+        if item.call is None:
+            events.append(self.event("response.content_part.added", item_id=item.id, output_index=item.index,
+                                     content_index=0, part=_output_text("")))
+        return events
+
+    def _close(self, status: str) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        where = {"item_id": item.id, "output_index": item.index}
+        if item.call is None:
+            events = [self.event("response.output_text.done", **where, content_index=0, text=item.text, logprobs=[]),
+                      self.event("response.content_part.done", **where, content_index=0,
+                                 part=_output_text(item.text))]
+        else:
+            events = [self.event("response.function_call_arguments.done", **where, arguments=item.text)]
+        self.output.append(item.as_dict(status))
+        return events + [self.event("response.output_item.done", output_index=item.index,
+                                    item=self.output[-1])]
