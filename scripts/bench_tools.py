@@ -80,18 +80,24 @@ def main() -> int:
 
     run(tool_prompts[:1], tools)  # warm-up: the grammar compiles once
     rates = {"plain": [], "tools": []}
-    calls = None
+    calls, lengths = None, {}
     for i in range(args.repeats):
         order = [("plain", plain_prompts, plain), ("tools", tool_prompts, tools)]
         for name, prompts, params in (order if i % 2 == 0 else order[::-1]):
             rate, outs = run(prompts, params)
             rates[name].append(rate)
+            lengths[name] = statistics.mean(len(o.outputs[0].token_ids) for o in outs)
             if name == "tools":
                 calls = [plan.parse(o.outputs[0].text)[1] for o in outs]
     med = {k: statistics.median(v) for k, v in rates.items()}
     result = {"model": args.model, "batch": BATCH, "max_tokens": args.max_tokens, "repeats": args.repeats,
               "plain_tok_s": med["plain"], "tools_tok_s": med["tools"], "ratio": med["tools"] / med["plain"],
-              "requests_with_valid_calls": sum(1 for c in calls if c)}
+              "requests_with_valid_calls": sum(1 for c in calls if c),
+              # Shorter outputs (a call ends the answer) and longer prompts (the tools) lower
+              # tokens/s on their own, whatever the grammar costs.
+              "mean_output_tokens": lengths,
+              "prompt_tokens": {"plain": len(plain_prompts[0]["prompt_token_ids"]),
+                                "tools": len(tool_prompts[0]["prompt_token_ids"])}}
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:
