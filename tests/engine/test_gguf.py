@@ -1,6 +1,6 @@
 """GGUF checkpoints written by the tests (gguf's writer and quantizers): greedy tokens equal
-transformers reading the same file, per quantization type and per architecture name; bad
-files and paths fail with the field and the allowed values."""
+transformers reading the same file, per quantization type, per llama.cpp mix and per
+architecture name; bad files and paths fail with the field and the allowed values."""
 
 from __future__ import annotations
 
@@ -21,6 +21,25 @@ SMALL = dict(max_model_len=256, num_kv_blocks=64)
 # decoding and its place in the model are checked by one engine and one transformers load.
 MIXED = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "BF16",
          "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "F16", "output": "BF16"}
+
+# llama.cpp's mixes as its quantizer makes them (llama-quant.cpp): a default type, the head
+# in Q6_K, attn_v and ffn_down a step up (in the first layers only for the _M mixes). Each
+# is (family, default type, types by tensor kind or name); every type we decode appears.
+# The factory writes the K-quants and IQ4_* as random blocks (gguf-py cannot quantize them),
+# Q5_0 and Q5_1 quantized from the model by gguf-py.
+KQUANT_MIXES = {
+    "Q2_K": ("llama", "Q2_K", {"attn_v": "Q3_K", "ffn_down": "Q3_K", "output": "Q6_K"}),
+    "Q3_K_M": ("llama", "Q3_K", {"blk.0.attn_v": "Q5_K", "attn_v": "Q4_K", "blk.0.ffn_down": "Q5_K",
+                                 "ffn_down": "Q4_K", "attn_output": "Q4_K", "output": "Q6_K"}),
+    "Q4_K_M": ("llama", "Q4_K", {"blk.0.attn_v": "Q6_K", "blk.0.ffn_down": "Q6_K", "output": "Q6_K"}),
+    "Q5_K_M": ("llama", "Q5_K", {"blk.0.attn_v": "Q6_K", "blk.0.ffn_down": "Q6_K", "output": "Q6_K"}),
+    "Q6_K": ("qwen2", "Q6_K", {}),  # tied: the Q6_K embedding is the head
+    "IQ4_XS": ("llama", "IQ4_XS", {"ffn_down": "IQ4_NL", "output": "Q6_K"}),
+    "Q5_0": ("llama", "Q5_0", {"attn_k": "Q5_1", "ffn_up": "Q5_1", "output": "Q6_K"}),
+}
+# K-quant and IQ4_XS blocks hold 256 values and never span rows: every matrix's rows (its
+# input dimension) must be a multiple of 256.
+K_SHAPE = dict(hidden_size=256, intermediate_size=512)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +68,20 @@ def _assert_greedy_parity(model: str, oracle: str | None = None) -> None:
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
+def _assert_greedy_parity_chunked_and_cached(model: str) -> None:
+    """As above, with prefill cut into chunks of at most 8 tokens, and a second pass that
+    reads the prompts' shared prefix from the prefix cache."""
+    shared = random_prompts([40], 1000, seed=4)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 19], 1000, seed=5)]
+    expected = hf_greedy(model, prompts, 10)
+    llm = LLM(model, **SMALL, long_prefill_token_threshold=8, max_num_batched_tokens=24)
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(o.num_cached_tokens >= 32 for o in outs)
+
+
 def test_llama_gguf_with_every_type_greedy_equals_transformers(gguf_file):
     """llama files carry llama.cpp's q/k row interleaving; transformers undoes it on its own.
     Given as a directory holding the file."""
@@ -59,6 +92,12 @@ def test_llama_gguf_with_every_type_greedy_equals_transformers(gguf_file):
 def test_llama_gguf_of_one_4bit_type_greedy_equals_transformers(gguf_file, qtype):
     """The coarsest types on every matrix, embedding and head included."""
     _assert_greedy_parity(gguf_file("llama", qtype))
+
+
+@pytest.mark.parametrize("mix", sorted(KQUANT_MIXES))
+def test_llama_cpp_mix_greedy_equals_transformers_chunked_and_prefix_cached(gguf_file, mix):
+    family, qtype, types = KQUANT_MIXES[mix]
+    _assert_greedy_parity_chunked_and_cached(gguf_file(family, qtype, types, **K_SHAPE))
 
 
 @pytest.mark.parametrize("family,qtype,overrides", [
@@ -114,9 +153,11 @@ def test_unsupported_architecture_is_named_with_the_supported_ones(model_factory
 
 
 def test_unsupported_quant_type_names_type_and_tensor(model_factory, tmp_path):
-    path = write_gguf(model_factory("llama"), str(tmp_path / "m.gguf"), "Q5_0")
-    with pytest.raises(ValueError, match=r"'[\w.]+\.weight' has quantization type Q5_0; supported"):
+    path = write_gguf(model_factory("llama", **K_SHAPE), str(tmp_path / "m.gguf"), "IQ2_XXS")
+    with pytest.raises(ParameterError, match=r"'[\w.]+\.weight' has quantization type IQ2_XXS; "
+                                             r"supported: \[.*'Q4_K'.*\]") as e:
         LLM(path, **SMALL)
+    assert e.value.field == "model"
 
 
 def test_missing_tensor_is_named(model_factory, tmp_path):
