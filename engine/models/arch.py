@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from engine.errors import ParameterError
 from engine.models.gguf_file import find_gguf, gguf_config
+from engine.models.rotary import FREQ_FACTORS
 
 # HF architecture name -> family flags. Llama and Mistral share a layout; Qwen2 adds a qkv
 # bias; Qwen3 adds per-head q/k RMSNorm (and keeps an explicit head_dim). The MoE families
@@ -21,7 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": dict(qkv_bias=False, qk_norm=False),
     "Qwen3MoeForCausalLM": dict(qkv_bias=None, qk_norm=True),
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", FREQ_FACTORS)
 # LLaVA wraps one of the LMs above; its text_config names the family by model_type.
 _TEXT_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

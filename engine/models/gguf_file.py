@@ -12,7 +12,10 @@ import functools
 import glob
 import os
 
+import numpy as np
+
 from engine.errors import ParameterError
+from engine.models.rotary import FREQ_FACTORS
 
 # general.architecture -> the Hugging Face class whose layout our model implements. There is
 # no `mistral` GGUF architecture: llama.cpp writes Mistral models as `llama` (the same layout;
@@ -101,14 +104,7 @@ def gguf_config(path: str) -> dict:
     if rotary_dim != head_dim:
         raise ParameterError("model", f"GGUF file {path!r} rotates {rotary_dim} of {head_dim} head "
                              f"dimensions; only full-head rotary is supported")
-    scaling = get("rope.scaling.type", "none")
-    if scaling != "none":
-        raise ParameterError("model", f"GGUF rope scaling {scaling!r} of {path!r} is not supported; "
-                             f"supported: ['none']")
-    if "rope_freqs.weight" in tensors:
-        raise ParameterError("model", f"GGUF file {path!r} has rope_freqs.weight (Llama-3 rope "
-                             f"frequency factors), which is not supported")
-    return {
+    config = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         # GGUF dimensions are innermost first: the embedding is [hidden, vocab].
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
@@ -125,6 +121,31 @@ def gguf_config(path: str) -> dict:
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
     }
+    scaling = _rope_scaling(path, get, tensors.get("rope_freqs.weight"), head_dim)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _rope_scaling(path: str, get, freqs, head_dim: int) -> dict | None:
+    """Rotary scaling from the file: `rope.scaling.type` linear, and Llama 3.x's `rope_freqs`
+    tensor (what llama.cpp's converter writes for a llama3 rope: a divisor per frequency),
+    applied as llama.cpp applies it: each inverse frequency divided by its factor."""
+    kind = get("rope.scaling.type", "none")
+    if kind not in ("none", "linear"):
+        raise ParameterError("model", f"GGUF rope scaling {kind!r} of {path!r} is not supported; "
+                             f"supported: ['linear', 'none'] and a rope_freqs tensor")
+    if freqs is not None:
+        factors = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
+        if freqs.tensor_type.name != "F32" or factors.size != head_dim // 2:
+            raise ParameterError("model", f"GGUF rope_freqs.weight of {path!r} must be F32 with head_dim / 2 = "
+                                 f"{head_dim // 2} values, got {freqs.tensor_type.name} with {factors.size}")
+        if kind == "linear":
+            raise ParameterError("model", f"GGUF file {path!r} has both linear rope scaling and rope_freqs")
+        return {"rope_type": FREQ_FACTORS, "factors": tuple(float(f) for f in factors)}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    return None
 
 
 def gguf_eos_token_ids(path: str) -> list[int]:

@@ -35,6 +35,7 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+ROPE_FREQS = "rope_freqs.weight"
 _LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -68,6 +69,8 @@ def gguf_tensors(path: str, arch: ModelArch) -> Iterator[tuple[str, Callable[[],
         check_type(t.tensor_type.name, t.name)
     permuted = gguf_architecture(path) in PERMUTED_QK
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:
+            continue  # not a weight: the rotary table's factors (engine.models.gguf_file)
         name = hf_name(t.name)
         heads = {".q_proj.": arch.num_heads, ".k_proj.": arch.num_kv_heads}
         rotary_heads = next((h for key, h in heads.items() if key in name), None) if permuted else None

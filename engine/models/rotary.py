@@ -1,10 +1,14 @@
-"""Rotary position embedding tables (default, linear and Llama-3 scaled frequencies)."""
+"""Rotary position embedding tables (default, linear, Llama-3 scaled frequencies, and GGUF's
+per-frequency factors)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+# A divisor per inverse frequency, as a GGUF file's rope_freqs tensor gives them (Llama 3.x).
+FREQ_FACTORS = "freq_factors"
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -13,6 +17,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == FREQ_FACTORS:
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     return _llama3_scaled(inv_freq, scaling)
 
 

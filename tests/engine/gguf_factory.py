@@ -134,12 +134,15 @@ def encode(w: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.ndar
 
 def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", arch: str = "llama",
                general_name: str = "test model", skip: tuple[str, ...] = (),
-               types: dict[str, str] | None = None) -> str:
+               types: dict[str, str] | None = None, rope_freqs: np.ndarray | None = None,
+               rope_linear: float | None = None) -> str:
     """Write `hf_dir` as GGUF. Matrices get `qtype`, or `types[name]` for a GGUF tensor name
     without `.weight` (`blk.0.ffn_down`) or else `types[kind]` for a tensor kind (`attn_q`,
     `ffn_down`, `token_embd`, ...), as llama.cpp mixes types in one file; 1-d tensors stay
     F32 (as llama.cpp keeps norms); q/k rows are interleaved for `llama` only. Types gguf-py
-    cannot quantize are written as random blocks (`encode`), the same on every call."""
+    cannot quantize are written as random blocks (`encode`), the same on every call.
+    `rope_freqs`: llama.cpp's Llama-3 rope factor tensor; `rope_linear`: a linear rope scaling
+    factor (rope.scaling.* keys)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -164,6 +167,11 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", arch: str = "llam
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     w.add_vocab_size(cfg["vocab_size"])
+    if rope_linear is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope_linear)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
 
     tokens = [""] * cfg["vocab_size"]
     token_types = [NORMAL] * cfg["vocab_size"]

@@ -183,3 +183,58 @@ def test_tokenizer_is_converted_once_then_read_from_the_cache(model_factory, tmp
     os.utime(path, ns=(0, 0))  # a changed file is converted again, never served stale
     load_gguf_tokenizer(path)
     assert len(os.listdir(entries)) == 2
+
+
+def _llama3_rope_freqs(head_dim: int, theta: float, factor: float, low: float, high: float, old_len: int):
+    """What llama.cpp's converter writes as rope_freqs.weight for a llama3 rope: per inverse
+    frequency, 1 (short wavelengths), `factor` (long ones) or the smooth blend's divisor."""
+    import math
+
+    import numpy as np
+
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_llama3_rope_freqs_file_equals_the_hf_llama3_rope(model_factory, tmp_path):
+    """A Llama-3.1-style file (rope_freqs tensor, as llama.cpp writes it) against transformers
+    running the HF checkpoint with its llama3 rope_scaling (transformers' GGUF reader ignores
+    rope_freqs, so the HF directory is the oracle); a small original context makes the
+    scaling touch most frequencies."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    hf_dir = model_factory("llama", rope_scaling=scaling, rope_theta=10000.0)
+    import json
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = _llama3_rope_freqs(head_dim, 10000.0, 8.0, 1.0, 4.0, 64)
+    assert 1.0 < len(set(freqs.tolist())) and freqs.max() == 8.0  # the factors do something
+    path = write_gguf(hf_dir, str(tmp_path / "llama31.gguf"), rope_freqs=freqs)
+    prompts = random_prompts([5, 40], 1000, seed=7)
+    outs = LLM(path, **SMALL).generate([{"prompt_token_ids": p} for p in prompts],
+                                       SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf_dir, prompts, 12)
+    plain = write_gguf(hf_dir, str(tmp_path / "plain.gguf"))  # no factors: another model
+    outs_plain = LLM(plain, **SMALL).generate([{"prompt_token_ids": p} for p in prompts],
+                                              SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs_plain] != [o.outputs[0].token_ids for o in outs]
+
+
+def test_linear_rope_scaling_from_gguf_keys(model_factory, tmp_path):
+    hf_dir = model_factory("llama", rope_scaling={"rope_type": "linear", "factor": 4.0})
+    path = write_gguf(hf_dir, str(tmp_path / "linear.gguf"), rope_linear=4.0)
+    prompts = random_prompts([30], 1000, seed=8)
+    outs = LLM(path, **SMALL).generate([{"prompt_token_ids": p} for p in prompts],
+                                       SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf_dir, prompts, 12)
