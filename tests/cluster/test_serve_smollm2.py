@@ -75,6 +75,13 @@ def test_tool_calls_on_a_template_without_tool_support(app):
     calls = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER_TOOL["function"]["parameters"])
+    named = dict(model=NAME, messages=ask, tools=[WEATHER_TOOL], max_tokens=40, temperature=0,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    plain = client.chat.completions.create(**named).choices[0].message.tool_calls
+    jsonschema.validate(json.loads(plain[0].function.arguments), WEATHER_TOOL["function"]["parameters"])
+    streamed = "".join(tc.function.arguments or "" for chunk in client.chat.completions.create(stream=True, **named)
+                       for ch in chunk.choices for tc in ch.delta.tool_calls or [] if tc.function)
+    assert json.loads(streamed) == json.loads(plain[0].function.arguments)
     body = {"model": NAME, "messages": ask, "tools": [WEATHER_TOOL], "tool_choice": "auto"}
     err = requests.post(f"{app}/v1/chat/completions", json=body, timeout=30)
     assert err.status_code == 400 and err.json()["error"]["param"] == "tool_choice"
