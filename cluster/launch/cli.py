@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     mm = sub.add_parser("make-model", help="write a random-weight HF model with a local tokenizer")
     mm.add_argument("dir")
     mm.add_argument("--preset", default="tiny", choices=["tiny", "small", "bench", "1b"])
-    mm.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llava"])
+    mm.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "llava"])
     mm.add_argument("--seed", type=int, default=0)
     mm.add_argument("--vision-preset", default="tiny", choices=["tiny", "bench"],
                     help="CLIP shape of a llava model (tiny: 16 image tokens; bench: 256)")

@@ -4,16 +4,19 @@ description our model uses."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
 from engine.errors import ParameterError
 from engine.models.gguf_file import find_gguf, gguf_config
-from engine.models.rotary import FREQ_FACTORS
+from engine.models.rotary import FREQ_FACTORS, LONGROPE
 
 # HF architecture name -> family flags. Llama and Mistral share a layout; Qwen2 adds a qkv
 # bias; Qwen3 adds per-head q/k RMSNorm (and keeps an explicit head_dim). The MoE families
 # replace the MLP by routed experts: Mixtral's attention is Mistral's, Qwen3-MoE's is Qwen3's.
+# Phi-3 fuses qkv and gate_up in its checkpoint (the loader splits them) and may rotate only
+# part of each head (partial_rotary_factor) with LongRoPE scaling.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": dict(qkv_bias=None, qk_norm=False),
     "MistralForCausalLM": dict(qkv_bias=False, qk_norm=False),
@@ -21,8 +24,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": dict(qkv_bias=None, qk_norm=True),
     "MixtralForCausalLM": dict(qkv_bias=False, qk_norm=False),
     "Qwen3MoeForCausalLM": dict(qkv_bias=None, qk_norm=True),
+    "Phi3ForCausalLM": dict(qkv_bias=False, qk_norm=False),
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", FREQ_FACTORS)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", LONGROPE, FREQ_FACTORS)
 # LLaVA wraps one of the LMs above; its text_config names the family by model_type.
 _TEXT_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -55,6 +59,12 @@ class ModelArch:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model that keep the dense MLP
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that rotary rotates
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head are rotated (as transformers rounds it)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -95,11 +105,14 @@ def arch_from_dict(cfg: dict) -> ModelArch:
     flags = SUPPORTED_ARCHITECTURES[name]
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; supported: ['silu']")
     attention_bias = bool(cfg.get("attention_bias", False))
     qkv_bias = attention_bias if flags["qkv_bias"] is None else flags["qkv_bias"]
     # Qwen2's o_proj never has a bias; Llama/Qwen3 put attention_bias on o_proj too.
     o_bias = attention_bias if name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") else False
-    theta, scaling = _rope(cfg)
+    head_dim = cfg.get("head_dim") or hidden // heads
+    theta, scaling, partial = _rope(cfg, head_dim)
     sliding = cfg.get("sliding_window")
     if name == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
         sliding = None
@@ -113,7 +126,7 @@ def arch_from_dict(cfg: dict) -> ModelArch:
         num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
+        head_dim=head_dim,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
@@ -125,6 +138,7 @@ def arch_from_dict(cfg: dict) -> ModelArch:
         qk_norm=flags["qk_norm"],
         sliding_window=sliding,
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        partial_rotary_factor=partial,
         **_moe_fields(name, cfg),
     )
 
@@ -148,18 +162,44 @@ def _moe_fields(name: str, cfg: dict) -> dict:
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
 
 
-def _rope(cfg: dict) -> tuple[float, dict | None]:
-    """Accept both the legacy (`rope_theta` + `rope_scaling`) and the newer
-    (`rope_parameters`) ways a config describes rotary embeddings."""
+def _rope(cfg: dict, head_dim: int) -> tuple[float, dict | None, float]:
+    """(theta, scaling, partial_rotary_factor). Accepts both the legacy (`rope_theta` +
+    `rope_scaling`, top-level `partial_rotary_factor`) and the newer (`rope_parameters`) ways a
+    config describes rotary embeddings."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
     theta = cfg.get("rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 10000.0
     merged = {**params, **scaling}
     merged.pop("rope_theta", None)
+    partial = float(merged.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
+    if not 0.0 < partial <= 1.0 or int(head_dim * partial) % 2:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1] and rotate an even number of the "
+                         f"{head_dim} head dims, got {partial}")
     rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
+    rope_type = LONGROPE if rope_type == "su" else rope_type  # Phi-3's early name for it
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
-        return float(theta), None
-    return float(theta), {"rope_type": rope_type, **merged}
+        return float(theta), None, partial
+    if rope_type == LONGROPE:
+        merged = _longrope(cfg, merged, int(head_dim * partial))
+    return float(theta), {"rope_type": rope_type, **merged}, partial
+
+
+def _longrope(cfg: dict, s: dict, rotary_dim: int) -> dict:
+    """LongRoPE's parameters made explicit as transformers derives them: the pretraining
+    length (Phi-3 keeps it at the top level, which wins) and the attention factor that scales
+    cos and sin, sqrt(1 + ln(factor) / ln(original)) with factor = max / original positions."""
+    original = cfg.get("original_max_position_embeddings") or s.get("original_max_position_embeddings") \
+        or cfg.get("max_position_embeddings", 2048)
+    for key in ("short_factor", "long_factor"):
+        if len(s.get(key) or ()) != rotary_dim // 2:
+            raise ValueError(f"rope_scaling.{key} must hold {rotary_dim // 2} factors (one per rotary "
+                             f"frequency), got {len(s.get(key) or ())}")
+    factor = s.get("factor") or cfg.get("max_position_embeddings", 2048) / original
+    attention = s.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {**s, "short_factor": tuple(s["short_factor"]), "long_factor": tuple(s["long_factor"]),
+            "original_max_position_embeddings": int(original), "attention_factor": float(attention)}

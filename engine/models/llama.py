@@ -124,7 +124,7 @@ class CausalLM(nn.Module):
         # fp32 rope table, kept out of the state dict (it is derived, not loaded). The model is
         # built on the meta device, where computing it is wasted (and runs torch's Python
         # reference ops): the loader fills it (cos_sin_cache) once the model is real.
-        self.register_buffer("cos_sin", torch.empty(max_positions, arch.head_dim, dtype=torch.float32),
+        self.register_buffer("cos_sin", torch.empty(max_positions, arch.rotary_dim, dtype=torch.float32),
                              persistent=False)
 
     def forward(

@@ -89,26 +89,23 @@ def load_model(
     model = model.to_empty(device=device)
     # The rope table is derived, not loaded: rebuild it in fp32 (to_empty left it empty).
     model.cos_sin = cos_sin_cache(
-        arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling_dict
+        arch.rotary_dim, max_positions, arch.rope_theta, arch.rope_scaling_dict
     ).to(device)
 
     params = dict(model.named_parameters())
     layout = model.layout
     loaded: set[str] = set()
     for name, read in _checkpoint_tensors(model_dir, arch):
-        target = _destination(_text_name(name), layout, params)
-        if target is None:
-            continue
-        param_name, rows, src = target
-        dst = _rows_of(params[param_name].data, rows)
-        tensor = read(src)
-        if tensor.shape != dst.shape:
-            raise ValueError(
-                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(dst.shape)}"
-            )
-        dst.copy_(tensor)
-        loaded.add(f"{param_name}:{rows}")
+        for param_name, rows, src in _destinations(_text_name(name), layout, params):
+            dst = _rows_of(params[param_name].data, rows)
+            tensor = read(src)
+            if tensor.shape != dst.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            loaded.add(f"{param_name}:{rows}")
     expected = _expected_pieces(layout, params)
     missing = sorted(expected - loaded)
     if missing:
@@ -169,6 +166,37 @@ def _rows_of(param: torch.Tensor, rows: Rows) -> torch.Tensor:
     if len(rows) == 3:
         return param[rows[0], rows[1] : rows[2]]
     return param[rows[0] : rows[1]]
+
+
+def _destinations(name: str, layout: ShardLayout, params: dict) -> list[tuple[str, Rows, Slice]]:
+    """Where a HF tensor lands: (our parameter, row range inside a fused parameter, the slice of
+    the checkpoint tensor this rank reads) for each piece; none when we do not use it. A tensor
+    the checkpoint already fuses (Phi-3's qkv_proj, gate_up_proj) lands piece by piece, so each
+    rank reads its heads of q, k and v (its rows of gate and up) from their own row ranges."""
+    split = _split_fused(name, layout)
+    if split is not None:
+        return split
+    target = _destination(name, layout, params)
+    return [] if target is None else [target]
+
+
+def _split_fused(name: str, layout: ShardLayout) -> list[tuple[str, Rows, Slice]] | None:
+    """Phi-3's fused `self_attn.qkv_proj` ([q; k; v] rows) and `mlp.gate_up_proj` ([gate; up]
+    rows): our parameters of the same names stack the same parts, this rank's share of each."""
+    m = _LAYER.match(name)
+    if m is None or m.group(2) not in ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"):
+        return None
+    arch, ours = layout.arch, f"layers.{m.group(1)}.{m.group(2)}"
+    if m.group(2).startswith("mlp."):
+        inter, whole, i0 = layout.intermediate_size, arch.intermediate_size, layout.rank * layout.intermediate_size
+        return [(ours, (part * inter, (part + 1) * inter), (0, part * whole + i0, part * whole + i0 + inter))
+                for part in (0, 1)]
+    h, hkv, d = layout.num_heads, layout.num_kv_heads, arch.head_dim
+    q0, kv0, k_at, v_at = layout.rank * h * d, layout.kv_head_start * d, arch.num_heads * d, \
+        (arch.num_heads + arch.num_kv_heads) * d
+    return [(ours, (0, h * d), (0, q0, q0 + h * d)),
+            (ours, (h * d, (h + hkv) * d), (0, k_at + kv0, k_at + kv0 + hkv * d)),
+            (ours, ((h + hkv) * d, (h + 2 * hkv) * d), (0, v_at + kv0, v_at + kv0 + hkv * d))]
 
 
 def _destination(name: str, layout: ShardLayout, params: dict) -> tuple[str, Rows, Slice] | None:

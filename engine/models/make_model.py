@@ -59,6 +59,7 @@ FAMILIES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # Mixture-of-experts shape for the MoE families at every preset: 8 experts, top-2 (Mixtral's
 # routing; Qwen3-MoE's real models use 128 experts and top-8, too many for a tiny test model).
@@ -127,8 +128,26 @@ def hf_config(family: str, preset: str, vocab_size: int, eos_ids: list[int], pad
         cfg.update(num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K, norm_topk_prob=True,
                    moe_intermediate_size=cfg["intermediate_size"] // 2, decoder_sparse_step=1,
                    mlp_only_layers=[])
+    if family == "phi3":
+        # Phi-3.5/4-mini's shape of rotary: LongRoPE over a pretraining length a quarter of the
+        # context (rope_scaling=None for plain rotary); partial_rotary_factor may be overridden.
+        cfg.update(sliding_window=None, original_max_position_embeddings=cfg["max_position_embeddings"] // 4)
     cfg.update(overrides)
+    if family == "phi3" and "rope_scaling" not in overrides:
+        rot_half = int(cfg["hidden_size"] // cfg["num_attention_heads"] * cfg.get("partial_rotary_factor", 1.0)) // 2
+        cfg["rope_scaling"] = longrope_scaling(rot_half)
     return cfg
+
+
+def longrope_scaling(n: int) -> dict:
+    """A LongRoPE rope_scaling with `n` (rotary dim / 2) factors per set, growing with the
+    wavelength like real checkpoints' but jittered, so a mixed-up or misread set shows."""
+    g = torch.Generator().manual_seed(1234)
+    ramp = torch.linspace(0.0, 1.0, n)
+    short = 1.0 + 0.5 * ramp + 0.2 * torch.rand(n, generator=g)
+    long = 1.0 + 15.0 * ramp**2 + torch.rand(n, generator=g)
+    return {"type": "longrope", "short_factor": [round(float(x), 4) for x in short],
+            "long_factor": [round(float(x), 4) for x in long]}
 
 
 def make_model(
