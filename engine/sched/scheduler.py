@@ -327,6 +327,7 @@ class Scheduler:
         self.encoder_seconds += runner_output.encoder_seconds
         if runner_output.kv_connector_output is not None:
             outputs += self.remote_kv.apply(runner_output.kv_connector_output, self._fail_request)
+        scored = runner_output.prompt_logprobs  # prompt positions scored this step, by request
         for idx, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -334,14 +335,13 @@ class Scheduler:
             new_ids = runner_output.sampled_token_ids[idx]
             if runner_output.spec_token_ids is not None:
                 request.spec_token_ids = runner_output.spec_token_ids[idx]
-            request.prompt_logprob_entries += (runner_output.prompt_logprobs or {}).get(req_id, ())
+            if scored and req_id in scored:
+                request.prompt_logprob_entries += scored[req_id]
             if not new_ids:
                 continue  # a prefill chunk: nothing to report yet
-            prompt_logprobs = None
+            prompt_logprobs = None  # the prompt's, sent once with its first token
             if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
-                # The first token: the prompt's logprobs go with it, once.
-                prompt_logprobs = [None, *request.prompt_logprob_entries]
-                request.prompt_logprob_entries = []
+                prompt_logprobs, request.prompt_logprob_entries = [None, *request.prompt_logprob_entries], []
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts:
                 # Rejected drafts' KV slots stay allocated; rewinding progress makes the next
