@@ -177,6 +177,17 @@ def hf_text(model: str, prompt: str, max_tokens: int) -> str:
     return tokenizer.decode(out, skip_special_tokens=True)
 
 
+def tiny_app(model: str, mode: str, name: str, app_name: str, engine: dict | None = None, **fields):
+    """The AppConfig of a module's app on the suite's tiny model, in `mode`: in P/D every
+    prompt is disaggregated whatever its length or the load, so the P/D path is what is tested."""
+    from cluster.launch.app_config import AppConfig
+    from engine import EngineArgs
+
+    pd = {"local_prefill_queue": 0, "max_local_prefill_length": 0} if mode == "pd" else {}
+    return AppConfig(engine_args=EngineArgs(model=model, **{**ENGINE, **(engine or {})}), mode=mode,
+                     served_model_name=name, app_name=app_name, replica_num_cpus=0, **pd, **fields)
+
+
 def openai_client(url: str):
     import openai
 

@@ -20,7 +20,7 @@ from scripts.lm_eval_parity import (
     served_model,
     served_model_args,
 )
-from tests.cluster.helpers import ENGINE, assert_no_leaks
+from tests.cluster.helpers import assert_no_leaks, tiny_app
 
 NAME = "tiny-lm-eval"
 # The shipped tasks: 12 four-way questions (one loglikelihood request per choice), 6 answers.
@@ -39,14 +39,7 @@ def mode(request):
 
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model, mode):
-    from cluster.launch.app_config import AppConfig
-    from engine import EngineArgs
-
-    # P/D: every prompt is disaggregated (queue 0, no local prefill), so the prefill side scores.
-    extra = {"local_prefill_queue": 0, "max_local_prefill_length": 0} if mode == "pd" else {}
-    cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE), mode=mode, served_model_name=NAME,
-                    app_name=f"lm-eval-{mode}", replica_num_cpus=0, **extra)
-    return deploy(cfg)
+    return deploy(tiny_app(tiny_model, mode, NAME, f"lm-eval-{mode}"))
 
 
 def test_local_completions_loglikelihoods_and_generations_equal_the_hf_backend(app, mode, hf_results):

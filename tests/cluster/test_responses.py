@@ -23,7 +23,7 @@ from cluster.http.errors import OpenAIError
 from cluster.http.front_end import FrontEnd, Job
 from cluster.http.responses import ResponsesRequest, responses_job
 from cluster.http.responses_answer import Shell, adapt
-from tests.cluster.helpers import ENGINE, assert_no_leaks
+from tests.cluster.helpers import assert_no_leaks, openai_client, tiny_app
 
 NAME = "tiny-responses"
 # A schema the grammar nearly fixes, so greedy decoding ends it (finish "stop") on a random model.
@@ -374,21 +374,12 @@ def mode(request) -> str:
 
 @pytest.fixture(scope="module")
 def app(mode, deploy, tiny_model):
-    from cluster.launch.app_config import AppConfig
-    from engine import EngineArgs
-
-    # P/D: every prompt is disaggregated whatever the load, so the P/D path is what is tested.
-    pd = {"local_prefill_queue": 0, "max_local_prefill_length": 3} if mode == "pd" else {}
-    cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE), mode=mode, served_model_name=NAME,
-                    app_name=f"responses-{mode}", replica_num_cpus=0, **pd)
-    return deploy(cfg)
+    return deploy(tiny_app(tiny_model, mode, NAME, f"responses-{mode}"))
 
 
 @pytest.fixture(scope="module")
 def client(app):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
+    return openai_client(app)
 
 
 def test_text_equals_the_chat_routes_greedy_answer(client):

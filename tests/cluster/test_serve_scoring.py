@@ -12,7 +12,7 @@ import pytest
 import requests
 import torch
 
-from tests.cluster.helpers import ENGINE, assert_no_leaks, sse_events
+from tests.cluster.helpers import assert_no_leaks, openai_client, sse_events, tiny_app
 from tests.engine.hf_reference import _hf_model, random_prompts
 
 NAME = "tiny-scoring"
@@ -25,21 +25,12 @@ def mode(request):
 
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model, mode):
-    from cluster.launch.app_config import AppConfig
-    from engine import EngineArgs
-
-    # P/D: every prompt is disaggregated (queue 0, no local prefill), so the prefill side scores.
-    extra = {"local_prefill_queue": 0, "max_local_prefill_length": 0} if mode == "pd" else {}
-    cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE), mode=mode, served_model_name=NAME,
-                    app_name=f"scoring-{mode}", replica_num_cpus=0, **extra)
-    return deploy(cfg)
+    return deploy(tiny_app(tiny_model, mode, NAME, f"scoring-{mode}"))
 
 
 @pytest.fixture(scope="module")
 def client(app):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
+    return openai_client(app)
 
 
 @pytest.fixture(scope="module")

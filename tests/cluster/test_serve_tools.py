@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 import requests
 
-from tests.cluster.helpers import ENGINE, assert_no_leaks
+from tests.cluster.helpers import assert_no_leaks, openai_client, tiny_app
 
 NAME = "tiny-tools"
 WEATHER = {"type": "function", "function": {
@@ -39,22 +39,14 @@ def mode(request):
 
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model, mode):
-    from cluster.launch.app_config import AppConfig
-    from engine import EngineArgs
-
-    extra = {"local_prefill_queue": 0} if mode == "pd" else {}
     # The tools' JSON is long in the tiny tokenizer's tokens: a longer context than the suite's.
-    cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **{**ENGINE, "max_model_len": 1024}), mode=mode,
-                    served_model_name=NAME, app_name=f"tools-{mode}", replica_num_cpus=0, enable_auto_tool_choice=True,
-                    tool_call_parser="hermes", **extra)
-    return deploy(cfg)
+    return deploy(tiny_app(tiny_model, mode, NAME, f"tools-{mode}", engine={"max_model_len": 1024},
+                           enable_auto_tool_choice=True, tool_call_parser="hermes"))
 
 
 @pytest.fixture(scope="module")
 def client(app):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
+    return openai_client(app)
 
 
 def _check_calls(calls):
