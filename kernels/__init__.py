@@ -14,7 +14,8 @@ from types import SimpleNamespace
 from kernels import reference
 
 BACKENDS = ("torch", "triton")
-_OPS = ("reshape_and_cache", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "fused_moe")
+_OPS = ("reshape_and_cache", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
+        "gelu_tanh_and_mul", "fused_moe")
 
 
 def default_backend(device_type: str) -> str:
@@ -31,7 +32,8 @@ def get_ops(backend: str = "torch", device_type: str = "cpu") -> SimpleNamespace
             from kernels.cpu.build import library
 
             library()  # built now, while the engine starts, not inside its first step
-            for name in ("paged_attention", "rms_norm", "silu_and_mul", "rotary_embedding", "reshape_and_cache"):
+            for name in ("paged_attention", "rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding",
+                         "reshape_and_cache"):
                 setattr(ops, name, getattr(cpu, name))
         return ops
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -37,11 +37,19 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [R] int32, context length including this step's tokens
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D]
+    *,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context.
 
-    Query i of a request with q_len new tokens sees keys [0, seq_len - q_len + i]. KV heads
-    are shared by groups of H // Hkv query heads (GQA/MQA).
+    Query i of a request with q_len new tokens sits at position p = seq_len - q_len + i and
+    sees keys [0, p]. KV heads are shared by groups of H // Hkv query heads (GQA/MQA).
+
+    sliding_window W > 0: it sees only keys (p - W, p], W keys including itself. softcap
+    c > 0: each score s = (q . k) * scale becomes c * tanh(s / c) before masking and softmax
+    (Gemma 2). Blocks wholly before the window of a request's first query are never read,
+    so their table entries may point anywhere (the engine frees them).
 
     Single-token (decode) requests are batched into one call; multi-token (prefill) requests
     run one by one so that no FLOPs go to padding and a full prefill uses causal SDPA.
@@ -50,6 +58,11 @@ def paged_attention(
         out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     ctx = seq_lens.tolist()
+    if sliding_window > 0 or softcap > 0:
+        rows = [r for r in range(len(ctx)) if starts[r + 1] > starts[r]]
+        windowed_attention(q, key_cache, value_cache, block_table, starts, ctx, rows, scale, out,
+                           sliding_window, softcap)
+        return out
     decode_rows = [r for r in range(len(ctx)) if starts[r + 1] - starts[r] == 1]
     if decode_rows:
         _decode_attention(q, key_cache, value_cache, block_table, starts, ctx, decode_rows, scale, out)
@@ -59,9 +72,14 @@ def paged_attention(
 
 
 def prefill_attention(q, key_cache, value_cache, block_table, starts: list[int], ctx: list[int],
-                      rows: list[int], scale: float, out: torch.Tensor) -> None:
+                      rows: list[int], scale: float, out: torch.Tensor, sliding_window: int = 0,
+                      softcap: float = 0.0) -> None:
     """paged_attention for `rows` (each with more than one query token), one request at a
     time: causal SDPA over its gathered context, written into `out`."""
+    if sliding_window > 0 or softcap > 0:
+        windowed_attention(q, key_cache, value_cache, block_table, starts, ctx, rows, scale, out,
+                           sliding_window, softcap)
+        return
     for r in rows:
         q_len = starts[r + 1] - starts[r]
         k, v = _gather_context(key_cache, value_cache, block_table[r : r + 1], ctx[r])  # [1, Hkv, L, D]
@@ -101,6 +119,73 @@ def _decode_attention(q, key_cache, value_cache, block_table, starts, ctx, rows,
             qd, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
         )
         out[tok] = o.squeeze(2).to(out.dtype)
+
+
+# Queries per step of a windowed/softcapped prefill: bounds its scores to CHUNK x (CHUNK + W).
+_QUERY_CHUNK = 256
+
+
+def windowed_attention(q, key_cache, value_cache, block_table, starts: list[int], ctx: list[int],
+                       rows: list[int], scale: float, out: torch.Tensor, window: int,
+                       softcap: float) -> None:
+    """paged_attention for `rows` with a sliding window and/or a logit softcap: decodes batched
+    in buckets of similar span, prefills in chunks of queries, each over only the keys it can
+    see, gathered from the first block that holds one of them."""
+    dev = key_cache.device
+    decode = [r for r in rows if starts[r + 1] - starts[r] == 1]
+    span = {r: min(ctx[r], window) if window > 0 else ctx[r] for r in decode}
+    buckets = _length_buckets(sorted(decode, key=span.get), span, key_cache[0, 0].numel()) if decode else []
+    for bucket in buckets:
+        tok = torch.tensor([starts[r] for r in bucket], device=dev)
+        qpos = torch.tensor([[ctx[r] - 1] for r in bucket], device=dev)
+        o = _attend(q[tok].unsqueeze(2), key_cache, value_cache,
+                    block_table[torch.tensor(bucket, device=block_table.device)], qpos, scale, window, softcap)
+        out[tok] = o.squeeze(2).to(out.dtype)
+    for r in rows:
+        q_len = starts[r + 1] - starts[r]
+        if q_len == 1:
+            continue
+        for i0 in range(0, q_len, _QUERY_CHUNK):
+            i1 = min(i0 + _QUERY_CHUNK, q_len)
+            qr = q[starts[r] + i0 : starts[r] + i1].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            qpos = torch.arange(ctx[r] - q_len + i0, ctx[r] - q_len + i1, device=dev).unsqueeze(0)
+            o = _attend(qr, key_cache, value_cache, block_table[r : r + 1], qpos, scale, window, softcap)
+            out[starts[r] + i0 : starts[r] + i1] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def _attend(qb, key_cache, value_cache, table, qpos, scale: float, window: int, softcap: float):
+    """Attention of queries qb [R, H, n, D] at ascending positions qpos [R, n], each row over
+    the blocks of its table row [R, max_blocks] -> fp32 [R, H, n, D]."""
+    R, H, n, D = qb.shape
+    block_size, Hkv = key_cache.shape[1:3]
+    dev = qpos.device
+    lo = (qpos[:, 0] - window + 1).clamp(min=0) if window > 0 else torch.zeros(R, dtype=torch.long, device=dev)
+    hi = qpos[:, -1] + 1
+    first = lo // block_size
+    nb = int((-(-hi // block_size) - first).max())
+    # Shorter rows of a bucket run past their own blocks: clamped to the table, zeroed below.
+    blocks = (first[:, None] + torch.arange(nb, device=dev)).clamp(max=table.shape[1] - 1)
+    ids = table.to(dev).long().gather(1, blocks).reshape(-1)
+    pos = first[:, None] * block_size + torch.arange(nb * block_size, device=dev)  # [R, L]
+    inside = (pos >= lo[:, None]) & (pos < hi[:, None])
+    kv = []
+    for cache in (key_cache, value_cache):
+        x = cache.index_select(0, ids).view(R, nb * block_size, Hkv, D).float()
+        # Masked keys still meet the softmax as 0 * value: NaN in a stale or unwritten slot
+        # would leak through, so they are zeroed.
+        kv.append(x.masked_fill_(~inside[:, :, None, None], 0.0).transpose(1, 2))  # [R, Hkv, L, D]
+    k, v = kv
+    mask = inside[:, None, :] & (pos[:, None, :] <= qpos[:, :, None])  # [R, n, L]
+    if window > 0:
+        mask &= pos[:, None, :] > qpos[:, :, None] - window
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(qb.float(), k, v, attn_mask=mask[:, None], scale=scale,
+                                              enable_gqa=Hkv != H)
+    # SDPA has no softcap: scores in fp32, grouped so GQA needs no repeated K/V.
+    G = H // Hkv
+    s = torch.matmul(qb.float().reshape(R, Hkv, G, n, D), k.unsqueeze(2).transpose(-1, -2)) * scale
+    s = torch.tanh(s.div_(softcap)).mul_(softcap).masked_fill_(~mask[:, None, None], float("-inf"))
+    return torch.matmul(s.softmax(-1), v.unsqueeze(2)).reshape(R, H, n, D)
 
 
 # Padded K/V elements an extra attention call must save to pay for its fixed cost (~0.1 ms of
@@ -175,6 +260,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     # silu on a contiguous copy is several times faster on CPU than on the strided half.
     gate = x[..., :d].contiguous()
     return F.silu(gate, inplace=True).mul_(x[..., d:])
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2d] -> gelu(x[..., :d], approximate="tanh") * x[..., d:] (GeGLU, Gemma's MLP)"""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh").mul_(x[..., d:])
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

@@ -2,9 +2,10 @@
 kernels.reference: same signatures, same results up to float rounding.
 
 `paged_attention` runs rows with at most `NATIVE_MAX_QUERY_LEN` query tokens (decode, short
-chunks) in C straight off the paged cache, longer ones through the reference's SDPA. The
-per-token ops (rms_norm, silu_and_mul, neox rotary, reshape_and_cache) are one fused pass
-each. Whatever the C code does not cover (not fp32, odd sizes or strides, no compiler,
+chunks) in C straight off the paged cache (a sliding window's rows from its first visible key
+on), longer ones through the reference's prefill path. The per-token ops (rms_norm,
+silu_and_mul, gelu_tanh_and_mul, neox rotary, reshape_and_cache) are one fused pass each.
+Whatever the C code does not cover (not fp32, odd sizes or strides, no compiler,
 PDSERVE_CPU_KERNELS=0) runs the reference unchanged.
 """
 
@@ -37,6 +38,9 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [R] int32
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D]
+    *,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """kernels.reference.paged_attention, short query runs in C (module docstring)."""
     if out is None:
@@ -53,19 +57,22 @@ def paged_attention(
     )
     if not native:
         return reference.paged_attention(q, key_cache, value_cache, block_table, query_start_loc,
-                                         seq_lens, scale, out)
+                                         seq_lens, scale, out, sliding_window=sliding_window,
+                                         softcap=softcap)
     _, block_size, Hkv, _ = key_cache.shape
     lib.paged_attention_rows_f32(
         q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
         block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-        seq_lens.shape[0], NATIVE_MAX_QUERY_LEN, q.shape[1], Hkv, D, block_size, scale, out.data_ptr(),
-        out.stride(0), out.stride(1), torch.get_num_threads(),
+        seq_lens.shape[0], NATIVE_MAX_QUERY_LEN, q.shape[1], Hkv, D, block_size, scale,
+        max(sliding_window, 0), max(softcap, 0.0), out.data_ptr(), out.stride(0), out.stride(1),
+        torch.get_num_threads(),
     )
     starts = query_start_loc.numpy()
     long = np.flatnonzero(np.diff(starts) > NATIVE_MAX_QUERY_LEN)
     if len(long):
         reference.prefill_attention(q, key_cache, value_cache, block_table, starts.tolist(),
-                                    seq_lens.tolist(), long.tolist(), scale, out)
+                                    seq_lens.tolist(), long.tolist(), scale, out, sliding_window,
+                                    softcap)
     return out
 
 
@@ -99,6 +106,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*x.shape[:-1], d), dtype=F32)
     lib.silu_and_mul_f32(x.data_ptr(), x.stride(-2) if x.dim() > 1 else 2 * d, out.data_ptr(), T, d,
                          torch.get_num_threads())
+    return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """kernels.reference.gelu_tanh_and_mul in one pass."""
+    lib = library()
+    d = x.shape[-1] // 2
+    if lib is None or not _rows(x) or d % 8:
+        return reference.gelu_tanh_and_mul(x)
+    T = x.numel() // x.shape[-1]
+    out = torch.empty((*x.shape[:-1], d), dtype=F32)
+    lib.gelu_tanh_and_mul_f32(x.data_ptr(), x.stride(-2) if x.dim() > 1 else 2 * d, out.data_ptr(), T,
+                              d, torch.get_num_threads())
     return out
 
 

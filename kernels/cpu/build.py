@@ -22,9 +22,10 @@ _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes
 # C signatures, in the order of the arguments of each function.
 _SIGNATURES = {
     "paged_attention_rows_f32": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64,
-                                 _I64, _I64, _I64, _I64, _F32, _PTR, _I64, _I64, _INT],
+                                 _I64, _I64, _I64, _I64, _F32, _I64, _F32, _PTR, _I64, _I64, _INT],
     "rms_norm_f32": [_PTR, _I64, _PTR, _I64, _PTR, _F32, _PTR, _PTR, _I64, _I64, _INT],
     "silu_and_mul_f32": [_PTR, _I64, _PTR, _I64, _I64, _INT],
+    "gelu_tanh_and_mul_f32": [_PTR, _I64, _PTR, _I64, _I64, _INT],
     "rotary_neox_f32": [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64,
                         _I64, _I64, _INT],
     "reshape_and_cache_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],

@@ -1,8 +1,9 @@
 /* Fused fp32 CPU kernels for the per-token ops around the GEMMs: each is one pass over its
  * rows where the torch reference makes several (and allocates a temporary per pass).
- * Contracts: kernels.reference.{rms_norm, silu_and_mul, rotary_embedding (neox),
- * reshape_and_cache}. Rows are parallel over OpenMP threads once there is enough work to pay
- * for waking them. Every row length here is a multiple of 8 (the Python side checks).
+ * Contracts: kernels.reference.{rms_norm, silu_and_mul, gelu_tanh_and_mul,
+ * rotary_embedding (neox), reshape_and_cache}. Rows are parallel over OpenMP threads once
+ * there is enough work to pay for waking them. Every row length here is a multiple of 8 (the
+ * Python side checks).
  */
 #include <math.h>
 #include <stdint.h>
@@ -55,6 +56,23 @@ void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t T, i
         for (int64_t j = 0; j < d; j += 8) {
             const v8 a = load8(g + j);
             store8(o + j, a / (splat(1.0f) + exp8(-a)) * load8(u + j));
+        }
+    }
+}
+
+/* out[t, j] = gelu_tanh(x[t, j]) * x[t, d + j]. 0.5 a (1 + tanh(y)) = a / (1 + e^(-2y)):
+ * one exp8, and no cancellation in 1 + tanh(y) for negative a. */
+void gelu_tanh_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t T, int64_t d,
+                           int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * d >= PARALLEL_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * x_stride;
+        const float *u = g + d;
+        float *o = out + t * d;
+        for (int64_t j = 0; j < d; j += 8) {
+            const v8 a = load8(g + j);
+            const v8 y = splat(0.7978845608028654f) * (a + splat(0.044715f) * a * a * a);
+            store8(o + j, a / (splat(1.0f) + exp8(splat(-2.0f) * y)) * load8(u + j));
         }
     }
 }

@@ -3,8 +3,8 @@
  * The torch reference gathers every request's context out of its blocks into a dense copy
  * and then reads that copy again in SDPA; for decode that copy is most of the work. This
  * reads K and V straight from the paged cache, once, with an online softmax per chunk.
- * Contract: kernels.reference.paged_attention restricted to the rows with
- * 1 <= q_len <= max_query_len (the others are left to the caller).
+ * Contract: kernels.reference.paged_attention (sliding window and softcap included)
+ * restricted to the rows with 1 <= q_len <= max_query_len (the others are left to the caller).
  *
  * Layouts (all contiguous in the last dimension):
  *   q, out        [T, H, D] with token / head strides
@@ -36,11 +36,12 @@ static inline v8 sum8x8(const v8 a[8]) {
            __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-/* Scores of keys k[0..n) (rows token_stride apart, 1 <= n <= 8) against q, times scale;
- * lanes past n are -inf. Always eight rows (the missing ones repeat the last) so the
- * accumulators stay in registers. */
+/* Scores of keys k[0..n) (rows token_stride apart, 1 <= n <= 8) against q, times scale,
+ * then softcapped to softcap * tanh(s / softcap) when softcap > 0; lanes past n are -inf.
+ * Always eight rows (the missing ones repeat the last) so the accumulators stay in
+ * registers. */
 static inline v8 scores8(const float *q, const float *k, int64_t n, int64_t token_stride,
-                         int64_t D, float scale) {
+                         int64_t D, float scale, float softcap) {
     const float *row[8];
     for (int j = 0; j < 8; j++) row[j] = k + (j < n ? j : n - 1) * token_stride;
     v8 acc[8];
@@ -50,6 +51,7 @@ static inline v8 scores8(const float *q, const float *k, int64_t n, int64_t toke
         for (int j = 0; j < 8; j++) acc[j] += qd * load8(row[j] + d);
     }
     v8 s = sum8x8(acc) * splat(scale);
+    if (softcap > 0.0f) s = splat(softcap) * tanh8(s * splat(1.0f / softcap));
     for (int64_t j = n; j < 8; j++) s[j] = -INFINITY;
     return s;
 }
@@ -60,10 +62,12 @@ static inline float max8(v8 x) {
     return m;
 }
 
-/* All H heads of one query token over its first `visible` context positions. */
+/* All H heads of one query token over context positions [first, visible). Blocks before
+ * `first` are never touched: a sliding window's caller may have freed them. */
 static void attend_token(const float *q, int64_t q_stride_h, const float *kc, const float *vc,
-                         const int32_t *blocks, int64_t visible, int64_t block_size, int64_t H,
-                         int64_t Hkv, int64_t D, float scale, float *out, int64_t out_stride_h) {
+                         const int32_t *blocks, int64_t first, int64_t visible, int64_t block_size,
+                         int64_t H, int64_t Hkv, int64_t D, float scale, float softcap, float *out,
+                         int64_t out_stride_h) {
     const int64_t group = H / Hkv;
     const int64_t token_stride = Hkv * D;
     float acc[MAX_HD];
@@ -74,7 +78,7 @@ static void attend_token(const float *q, int64_t q_stride_h, const float *kc, co
         m[h] = -INFINITY;
         l[h] = 0.0f;
     }
-    for (int64_t start = 0; start < visible;) {
+    for (int64_t start = first; start < visible;) {
         /* A chunk never crosses a block: its keys are consecutive rows of one block. */
         const int64_t off = start % block_size;
         int64_t n = block_size - off;
@@ -98,7 +102,8 @@ static void attend_token(const float *q, int64_t q_stride_h, const float *kc, co
             float cmax = -INFINITY;
             for (int64_t c = 0; c < nvec; c++) {
                 const int64_t rows = n - 8 * c < 8 ? n - 8 * c : 8;
-                p[c] = scores8(q + h * q_stride_h, k + 8 * c * token_stride, rows, token_stride, D, scale);
+                p[c] = scores8(q + h * q_stride_h, k + 8 * c * token_stride, rows, token_stride, D,
+                               scale, softcap);
                 const float cm = max8(p[c]);
                 cmax = cm > cmax ? cm : cmax;
             }
@@ -136,8 +141,9 @@ void paged_attention_rows_f32(const float *q, int64_t q_stride_t, int64_t q_stri
                               const int32_t *block_table, int64_t bt_stride,
                               const int32_t *query_start, const int32_t *seq_lens,
                               int64_t num_reqs, int64_t max_query_len, int64_t H, int64_t Hkv,
-                              int64_t D, int64_t block_size, float scale, float *out,
-                              int64_t out_stride_t, int64_t out_stride_h, int num_threads) {
+                              int64_t D, int64_t block_size, float scale, int64_t window,
+                              float softcap, float *out, int64_t out_stride_t,
+                              int64_t out_stride_h, int num_threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t q_first = query_start[r];
@@ -146,10 +152,13 @@ void paged_attention_rows_f32(const float *q, int64_t q_stride_t, int64_t q_stri
         const int64_t ctx = seq_lens[r];
         for (int64_t i = 0; i < q_len; i++) {
             const int64_t t = q_first + i;
-            /* Causal: query i of q_len sees keys [0, ctx - q_len + i]. */
+            /* Causal: query i of q_len sees keys [0, ctx - q_len + i]; a window of W keeps
+             * the last W of them, so a decode costs O(W), not O(ctx). */
+            const int64_t visible = ctx - q_len + i + 1;
+            const int64_t first = window > 0 && visible > window ? visible - window : 0;
             attend_token(q + t * q_stride_t, q_stride_h, key_cache, value_cache,
-                         block_table + r * bt_stride, ctx - q_len + i + 1, block_size, H, Hkv, D,
-                         scale, out + t * out_stride_t, out_stride_h);
+                         block_table + r * bt_stride, first, visible, block_size, H, Hkv, D,
+                         scale, softcap, out + t * out_stride_t, out_stride_h);
         }
     }
 }

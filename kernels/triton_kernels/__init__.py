@@ -5,7 +5,7 @@ CUDA, and on CPU under TRITON_INTERPRET=1 (which is how the tests check them). I
 upcast to fp32 inside the kernels before any arithmetic, so fp16/bf16 work in the interpreter.
 """
 
-from kernels.triton_kernels.activation import silu_and_mul
+from kernels.triton_kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.triton_kernels.attention import paged_attention
 from kernels.triton_kernels.bitmask import apply_token_bitmask
 from kernels.triton_kernels.cache import reshape_and_cache
@@ -13,4 +13,5 @@ from kernels.triton_kernels.moe import fused_moe
 from kernels.triton_kernels.norm import rms_norm
 from kernels.triton_kernels.rotary import rotary_embedding
 
-__all__ = ["apply_token_bitmask", "fused_moe", "paged_attention", "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = ["apply_token_bitmask", "fused_moe", "gelu_tanh_and_mul", "paged_attention", "reshape_and_cache",
+           "rms_norm", "rotary_embedding", "silu_and_mul"]

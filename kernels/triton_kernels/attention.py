@@ -10,6 +10,12 @@ K/V are addressed per token through the block table, so the tile size BLOCK_N is
 of the page size. With NUM_SPLITS > 1 (decode-only batches with few programs), each split
 covers a contiguous share of the context and writes an unnormalised partial result that
 `_reduce_splits_kernel` merges (split-KV / flash-decoding).
+
+Sliding window (WINDOWED, runtime `window`): a tile's KV range starts at the first key its
+first query sees, so a decode costs O(window); keys before that are masked out of the loads,
+never read (their blocks may be freed). Softcap (SOFTCAPPED, runtime `softcap`): scores pass
+through softcap * tanh(s / softcap) before masking. Both flags are constexpr so the plain
+path compiles exactly as without them.
 """
 
 from __future__ import annotations
@@ -37,14 +43,23 @@ def _find_request(qsl_ptr, tile, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp(-2|x|), in (0, 1]: no overflow for any score (tl has no tanh)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
-    scale, num_reqs, num_tokens,
+    scale, window, softcap, num_reqs, num_tokens,
     q_st, q_sh, o_st, o_sh, c_sb, c_so, c_sh, bt_stride,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -73,8 +88,16 @@ def _paged_attention_kernel(
     last_key = ctx - q_len + qi  # [BLOCK_M]
     tile_end = tl.minimum(ctx - q_len + first + BLOCK_Q, ctx)  # keys this tile may need
     tile_end = tl.where(first < q_len, tile_end, 0)
-    per_split = tl.cdiv(tl.cdiv(tile_end, BLOCK_N), NUM_SPLITS) * BLOCK_N
-    kv_lo = split * per_split
+    if WINDOWED:
+        # The tile's first query sees the earliest keys; the splits share [kv_first, tile_end)
+        # from the BLOCK_N boundary below kv_first (loads below kv_first are masked).
+        kv_first = tl.maximum(ctx - q_len + first - window + 1, 0)
+        kv_base = kv_first // BLOCK_N * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(tile_end - kv_base, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        kv_lo = kv_base + split * per_split
+    else:
+        per_split = tl.cdiv(tl.cdiv(tile_end, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        kv_lo = split * per_split
     kv_hi = tl.minimum(kv_lo + per_split, tile_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -84,6 +107,8 @@ def _paged_attention_kernel(
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_hi
+        if WINDOWED:
+            pos_ok = pos_ok & (pos >= kv_first)
         page = tl.load(block_table_ptr + r * bt_stride + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
         kv_off = page * c_sb + (pos % PAGE) * c_so + kvh * c_sh
         kv_mask = pos_ok[:, None] & d_ok[None, :]
@@ -93,10 +118,16 @@ def _paged_attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         if UPCAST:  # fp32 math: no TF32 shortcuts on GPU
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.dot(q, tl.trans(k))
+        if SOFTCAPPED:
+            s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
+        else:
+            s = s * qk_scale
         visible = (pos[None, :] <= last_key[:, None]) & pos_ok[None, :] & row_ok[:, None]
+        if WINDOWED:
+            visible = visible & (pos[None, :] > last_key[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -156,10 +187,11 @@ def default_num_splits(num_reqs: int, num_kv_heads: int, decode_only: bool, devi
 
 
 def paged_attention(q, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
-                    out=None, *, num_kv_splits: int | None = None, block_q: int | None = None,
+                    out=None, *, sliding_window: int = 0, softcap: float = 0.0,
+                    num_kv_splits: int | None = None, block_q: int | None = None,
                     block_n: int | None = None):
-    """Contract of kernels.reference.paged_attention. Keyword-only extras tune the launch
-    (tests use them to exercise split-KV and small tiles)."""
+    """Contract of kernels.reference.paged_attention. The keyword-only extras after softcap
+    tune the launch (tests use them to exercise split-KV and small tiles)."""
     T, H, D = q.shape
     num_blocks, page, hkv, d2 = key_cache.shape
     assert d2 == D and H % hkv == 0, "q heads must be a multiple of KV heads"
@@ -185,12 +217,13 @@ def paged_attention(q, key_cache, value_cache, block_table, query_start_loc, seq
         part_acc = part_ml = out  # unused
     _paged_attention_kernel[(num_tiles, hkv, splits)](
         q, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
-        part_acc, part_ml, scale, R, T,
+        part_acc, part_ml, scale, max(int(sliding_window), 0), max(float(softcap), 0.0), R, T,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         NUM_HEADS=H, GROUP=group, G_PAD=g_pad, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
         PAGE=page, BLOCK_Q=bq, BLOCK_N=bn, NUM_SPLITS=splits,
         UPCAST=_INTERPRET or q.dtype == torch.float32,
+        WINDOWED=sliding_window > 0, SOFTCAPPED=softcap > 0,
     )
     if splits > 1:
         _reduce_splits_kernel[(T, H)](

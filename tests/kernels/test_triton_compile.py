@@ -33,19 +33,20 @@ def _ints(*names):
 ATTN_SIG = {
     "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_table_ptr": "*i32",
     "qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
-    "part_ml_ptr": "*fp32", "scale": "fp32",
+    "part_ml_ptr": "*fp32", "scale": "fp32", "window": "i32", "softcap": "fp32",
     **_ints("num_reqs", "num_tokens", "q_st", "q_sh", "o_st", "o_sh", "c_sb", "c_so", "c_sh", "bt_stride"),
 }
 
 
-def compile_paged_attention(splits, upcast, head_dim, group):
+def compile_paged_attention(splits, upcast, head_dim, group, gemma=False):
     g_pad = triton.next_power_of_2(group)
     sig = dict(ATTN_SIG)
     if upcast:
         sig.update({k: "*fp32" for k in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")})
     ptx = _compile(attention._paged_attention_kernel, sig, dict(
         NUM_HEADS=group * 2, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, BLOCK_D=head_dim, PAGE=16,
-        BLOCK_Q=max(1, 64 // g_pad), BLOCK_N=64, NUM_SPLITS=splits, UPCAST=upcast))
+        BLOCK_Q=max(1, 64 // g_pad), BLOCK_N=64, NUM_SPLITS=splits, UPCAST=upcast,
+        WINDOWED=gemma, SOFTCAPPED=gemma))
     assert ".entry" in ptx
 
 
@@ -65,6 +66,7 @@ def compile_elementwise():
     _compile(norm._rms_norm_kernel, norm_sig, dict(HAS_RESIDUAL=True, BLOCK=2048))
     act_sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", **_ints("x_stride", "out_stride", "d")}
     _compile(activation._silu_and_mul_kernel, act_sig, dict(BLOCK=1024))
+    _compile(activation._gelu_tanh_and_mul_kernel, act_sig, dict(BLOCK=1024))
     rot_sig = {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "cache_ptr": "*fp32", "qo_ptr": "*bf16",
                "ko_ptr": "*bf16", **_ints("q_st", "q_sh", "k_st", "k_sh", "qo_st", "qo_sh", "ko_st", "ko_sh",
                                           "cache_stride", "num_q_heads", "num_k_heads", "head_dim")}
@@ -85,10 +87,11 @@ def compile_fused_moe(dtype: str, upcast: bool):
 
 
 def main() -> None:
-    # (splits, upcast, head_dim, group). The fp32 (upcast) path is compiled at head_dim 64: at
-    # 256 the same code takes ~18 s of LLVM/ptxas time (fp32 tiles twice as wide), which no
-    # other check needs; head_dim 256 is compiled on the bf16 path.
-    for case in [(1, False, 128, 4), (4, False, 64, 7), (1, False, 256, 1), (2, True, 64, 4)]:
+    # (splits, upcast, head_dim, group[, sliding window and softcap]). The fp32 (upcast) path is
+    # compiled at head_dim 64: at 256 the same code takes ~18 s of LLVM/ptxas time (fp32 tiles
+    # twice as wide), which no other check needs; head_dim 256 is compiled on the bf16 path.
+    for case in [(1, False, 128, 4), (4, False, 64, 7), (1, False, 256, 1), (2, True, 64, 4),
+                 (4, False, 256, 2, True)]:
         compile_paged_attention(*case)
         print("compiled paged_attention", case)
     compile_split_reduce()
@@ -107,7 +110,7 @@ def test_all_kernels_compile_for_hopper():
     proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_triton_compile"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 8
+    assert proc.stdout.count("compiled") == 9
 
 
 if __name__ == "__main__":
