@@ -55,6 +55,8 @@ class EngineArgs:
     num_kv_blocks: int | None = _arg(None, "number of KV cache blocks (overrides kv_cache_memory_gb)")
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory the engine may use")
     kernel_block_size: int | None = _arg(None, "tokens per attention-kernel page (divides block_size)")
+    disable_hybrid_kv_cache_manager: bool = _arg(False, "keep every block of a sliding-window layer "
+                                                 "(default: free those out of every window)")
     # scheduler
     max_num_seqs: int = _arg(256, "most requests in one step")
     max_num_batched_tokens: int | None = _arg(None, "token budget of one step (default: 8192 on "
@@ -161,6 +163,7 @@ class EngineArgs:
                 num_kv_blocks=self.num_kv_blocks,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kernel_block_size=self.kernel_block_size,
+                disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

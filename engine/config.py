@@ -51,6 +51,8 @@ class CacheConfig:
     # Attention kernels may page at a finer granularity than the allocator (docs/architecture.md#contracts):
     # each allocation block is split into block_size // kernel_block_size kernel blocks.
     kernel_block_size: int | None = None
+    # Sliding-window layers keep all their blocks, as full attention does (vLLM's flag).
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size)

@@ -16,6 +16,7 @@ from engine.distributed import SINGLE_DP, DPPlacement
 from engine.errors import ParameterError
 from engine.executor import Executor, WorkerConfig, executor_class
 from engine.kv_cache import KVCacheManager
+from engine.kv_cache.hybrid import kv_groups, split_blocks, window_blocks_bound
 from engine.kv_connector import KVConnectorFactory, KVConnectorRole
 from engine.load import EngineLoad, SpecDecodeCounts, summed_counters
 from engine.models.arch import ModelArch, load_arch
@@ -48,10 +49,6 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
     limit = arch.max_position_embeddings
-    if arch.sliding_window is not None and arch.sliding_window < limit:
-        # Sliding-window attention is not implemented; within the window it is full attention.
-        logger.warning("capping max_model_len to the sliding window (%d)", arch.sliding_window)
-        limit = arch.sliding_window
     if requested is None:
         return limit
     if requested > limit:
@@ -115,7 +112,10 @@ class EngineCore:
         if executor_cls is None:
             executor_cls = executor_class(config.parallel.executor_backend)
         self.executor = executor_cls(worker_config, kv_connector_factory)
-        num_blocks = self._determine_num_blocks()
+        spec = config.speculative
+        self.kv_groups = kv_groups(self.arch, disabled=cc.disable_hybrid_kv_cache_manager,
+                                   draft_model=bool(spec and spec.method == "draft_model"))
+        num_blocks, num_window_blocks = self._determine_num_blocks()
         if self.device.type == "cpu":
             # One throwaway forward, so the first real request does not pay for first-touch
             # allocations and kernel set-up (measured ~1.7 s on the small model). On CUDA the
@@ -124,8 +124,10 @@ class EngineCore:
             # about a minute and warms nothing worth having: a few tokens exercise the same code.
             warmup = _WARMUP_TOKENS if backend == "torch" else 8
             self.executor.profile_run(min(sc.max_num_batched_tokens, warmup))
-        self.executor.initialize_kv_cache(num_blocks)
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.executor.initialize_kv_cache(num_blocks, num_window_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cc.block_size, cc.enable_prefix_caching, main_window=self.kv_groups.main_window,
+            window=self.kv_groups.window, num_window_blocks=num_window_blocks)
         self.connector = (kv_connector_factory(KVConnectorRole.SCHEDULER)
                           if kv_connector_factory is not None else None)
         self.idle = True
@@ -138,7 +140,6 @@ class EngineCore:
             self._structured_output_backend, self.arch.vocab_size, sc.max_num_seqs)
         self._wakeup = None
         self.encoder_cache, encoder_budget = self._encoder_cache(sc.max_num_batched_tokens)
-        spec = config.speculative
         self.scheduler = Scheduler(sc, cc, self.kv_cache_manager, self.max_model_len, self.connector,
                                    self.structured_output_manager, self.encoder_cache, encoder_budget,
                                    num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
@@ -149,31 +150,47 @@ class EngineCore:
         self.structured_output_backend_built = self.structured_output_manager.prebuild()
         tokens = num_blocks * cc.block_size
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens; max concurrency %.2fx at %d tokens/request",
+            "KV cache: %d blocks of %d tokens = %d tokens; max concurrency %.2fx at %d tokens/request%s",
             num_blocks, cc.block_size, tokens, tokens / self.max_model_len, self.max_model_len,
+            f"; sliding-window layers: {num_window_blocks} blocks of their own" if num_window_blocks else "",
         )
 
-    def _determine_num_blocks(self) -> int:
-        cc = self.config.cache
+    def _determine_num_blocks(self) -> tuple[int, int]:
+        """(main group blocks, window group blocks; 0 without one: engine.kv_cache.hybrid)."""
+        cc, sc = self.config.cache, self.scheduler_config
         per_block = self.executor.kv_bytes_per_block()
         blocks_per_seq = -(-self.max_model_len // cc.block_size)
+        groups = self.kv_groups
+        memory = None
         if cc.num_kv_blocks is not None:
             n = cc.num_kv_blocks
         elif cc.kv_cache_memory_gb is not None:
-            n = num_blocks_for_memory(int(cc.kv_cache_memory_gb * 2**30), per_block)
+            memory = int(cc.kv_cache_memory_gb * 2**30)
         elif self.device.type == "cuda":
-            n = num_blocks_for_memory(self.executor.determine_available_memory(), per_block)
+            memory = self.executor.determine_available_memory()
         else:
+            memory = int(_CPU_DEFAULT_KV_GB * 2**30)
+        num_window = 0
+        if groups.hybrid:
+            # A block of each group costs its own layers' share of a block of every layer.
+            window_bytes = per_block * groups.num_window_layers // self.arch.num_layers
+            spec = self.config.speculative
+            bound = window_blocks_bound(groups.window, cc.block_size, sc.max_num_seqs, sc.max_num_batched_tokens,
+                                        spec.num_speculative_tokens if spec else 0)
+            n, num_window = split_blocks(None if memory is not None else n, memory, per_block - window_bytes,
+                                         window_bytes, bound)
+        elif memory is not None:
+            n = num_blocks_for_memory(memory, per_block)
+        if memory is not None and cc.kv_cache_memory_gb is None and self.device.type != "cuda":
             # No point in more blocks than max_num_seqs full-length requests can use.
-            cap = blocks_per_seq * self.scheduler_config.max_num_seqs
-            n = min(num_blocks_for_memory(int(_CPU_DEFAULT_KV_GB * 2**30), per_block), cap)
+            n = min(n, blocks_per_seq * sc.max_num_seqs)
         if n < blocks_per_seq:
             raise ValueError(
                 f"KV cache of {n} blocks ({n * cc.block_size} tokens) cannot hold one request of "
                 f"max_model_len={self.max_model_len}; raise num_kv_blocks/kv_cache_memory_gb to at "
                 f"least {blocks_per_seq} blocks or lower max_model_len"
             )
-        return n
+        return n, num_window
 
     def _encoder_cache(self, step_tokens: int) -> tuple[EncoderCacheManager | None, int]:
         """(encoder cache bookkeeping, per-step encoder budget); (None, 0) for a text model."""

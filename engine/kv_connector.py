@@ -36,6 +36,12 @@ class KVConnectorRole(enum.Enum):
     WORKER = "worker"
 
 
+# A request's block ids, one list per KV cache group (engine.kv_cache.hybrid): the main
+# group's first; a hybrid model's sliding-window group second, the null block where blocks
+# fell out of the window.
+GroupBlockIds = tuple[list[int], ...]
+
+
 @dataclass
 class KVConnectorMetadata:
     """What the scheduler side tells the worker side for one step. Subclasses add their
@@ -61,7 +67,7 @@ class KVConnectorBase(ABC):
         WAITING_FOR_REMOTE_KVS until the worker side reports it in `finished_recving`)."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, block_ids: GroupBlockIds, num_external_tokens: int) -> None:
         """Blocks were allocated for a request being admitted, the last
         `num_external_tokens` of its computed tokens to be filled from outside."""
 
@@ -77,15 +83,16 @@ class KVConnectorBase(ABC):
         blocks, made loaded requests schedulable, failed or recomputed failed loads)."""
 
     @abstractmethod
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
+    def request_finished(self, request: Request, block_ids: GroupBlockIds) -> tuple[bool, KVTransferParams | None]:
         """A request finished (any reason). Returns (delay_free_blocks, kv_transfer_params):
         with delay_free_blocks the blocks stay allocated until the worker side reports the
         request in `finished_sending`; the params go out with the request's final output."""
 
     # ---- worker side --------------------------------------------------------------------
     @abstractmethod
-    def register_kv_caches(self, kv_caches: list) -> None:
-        """The paged KV cache of this worker ([(K, V)] per layer), once it is allocated."""
+    def register_kv_caches(self, kv_caches: list, layer_groups: list[int] | None = None) -> None:
+        """The paged KV cache of this worker ([(K, V)] per layer), once it is allocated, and
+        the KV cache group of each layer (None: all in group 0)."""
 
     @abstractmethod
     def set_wakeup(self, callback: Callable[[], None]) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_connector import (
     LOAD_FAILURE_POLICIES,
+    GroupBlockIds,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
@@ -48,7 +49,7 @@ ROLES = ("producer", "consumer", "both")
 class LoadSpec:
     request_id: str
     params: KVTransferParams
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]  # per KV cache group
     start: int  # first token position to fill (after the local prefix hit)
     end: int
 
@@ -57,7 +58,7 @@ class LoadSpec:
 class SaveSpec:
     request_id: str
     params: KVTransferParams
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]  # per KV cache group
 
 
 @dataclass
@@ -98,14 +99,15 @@ class PDConnector(KVConnectorBase):
         # scheduler side
         self._meta = PDConnectorMetadata()
         self._local_hits: dict[str, int] = {}
-        # Producer requests whose prompt is being computed: (prompt length, block ids so far,
-        # the request's own params).
-        self._producing: dict[str, tuple[int, list[int], KVTransferParams]] = {}
+        # Producer requests whose prompt is being computed: (prompt length, block ids so far
+        # per KV cache group, the request's own params).
+        self._producing: dict[str, tuple[int, list[list[int]], KVTransferParams]] = {}
         self._exported: dict[str, KVTransferParams] = {}  # saved, for request_finished
         self._loading: set[str] = set()  # loads handed to the worker side, not reported yet
         self._loaded: set[str] = set()  # consumer requests whose transfer is dealt with
         # worker side
         self._kv_caches: list = []
+        self._layer_groups: list[int] | None = None
         self._wakeup: Callable[[], None] | None = None
         self._lock = threading.Lock()  # _loads: fetch threads set results
         self._loads: dict[str, _Load] = {}
@@ -127,25 +129,33 @@ class PDConnector(KVConnectorBase):
         self._local_hits[rid] = num_computed_tokens
         return n, True
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, block_ids: GroupBlockIds, num_external_tokens: int) -> None:
         rid = request.request_id
         params = request.kv_transfer_params
         if self.pd_role != "consumer" and params is not None and params.do_remote_decode:
-            self._producing[rid] = (request.num_prompt_tokens, list(block_ids), params)
+            self._producing[rid] = (request.num_prompt_tokens, [list(ids) for ids in block_ids], params)
         if num_external_tokens <= 0:
             return
         start = self._local_hits.pop(rid)
-        self._meta.loads.append(LoadSpec(rid, request.kv_transfer_params, tuple(block_ids), start,
-                                         start + num_external_tokens))
+        self._meta.loads.append(LoadSpec(rid, request.kv_transfer_params, tuple(tuple(ids) for ids in block_ids),
+                                         start, start + num_external_tokens))
         self._loading.add(rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
         """Adds a save for every producer whose prompt's last chunk runs in this step."""
         cached = scheduler_output.scheduled_cached_reqs
         computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
-        for rid, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        window = cached.new_window_block_ids or [()] * len(cached.req_ids)
+        for rid, new_blocks, new_window, num_computed in zip(cached.req_ids, cached.new_block_ids, window,
+                                                             cached.num_computed_tokens):
             if rid in self._producing:
-                self._producing[rid][1].extend(new_blocks)
+                groups = self._producing[rid][1]
+                groups[0].extend(new_blocks)
+                if len(groups) > 1:
+                    # Blocks the window group freed since keep their old ids here: their
+                    # positions are out of every window, so whatever the export copies from
+                    # them is never read on the decode side either.
+                    groups[1].extend(new_window)
                 computed[rid] = num_computed
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             producing = self._producing.get(rid)
@@ -163,7 +173,7 @@ class PDConnector(KVConnectorBase):
                 tensor_parallel_size=self.tensor_parallel_size,
             )
             self._exported[rid] = transfer
-            self._meta.saves.append(SaveSpec(rid, transfer, tuple(block_ids)))
+            self._meta.saves.append(SaveSpec(rid, transfer, tuple(tuple(ids) for ids in block_ids)))
         meta, self._meta = self._meta, PDConnectorMetadata()
         return meta
 
@@ -173,7 +183,7 @@ class PDConnector(KVConnectorBase):
             self._loading.discard(rid)
             self._loaded.add(rid)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
+    def request_finished(self, request: Request, block_ids: GroupBlockIds) -> tuple[bool, KVTransferParams | None]:
         rid = request.request_id
         params = request.kv_transfer_params
         self._local_hits.pop(rid, None)
@@ -194,8 +204,9 @@ class PDConnector(KVConnectorBase):
         return False, transfer
 
     # ---- worker side --------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: list) -> None:
+    def register_kv_caches(self, kv_caches: list, layer_groups: list[int] | None = None) -> None:
         self._kv_caches = kv_caches
+        self._layer_groups = layer_groups
 
     def set_wakeup(self, callback: Callable[[], None]) -> None:
         self._wakeup = callback
@@ -244,7 +255,8 @@ class PDConnector(KVConnectorBase):
         try:
             if isinstance(result, BaseException):
                 raise result
-            scatter_kv(self._kv_caches, list(spec.block_ids), spec.start, spec.end, self.block_size, result)
+            scatter_kv(self._kv_caches, spec.block_ids, spec.start, spec.end, self.block_size, result,
+                       self._layer_groups)
         except Exception as e:  # never run on partial or missing KV
             logger.warning("KV load for %s failed: %s", rid, e)
             self._finished.failed_recving[rid] = f"KV load failed: {e}"
@@ -270,7 +282,8 @@ class PDConnector(KVConnectorBase):
         for spec in metadata.saves:
             tid = spec.params.transfer_id
             try:
-                kv = gather_kv(self._kv_caches, list(spec.block_ids), spec.params.num_tokens, self.block_size)
+                kv = gather_kv(self._kv_caches, spec.block_ids, spec.params.num_tokens, self.block_size,
+                               self._layer_groups)
                 self.transport.publish(tid, kv, spec.params.num_tokens)
                 self.stats["exports"] += 1
                 self.stats["bytes_out"] += kv.numel() * kv.element_size()

@@ -83,8 +83,8 @@ class Executor(ABC):
         (the least of all ranks: block tables are the same everywhere)."""
         return min(self.collective_rpc("determine_available_memory"))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+    def initialize_kv_cache(self, num_blocks: int, num_window_blocks: int = 0) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks, num_window_blocks))
 
     def profile_run(self, num_tokens: int) -> None:
         self.collective_rpc("profile_run", (num_tokens,))

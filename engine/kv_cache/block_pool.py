@@ -81,6 +81,22 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.null_block: KVCacheBlock | None = None
+
+    def take_null_block(self) -> KVCacheBlock:
+        """Reserve block 0 as the placeholder a sliding-window group puts where a request's
+        blocks fell out of every window: never handed out, freed or cached (the kernels never
+        read it: engine.kv_cache.manager)."""
+        if self.null_block is None:
+            block = self.blocks[0]
+            self.free_block_queue.remove(block)
+            block.ref_cnt = 1
+            self.null_block = block
+        return self.null_block
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - (self.null_block is not None)
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -91,7 +107,7 @@ class BlockPool:
         """Register blocks[start:end] (all full) under block_hashes[start:end]."""
         for i in range(start, end):
             block = blocks[i]
-            if block.block_hash is not None:
+            if block.block_hash is not None or block is self.null_block:
                 continue  # a prefix hit: already cached
             block.block_hash = block_hashes[i]
             # NOTE: if another request already cached identical content, keep the first
@@ -121,6 +137,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks, pulling free ones out of the free queue."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
@@ -128,6 +146,8 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference; blocks reaching 0 join the free queue tail in the given order."""
         for block in ordered_blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"{block} freed more times than it was referenced")
             block.ref_cnt -= 1
@@ -138,7 +158,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only possible while no block is in use."""
-        if self.get_num_free_blocks() != self.num_blocks:
+        if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None
@@ -149,4 +169,4 @@ class BlockPool:
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
-        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+        return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks

@@ -12,12 +12,19 @@ from engine.request import Request
 
 @dataclass
 class KVCacheBlocks:
-    """What the scheduler sees of an allocation: blocks, never the pool's internals."""
+    """What the scheduler sees of an allocation: blocks, never the pool's internals.
+    `blocks` are the main group's; `window_blocks` the sliding-window group's (hybrid models
+    only), one per block of the request like the main ones, the null block where a block
+    fell out of the window."""
 
     blocks: list[KVCacheBlock] = field(default_factory=list)
+    window_blocks: list[KVCacheBlock] = field(default_factory=list)
 
     def get_block_ids(self) -> list[int]:
         return [b.block_id for b in self.blocks]
+
+    def get_window_block_ids(self) -> list[int]:
+        return [b.block_id for b in self.window_blocks]
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -34,19 +41,84 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+class _Group:
+    """One KV cache group: the layers that share a block table, their pool, and each
+    request's blocks in it. A window group (window > 0) frees a request's blocks once no
+    future query can see them and puts its pool's null block in their place."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool, window: int) -> None:
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.window = window
+        self.null = self.pool.take_null_block() if window else None
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached: dict[str, int] = {}
+
+    def first_needed(self, num_computed: int, block_size: int) -> int:
+        """Index of the first block a query at position >= num_computed can still see (0 for
+        full attention): the window of position p is (p - window, p]."""
+        return max(0, num_computed - self.window + 1) // block_size if self.window else 0
+
+    def window_hit(self, hashes: list[bytes], k_max: int, block_size: int) -> int:
+        """Largest k <= k_max whose first k blocks' visible tail (from first_needed(k blocks)
+        on) is all cached: a window group needs no block before that to resume at block k."""
+        for k in range(k_max, 0, -1):
+            start = self.first_needed(k * block_size, block_size)
+            if all(self.pool.get_cached_block(h) is not None for h in hashes[start:k]):
+                return k
+        return 0
+
+    def hit_blocks(self, hashes: list[bytes], k: int, block_size: int) -> list[KVCacheBlock]:
+        start = self.first_needed(k * block_size, block_size)
+        return [self.null] * start + [self.pool.get_cached_block(h) for h in hashes[start:k]]
+
+    def release_unreachable(self, request_id: str, num_computed: int, block_size: int) -> None:
+        """Free the request's blocks before the window of its next query (window groups)."""
+        blocks = self.req_blocks.get(request_id)
+        if not self.window or not blocks:
+            return
+        stop = min(self.first_needed(num_computed, block_size), len(blocks))
+        gone = [b for b in blocks[:stop] if b is not self.null]
+        if gone:
+            blocks[:stop] = [self.null] * stop
+            self.pool.free_blocks(gone)
+
+    def num_reclaimable(self, request_id: str, num_computed: int, block_size: int) -> int:
+        blocks = self.req_blocks.get(request_id, [])
+        stop = min(self.first_needed(num_computed, block_size), len(blocks))
+        return sum(1 for b in blocks[:stop] if b is not self.null) if self.window else 0
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    """Blocks per request in one group (every layer), or, for a hybrid model (vLLM's hybrid
+    allocator), in a main group of full-attention layers and a window group of
+    sliding-window layers with its own pool, whose blocks per request stay bounded by
+    window / block_size + 2 (plus a chunk's). `main_window` > 0 makes the main group itself a
+    window group (a model whose every layer slides)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, *,
+                 main_window: int = 0, window: int = 0, num_window_blocks: int = 0) -> None:
+        if window and num_window_blocks < 2:
+            raise ValueError(f"a window group needs at least 2 blocks, got {num_window_blocks}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request are already registered in the cache.
-        self.num_cached_blocks: dict[str, int] = {}
+        self.groups = [_Group(num_blocks, enable_caching, main_window)]
+        if window:
+            self.groups.append(_Group(num_window_blocks, enable_caching, window))
+        main = self.groups[0]
+        # The main group under the names the scheduler and tests have always used.
+        self.block_pool = main.pool
+        self.req_to_blocks = main.req_blocks
+        self.num_cached_blocks = main.num_cached
         self.stats = PrefixCacheStats()
 
     @property
+    def window_group(self) -> _Group | None:
+        return self.groups[1] if len(self.groups) > 1 else None
+
+    @property
     def num_blocks(self) -> int:
-        return self.block_pool.num_blocks
+        """Blocks of the main group requests can hold (an all-window model reserves one)."""
+        return self.block_pool.num_usable_blocks
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
@@ -56,7 +128,8 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """Longest prefix-cache hit for a request being scheduled from scratch.
+        """Longest prefix-cache hit for a request being scheduled from scratch: the longest
+        prefix every group can resume from (a window group needs only its window's blocks).
 
         NOTE: the hit is capped at num_tokens - 1 so that at least the last token is
         recomputed: the model must run on something to produce the next token's logits.
@@ -71,14 +144,25 @@ class KVCacheManager:
             request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
             request.mm_features,
         )
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hit: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hit.append(block)
-        return KVCacheBlocks(hit), len(hit) * self.block_size
+        bs = self.block_size
+        hashes = request.block_hashes[: (request.num_tokens - 1) // bs]
+        main = self.groups[0]
+        if main.window:
+            k = main.window_hit(hashes, len(hashes), bs)
+        else:
+            k = 0
+            while k < len(hashes) and main.pool.get_cached_block(hashes[k]) is not None:
+                k += 1
+        window = self.window_group
+        if window is not None:
+            # Each group may shorten the hit; the main group's full prefix stays valid for
+            # any shorter k, so one pass settles it.
+            k = window.window_hit(hashes, k, bs)
+        hit = KVCacheBlocks(main.hit_blocks(hashes, k, bs) if main.window else
+                            [main.pool.get_cached_block(h) for h in hashes[:k]])
+        if window is not None:
+            hit.window_blocks = window.hit_blocks(hashes, k, bs)
+        return hit, k * bs
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup. The scheduler calls this once per request,
@@ -101,44 +185,63 @@ class KVCacheManager:
 
         `new_computed_blocks` / `num_new_computed_tokens` are a prefix hit from
         get_computed_blocks; `num_external_computed_tokens` are tokens whose KV a connector
-        will load into fresh blocks. Returns the newly allocated blocks, or None (with no
-        state changed) when the pool cannot satisfy the request.
+        will load into fresh blocks. A window group first frees the blocks no query from
+        here on can see, and gets the null block for new blocks that start out of sight.
+        Returns the newly allocated blocks, or None (with no state changed) when a pool
+        cannot satisfy the request.
         """
-        computed = new_computed_blocks.blocks if new_computed_blocks else []
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        rid, bs = request.request_id, self.block_size
         total_computed = (
             request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
         )
-        num_required = -(-(total_computed + num_new_tokens) // self.block_size)
-        num_new_blocks = max(num_required - len(req_blocks) - len(computed), 0)
-        # Touching a hit block with ref_cnt 0 takes it out of the free pool too.
-        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
-            return None
+        num_required = -(-(total_computed + num_new_tokens) // bs)
+        hits = new_computed_blocks or KVCacheBlocks()
+        plans = []
+        for group, computed in zip(self.groups, (hits.blocks, hits.window_blocks)):
+            have = len(group.req_blocks.get(rid, [])) + len(computed)
+            start = group.first_needed(total_computed, bs)
+            num_null = max(0, min(start, num_required) - have)
+            num_new = max(num_required - have, 0) - num_null
+            # Touching a hit block with ref_cnt 0 takes it out of the free pool too.
+            taken = num_new + sum(1 for b in computed if b.ref_cnt == 0 and b is not group.null)
+            free = group.pool.get_num_free_blocks() + group.num_reclaimable(rid, total_computed, bs)
+            if taken > free:
+                return None
+            plans.append((group, computed, num_null, num_new))
 
-        self.block_pool.touch(computed)
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        req_blocks.extend(computed)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
+        out = KVCacheBlocks()
+        for i, (group, computed, num_null, num_new) in enumerate(plans):
+            group.release_unreachable(rid, total_computed, bs)
+            group.pool.touch(computed)
+            req_blocks = group.req_blocks.setdefault(rid, [])
+            req_blocks.extend(computed)
+            new_blocks = [group.null] * num_null + group.pool.get_new_blocks(num_new)
+            req_blocks.extend(new_blocks)
+            if i == 0:
+                out.blocks = new_blocks
+            else:
+                out.window_blocks = new_blocks
         if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
-        return KVCacheBlocks(new_blocks)
+        return out
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the request's full blocks covering its first num_computed_tokens tokens."""
+        """Register the request's full blocks covering its first num_computed_tokens tokens,
+        in every group (a window group's null placeholders are skipped)."""
         if not self.enable_caching:
             return
         extend_block_hashes(
             request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
             request.mm_features,
         )
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        num_full = min(num_computed_tokens // self.block_size, len(blocks), len(request.block_hashes))
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        if num_full > start:
-            self.block_pool.cache_full_blocks(blocks, request.block_hashes, start, num_full)
-            self.num_cached_blocks[request.request_id] = num_full
+        rid = request.request_id
+        for group in self.groups:
+            blocks = group.req_blocks.get(rid, [])
+            num_full = min(num_computed_tokens // self.block_size, len(blocks), len(request.block_hashes))
+            start = group.num_cached.get(rid, 0)
+            if num_full > start:
+                group.pool.cache_full_blocks(blocks, request.block_hashes, start, num_full)
+                group.num_cached[rid] = num_full
 
     def free(self, request: Request) -> None:
         """Release a request's blocks. Tail blocks go to the free queue first, so they are
@@ -147,15 +250,27 @@ class KVCacheManager:
 
     def free_by_id(self, request_id: str) -> None:
         """`free` for a request the scheduler no longer tracks (e.g. after a delayed free)."""
-        blocks = self.req_to_blocks.pop(request_id, [])
-        self.num_cached_blocks.pop(request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        for group in self.groups:
+            blocks = group.req_blocks.pop(request_id, [])
+            group.num_cached.pop(request_id, None)
+            group.pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
+    def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids in each group, the main group's first."""
+        return tuple([b.block_id for b in g.req_blocks.get(request_id, [])] for g in self.groups)
+
+    def get_window_block_ids(self, request_id: str) -> list[int] | None:
+        """The window group's block ids of the request (None: no window group)."""
+        window = self.window_group
+        return None if window is None else [b.block_id for b in window.req_blocks.get(request_id, [])]
+
     def reset_prefix_cache(self) -> bool:
-        ok = self.block_pool.reset_prefix_cache()
-        if ok:
-            self.stats = PrefixCacheStats()
-        return ok
+        if any(g.pool.get_num_free_blocks() != g.pool.num_usable_blocks for g in self.groups):
+            return False
+        for group in self.groups:
+            group.pool.reset_prefix_cache()
+        self.stats = PrefixCacheStats()
+        return True

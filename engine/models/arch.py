@@ -25,7 +25,12 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": dict(qkv_bias=False, qk_norm=False),
     "Qwen3MoeForCausalLM": dict(qkv_bias=None, qk_norm=True),
     "Phi3ForCausalLM": dict(qkv_bias=False, qk_norm=False),
+    "Gemma2ForCausalLM": dict(qkv_bias=None, qk_norm=False),
+    "Gemma3ForCausalLM": dict(qkv_bias=None, qk_norm=True),
 }
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# MLP activations (the gate's, in a gated MLP): SiLU (SwiGLU) and tanh-approximated GELU (GeGLU).
+SUPPORTED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", LONGROPE, FREQ_FACTORS)
 # LLaVA wraps one of the LMs above; its text_config names the family by model_type.
 _TEXT_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -60,11 +65,35 @@ class ModelArch:
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model that keep the dense MLP
     partial_rotary_factor: float = 1.0  # the share of each head's dims that rotary rotates
+    # Gemma 2/3: GeGLU, (1 + weight) RMSNorm in the checkpoint, norms around both sublayers'
+    # outputs, embeddings times sqrt(hidden), scores scaled by query_pre_attn_scalar and
+    # tanh-capped, per-layer sliding windows (Gemma 3: those layers with their own rope base).
+    hidden_act: str = "silu"  # "silu" or "gelu_tanh"
+    norm_plus_one: bool = False  # the checkpoint stores RMSNorm weights as w - 1
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    query_pre_attn_scalar: float | None = None  # None: head_dim
+    attn_softcap: float = 0.0  # 0: none
+    final_softcap: float = 0.0
+    layer_windows: tuple[int, ...] = ()  # per layer: its window (0 = full attention); () = none
+    local_rope_theta: float | None = None  # window layers' rope base when it differs (Gemma 3)
 
     @property
     def rotary_dim(self) -> int:
         """How many leading dims of each head are rotated (as transformers rounds it)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in tokens (0: it attends to the whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def has_windows(self) -> bool:
+        return any(self.layer_windows)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -105,19 +134,17 @@ def arch_from_dict(cfg: dict) -> ModelArch:
     flags = SUPPORTED_ARCHITECTURES[name]
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; supported: ['silu']")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {act!r}; supported: {sorted(SUPPORTED_ACTIVATIONS)}")
     attention_bias = bool(cfg.get("attention_bias", False))
     qkv_bias = attention_bias if flags["qkv_bias"] is None else flags["qkv_bias"]
     # Qwen2's o_proj never has a bias; Llama/Qwen3 put attention_bias on o_proj too.
     o_bias = attention_bias if name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") else False
     head_dim = cfg.get("head_dim") or hidden // heads
-    theta, scaling, partial = _rope(cfg, head_dim)
-    sliding = cfg.get("sliding_window")
-    if name == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-        sliding = None
-    if name in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get("use_sliding_window", False):
-        sliding = None
+    rope_cfg, local_theta = _split_gemma_rope(cfg) if name == "Gemma3ForCausalLM" else (cfg, None)
+    theta, scaling, partial = _rope(rope_cfg, head_dim)
+    sliding, windows = _windows(name, cfg)
     return ModelArch(
         architecture=name,
         vocab_size=cfg["vocab_size"],
@@ -131,7 +158,7 @@ def arch_from_dict(cfg: dict) -> ModelArch:
         rope_theta=theta,
         rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", name in _GEMMA)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -139,8 +166,69 @@ def arch_from_dict(cfg: dict) -> ModelArch:
         sliding_window=sliding,
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         partial_rotary_factor=partial,
+        hidden_act=SUPPORTED_ACTIVATIONS[act],
+        layer_windows=windows,
+        local_rope_theta=local_theta,
+        **(_gemma_fields(cfg, hidden) if name in _GEMMA else {}),
         **_moe_fields(name, cfg),
     )
+
+
+def _windows(name: str, cfg: dict) -> tuple[int | None, tuple[int, ...]]:
+    """(sliding_window, per-layer windows). `layer_types` (transformers >= 4.5x writes it)
+    names each layer's kind; otherwise each family's rule: Mistral windows every layer,
+    Qwen2/3 the layers from max_window_layers on when use_sliding_window, Gemma 2 every
+    other layer (the first included), Gemma 3 all but every sliding_window_pattern-th."""
+    window = cfg.get("sliding_window")
+    layers = cfg["num_hidden_layers"]
+    if name.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return None, ()
+    if window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    types = cfg.get("layer_types")
+    if types is None:
+        if name == "Gemma2ForCausalLM":
+            types = ["sliding_attention" if i % 2 == 0 else "full" for i in range(layers)]
+        elif name == "Gemma3ForCausalLM":
+            pattern = cfg.get("sliding_window_pattern", 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full" for i in range(layers)]
+        elif name.startswith("Qwen"):
+            first = cfg.get("max_window_layers", layers)
+            types = ["sliding_attention" if i >= first else "full" for i in range(layers)]
+        else:
+            types = ["sliding_attention"] * layers
+    if len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+    windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    return (int(window), windows) if any(windows) else (None, ())
+
+
+def _split_gemma_rope(cfg: dict) -> tuple[dict, float]:
+    """Gemma 3 ropes its global layers with rope_theta (and rope_scaling) and its window
+    layers with rope_local_base_freq, unscaled; transformers >= 5 writes both as
+    rope_parameters[layer type]. Returns (the config as _rope reads the global rope, the
+    local base)."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope type {local['rope_type']!r} for the sliding-window layers; "
+                             "supported: ['default']")
+        return ({**cfg, "rope_parameters": params["full_attention"], "rope_theta": None},
+                float(local.get("rope_theta", 10000.0)))
+    return ({**cfg, "rope_theta": cfg.get("rope_theta", 1_000_000.0)},
+            float(cfg.get("rope_local_base_freq", 10000.0)))
+
+
+def _gemma_fields(cfg: dict, hidden: int) -> dict:
+    # transformers multiplies by sqrt(hidden) rounded to the activation dtype; in fp32 that is
+    # the fp32 value, which the model rounds again to its own dtype.
+    return dict(norm_plus_one=True, sandwich_norms=True, embed_scale=float(hidden) ** 0.5,
+                query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+                attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+                final_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
 
 
 def _moe_fields(name: str, cfg: dict) -> dict:

@@ -15,3 +15,6 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [R] int32
     max_query_len: int
     max_seq_len: int
+    # A hybrid model's sliding-window layers read and write their own group's blocks
+    # (engine.kv_cache.manager): its slots and table, the same queries and lengths.
+    window_group: AttentionMetadata | None = None

@@ -1,5 +1,6 @@
-"""One decoder-only transformer for the Llama family: Llama, Mistral, Qwen2, Qwen3, and the
-MoE families built on them (Mixtral, Qwen3-MoE), whose layers swap the MLP for routed experts.
+"""One decoder-only transformer for the Llama family: Llama, Mistral, Qwen2, Qwen3, Phi-3,
+Gemma 2/3 (GeGLU, sandwich norms, soft-capping, sliding-window layers), and the MoE families
+built on them (Mixtral, Qwen3-MoE), whose layers swap the MLP for routed experts.
 
 Our own layers with fused qkv and gate_up projections; attention runs through the paged
 kernel contract, so a layer reads and writes its KV in the paged cache. Under tensor
@@ -40,7 +41,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, layout: ShardLayout, ops: SimpleNamespace, tp: TPGroup) -> None:
+    def __init__(self, layout: ShardLayout, ops: SimpleNamespace, tp: TPGroup, index: int = 0) -> None:
         super().__init__()
         arch = layout.arch
         # This rank's heads (all of them on one rank).
@@ -49,10 +50,15 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(self.h * self.d, arch.hidden_size, arch.o_bias, tp)
         self.q_norm = RMSNorm(self.d, arch.rms_norm_eps, ops) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.d, arch.rms_norm_eps, ops) if arch.qk_norm else None
-        self.scale = self.d**-0.5
+        self.scale = arch.attn_scale
+        # Only what a layer uses reaches the kernel, so plain layers keep its plain signature.
+        self.extra = {k: v for k, v in (("sliding_window", arch.window(index)), ("softcap", arch.attn_softcap)) if v}
         self.ops = ops
+        self.in_window_group = False  # set by CausalLM.use_window_group
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata, cos_sin):
+        if self.in_window_group and meta.window_group is not None:
+            meta = meta.window_group
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], -1)
         q = q.view(T, self.h, self.d)  # [T, H, D]
@@ -65,7 +71,8 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         o = self.ops.paged_attention(
-            q, key_cache, value_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, self.scale
+            q, key_cache, value_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, self.scale,
+            **self.extra,
         )
         return self.o_proj(o.reshape(T, self.h * self.d))
 
@@ -76,10 +83,10 @@ class MLP(nn.Module):
         arch, inter = layout.arch, layout.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, 2 * inter, bias=arch.mlp_bias)
         self.down_proj = RowParallelLinear(inter, arch.hidden_size, arch.mlp_bias, tp)
-        self.ops = ops
+        self.act_and_mul = ops.gelu_tanh_and_mul if arch.hidden_act == "gelu_tanh" else ops.silu_and_mul
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -88,9 +95,17 @@ class DecoderLayer(nn.Module):
         super().__init__()
         arch = layout.arch
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = Attention(layout, ops, tp)
+        self.self_attn = Attention(layout, ops, tp, index)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.mlp = SparseMoE(layout, ops, tp, ep) if arch.is_moe_layer(index) else MLP(layout, ops, tp)
+        # Gemma's sandwich: post_attention_layernorm normalises the attention output before the
+        # residual add, and the MLP gets its own pre and post norms.
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if arch.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+            self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        # Gemma 3's window layers rotate with their own base (CausalLM.cos_sin_local).
+        self.local_rope = arch.window(index) > 0 and arch.local_rope_theta is not None
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
         # The residual add is fused into the norms: rms_norm(x, w, eps, residual) returns
@@ -100,9 +115,12 @@ class DecoderLayer(nn.Module):
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta, cos_sin)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.self_attn(positions, x, kv_cache, meta, cos_sin[1] if self.local_rope else cos_sin[0])
+        if self.pre_feedforward_layernorm is None:
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class CausalLM(nn.Module):
@@ -126,6 +144,8 @@ class CausalLM(nn.Module):
         # reference ops): the loader fills it (cos_sin_cache) once the model is real.
         self.register_buffer("cos_sin", torch.empty(max_positions, arch.rotary_dim, dtype=torch.float32),
                              persistent=False)
+        self.register_buffer("cos_sin_local", None if arch.local_rope_theta is None else torch.empty(
+            max_positions, arch.rotary_dim, dtype=torch.float32), persistent=False)
 
     def forward(
         self,
@@ -136,11 +156,19 @@ class CausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: multimodal steps embed first
     ) -> torch.Tensor:  # hidden states [T, hidden]
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.arch.embed_scale != 1.0 and inputs_embeds is None:
+            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)  # rounded as transformers does
         residual = None
+        cos_sin = (self.cos_sin, self.cos_sin_local)
         for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv, meta, self.cos_sin)
+            x, residual = layer(positions, x, residual, kv, meta, cos_sin)
         x, _ = self.norm(x, residual)
         return x
+
+    def use_window_group(self, layers: set[int]) -> None:
+        """These layers' KV lives in the hybrid cache's window group (its own block table)."""
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.in_window_group = i in layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, vocab] fp32 logits; under tensor parallelism on rank 0 only (None elsewhere)."""
@@ -150,7 +178,11 @@ class CausalLM(nn.Module):
             local = packed_linear(hidden, self.tied_head, None)
         else:
             local = nn.functional.linear(hidden, self.embed_tokens.weight)
-        return parallel_logits(local, self.arch.vocab_size, self.tp)
+        logits = parallel_logits(local, self.arch.vocab_size, self.tp)
+        cap = self.arch.final_softcap
+        if cap and logits is not None:
+            logits = torch.tanh(logits.div_(cap)).mul_(cap)  # Gemma 2's final_logit_softcapping
+        return logits
 
     def pack_cpu_weights(self) -> int:
         """Pack the projections and the logits head for oneDNN (engine.models.cpu_linear);

@@ -91,6 +91,8 @@ def load_model(
     model.cos_sin = cos_sin_cache(
         arch.rotary_dim, max_positions, arch.rope_theta, arch.rope_scaling_dict
     ).to(device)
+    if arch.local_rope_theta is not None:
+        model.cos_sin_local = cos_sin_cache(arch.rotary_dim, max_positions, arch.local_rope_theta, None).to(device)
 
     params = dict(model.named_parameters())
     layout = model.layout
@@ -110,6 +112,12 @@ def load_model(
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} is missing weights: {missing[:8]}")
+    if arch.norm_plus_one and find_gguf(model_dir) is None:
+        # Gemma's checkpoints store RMSNorm weights as w - 1 (transformers multiplies by
+        # 1 + w, in fp32); llama.cpp's converter already added the 1 to a GGUF's.
+        for name, p in params.items():
+            if name.endswith("norm.weight"):
+                p.data.copy_((p.data.float() + 1.0).to(p.dtype))
     if layout.vocab_rows < layout.vocab_per_rank:
         for name in _VOCAB_PARAMS:
             if name in params:

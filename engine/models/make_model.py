@@ -60,6 +60,8 @@ FAMILIES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Mixture-of-experts shape for the MoE families at every preset: 8 experts, top-2 (Mixtral's
 # routing; Qwen3-MoE's real models use 128 experts and top-8, too many for a tiny test model).
@@ -104,14 +106,14 @@ def hf_config(family: str, preset: str, vocab_size: int, eos_ids: list[int], pad
     shape = {k: v for k, v in PRESETS[preset].items() if k not in ("vocab_target", "min_vocab_size")}
     cfg = dict(
         architectures=[FAMILIES[family]],
-        model_type=family,
+        model_type="gemma3_text" if family == "gemma3" else family,
         vocab_size=vocab_size,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         # Large enough that random logits are well separated, so greedy parity with
         # transformers is not at the mercy of float rounding on near-ties.
         initializer_range=0.1,
-        tie_word_embeddings=family in ("qwen2", "qwen3"),
+        tie_word_embeddings=family in ("qwen2", "qwen3", "gemma2", "gemma3"),
         eos_token_id=eos_ids[0],
         pad_token_id=pad_id,
         torch_dtype="float32",
@@ -132,11 +134,28 @@ def hf_config(family: str, preset: str, vocab_size: int, eos_ids: list[int], pad
         # Phi-3.5/4-mini's shape of rotary: LongRoPE over a pretraining length a quarter of the
         # context (rope_scaling=None for plain rotary); partial_rotary_factor may be overridden.
         cfg.update(sliding_window=None, original_max_position_embeddings=cfg["max_position_embeddings"] // 4)
+    if family in ("gemma2", "gemma3"):
+        cfg.update(_gemma_keys(family, cfg))
     cfg.update(overrides)
     if family == "phi3" and "rope_scaling" not in overrides:
         rot_half = int(cfg["hidden_size"] // cfg["num_attention_heads"] * cfg.get("partial_rotary_factor", 1.0)) // 2
         cfg["rope_scaling"] = longrope_scaling(rot_half)
     return cfg
+
+
+def _gemma_keys(family: str, cfg: dict) -> dict:
+    """Gemma 2/3's shape: heads wider than hidden / heads, scores scaled by a
+    query_pre_attn_scalar other than head_dim (so a mixed-up scale shows), a short window
+    so tests cross it, GeGLU; Gemma 2 soft-caps, Gemma 3 ropes its window layers with a
+    local base and its global ones with a scaled one, every other layer global here (real
+    checkpoints: every sixth) so a two-layer model has one of each."""
+    head_dim = 2 * cfg["hidden_size"] // cfg["num_attention_heads"]
+    keys = dict(head_dim=head_dim, query_pre_attn_scalar=head_dim // 2 + 8, sliding_window=16,
+                hidden_activation="gelu_pytorch_tanh")
+    if family == "gemma2":
+        return {**keys, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    return {**keys, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 2,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
 
 
 def longrope_scaling(n: int) -> dict:
@@ -181,7 +200,8 @@ def make_model(
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # non-trivial norms catch load bugs
+                # Non-trivial norms catch load bugs; Gemma multiplies by 1 + weight.
+                p.copy_((0.0 if family.startswith("gemma") else 1.0) + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     save_kwargs = {"safe_serialization": True}

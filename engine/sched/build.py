@@ -29,6 +29,7 @@ def build_scheduler_output(new_reqs: list[Request], running_reqs: list[Request],
             num_computed_tokens=r.num_computed_tokens,
             kv_transfer_params=r.kv_transfer_params,
             mm_features=None if r.mm_features is None else r.mm_features.without_pixels(),
+            window_block_ids=kv_cache_manager.get_window_block_ids(r.request_id),
         )
         for r in new_reqs
     ]
@@ -36,6 +37,8 @@ def build_scheduler_output(new_reqs: list[Request], running_reqs: list[Request],
     for r in running_reqs:
         cached.req_ids.append(r.request_id)
         cached.new_block_ids.append(new_blocks[r.request_id].get_block_ids())
+        if kv_cache_manager.window_group is not None:
+            cached.new_window_block_ids.append(new_blocks[r.request_id].get_window_block_ids())
         cached.num_computed_tokens.append(r.num_computed_tokens)
     out = SchedulerOutput(
         scheduled_new_reqs=new_data,

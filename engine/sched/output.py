@@ -30,6 +30,9 @@ class NewRequestData:
     # Placeholder ranges and hashes (no pixels: images to encode come in the step's
     # scheduled_encoder_inputs, once per image, not once per request).
     mm_features: MultiModalFeatures | None = None
+    # A hybrid model's sliding-window group (engine.kv_cache.manager): its block ids, the null
+    # block where blocks fell out of the window; None without one.
+    window_block_ids: list[int] | None = None
 
 
 @dataclass
@@ -39,6 +42,8 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # The window group's new block ids per request (hybrid models only; else empty).
+    new_window_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -42,7 +42,7 @@ class RemoteKVTracker:
         """Blocks were allocated for `request`; its last `num_external` computed tokens are
         to be filled from outside."""
         self.connector.update_state_after_alloc(
-            request, self.kv_cache_manager.get_block_ids(request.request_id), num_external)
+            request, self.kv_cache_manager.get_group_block_ids(request.request_id), num_external)
 
     def load_finished(self, request: Request) -> bool:
         """A request waiting for remote KV becomes schedulable once its load completed."""
@@ -59,7 +59,7 @@ class RemoteKVTracker:
         """A request finished: free its blocks now, or hold them until the worker side has
         exported their KV. Returns the params its final output carries."""
         delay_free, kv_params = self.connector.request_finished(
-            request, self.kv_cache_manager.get_block_ids(request.request_id))
+            request, self.kv_cache_manager.get_group_block_ids(request.request_id))
         if delay_free:
             # NOTE: freed when the worker side reports the export in finished_sending.
             self.sending.add(request.request_id)

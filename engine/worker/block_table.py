@@ -63,3 +63,10 @@ class BlockTable:
         kbs = self.kernel_block_size
         block_numbers = self.table.np[rows, positions // kbs].astype(np.int64)
         return block_numbers * kbs + positions % kbs
+
+
+def kv_cache_tensors(num_blocks: int, block_size: int, kernel_block_size: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V caches, [num_kernel_blocks, kernel_block_size, Hkv, D] each."""
+    shape = (num_blocks * (block_size // kernel_block_size), kernel_block_size, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)

@@ -35,11 +35,21 @@ class InputBatch:
         self.block_table = BlockTable(
             max_num_reqs, -(-max_model_len // block_size), block_size, kernel_block_size, device
         )
+        # A hybrid model's sliding-window group has its own table (enable_window_table).
+        self.window_block_table: BlockTable | None = None
+        self._table_args = (max_num_reqs, -(-max_model_len // block_size), block_size, kernel_block_size, device)
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
         # Per-request RNG for seeded requests, so their tokens do not depend on the batch.
         self.generators: dict[str, torch.Generator] = {}
         # Requests that asked for prompt logprobs (a step without any skips looking for them).
         self.prompt_logprob_reqs: set[str] = set()
+
+    def enable_window_table(self) -> None:
+        self.window_block_table = BlockTable(*self._table_args)
+
+    @property
+    def block_tables(self) -> list[BlockTable]:
+        return [self.block_table] + ([self.window_block_table] if self.window_block_table is not None else [])
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -55,6 +65,7 @@ class InputBatch:
         device: torch.device,
         rng_draws_done: int = 0,  # output tokens sampled elsewhere (P/D: the prefill's)
         vocab_size: int = 0,
+        window_block_ids: list[int] | None = None,
     ) -> None:
         if req_id in self.req_id_to_row:
             self.remove_request(req_id)
@@ -70,6 +81,8 @@ class InputBatch:
         self.num_computed_tokens[row] = num_computed_tokens
         self.output_start[row] = num_prompt_tokens - rng_draws_done
         self.block_table.add_row(row, block_ids)
+        if self.window_block_table is not None:
+            self.window_block_table.add_row(row, window_block_ids or [])
         self.sampling_params[row] = params
         if params.prompt_logprobs is not None:
             self.prompt_logprob_reqs.add(req_id)
@@ -99,7 +112,8 @@ class InputBatch:
             self.token_ids[row, :n] = self.token_ids[last, :n]
             for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.output_start):
                 arr[row] = arr[last]
-            self.block_table.move_row(last, row)
+            for table in self.block_tables:
+                table.move_row(last, row)
             self.sampling_params[row] = self.sampling_params[last]
         self.req_ids.pop()
         self.sampling_params[last] = None

@@ -20,6 +20,7 @@ from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.spec_decode import NgramProposer, SpeculativeConfig
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.structured_output.bitmask import bitmask_for_sampled_rows
+from engine.worker.block_table import kv_cache_tensors
 from engine.worker.buffers import StagedBuffer
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from engine.worker.encoder_runner import EncoderRunner
@@ -72,6 +73,8 @@ class ModelRunner:
         self.step_block_table = StagedBuffer(
             (R, self.input_batch.block_table.max_blocks), torch.int32, device
         )
+        self.window_slot_mapping: StagedBuffer | None = None  # a hybrid model's window group
+        self.window_step_block_table: StagedBuffer | None = None
         # Each logits row is a scheduled token, so T bounds them even when drafts are verified.
         self.logits_indices = StagedBuffer(max(R, T), torch.int64, device)
         self.proposer: NgramProposer | DraftModelProposer | None = None
@@ -100,17 +103,23 @@ class ModelRunner:
     def _drafts_by_model(self) -> bool:
         return isinstance(self.proposer, DraftModelProposer)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate [num_kernel_blocks, kernel_block_size, Hkv, D] K and V per layer."""
-        k = self.block_size // self.kernel_block_size
-        shape = (num_blocks * k, self.kernel_block_size, self.num_kv_heads, self.arch.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.arch.num_layers)
-        ]
+    def initialize_kv_cache(self, num_blocks: int, num_window_blocks: int = 0) -> None:
+        """Allocate [num_kernel_blocks, kernel_block_size, Hkv, D] K and V per layer: a hybrid
+        model's sliding-window layers (num_window_blocks > 0) from the window group's pool,
+        with a block table of their own (engine.kv_cache.manager)."""
+        window_layers = {i for i in range(self.arch.num_layers) if self.arch.window(i)} if num_window_blocks else set()
+        self.layer_groups = [int(i in window_layers) for i in range(self.arch.num_layers)]
+        self.kv_caches = [kv_cache_tensors(num_window_blocks if i in window_layers else num_blocks, self.block_size,
+                                           self.kernel_block_size, self.num_kv_heads, self.arch.head_dim, self.dtype,
+                                           self.device) for i in range(self.arch.num_layers)]
+        if window_layers:
+            self.input_batch.enable_window_table()
+            self.window_slot_mapping = StagedBuffer(self.slot_mapping.np.shape[0], torch.int64, self.device)
+            self.window_step_block_table = StagedBuffer(self.step_block_table.np.shape, torch.int32, self.device)
+            self.model.use_window_group(window_layers)
+            if self.use_cuda_graphs:  # the captured graphs read one block table, not a second group's
+                logger.warning("CUDA graphs off: the hybrid KV cache (a sliding-window group) runs eagerly")
+                self.use_cuda_graphs = False
         if self._drafts_by_model:
             self.proposer.initialize_kv_cache(num_blocks)
         if self.use_cuda_graphs:
@@ -285,8 +294,12 @@ class ModelRunner:
                 self.device,
                 rng_draws_done=new.kv_transfer_params.num_prior_output_tokens if new.kv_transfer_params else 0,
                 vocab_size=self.arch.vocab_size,
+                window_block_ids=new.window_block_ids,
             )
         cached = so.scheduled_cached_reqs
+        if ib.window_block_table is not None:
+            for req_id, block_ids in zip(cached.req_ids, cached.new_window_block_ids):
+                ib.window_block_table.append_row(ib.req_id_to_row[req_id], block_ids)
         for req_id, block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         ):
@@ -314,6 +327,9 @@ class ModelRunner:
         self.seq_lens.np[:R] = seq_lens
         nb = -(-int(seq_lens.max()) // self.kernel_block_size)
         self.step_block_table.np[:R, :nb] = ib.block_table.table.np[rows, :nb]
+        if ib.window_block_table is not None:
+            self.window_slot_mapping.np[:T] = ib.window_block_table.compute_slot_mapping(token_rows, positions)
+            self.window_step_block_table.np[:R, :nb] = ib.window_block_table.table.np[rows, :nb]
         # Sample only where the step reaches the end of the known tokens (not mid-prompt).
         sample_mask = seq_lens >= ib.num_tokens[rows]
         # A verifying request needs logits at its last 1 + drafts positions, one per draft
@@ -334,6 +350,12 @@ class ModelRunner:
             max_query_len=int(num_sched.max()),
             max_seq_len=int(self.seq_lens.np[:R].max()),
         )
+        if self.window_slot_mapping is not None:
+            meta.window_group = AttentionMetadata(
+                slot_mapping=self.window_slot_mapping.to_device(T),
+                block_table=self.window_step_block_table.to_device(R)[:, :nb],
+                query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+                max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
         return meta, self.input_ids.to_device(T), self.positions.to_device(T), self.logits_indices.to_device(n_sample)
 
     @torch.inference_mode()

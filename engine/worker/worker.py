@@ -112,10 +112,10 @@ class Worker:
     def execute_dummy_batch(self) -> None:
         self.runner.execute_dummy_batch()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+    def initialize_kv_cache(self, num_blocks: int, num_window_blocks: int = 0) -> None:
+        self.runner.initialize_kv_cache(num_blocks, num_window_blocks)
         if self.kv_connector is not None:
-            self.kv_connector.register_kv_caches(self.runner.kv_caches)
+            self.kv_connector.register_kv_caches(self.runner.kv_caches, self.runner.layer_groups)
 
     def kv_transfer_stats(self) -> dict:
         return self.kv_connector.transfer_stats() if self.kv_connector is not None else {}

@@ -59,10 +59,38 @@ def test_llama3_frequencies_match_transformers():
     assert not torch.allclose(ours, inverse_frequencies(16, 10000.0, None))
 
 
-def test_sliding_window_caps_max_model_len():
-    arch = arch_from_dict({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 256,
-                           "max_position_embeddings": 4096})
-    assert resolve_max_model_len(None, arch) == 256
+def test_sliding_window_configs_give_each_layer_its_window():
+    """Sliding windows are attention masks now, not a cap on the context: each family's
+    config dialect gives each layer its window."""
+    mistral = arch_from_dict({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 256,
+                              "max_position_embeddings": 4096})
+    assert resolve_max_model_len(None, mistral) == 4096
+    assert mistral.layer_windows == (256, 256)
+    qwen = dict(BASE, architectures=["Qwen2ForCausalLM"], sliding_window=64, num_hidden_layers=4)
+    assert arch_from_dict(qwen).layer_windows == ()  # use_sliding_window off
+    assert arch_from_dict({**qwen, "use_sliding_window": True, "max_window_layers": 3}).layer_windows == (0, 0, 0, 64)
+    gemma2 = dict(BASE, architectures=["Gemma2ForCausalLM"], sliding_window=8, num_hidden_layers=4)
+    assert arch_from_dict(gemma2).layer_windows == (8, 0, 8, 0)
+    gemma3 = dict(BASE, architectures=["Gemma3ForCausalLM"], sliding_window=8, num_hidden_layers=7)
+    assert arch_from_dict(gemma3).layer_windows == (8, 8, 8, 8, 8, 0, 8)
+    assert arch_from_dict({**gemma3, "sliding_window_pattern": 2}).layer_windows == (8, 0, 8, 0, 8, 0, 8)
+    typed = {**gemma3, "layer_types": ["full_attention"] * 6 + ["sliding_attention"]}
+    assert arch_from_dict(typed).layer_windows == (0,) * 6 + (8,)
+    with pytest.raises(ValueError, match="layer_types has 2 entries for 7 layers"):
+        arch_from_dict({**gemma3, "layer_types": ["full_attention"] * 2})
+
+
+def test_gemma3_rope_dialects_give_global_and_local_bases():
+    legacy = arch_from_dict({**BASE, "architectures": ["Gemma3ForCausalLM"], "rope_theta": 1e6,
+                             "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    new = arch_from_dict({**BASE, "architectures": ["Gemma3ForCausalLM"], "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    for arch in (legacy, new):
+        assert (arch.rope_theta, arch.local_rope_theta) == (1e6, 1e4)
+        assert arch.rope_scaling_dict == {"rope_type": "linear", "factor": 8.0}
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        arch_from_dict({**BASE, "architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu"})
 
 
 def test_max_model_len_beyond_model_is_rejected(tiny_model):

@@ -39,7 +39,7 @@ class FakeConnector(KVConnectorBase):
         return self.delay_free, KVTransferParams(transfer_id=request.request_id)
 
     # The worker side is not exercised here.
-    def register_kv_caches(self, kv_caches): ...
+    def register_kv_caches(self, kv_caches, layer_groups=None): ...
     def set_wakeup(self, callback): ...
     def start_load_kv(self, metadata): ...
     def wait_for_layer_load(self, layer_name): ...
@@ -60,7 +60,8 @@ def test_remote_kv_request_waits_with_blocks_allocated_and_nothing_scheduled():
     out = scheduler.schedule()
     assert out.num_scheduled_tokens == {}
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert conn.allocated["r"][1] == 8 and len(conn.allocated["r"][0]) == 2
+    [main_ids] = conn.allocated["r"][0]  # one KV cache group: a plain model
+    assert conn.allocated["r"][1] == 8 and len(main_ids) == 2
     assert out.kv_connector_metadata == {"allocated": conn.allocated}
     assert scheduler.schedule().num_scheduled_tokens == {}  # still waiting
 

@@ -295,7 +295,7 @@ def test_kv_from_a_prefill_of_another_tensor_parallel_size_fails_the_load_naming
 
     worker = PDConnector(KVConnectorRole.WORKER, "consumer", LocalTransport(), "d0", 16)
     params = KVTransferParams(transfer_id="t", num_tokens=20, block_size=16, tensor_parallel_size=2)
-    worker.start_load_kv(PDConnectorMetadata(loads=[LoadSpec("r", params, (0, 1), 0, 20)]))
+    worker.start_load_kv(PDConnectorMetadata(loads=[LoadSpec("r", params, ((0, 1),), 0, 20)]))
     worker.start_load_kv(PDConnectorMetadata())  # the next step writes (here: fails) it
     failed = worker.get_finished().failed_recving
     assert "tensor_parallel_size=2 and this decode replica with 1" in failed["r"]
@@ -318,3 +318,31 @@ def test_speculating_decode_engine_keeps_greedy_tokens_and_accepts_drafts(tiny_m
     assert d.core.load().spec_decode.num_accepted_tokens > 0
     assert p.core.load().spec_decode is None  # a prefill engine never speculates
     _assert_no_leaks(p, d, transport=transport)
+
+
+def test_pd_on_a_hybrid_sliding_window_model_equals_transformers_and_ships_each_group(model_factory):
+    """Gemma 2 (window layers in a group of their own): the prefill exports both groups'
+    KV, the decode side keeps only the window's blocks of its window layers, and the tokens
+    are transformers'."""
+    model = model_factory("gemma2")  # window 16 on layer 0
+    transport = LocalTransport()
+    p = _engine(model, ("producer", transport, "p0"), max_num_batched_tokens=32, long_prefill_token_threshold=32)
+    d = _engine(model, ("consumer", transport, "d0"))
+    for e in (p, d):
+        assert e.core.kv_cache_manager.window_group is not None
+    prompts = random_prompts([5, 40, 150], 1000, seed=23)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    ref = hf_greedy(model, prompts, 12)
+    window = d.core.kv_cache_manager.window_group
+    for i, prompt in enumerate(prompts):
+        got, _ = _pd(p, d, f"r{i}", prompt, params)
+        assert got == ref[i]
+    assert _worker_side(d).stats["loads"] == 3
+    _assert_no_leaks(p, d, transport=transport)
+    for e in (p, d):
+        group = e.core.kv_cache_manager.window_group
+        assert group.pool.get_num_free_blocks() == group.pool.num_usable_blocks
+    # A 150-token prompt decoded for 11 tokens held at most the window's blocks on the decode
+    # side: its cached window blocks are the last two of the prompt, no earlier ones.
+    cached = {b.block_id for b in window.pool.cached_block_hash_to_block.values()}
+    assert 0 < len(cached) <= 2 + 2 + 1
