@@ -3,7 +3,8 @@
 A model path names a GGUF checkpoint when it is a `.gguf` file, or a directory without a
 config.json that holds exactly one `.gguf` file. Everything else is a Hugging Face directory.
 The metadata is turned into a Hugging Face style config dict, so one validator
-(`arch.arch_from_dict`) covers both formats.
+(`arch.arch_from_dict`) covers both formats. Where a file leaves a value out, we use the one
+llama.cpp's loader assumes for that architecture, since llama.cpp defines what a GGUF file means.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import numpy as np
 
 from engine.errors import ParameterError
-from engine.models.rotary import FREQ_FACTORS
+from engine.models.rotary import FREQ_FACTORS, LONGROPE
 
 # general.architecture -> the Hugging Face class whose layout our model implements. There is
 # no `mistral` GGUF architecture: llama.cpp writes Mistral models as `llama` (the same layout;
@@ -24,12 +25,25 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # NOTE: llama.cpp runs its `llama` architecture with interleaved (GPT-J) rotary, so its
 # converter permutes the rows of each q/k head to make that equivalent to HF's half-split
 # rotary. Only these architectures carry the permutation; our rotary is HF's, so the loader
-# undoes it (gguf_weights.py). Qwen2/Qwen3 run half-split rotary in llama.cpp, unpermuted.
+# undoes it (gguf_weights.py). Qwen2/Qwen3, Phi-3 and Gemma run half-split (NeoX) rotary in
+# llama.cpp, unpermuted.
 PERMUTED_QK = ("llama",)
+# Tensors that are not weights but rotary parameters, read here: Llama 3.x's per-frequency
+# divisors, Phi-3's LongRoPE factor sets.
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# Gemma's sliding-window layers when the file names no pattern, as llama.cpp's loader assumes:
+# the last of every n layers is global (Gemma 2: every other layer, the first windowed).
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+# The 27B models' layer counts: llama.cpp (after gemma_pytorch) scales their scores by
+# hidden / heads, every other size's by head_dim; HF configs spell it query_pre_attn_scalar.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _MISSING = object()
 
 
@@ -100,10 +114,6 @@ def gguf_config(path: str) -> dict:
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     head_dim = int(get("attention.key_length", hidden // heads))
-    rotary_dim = int(get("rope.dimension_count", head_dim))
-    if rotary_dim != head_dim:
-        raise ParameterError("model", f"GGUF file {path!r} rotates {rotary_dim} of {head_dim} head "
-                             f"dimensions; only full-head rotary is supported")
     config = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         # GGUF dimensions are innermost first: the embedding is [hidden, vocab].
@@ -121,31 +131,108 @@ def gguf_config(path: str) -> dict:
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
     }
-    scaling = _rope_scaling(path, get, tensors.get("rope_freqs.weight"), head_dim)
+    partial = _partial_rotary(path, arch, int(get("rope.dimension_count", head_dim)), head_dim)
+    if partial != 1.0:
+        config["partial_rotary_factor"] = partial
+    if arch == "phi3":
+        # llama.cpp ignores a Phi-3 file's sliding window (it runs every layer over the whole
+        # context), and so does transformers' GGUF reader: so do we.
+        config["sliding_window"] = None
+        original = get("rope.scaling.original_context_length", None)
+        if original is not None:
+            config["original_max_position_embeddings"] = int(original)
+    if arch in _GEMMA_SWA_PATTERN:
+        config.update(_gemma_config(path, arch, get, config))
+    scaling = _rope_scaling(path, get, tensors, int(head_dim * partial))
     if scaling is not None:
         config["rope_scaling"] = scaling
     return config
 
 
-def _rope_scaling(path: str, get, freqs, head_dim: int) -> dict | None:
-    """Rotary scaling from the file: `rope.scaling.type` linear, and Llama 3.x's `rope_freqs`
+def _partial_rotary(path: str, arch: str, rotary_dim: int, head_dim: int) -> float:
+    """rope.dimension_count as a share of the head (Phi-3 rotates part of each head; the
+    other architectures must rotate all of it)."""
+    if rotary_dim == head_dim:
+        return 1.0
+    partial = rotary_dim / head_dim
+    if arch != "phi3" or not 0 < rotary_dim < head_dim or int(head_dim * partial) != rotary_dim:
+        raise ParameterError("model", f"GGUF file {path!r} rotates {rotary_dim} of {head_dim} head "
+                             f"dimensions; only phi3 files may rotate part of each head")
+    return partial
+
+
+def _gemma_config(path: str, arch: str, get, config: dict) -> dict:
+    """Gemma 2/3: GeGLU, the sliding-window layers, the score scale and the soft caps, with
+    llama.cpp's defaults for what the file leaves out."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    out = {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": None}
+    window = int(get("attention.sliding_window", 4096 if arch == "gemma2" else 0))
+    if window > 0:
+        pattern = get("attention.sliding_window_pattern", _GEMMA_SWA_PATTERN[arch])
+        if isinstance(pattern, list):  # one flag per layer: windowed or not
+            windowed = [bool(p) for p in pattern]
+            if len(windowed) != layers:
+                raise ParameterError("model", f"GGUF {arch}.attention.sliding_window_pattern of {path!r} has "
+                                     f"{len(windowed)} entries for {layers} layers")
+        else:  # every n-th layer global (n = 0: all windowed)
+            n = int(pattern)
+            windowed = [n == 0 or i % n < n - 1 for i in range(layers)]
+        out.update(sliding_window=window,
+                   layer_types=["sliding_attention" if w else "full_attention" for w in windowed])
+    big = layers == _GEMMA_27B_LAYERS[arch]
+    out["query_pre_attn_scalar"] = config["hidden_size"] // heads if big else config["head_dim"]
+    local_theta = get("rope.freq_base_swa", None)
+    if arch == "gemma2":
+        if local_theta is not None and float(local_theta) != config["rope_theta"]:
+            raise ParameterError("model", f"GGUF gemma2 file {path!r} has a sliding-window rope base "
+                                 f"{local_theta} other than its rope base {config['rope_theta']}; not supported")
+        out["attn_logit_softcapping"] = float(get("attn_logit_softcapping", 50.0))
+        out["final_logit_softcapping"] = float(get("final_logit_softcapping", 30.0))
+    else:
+        out["rope_local_base_freq"] = float(10000.0 if local_theta is None else local_theta)
+        out["final_logit_softcapping"] = float(get("final_logit_softcapping", 0.0)) or None
+    return out
+
+
+def _rope_scaling(path: str, get, tensors: dict, rotary_dim: int) -> dict | None:
+    """Rotary scaling from the file: `rope.scaling.type` linear; Llama 3.x's `rope_freqs`
     tensor (what llama.cpp's converter writes for a llama3 rope: a divisor per frequency),
-    applied as llama.cpp applies it: each inverse frequency divided by its factor."""
+    applied as llama.cpp applies it: each inverse frequency divided by its factor; and Phi-3's
+    LongRoPE, the `rope_factors_short` and `rope_factors_long` tensors."""
     kind = get("rope.scaling.type", "none")
-    if kind not in ("none", "linear"):
+    if kind not in ("none", "linear", LONGROPE):
         raise ParameterError("model", f"GGUF rope scaling {kind!r} of {path!r} is not supported; "
-                             f"supported: ['linear', 'none'] and a rope_freqs tensor")
+                             f"supported: ['linear', 'longrope', 'none'] and a rope_freqs tensor")
+    freqs = tensors.get("rope_freqs.weight")
+    long, short = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
+    if (long is None) != (short is None) or (kind == LONGROPE and long is None):
+        raise ParameterError("model", f"GGUF file {path!r} must hold both rope_factors_long and "
+                             f"rope_factors_short for LongRoPE, or neither")
+    if long is not None:
+        if kind == "linear" or freqs is not None:
+            raise ParameterError("model", f"GGUF file {path!r} has LongRoPE factors and another rope scaling")
+        scaling = {"rope_type": LONGROPE, "long_factor": _factors(path, long, rotary_dim),
+                   "short_factor": _factors(path, short, rotary_dim)}
+        attention = get("rope.scaling.attn_factor", None)
+        if attention is not None:
+            scaling["attention_factor"] = float(attention)
+        return scaling
     if freqs is not None:
-        factors = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
-        if freqs.tensor_type.name != "F32" or factors.size != head_dim // 2:
-            raise ParameterError("model", f"GGUF rope_freqs.weight of {path!r} must be F32 with head_dim / 2 = "
-                                 f"{head_dim // 2} values, got {freqs.tensor_type.name} with {factors.size}")
         if kind == "linear":
             raise ParameterError("model", f"GGUF file {path!r} has both linear rope scaling and rope_freqs")
-        return {"rope_type": FREQ_FACTORS, "factors": tuple(float(f) for f in factors)}
+        return {"rope_type": FREQ_FACTORS, "factors": _factors(path, freqs, rotary_dim)}
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     return None
+
+
+def _factors(path: str, t, rotary_dim: int) -> tuple[float, ...]:
+    """A rope factor tensor: F32, one value per rotary frequency (rotary_dim / 2)."""
+    factors = np.asarray(t.data, dtype=np.float32).reshape(-1)
+    if t.tensor_type.name != "F32" or factors.size != rotary_dim // 2:
+        raise ParameterError("model", f"GGUF {t.name} of {path!r} must be F32 with rotary dim / 2 = "
+                             f"{rotary_dim // 2} values, got {t.tensor_type.name} with {factors.size}")
+    return tuple(float(f) for f in factors)
 
 
 def gguf_eos_token_ids(path: str) -> list[int]:

@@ -37,8 +37,14 @@ def load_gguf_tokenizer(path: str):
     cached = _cache_dir(path)
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
         return AutoTokenizer.from_pretrained(cached)
+    from engine.models.gguf_file import metadata
+
+    # transformers wraps a Gemma file's vocabulary in GemmaTokenizer, which adds a `<mask>`
+    # token when the vocabulary has none: an id past the embedding, which the model (and the
+    # structured-output grammar over its logits) does not have. A causal LM masks nothing.
+    extra = {"mask_token": None} if metadata(path, "general.architecture", "").startswith("gemma") else {}
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                              gguf_file=os.path.basename(path))
+                                              gguf_file=os.path.basename(path), **extra)
     _save(tokenizer, cached)
     return tokenizer
 

@@ -14,7 +14,7 @@ import torch
 
 from engine.errors import ParameterError
 from engine.models.arch import ModelArch
-from engine.models.gguf_file import PERMUTED_QK, gguf_architecture, open_gguf
+from engine.models.gguf_file import PERMUTED_QK, ROPE_TENSORS, gguf_architecture, open_gguf
 from engine.models.gguf_quants import check_type, dequantize
 
 _GLOBAL = {
@@ -35,21 +35,36 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-ROPE_FREQS = "rope_freqs.weight"
+# Where an architecture's names differ. Phi-3 keeps HF's fused tensors: attn_qkv holds the
+# [q; k; v] rows and ffn_up the [gate; up] rows (the loader splits both). Gemma's sandwich
+# norms: llama.cpp's ffn_norm is the norm before the MLP, post_attention_norm the one after
+# attention, which HF calls post_attention_layernorm.
+_GEMMA_LAYER = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_LAYER = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": _GEMMA_LAYER,
+    "gemma3": _GEMMA_LAYER,
+}
 _LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; an unknown tensor is
-    an error naming it (a file we would silently half-load is worse than a refusal)."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (`arch`: the file's
+    general.architecture); an unknown tensor is an error naming it (a file we would silently
+    half-load is worse than a refusal)."""
+    per_layer = {**_PER_LAYER, **_ARCH_LAYER.get(arch, {})}
     m = _LAYER.match(gguf_name)
-    if m is not None and m.group(2) in _PER_LAYER:
-        return f"model.layers.{m.group(1)}.{_PER_LAYER[m.group(2)]}.{m.group(3)}"
+    if m is not None and m.group(2) in per_layer:
+        return f"model.layers.{m.group(1)}.{per_layer[m.group(2)]}.{m.group(3)}"
     base, _, kind = gguf_name.rpartition(".")
     if base in _GLOBAL:
         return f"{_GLOBAL[base]}.{kind}"
-    raise ParameterError("model", f"GGUF tensor {gguf_name!r} is not part of the supported "
-                         f"architectures {sorted(_PER_LAYER) + sorted(_GLOBAL)}")
+    raise ParameterError("model", f"GGUF tensor {gguf_name!r} is not part of the {arch!r} architecture "
+                         f"{sorted(per_layer) + sorted(_GLOBAL)}")
 
 
 def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -63,15 +78,17 @@ def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def gguf_tensors(path: str, arch: ModelArch) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
     """(HF name, read) for every tensor; `read()` returns it dense (fp32, or the stored float
-    type). Unsupported quantization types are refused before any tensor is read."""
+    type). Unsupported quantization types are refused before any tensor is read. Gemma's
+    norms arrive as stored: llama.cpp's converter has already added HF's 1 to them."""
     reader = open_gguf(path)
     for t in reader.tensors:
         check_type(t.tensor_type.name, t.name)
-    permuted = gguf_architecture(path) in PERMUTED_QK
+    file_arch = gguf_architecture(path)
+    permuted = file_arch in PERMUTED_QK
     for t in reader.tensors:
-        if t.name == ROPE_FREQS:
+        if t.name in ROPE_TENSORS:
             continue  # not a weight: the rotary table's factors (engine.models.gguf_file)
-        name = hf_name(t.name)
+        name = hf_name(t.name, file_arch)
         heads = {".q_proj.": arch.num_heads, ".k_proj.": arch.num_kv_heads}
         rotary_heads = next((h for key, h in heads.items() if key in name), None) if permuted else None
         yield name, _reader(t, rotary_heads)

@@ -1,6 +1,7 @@
 """GGUF checkpoints written by the tests (gguf's writer and quantizers): greedy tokens equal
-transformers reading the same file, per quantization type, per llama.cpp mix and per
-architecture name; bad files and paths fail with the field and the allowed values."""
+transformers reading the same file, per quantization type and per architecture name; bad files
+and paths fail with the field and the allowed values. llama.cpp's own mixes:
+test_gguf_llama_cpp.py; Phi-3 and Gemma files: test_gguf_archs.py."""
 
 from __future__ import annotations
 
@@ -22,21 +23,6 @@ SMALL = dict(max_model_len=256, num_kv_blocks=64)
 MIXED = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "BF16",
          "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "F16", "output": "BF16"}
 
-# llama.cpp's mixes as its quantizer makes them (llama-quant.cpp): a default type, the head
-# in Q6_K, attn_v and ffn_down a step up (in the first layers only for the _M mixes). Each
-# is (family, default type, types by tensor kind or name); every type we decode appears.
-# The factory writes the K-quants and IQ4_* as random blocks (gguf-py cannot quantize them),
-# Q5_0 and Q5_1 quantized from the model by gguf-py.
-KQUANT_MIXES = {
-    "Q2_K": ("llama", "Q2_K", {"attn_v": "Q3_K", "ffn_down": "Q3_K", "output": "Q6_K"}),
-    "Q3_K_M": ("llama", "Q3_K", {"blk.0.attn_v": "Q5_K", "attn_v": "Q4_K", "blk.0.ffn_down": "Q5_K",
-                                 "ffn_down": "Q4_K", "attn_output": "Q4_K", "output": "Q6_K"}),
-    "Q4_K_M": ("llama", "Q4_K", {"blk.0.attn_v": "Q6_K", "blk.0.ffn_down": "Q6_K", "output": "Q6_K"}),
-    "Q5_K_M": ("llama", "Q5_K", {"blk.0.attn_v": "Q6_K", "blk.0.ffn_down": "Q6_K", "output": "Q6_K"}),
-    "Q6_K": ("qwen2", "Q6_K", {}),  # tied: the Q6_K embedding is the head
-    "IQ4_XS": ("llama", "IQ4_XS", {"ffn_down": "IQ4_NL", "output": "Q6_K"}),
-    "Q5_0": ("llama", "Q5_0", {"attn_k": "Q5_1", "ffn_up": "Q5_1", "output": "Q6_K"}),
-}
 # K-quant and IQ4_XS blocks hold 256 values and never span rows: every matrix's rows (its
 # input dimension) must be a multiple of 256.
 K_SHAPE = dict(hidden_size=256, intermediate_size=512)
@@ -58,23 +44,24 @@ def gguf_file(model_factory, tmp_path_factory):
     return make
 
 
-def _assert_greedy_parity(model: str, oracle: str | None = None) -> None:
-    """Our engine on `model` vs transformers on `oracle` (default: the same file)."""
+def assert_greedy_parity(model: str, oracle: str | None = None, **engine_args) -> None:
+    """Our engine on `model` (with `engine_args` beside the small defaults) vs transformers on
+    `oracle` (default: the same file)."""
     prompts = random_prompts([5, 23], 1000, seed=3)
     expected = hf_greedy(oracle or model, prompts, 10)
-    llm = LLM(model, **SMALL)
+    llm = LLM(model, **{**SMALL, **engine_args})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def _assert_greedy_parity_chunked_and_cached(model: str) -> None:
+def assert_greedy_parity_chunked_and_cached(model: str, oracle: str | None = None, **engine_args) -> None:
     """As above, with prefill cut into chunks of at most 8 tokens, and a second pass that
     reads the prompts' shared prefix from the prefix cache."""
     shared = random_prompts([40], 1000, seed=4)[0]
     prompts = [shared + tail for tail in random_prompts([3, 19], 1000, seed=5)]
-    expected = hf_greedy(model, prompts, 10)
-    llm = LLM(model, **SMALL, long_prefill_token_threshold=8, max_num_batched_tokens=24)
+    expected = hf_greedy(oracle or model, prompts, 10)
+    llm = LLM(model, **{**SMALL, **engine_args}, long_prefill_token_threshold=8, max_num_batched_tokens=24)
     for _ in range(2):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
@@ -85,19 +72,13 @@ def _assert_greedy_parity_chunked_and_cached(model: str) -> None:
 def test_llama_gguf_with_every_type_greedy_equals_transformers(gguf_file):
     """llama files carry llama.cpp's q/k row interleaving; transformers undoes it on its own.
     Given as a directory holding the file."""
-    _assert_greedy_parity(gguf_file("llama", "F32", MIXED))
+    assert_greedy_parity(gguf_file("llama", "F32", MIXED))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_llama_gguf_of_one_4bit_type_greedy_equals_transformers(gguf_file, qtype):
     """The coarsest types on every matrix, embedding and head included."""
-    _assert_greedy_parity(gguf_file("llama", qtype))
-
-
-@pytest.mark.parametrize("mix", sorted(KQUANT_MIXES))
-def test_llama_cpp_mix_greedy_equals_transformers_chunked_and_prefix_cached(gguf_file, mix):
-    family, qtype, types = KQUANT_MIXES[mix]
-    _assert_greedy_parity_chunked_and_cached(gguf_file(family, qtype, types, **K_SHAPE))
+    assert_greedy_parity(gguf_file("llama", qtype))
 
 
 @pytest.mark.parametrize("family,qtype,overrides", [
@@ -108,7 +89,7 @@ def test_llama_cpp_mix_greedy_equals_transformers_chunked_and_prefix_cached(gguf
 ])
 def test_each_architecture_name_equals_transformers(gguf_file, family, qtype, overrides):
     model = gguf_file(family, qtype, **overrides)
-    _assert_greedy_parity(os.path.join(model, "model.gguf"))  # the file itself, not its directory
+    assert_greedy_parity(os.path.join(model, "model.gguf"))  # the file itself, not its directory
 
 
 def test_mistral_is_a_llama_file(model_factory, tmp_path):
@@ -117,7 +98,7 @@ def test_mistral_is_a_llama_file(model_factory, tmp_path):
     MistralForCausalLM on the original weights; F32 keeps them exact."""
     hf_dir = model_factory("mistral")
     path = write_gguf(hf_dir, str(tmp_path / "m.gguf"), "F32", "llama", general_name="mistral")
-    _assert_greedy_parity(path, oracle=hf_dir)
+    assert_greedy_parity(path, oracle=hf_dir)
 
 
 def test_gguf_chat_uses_the_files_tokenizer_and_template(gguf_file):
@@ -148,7 +129,7 @@ def test_directory_with_two_gguf_files_is_ambiguous(gguf_file, tmp_path):
 
 def test_unsupported_architecture_is_named_with_the_supported_ones(model_factory, tmp_path):
     path = write_gguf(model_factory("llama"), str(tmp_path / "m.gguf"), "F32", arch="gemma")
-    with pytest.raises(ParameterError, match=r"'gemma'.*supported: \['llama', 'qwen2', 'qwen3'\]"):
+    with pytest.raises(ParameterError, match=r"'gemma'.*supported: \['gemma2', 'gemma3', 'llama', 'phi3', 'qwen2', 'qwen3'\]"):
         LLM(path)
 
 
