@@ -20,6 +20,7 @@ from engine.config import (
     DTYPES,
     EXECUTOR_BACKENDS,
     POLICIES,
+    QUANTIZATION_METHODS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -47,6 +48,9 @@ class EngineArgs:
     seed: int = _arg(0, "random seed of the engine (weights init order, unseeded sampling)")
     device: str = _arg("auto", "device to run on (auto: CUDA when available)", DEVICES)
     max_logprobs: int = _arg(20, "most logprobs and prompt logprobs a request may ask for")
+    quantization: str | None = _arg(None, "how weights are held: gguf keeps a GGUF file's blocks and "
+                                    "multiplies by them (the default for a .gguf model), none "
+                                    "dequantizes them at load", QUANTIZATION_METHODS)
     # cache
     block_size: int = _arg(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _arg(True, "reuse the KV of shared prompt prefixes")
@@ -155,7 +159,8 @@ class EngineArgs:
             raise ParameterError("model", f"model must be a model directory or .gguf file, got {self.model!r}")
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
-                              seed=self.seed, device=self.device, max_logprobs=self.max_logprobs),
+                              seed=self.seed, device=self.device, max_logprobs=self.max_logprobs,
+                              quantization=self.quantization),
             cache=CacheConfig(
                 block_size=self.block_size,
                 enable_prefix_caching=self.enable_prefix_caching,

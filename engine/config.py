@@ -9,6 +9,7 @@ from engine.errors import ParameterError, check_choice, check_int
 from engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_METHODS = ("gguf", "none")  # engine.models.quant_linear
 POLICIES = ("fcfs", "priority")
 # What the engine is for (vLLM's usage context): it picks defaults, never behaviour.
 USAGE_CONTEXTS = ("offline", "serving")
@@ -32,9 +33,13 @@ class ModelConfig:
     device: str = "auto"
     # Most logprobs (and prompt logprobs) a request may ask for (vLLM's max_logprobs).
     max_logprobs: int = 20
+    # How weights are held (engine.models.quant_linear): None = "gguf" for a GGUF file.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
+        if self.quantization is not None:
+            check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         check_int("max_logprobs", self.max_logprobs, 0)
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2)

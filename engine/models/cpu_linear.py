@@ -78,11 +78,15 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 class PackedLinearMixin:
     """For nn.Linear subclasses: `pack()` swaps the dense weight for a packed one, and
-    `linear(x, bias)` is x @ W^T (+ bias) with whichever the layer holds."""
+    `linear(x, bias)` is x @ W^T (+ bias) with whichever the layer holds: a weight kept in
+    GGUF blocks (`quant`, engine.models.quant_linear), the packed one, or the dense one."""
 
     packed_weight: torch.Tensor | None = None
+    quant = None  # QuantWeight: set by the loader in place of `weight`
 
     def pack(self) -> bool:
+        if self.quant is not None:
+            return False
         packed = pack_weight(self.weight)
         if packed is None:
             return False
@@ -91,6 +95,9 @@ class PackedLinearMixin:
         return True
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quant is not None:
+            y = self.quant.matmul(x)
+            return y if bias is None else y + bias
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
         return nn.functional.linear(x, self.weight, bias)

@@ -220,3 +220,13 @@ _BLOCKS = {
     "IQ4_XS": BlockType(QK_K, 4 + QK_K // 64 + QK_K // 2, _iq4_xs),
 }
 SUPPORTED_TYPES = tuple(sorted((*_FLOATS, *_BLOCKS)))
+
+
+def is_float_type(type_name: str) -> bool:
+    return type_name in _FLOATS
+
+
+def block_shape(type_name: str) -> tuple[int, int]:
+    """(values, bytes) per block of a quantized type."""
+    block = _BLOCKS[type_name]
+    return block.values, block.nbytes

@@ -176,6 +176,8 @@ class CausalLM(nn.Module):
             local = self.lm_head.linear(hidden)
         elif self.tied_head is not None:
             local = packed_linear(hidden, self.tied_head, None)
+        elif self.embed_tokens.quant is not None:
+            local = self.embed_tokens.quant.matmul(hidden)  # the tied head read from GGUF blocks
         else:
             local = nn.functional.linear(hidden, self.embed_tokens.weight)
         logits = parallel_logits(local, self.arch.vocab_size, self.tp)
@@ -188,7 +190,7 @@ class CausalLM(nn.Module):
         """Pack the projections and the logits head for oneDNN (engine.models.cpu_linear);
         returns how many weights were packed (none where it does not apply)."""
         n = pack_model_linears(self)
-        if self.lm_head is None:
+        if self.lm_head is None and self.embed_tokens.quant is None:
             self.tied_head = pack_weight(self.embed_tokens.weight)
             n += self.tied_head is not None
         return n

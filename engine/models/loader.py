@@ -24,6 +24,7 @@ from safetensors import safe_open
 from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
 from engine.models.arch import ModelArch
 from engine.models.gguf_file import find_gguf
+from engine.models.gguf_plan import QuantPlan
 from engine.models.gguf_weights import gguf_tensors
 from engine.models.llama import CausalLM
 from engine.models.llava import LlavaCausalLM, load_vision_arch
@@ -80,12 +81,15 @@ def load_model(
     max_positions: int,
     tp: TPGroup = SINGLE_RANK,
     ep: EPGroup = SINGLE_EP,
+    quantization: str | None = None,
 ) -> CausalLM:
     check_ep_size(arch, ep.size)
-    vision = None if find_gguf(model_dir) is not None else load_vision_arch(model_dir)
+    gguf = find_gguf(model_dir)
+    vision = None if gguf is not None else load_vision_arch(model_dir)
     with torch.device("meta"):
         model = (CausalLM(arch, ops, max_positions, tp, ep) if vision is None
                  else LlavaCausalLM(arch, vision, ops, max_positions, tp, ep)).to(dtype)
+    quant = _plan_quantized(gguf, arch, model, device, quantization)
     model = model.to_empty(device=device)
     # The rope table is derived, not loaded: rebuild it in fp32 (to_empty left it empty).
     model.cos_sin = cos_sin_cache(
@@ -97,8 +101,14 @@ def load_model(
     params = dict(model.named_parameters())
     layout = model.layout
     loaded: set[str] = set()
+    # Quantized projections have no dense parameter, but their pieces map as if they had.
+    targets = params if quant is None else {**params, **dict.fromkeys(quant.weights)}
     for name, read in _checkpoint_tensors(model_dir, arch):
-        for param_name, rows, src in _destinations(_text_name(name), layout, params):
+        for param_name, rows, src in _destinations(_text_name(name), layout, targets):
+            if quant is not None and param_name in quant.weights:
+                qw = quant.weights[param_name]
+                qw.add(*(rows or (0, qw.out_features)), *quant.raw(name, src))
+                continue
             dst = _rows_of(params[param_name].data, rows)
             tensor = read(src)
             if tensor.shape != dst.shape:
@@ -110,6 +120,8 @@ def load_model(
             loaded.add(f"{param_name}:{rows}")
     expected = _expected_pieces(layout, params)
     missing = sorted(expected - loaded)
+    if quant is not None:
+        missing += sorted(name for name, qw in quant.weights.items() if not qw.covered())
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} is missing weights: {missing[:8]}")
     if arch.norm_plus_one and find_gguf(model_dir) is None:
@@ -123,6 +135,25 @@ def load_model(
             if name in params:
                 params[name].data[layout.vocab_rows :].zero_()  # padding: zero embeddings and logits
     return model.eval()
+
+
+def _plan_quantized(gguf: str | None, arch: ModelArch, model: torch.nn.Module, device: torch.device,
+                    quantization: str | None) -> QuantPlan | None:
+    """For a GGUF file (unless quantization="none"): the projections that keep their blocks
+    (engine.models.gguf_plan), each given its QuantWeight in place of a dense weight, so
+    materialising the model allocates none for them."""
+    if gguf is None or quantization == "none":
+        return None
+    plan = QuantPlan(gguf, arch)
+    params = dict(model.named_parameters())
+    plan.plan(model, lambda name: _destinations(_text_name(name), model.layout, params), device)
+    for name, qw in plan.weights.items():
+        module = model.get_submodule(name.rpartition(".")[0])
+        module.weight = None
+        module.quant = qw
+    if plan.weights:
+        logger.info("GGUF: %d projections keep their quantized blocks", len(plan.weights))
+    return plan
 
 
 def _checkpoint_tensors(model: str, arch: ModelArch) -> Iterator[tuple[str, Callable[[Slice], torch.Tensor]]]:

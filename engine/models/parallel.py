@@ -169,12 +169,19 @@ class VocabParallelEmbedding(nn.Embedding):
         self.tp = tp
         self.vocab_start = layout.vocab_start
 
+    quant = None  # QuantWeight: the table kept in GGUF blocks (set by the loader)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.embed(ids).reshape(*ids.shape, self.embedding_dim)
+        return nn.functional.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(input_ids)
+            return self.lookup(input_ids)
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.num_embeddings)  # [T]
-        x = nn.functional.embedding(local.masked_fill(~mine, 0), self.weight)  # [T, hidden]
+        x = self.lookup(local.masked_fill(~mine, 0))  # [T, hidden]
         return self.tp.all_reduce(x.masked_fill(~mine.unsqueeze(-1), 0.0))
 
 

@@ -1,6 +1,6 @@
-"""Runs one scheduled step: flattened super-sequence in, one sampled token per finished
-prefill or decode out ; with speculative decoding, a decode
-also verifies its drafts and emits every accepted one plus one more token."""
+"""Runs one scheduled step: flattened super-sequence in, one sampled token per finished prefill
+or decode out; with speculative decoding, a decode also verifies its drafts and emits every
+accepted one plus one more token."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ class ModelRunner:
         tp: TPGroup = SINGLE_RANK,
         ep: EPGroup = SINGLE_EP,
         speculative: SpeculativeConfig | None = None,
+        quantization: str | None = None,
     ) -> None:
         self.arch = arch
         self.tp = tp
@@ -56,7 +57,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kernel_block_size = kernel_block_size
         self.max_model_len = max_model_len
-        self.model = load_model(model_dir, arch, ops, device, dtype, max_model_len, tp, ep)
+        self.model = load_model(model_dir, arch, ops, device, dtype, max_model_len, tp, ep, quantization)
         if device.type == "cpu":
             self.model.pack_cpu_weights()
         # KV heads this rank caches (all of them on one rank).
@@ -91,7 +92,6 @@ class ModelRunner:
         # Image models only: encoder outputs by image hash, merged into prefill embeddings.
         self.encoder = EncoderRunner(self.model, device) if hasattr(self.model, "encode_images") else None
 
-    # ---- KV cache -----------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         a = self.arch
         itemsize = torch.empty((), dtype=self.dtype).element_size()

@@ -84,6 +84,7 @@ class Worker:
             tp=tp,
             ep=ep,
             speculative=ec.speculative,
+            quantization=ec.model.quantization,
         )
         self.kv_connector = (kv_connector_factory(KVConnectorRole.WORKER)
                              if kv_connector_factory is not None else None)

@@ -29,6 +29,8 @@ _SIGNATURES = {
     "rotary_neox_f32": [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64,
                         _I64, _I64, _INT],
     "reshape_and_cache_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "quant_matmul_f32": [_PTR, _I64, _PTR, _I64, _I64, _INT, _I64, _PTR, _I64, _I64, _INT, _INT],
+    "quant_embedding_f32": [_PTR, _I64, _PTR, _I64, _INT, _I64, _PTR, _INT],
 }
 _lib: ctypes.CDLL | None = None
 _tried = False

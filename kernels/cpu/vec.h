@@ -62,4 +62,145 @@ static inline float hsum(v8 s) {
     return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
 }
 
+/* 64-byte vectors and byte/fp16 conversions (kernels/cpu/quant.c). Static inline only, so
+ * the ABI notes GCC gives for 64-byte vectors without AVX-512 do not apply. */
+#include <math.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint8_t u8x64 __attribute__((vector_size(64)));
+typedef int8_t i8x64 __attribute__((vector_size(64)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+static inline u8x16 ld16(const uint8_t *p) { u8x16 v; memcpy(&v, p, 16); return v; }
+static inline u8x32 ld32(const uint8_t *p) { u8x32 v; memcpy(&v, p, 32); return v; }
+static inline u8x64 ld64(const uint8_t *p) { u8x64 v; memcpy(&v, p, 64); return v; }
+static inline v16 ldf16(const float *p) { v16 v; memcpy(&v, p, 64); return v; }
+static inline uint16_t ldh(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return h; }
+
+/* 16 bytes -> floats, unsigned or signed (intrinsics: GCC 12 scalarizes these conversions). */
+static inline v16 bytes_float(u8x16 v, int is_signed) {
+#ifdef __AVX512F__
+    return (v16)_mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32((__m128i)v) : _mm512_cvtepu8_epi32((__m128i)v));
+#elif defined(__AVX2__)
+    const __m128i h = _mm_srli_si128((__m128i)v, 8);
+    const __m256 lo = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32((__m128i)v) : _mm256_cvtepu8_epi32((__m128i)v));
+    const __m256 hi = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(h) : _mm256_cvtepu8_epi32(h));
+    v16 r;
+    memcpy(&r, &lo, 32), memcpy((char *)&r + 32, &hi, 32);
+    return r;
+#else
+    v16 r;
+    for (int i = 0; i < 16; i++) r[i] = is_signed ? (float)(int8_t)v[i] : (float)v[i];
+    return r;
+#endif
+}
+static inline v16 u8_float(u8x16 v) { return bytes_float(v, 0); }
+
+#define I16(o) o, o + 1, o + 2, o + 3, o + 4, o + 5, o + 6, o + 7, o + 8, o + 9, o + 10, o + 11, o + 12, o + 13, o + 14, o + 15
+/* Concatenations; without AVX-512 through memory, which GCC keeps in register pairs where a
+ * shuffle of the wide type would be scalarized. */
+static inline u8x64 cat32(u8x32 a, u8x32 b) {
+#ifdef __AVX512F__
+    return __builtin_shufflevector(a, b, I16(0), I16(16), I16(32), I16(48));
+#else
+    u8x64 r;
+    memcpy(&r, &a, 32), memcpy((char *)&r + 32, &b, 32);
+    return r;
+#endif
+}
+static inline u8x32 cat16(u8x16 a, u8x16 b) {
+    u8x32 r;
+    memcpy(&r, &a, 16), memcpy((char *)&r + 16, &b, 16);
+    return r;
+}
+
+/* fp16 bits -> float, exactly. */
+static inline v8 half8(u16x8 h) {
+#ifdef __F16C__
+    return (v8)_mm256_cvtph_ps((__m128i)h);
+#else
+    v8 r;
+    for (int i = 0; i < 8; i++) {
+        const uint32_t e = (h[i] >> 10) & 0x1F, m = h[i] & 0x3FF, sign = (uint32_t)(h[i] >> 15) << 31;
+        const uint32_t bits = sign | (e == 31 ? 0x7F800000u | m << 13 : (e + 112) << 23 | m << 13);
+        float f;
+        memcpy(&f, &bits, 4);
+        r[i] = e ? f : (sign ? -1.0f : 1.0f) * ldexpf((float)m, -24);
+    }
+    return r;
+#endif
+}
+
+static inline float hsum16(v16 v) {
+    return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+/* The two fp16 at the start of each of 8 blocks `stride` bytes apart: [d0, m0, d1, m1, ...]. */
+static inline v16 block_halves(const uint8_t *p, int stride) {
+#if defined(__AVX2__) && defined(__F16C__)
+    const __m256i g = _mm256_i32gather_epi32((const int *)p, _mm256_mullo_epi32(
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride)), 1);
+#ifdef __AVX512F__
+    return (v16)_mm512_cvtph_ps(g);
+#endif
+    const v8 lo = (v8)_mm256_cvtph_ps(_mm256_castsi256_si128(g)), hi = (v8)_mm256_cvtph_ps(_mm256_extracti128_si256(g, 1));
+#else
+    u16x8 a, b;
+    for (int i = 0; i < 4; i++) {
+        a[2 * i] = ldh(p + i * stride), a[2 * i + 1] = ldh(p + i * stride + 2);
+        b[2 * i] = ldh(p + (i + 4) * stride), b[2 * i + 1] = ldh(p + (i + 4) * stride + 2);
+    }
+    const v8 lo = half8(a), hi = half8(b);
+#endif
+    v16 r;
+    memcpy(&r, &lo, 32), memcpy((char *)&r + 32, &hi, 32);
+    return r;
+}
+
+/* 16 bytes from each of p, p + stride, p + 2 stride, p + 3 stride. */
+static inline u8x64 quad16(const uint8_t *p, int stride) {
+#ifdef __AVX2__ /* inserts from memory rather than shuffles */
+    const __m256i a = _mm256_loadu2_m128i((const __m128i *)(p + stride), (const __m128i *)p);
+    const __m256i b = _mm256_loadu2_m128i((const __m128i *)(p + 3 * stride), (const __m128i *)(p + 2 * stride));
+    return cat32((u8x32)a, (u8x32)b);
+#else
+    return cat32(cat16(ld16(p), ld16(p + stride)), cat16(ld16(p + 2 * stride), ld16(p + 3 * stride)));
+#endif
+}
+
+/* 16 in byte i where bit i of m is set. */
+static inline u8x64 bits16(uint64_t m) {
+#ifdef __AVX512BW__
+    return (u8x64)_mm512_maskz_mov_epi8(m, _mm512_set1_epi8(16));
+#elif defined(__AVX2__) /* each byte takes its mask byte, then tests its bit */
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201u);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    __m256i h[2];
+    for (int i = 0; i < 2; i++) {
+        const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)(m >> 32 * i)), spread), bit);
+        h[i] = _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(16));
+    }
+    return cat32((u8x32)h[0], (u8x32)h[1]);
+#else
+    u8x64 r;
+    for (int i = 0; i < 64; i++) r[i] = (uint8_t)((m >> i & 1) << 4);
+    return r;
+#endif
+}
+
+/* Of each byte of h, h repeated: bits s.. (first 32 bytes) and t.. (last 32), width wide. */
+static inline u8x64 bit_planes(u8x32 h, int s, int t, int width) {
+    const u32x16 shift = {s, s, s, s, s, s, s, s, t, t, t, t, t, t, t, t};
+    return (u8x64)((u32x16)cat32(h, h) >> shift) & (uint8_t)((1 << width) - 1);
+}
+
 #endif

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import pytest
 
+from engine import LLM, SamplingParams
 from tests.engine.gguf_factory import llama_cpp_quantize, tensor_types, write_gguf
+from tests.engine.hf_reference import hf_mismatches, random_prompts
 from tests.engine.test_gguf import assert_greedy_parity_chunked_and_cached
+from tests.engine.test_quantized_gguf import INT8_MARGIN
 
 SHAPE = dict(hidden_size=256, intermediate_size=288)
 # Each mix: (family, model overrides, types the file must hold). The types are what
@@ -65,3 +68,13 @@ def test_llama_cpp_mix_greedy_equals_transformers_chunked_and_prefix_cached(llam
     assert MIXES[mix][2] <= set(matrices.values()), sorted(set(matrices.values()))
     assert not FLOAT_TYPES & set(matrices.values()), matrices
     assert_greedy_parity_chunked_and_cached(model)
+    # The default path keeps the blocks a kernel multiplies (Q4_0/1, Q5_0/1, Q8_0, Q4_K-Q6_K),
+    # dequantizing the rest: near-ties apart, transformers' tokens.
+    llm = LLM(model, max_model_len=256, long_prefill_token_threshold=8, max_num_batched_tokens=24)
+    prompts = random_prompts([5, 23, 40], 1000, seed=6)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10),
+                        use_tqdm=False)
+    assert hf_mismatches(model, prompts, [o.outputs[0].token_ids for o in outs], INT8_MARGIN) == 0
+    kept = {s.qtype for m in llm.engine.core.executor.worker.runner.model.modules()
+            if getattr(m, "quant", None) is not None for s in m.quant.segments}
+    assert kept or not {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"} & set(matrices.values())

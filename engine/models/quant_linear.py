@@ -1,0 +1,93 @@
+"""Linear methods (vLLM's quantization-method seam; our code): how a projection holds its
+weight and multiplies by it.
+
+- dense, the default: an fp32/bf16 `weight` parameter (oneDNN-packed on CPU,
+  engine.models.cpu_linear);
+- gguf: the weight stays in the GGUF file's blocks. A projection is a stack of row segments,
+  each of one block type, because a fused projection may mix them (a Q4_K_M file stores attn_v
+  in Q6_K beside Q4_K q and k). Each segment is multiplied by a kernel that reads the blocks
+  (kernels.cpu.quant on CPU), so a step reads the file's bytes, not 4-8x as many fp32 ones.
+
+Which tensors stay quantized is decided before the model is materialised (the loader's plan):
+a whole projection or none, and only block types a kernel takes; the rest are dequantized at
+load as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.models.gguf_quants import dequantize
+
+
+def _kernels():
+    from kernels.cpu import quant
+
+    return quant
+
+
+def kernel_supports(qtype: str, in_features: int, device: torch.device) -> bool:
+    """Whether a kernel multiplies `qtype` blocks of rows of `in_features` on `device`."""
+    if device.type != "cpu":
+        return False  # GPU kernels for the block formats are not wired yet: dequantize at load
+    return _kernels().supported(qtype, in_features)
+
+
+@dataclass
+class QuantSegment:
+    start: int  # first output row of the projection it fills
+    stop: int
+    qtype: str
+    data: torch.Tensor  # uint8 [stop - start, row bytes], the rows' blocks as the file stores them
+
+
+@dataclass
+class QuantWeight:
+    """An [out_features, in_features] weight kept as GGUF blocks, in row segments."""
+
+    out_features: int
+    in_features: int
+    segments: list[QuantSegment] = field(default_factory=list)
+
+    def add(self, start: int, stop: int, qtype: str, data: torch.Tensor) -> None:
+        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[0] != stop - start:
+            raise ValueError(f"quantized rows [{start}, {stop}) need uint8 [{stop - start}, row bytes], "
+                             f"got {data.dtype} {tuple(data.shape)}")
+        self.segments.append(QuantSegment(start, stop, qtype, data.contiguous()))
+        self.segments.sort(key=lambda s: s.start)
+
+    def covered(self) -> bool:
+        """Every output row is filled exactly once."""
+        at = 0
+        for s in self.segments:
+            if s.start != at:
+                return False
+            at = s.stop
+        return at == self.out_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.data.numel() for s in self.segments)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] @ W^T -> [..., out_features] in fp32 (the kernels' dtype)."""
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        quant = _kernels()
+        parts = [quant.quant_matmul(flat, s.data, s.qtype, self.in_features) for s in self.segments]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W (an embedding table), dequantized: [len(ids), in_features] fp32."""
+        if len(self.segments) != 1:
+            raise ValueError("an embedding table is one segment")
+        s = self.segments[0]
+        return _kernels().quant_embedding(ids.reshape(-1), s.data, s.qtype, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense fp32 weight (tests, and the reference the kernels are held to)."""
+        rows = [dequantize(s.data.reshape(-1), s.qtype, (s.stop - s.start, self.in_features))
+                for s in self.segments]
+        return torch.cat(rows, dim=0)

@@ -1,0 +1,391 @@
+/* Products with GGUF-quantized weights kept in their block format (contract: kernels/cpu/quant.py).
+ * A weight row is read in chunks of 256 values (one K-quant super-block, or eight 32-value
+ * blocks): `decode` unpacks a chunk into 256 unsigned 8-bit values q and, per run of 16 values,
+ * a scale s and a term m: w = s * (q - OFFSET) + m. Then
+ *   int8: activation rows are quantized per 32 values to int8 once per call; a chunk's product
+ *         is four 64-byte u8 x s8 dot products (AVX-512 VNNI vpdpbusd, AVX-VNNI, AVX2
+ *         vpmaddubsw, or plain C) summed per run and scaled in fp32;
+ *   fp32: the chunk is dequantized exactly (as engine/models/gguf_quants.py) and multiplied
+ *         with FMA.
+ * T = 1 (int8) keeps one row's accumulator in a register; larger T decodes each chunk of NT
+ * weight rows once for a tile of TT activation rows, so a batch reads the weights once. OpenMP
+ * threads split the output rows. A row end that is not a whole chunk (K = 576: 2 chunks and 2
+ * blocks) is read in place, on into the next row, with the missing blocks' scales and-ed to 0;
+ * the matrix's last row from a padded copy, so nothing is read outside the weight. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "vec.h"
+
+enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, NTYPES }; /* quant.py's codes */
+static const int BLOCK_VALUES[NTYPES] = {32, 32, 32, 32, 32, 256, 256, 256};
+static const int BLOCK_BYTES[NTYPES] = {18, 20, 22, 24, 34, 144, 176, 210};
+static const int OFFSET[NTYPES] = {8, 0, 16, 0, 128, 0, 0, 32};
+#define HAS_M(type) ((type) == Q4_1 || (type) == Q5_1 || (type) == Q4_K || (type) == Q5_K)
+#define NT 4                        /* weight rows decoded together (T > 1) */
+#define TT 64                       /* activation rows sharing one decode */
+#define PARALLEL_MIN_BYTES (1 << 15) /* of weights, to wake a second thread */
+#ifndef PREFETCH
+#define PREFETCH 4096 /* bytes ahead in the weight stream */
+#endif
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+
+/* A weight chunk: 256 values in the order of run_group, s and m per run (run_lane). And an
+ * activation row's chunk for the int8 path in the same order: int8 values, and per run lane
+ * the row's scale dx and the scaled sum dxs (quantize_row). */
+typedef struct { u8x64 q[4]; v16 s, m; } chunk;
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+typedef struct { i8x64 a[4]; v16 dx, dxs; } act_chunk;
+
+/* Q4_K/Q5_K's 12 scale bytes (read as 16) -> 6-bit scales 0..7 and mins 0..7: bytes 0..7 hold
+ * scales and mins 0..3 in their low 6 bits and the top 2 bits of 4..7, bytes 8..11 the low 4
+ * bits of 4..7 (scales in the low nibble, mins in the high). */
+static inline v16 k_scales(const uint8_t *p) {
+    const u8x16 s = ld16(p);
+    const u8x16 x = __builtin_shufflevector(s, s, 0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+    const u8x16 y = __builtin_shufflevector(s, s, 0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7);
+    const u8x16 top = {0, 0, 0, 0, 255, 255, 255, 255, 0, 0, 0, 0, 255, 255, 255, 255};
+    const u8x16 min_hi = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 255, 255, 255, 255};
+    const u8x16 low = ((x & ~min_hi) | ((x >> 4) & min_hi)) & (u8x16)((top & 15) | (~top & 63));
+    return u8_float(low | ((y >> 2) & (top & 0x30)));
+}
+
+/* A chunk is unpacked in the order that takes the fewest shuffles: quarter k of q[c] is a run
+ * of 16 values, the natural group run_group(c, k) (values 16 g .. 16 g + 15), scaled by lane
+ * run_lane(c, k) of s and m. 32-value blocks: q[2h] and q[2h + 1] hold the first and last 16
+ * values of blocks 4h..4h+3, scaled in lane 4k + h (lanes 4k + 2, 4k + 3 are 0); otherwise run
+ * (c, k) has lane 4k + c, where group_sums leaves its sum. The activations take the same order. */
+static inline int run_group(int type, int c, int k) {
+    if (BLOCK_VALUES[type] == 32) return 2 * (4 * (c / 2) + k) + c % 2;
+    if (type == Q6_K) return 4 * c + k;
+    return 2 * (4 * (c / 2) + 2 * (k / 2) + c % 2) + k % 2; /* 64 bytes' low nibbles, then high */
+}
+static inline int run_lane(int type, int c, int k) { return 4 * k + (BLOCK_VALUES[type] == 32 ? c / 2 : c); }
+
+/* The chunk at p: one super-block, or nb 32-value blocks (1..8; for nb < 8 all 8 blocks'
+ * headers and the 4-block half holding block nb - 1 are read, the missing blocks scaled by 0). */
+static inline __attribute__((always_inline)) chunk decode(int type, const uint8_t *p, int nb) {
+    const int B = BLOCK_BYTES[type];
+    chunk c;
+    if (BLOCK_VALUES[type] == 32) {
+        const v16 f = block_halves(p, B), zero = {0}; /* d_b at 2b, Q4_1 / Q5_1's m_b at 2b + 1 */
+        const int qs = type == Q8_0 || type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
+        for (int h = 0; h < 2; h++) {
+            if (4 * h >= nb) {
+                c.q[2 * h] = c.q[2 * h + 1] = (u8x64){0};
+                continue;
+            }
+            if (type == Q8_0) {
+                c.q[2 * h] = quad16(p + 4 * h * B + 2, B) ^ 0x80;
+                c.q[2 * h + 1] = quad16(p + 4 * h * B + 18, B) ^ 0x80;
+                continue;
+            }
+            const u8x64 z = quad16(p + 4 * h * B + qs, B);
+            c.q[2 * h] = z & 15, c.q[2 * h + 1] = z >> 4;
+            if (type == Q5_0 || type == Q5_1) { /* fifth bits: values 0..15 of each block, 16..31 */
+                uint64_t lo = 0, hi = 0;
+                for (int i = 0; i < 4; i++) {
+                    uint32_t m;
+                    memcpy(&m, p + (4 * h + i) * B + qs - 4, 4);
+                    lo |= (uint64_t)(m & 0xFFFF) << 16 * i, hi |= (uint64_t)(m >> 16) << 16 * i;
+                }
+                c.q[2 * h] |= bits16(lo), c.q[2 * h + 1] |= bits16(hi);
+            }
+        }
+#define BLOCK_LANES(o) o, 8 + o, 16, 16, 2 + o, 10 + o, 16, 16, 4 + o, 12 + o, 16, 16, 6 + o, 14 + o, 16, 16
+        c.s = __builtin_shufflevector(f, zero, BLOCK_LANES(0));
+        c.m = HAS_M(type) ? __builtin_shufflevector(f, zero, BLOCK_LANES(1)) : zero;
+        if (nb < 8) { /* and-ed, not multiplied: the missing blocks' bytes may read as NaN */
+            const i32x16 keep = (i32x16){0, 4, 8, 8, 1, 5, 8, 8, 2, 6, 8, 8, 3, 7, 8, 8} < nb;
+            c.s = (v16)((i32x16)c.s & keep), c.m = (v16)((i32x16)c.m & keep);
+        }
+    } else if (type == Q4_K || type == Q5_K) {
+        uint32_t d2;
+        memcpy(&d2, p, 4);
+        const v8 dd = half8((u16x8)(uint32_t __attribute__((vector_size(16)))){d2});
+        const v16 sm = k_scales(p + 4) * __builtin_shufflevector(dd, dd, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        for (int h = 0; h < 2; h++) {
+            const u8x64 z = ld64(p + (type == Q5_K ? 48 : 16) + 64 * h);
+            c.q[2 * h] = z & 15, c.q[2 * h + 1] = z >> 4;
+            if (type == Q5_K) {
+                c.q[2 * h] |= bit_planes(ld32(p + 16), 4 * h, 4 * h + 2, 1) << 4;
+                c.q[2 * h + 1] |= bit_planes(ld32(p + 16), 4 * h + 1, 4 * h + 3, 1) << 4;
+            }
+        }
+#define SUB_LANES(o) o, 1 + o, 4 + o, 5 + o, o, 1 + o, 4 + o, 5 + o, 2 + o, 3 + o, 6 + o, 7 + o, 2 + o, 3 + o, 6 + o, 7 + o
+        c.s = __builtin_shufflevector(sm, sm, SUB_LANES(0));
+        c.m = -__builtin_shufflevector(sm, sm, SUB_LANES(8));
+    } else { /* Q6_K: low nibbles (64-byte runs) | high 2 bits (32-byte runs) | int8 scales | d */
+        for (int h = 0; h < 2; h++) {
+            const u8x64 z = ld64(p + 64 * h);
+            c.q[2 * h] = (z & 15) | bit_planes(ld32(p + 128 + 32 * h), 0, 2, 2) << 4;
+            c.q[2 * h + 1] = (z >> 4) | bit_planes(ld32(p + 128 + 32 * h), 4, 6, 2) << 4;
+        }
+        const v16 sc = bytes_float(ld16(p + 192), 1);
+        c.s = half8((u16x8){ldh(p + 208)})[0] * __builtin_shufflevector(sc, sc, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        c.m = (v16){0};
+    }
+    return c;
+}
+
+/* Chunk c of row n holding nv values. A short one (nv / 32 blocks) reads on into the next row,
+ * or for the matrix's last row (n + 1 >= N) decodes from a zero-padded copy. */
+static inline __attribute__((always_inline)) chunk load_chunk(int type, const uint8_t *w, int64_t rb, int64_t n,
+                                                              int64_t N, int64_t c, int nv) {
+    const uint8_t *p = w + n * rb + c * (int64_t)(256 / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
+    if (nv == 256) { /* the hardware prefetcher alone leaves a core at ~7 of its ~15 GB/s */
+        for (int o = 0; o < (256 / BLOCK_VALUES[type]) * BLOCK_BYTES[type]; o += 64) __builtin_prefetch(p + PREFETCH + o);
+        return decode(type, p, 8);
+    }
+    if (n + 1 < N) return decode(type, p, nv / 32);
+    uint8_t buf[8 * 34] = {0};
+    memcpy(buf, p, (size_t)(nv / 32 * BLOCK_BYTES[type]));
+    return decode(type, buf, nv / 32);
+}
+
+/* The chunk's first nv values as floats in natural order, exactly as gguf_quants computes them
+ * (every product is exact in fp32: only the add of m rounds). */
+static inline __attribute__((always_inline)) void dequant(int type, const chunk *ch, int nv, float *out) {
+    for (int c = 0; c < 16; c++) {
+        const int g = run_group(type, c / 4, c % 4), l = run_lane(type, c / 4, c % 4);
+        if (16 * g >= nv) continue;
+        v16 w = ch->s[l] * (u8_float(ld16((const uint8_t *)ch->q + 16 * c)) - (float)OFFSET[type]);
+        if (HAS_M(type)) w += ch->m[l];
+        memcpy(out + 16 * g, &w, 64);
+    }
+}
+
+/* acc + per 4-byte lane the dot product of unsigned w and signed a. big: w may exceed 127. */
+static inline i32x16 dot64(i32x16 acc, u8x64 w, i8x64 a, int big) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    (void)big;
+    return (i32x16)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)a);
+#elif defined(__AVX2__)
+    __m256i r[2], wh[2], ah[2];
+    memcpy(r, &acc, 64), memcpy(wh, &w, 64), memcpy(ah, &a, 64);
+    for (int h = 0; h < 2; h++) {
+#ifdef __AVXVNNI__
+        (void)big;
+        r[h] = _mm256_dpbusd_avx_epi32(r[h], wh[h], ah[h]);
+#else
+        const __m256i ones = _mm256_set1_epi16(1);
+        if (big) { /* (w - 128) a + 128 a, the sign moved onto a: no int16 saturation */
+            const __m256i ws = _mm256_xor_si256(wh[h], _mm256_set1_epi8((char)0x80));
+            const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), ah[h]), ones);
+            r[h] = _mm256_add_epi32(r[h], _mm256_slli_epi32(sum, 7));
+            wh[h] = _mm256_abs_epi8(ws), ah[h] = _mm256_sign_epi8(ah[h], ws);
+        }
+        r[h] = _mm256_add_epi32(r[h], _mm256_madd_epi16(_mm256_maddubs_epi16(wh[h], ah[h]), ones));
+#endif
+    }
+    memcpy(&acc, r, 64);
+    return acc;
+#else
+    (void)big;
+    for (int l = 0; l < 16; l++)
+        for (int j = 4 * l; j < 4 * l + 4; j++) acc[l] += (int32_t)w[j] * (int32_t)a[j];
+    return acc;
+#endif
+}
+
+#define LO32 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29
+#define HI32 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31
+/* Lane sums r[c] (lane = 4 values of q[c]) -> lane 4k + c: the sum of quarter k of q[c]. */
+static inline i32x16 group_sums(const i32x16 r[4]) {
+    const i32x16 a = __builtin_shufflevector(r[0], r[1], LO32) + __builtin_shufflevector(r[0], r[1], HI32);
+    const i32x16 b = __builtin_shufflevector(r[2], r[3], LO32) + __builtin_shufflevector(r[2], r[3], HI32);
+    return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+
+/* Row x (K floats) -> nch int8 chunks in the order of `type`, zero past K (a multiple of 32):
+ * per 32 values a = round(x * 127 / max|x|), dx = max|x| / 127, and per run lane dx * sum(a),
+ * times -OFFSET for the types without m (chunk_dot then needs one FMA for both terms). */
+static void quantize_row(int type, const float *x, int64_t K, act_chunk *out, int64_t nch) {
+    const float factor = HAS_M(type) ? 1.0f : -(float)OFFSET[type];
+    for (int64_t ci = 0; ci < nch; ci++) {
+        int8_t q[256], a[256];
+        float dx[8], dx16[16] = {0}, dxs16[16] = {0};
+        int32_t sum[16];
+        for (int g = 0; g < 8; g++) {
+            const int64_t k0 = ci * 256 + g * 32;
+            float v[32] = {0};
+            if (k0 < K) memcpy(v, x + k0, sizeof(v));
+            v8 m = splat(0.0f);
+            for (int i = 0; i < 4; i++) m = vmax(m, (v8)((v8i)load8(v + 8 * i) & 0x7FFFFFFF));
+            m = vmax(m, __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3));
+            m = vmax(m, __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5));
+            const float amax = m[0] > m[1] ? m[0] : m[1], id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int h = 0; h < 2; h++) { /* x * id rounded to fp32, then to the nearest even */
+                v8 s16 = splat(0.0f);
+                for (int i = 2 * h; i < 2 * h + 2; i++) {
+                    v8 r = load8(v + 8 * i) * splat(id);
+#ifdef __AVX__
+                    r = (v8)_mm256_round_ps((__m256)r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+                    for (int j = 0; j < 8; j++) r[j] = __builtin_roundevenf(r[j]);
+#endif
+                    const i8x8 b = __builtin_convertvector(__builtin_convertvector(r, v8i), i8x8);
+                    memcpy(q + g * 32 + 8 * i, &b, 8);
+                    s16 += r;
+                }
+                sum[2 * g + h] = (int32_t)hsum(s16);
+            }
+            dx[g] = amax / 127.0f;
+        }
+        for (int c = 0; c < 4; c++)
+            for (int k = 0; k < 4; k++) {
+                const int g = run_group(type, c, k), l = run_lane(type, c, k);
+                memcpy(a + 64 * c + 16 * k, q + 16 * g, 16);
+                dx16[l] = dx[g / 2];
+                dxs16[l] += factor * dx[g / 2] * (float)sum[g];
+            }
+        memcpy(out[ci].a, a, 256), memcpy(&out[ci].dx, dx16, 64), memcpy(&out[ci].dxs, dxs16, 64);
+    }
+}
+
+/* The int8 product of a chunk with an activation chunk. 32-value blocks: the pieces holding a
+ * block's two halves accumulate together, and a quarter's lanes fold into one sum per half. */
+static inline __attribute__((always_inline)) v16 chunk_dot(int type, const chunk *w, const act_chunk *a, int nv) {
+    const int big = OFFSET[type] == 128;
+    const i32x16 zero = {0};
+    v16 g;
+    if (BLOCK_VALUES[type] == 32) {
+        const i32x16 r0 = dot64(dot64(zero, w->q[0], a->a[0], big), w->q[1], a->a[1], big);
+        const i32x16 r1 = nv > 128 ? dot64(dot64(zero, w->q[2], a->a[2], big), w->q[3], a->a[3], big) : zero;
+        const i32x16 t = __builtin_shufflevector(r0, r1, LO32) + __builtin_shufflevector(r0, r1, HI32);
+        g = __builtin_convertvector(t + __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13), v16);
+    } else {
+        i32x16 r[4];
+        for (int i = 0; i < 4; i++) r[i] = dot64(zero, w->q[i], a->a[i], big);
+        g = __builtin_convertvector(group_sums(r), v16);
+    }
+    return HAS_M(type) ? g * (w->s * a->dx) + w->m * a->dxs : w->s * (g * a->dx + a->dxs);
+}
+
+/* y[0, n] for n in [n0, n1), T = 1, int8: the accumulator stays in a register (the short
+ * chunk, whose copy may call memcpy, goes first so that no call falls in its life). */
+static inline __attribute__((always_inline)) void rows_t1(int type, const uint8_t *w, int64_t rb, int64_t N, int64_t n0,
+                                                          int64_t n1, int64_t K, const act_chunk *A, float *y) {
+    for (int64_t n = n0; n < n1; n++) {
+        v16 acc = {0};
+        if (K % 256) {
+            const chunk ch = load_chunk(type, w, rb, n, N, K / 256, (int)(K % 256));
+            acc = chunk_dot(type, &ch, A + K / 256, (int)(K % 256));
+        }
+        for (int64_t c = 0; c < K / 256; c++) {
+            const chunk ch = load_chunk(type, w, rb, n, N, c, 256);
+            acc += chunk_dot(type, &ch, A + c, 256);
+        }
+        y[n] = hsum16(acc);
+    }
+}
+
+/* y[t, n] for t < T, n in [n0, n0 + NT) (rows past N not written), by either path. */
+static inline __attribute__((always_inline)) void row_tile(
+    int type, int int8, const uint8_t *w, int64_t rb, int64_t N, int64_t n0, int64_t K,
+    const act_chunk *A, const float *x, int64_t xs, int64_t T, float *y, int64_t ys) {
+    const int64_t nch = (K + 255) / 256;
+    const int nt = (int)MIN(N - n0, NT);
+    v16 acc[NT * TT];
+    for (int64_t t0 = 0; t0 < T; t0 += TT) {
+        const int tt = (int)MIN(T - t0, TT);
+        for (int i = 0; i < NT * tt; i++) acc[i] = (v16){0};
+        for (int64_t c = 0; c < nch; c++) {
+            const int nv = (int)MIN(K - c * 256, 256);
+            chunk wc[NT];
+            for (int j = 0; j < NT; j++) wc[j] = load_chunk(type, w, rb, n0 + (j < nt ? j : 0), N, c, nv);
+            if (int8) {
+                for (int t = 0; t < tt; t++)
+                    for (int j = 0; j < NT; j++) acc[j * tt + t] += chunk_dot(type, &wc[j], A + (t0 + t) * nch + c, nv);
+                continue;
+            }
+            float wf[NT][256];
+            for (int j = 0; j < NT; j++) dequant(type, &wc[j], nv, wf[j]);
+            for (int t = 0; t < tt; t += 4) { /* 4 x NT independent FMA chains */
+                const float *xr[4];
+                for (int i = 0; i < 4; i++) xr[i] = x + (t0 + (t + i < tt ? t + i : t)) * xs + c * 256;
+                v16 sum[4][NT] = {{{0}}};
+                for (int g = 0; g < nv / 16; g++) {
+                    v16 xv[4], wv[NT];
+                    for (int i = 0; i < 4; i++) xv[i] = ldf16(xr[i] + 16 * g);
+                    for (int j = 0; j < NT; j++) wv[j] = ldf16(wf[j] + 16 * g);
+                    for (int i = 0; i < 4; i++)
+                        for (int j = 0; j < NT; j++) sum[i][j] += wv[j] * xv[i];
+                }
+                for (int i = 0; i < 4 && t + i < tt; i++)
+                    for (int j = 0; j < NT; j++) acc[j * tt + t + i] += sum[i][j];
+            }
+        }
+        for (int t = 0; t < tt; t++)
+            for (int j = 0; j < nt; j++) y[(t0 + t) * ys + n0 + j] = hsum16(acc[j * tt + t]);
+    }
+}
+
+/* Rows [n0, n1) of y (n0 a multiple of NT), one function per type and path (small functions
+ * keep the compile fast where 64-byte vectors are split); and rows ids of the embedding. */
+#define TYPE_FUNCTIONS(TYPE)                                                                        \
+    static void t1_##TYPE(const uint8_t *w, int64_t rb, int64_t N, int64_t n0, int64_t n1, int64_t K, \
+                          const act_chunk *A, float *y) { rows_t1(TYPE, w, rb, N, n0, n1, K, A, y); } \
+    static void tile_##TYPE(int int8, const uint8_t *w, int64_t rb, int64_t N, int64_t n0, int64_t n1, \
+                            int64_t K, const act_chunk *A, const float *x, int64_t xs, int64_t T,   \
+                            float *y, int64_t ys) {                                                 \
+        for (int64_t n = n0; n < n1; n += NT)                                                       \
+            if (int8) row_tile(TYPE, 1, w, rb, N, n, K, A, x, xs, T, y, ys);                       \
+            else row_tile(TYPE, 0, w, rb, N, n, K, A, x, xs, T, y, ys);                             \
+    }                                                                                               \
+    static void emb_##TYPE(const uint8_t *w, int64_t rb, int64_t id, int64_t K, float *out) {       \
+        for (int64_t c = 0; c * 256 < K; c++) {                                                     \
+            const chunk ch = load_chunk(TYPE, w, rb, id, 0, c, (int)MIN(K - c * 256, 256));         \
+            dequant(TYPE, &ch, (int)MIN(K - c * 256, 256), out + c * 256);                         \
+        }                                                                                           \
+    }
+TYPE_FUNCTIONS(Q4_0) TYPE_FUNCTIONS(Q4_1) TYPE_FUNCTIONS(Q5_0) TYPE_FUNCTIONS(Q5_1)
+TYPE_FUNCTIONS(Q8_0) TYPE_FUNCTIONS(Q4_K) TYPE_FUNCTIONS(Q5_K) TYPE_FUNCTIONS(Q6_K)
+#define TABLE(f) {f##_Q4_0, f##_Q4_1, f##_Q5_0, f##_Q5_1, f##_Q8_0, f##_Q4_K, f##_Q5_K, f##_Q6_K}
+static void (*const T1[NTYPES])(const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t, const act_chunk *, float *) = TABLE(t1);
+static void (*const TILE[NTYPES])(int, const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t, const act_chunk *,
+                                  const float *, int64_t, int64_t, float *, int64_t) = TABLE(tile);
+static void (*const EMB[NTYPES])(const uint8_t *, int64_t, int64_t, int64_t, float *) = TABLE(emb);
+
+static void rows(int type, int int8, const uint8_t *w, int64_t rb, int64_t N, int64_t n0, int64_t n1,
+                 int64_t K, const act_chunk *A, const float *x, int64_t xs, int64_t T, float *y, int64_t ys) {
+    if (int8 && T == 1) T1[type](w, rb, N, n0, n1, K, A, y);
+    else TILE[type](int8, w, rb, N, n0, n1, K, A, x, xs, T, y, ys);
+}
+
+/* y [T, N] (row stride ys) = x [T, K] (row stride xs) @ W^T, W [N, K] as N rows of rb bytes of
+ * `type` blocks. method 0: int8 activations, 1: fp32. */
+void quant_matmul_f32(const float *x, int64_t xs, const uint8_t *w, int64_t N, int64_t rb, int type,
+                      int64_t K, float *y, int64_t ys, int64_t T, int method, int num_threads) {
+    if (type < 0 || type >= NTYPES || N <= 0 || T <= 0) return;
+    const int64_t nch = (K + 255) / 256, tiles = (N + NT - 1) / NT;
+    act_chunk small[8], *A = NULL;
+    if (method == 0) {
+        A = T * nch <= 8 ? small : aligned_alloc(64, sizeof(act_chunk) * (size_t)(T * nch));
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * K >= (1 << 16))
+        for (int64_t t = 0; t < T; t++) quantize_row(type, x + t * xs, K, A + t * nch, nch);
+    }
+    const int nth = (int)MIN(N * rb >= PARALLEL_MIN_BYTES ? num_threads : 1, tiles);
+    if (nth <= 1) {
+        rows(type, method == 0, w, rb, N, 0, N, K, A, x, xs, T, y, ys);
+    } else {
+#pragma omp parallel num_threads(nth)
+        {
+            const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+            rows(type, method == 0, w, rb, N, tiles * i / n * NT, MIN(tiles * (i + 1) / n * NT, N), K, A, x, xs, T, y, ys);
+        }
+    }
+    if (A != small) free(A);
+}
+
+/* out [T, K] = rows ids[t] of W, dequantized exactly. */
+void quant_embedding_f32(const int64_t *ids, int64_t T, const uint8_t *w, int64_t rb, int type, int64_t K,
+                         float *out, int num_threads) {
+    if (type < 0 || type >= NTYPES) return;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * K >= (1 << 16))
+    for (int64_t t = 0; t < T; t++) EMB[type](w, rb, ids[t], K, out + t * K);
+}
