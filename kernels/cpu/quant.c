@@ -10,8 +10,8 @@
  * T = 1 (int8) keeps one row's accumulator in a register; larger T decodes each chunk of NT
  * weight rows once for a tile of TT activation rows, so a batch reads the weights once. OpenMP
  * threads split the output rows. A row end that is not a whole chunk (K = 576: 2 chunks and 2
- * blocks) is read in place, on into the next row, with the missing blocks' scales and-ed to 0;
- * the matrix's last row from a padded copy, so nothing is read outside the weight. */
+ * blocks) is read in place, on into the next rows, with the missing blocks' scales and-ed to 0;
+ * near the matrix's end from a padded copy, so nothing is read outside the weight. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -131,8 +131,8 @@ static inline __attribute__((always_inline)) chunk decode(int type, const uint8_
     return c;
 }
 
-/* Chunk c of row n holding nv values. A short one (nv / 32 blocks) reads on into the next row,
- * or for the matrix's last row (n + 1 >= N) decodes from a zero-padded copy. */
+/* Chunk c of row n holding nv values. A short one (nv / 32 blocks) reads on into the next rows
+ * where a whole chunk's bytes are left in the matrix, else decodes from a zero-padded copy. */
 static inline __attribute__((always_inline)) chunk load_chunk(int type, const uint8_t *w, int64_t rb, int64_t n,
                                                               int64_t N, int64_t c, int nv) {
     const uint8_t *p = w + n * rb + c * (int64_t)(256 / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
@@ -140,7 +140,7 @@ static inline __attribute__((always_inline)) chunk load_chunk(int type, const ui
         for (int o = 0; o < (256 / BLOCK_VALUES[type]) * BLOCK_BYTES[type]; o += 64) __builtin_prefetch(p + PREFETCH + o);
         return decode(type, p, 8);
     }
-    if (n + 1 < N) return decode(type, p, nv / 32);
+    if ((N - n) * rb - c * 8 * BLOCK_BYTES[type] >= 8 * BLOCK_BYTES[type]) return decode(type, p, nv / 32);
     uint8_t buf[8 * 34] = {0};
     memcpy(buf, p, (size_t)(nv / 32 * BLOCK_BYTES[type]));
     return decode(type, buf, nv / 32);

@@ -124,6 +124,30 @@ def test_a_short_row_end_ignores_the_bytes_after_it(qtype):
         _check({method: y[:, keep]}, x, (qw, W[keep], W[keep].abs().float()), f"{qtype} {method}")
 
 
+def test_nothing_past_the_weight_is_read():
+    # The weight's last byte sits just before a page the process may not touch: a read past
+    # it would kill the test run.
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    for qtype, N, K in (("Q4_0", 4, 96), ("Q8_0", 3, 576), ("Q5_1", 9, 32), ("Q6_K", 2, 256)):
+        qw = random_qweight(qtype, N, K, seed=3)
+        size = -(-qw.numel() // page) * page + page
+        buf = mmap.mmap(-1, size)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        assert ctypes.CDLL(None).mprotect(ctypes.c_void_p(addr + size - page), page, 0) == 0
+        guarded = torch.frombuffer(buf, dtype=torch.uint8, count=qw.numel(), offset=size - page - qw.numel())
+        guarded = guarded.view(qw.shape)
+        guarded.copy_(qw)
+        for T, method in ((1, "int8"), (5, "int8"), (5, "fp32")):
+            x = torch.randn(T, K)
+            assert torch.equal(quant.quant_matmul(x, guarded, qtype, K, method=method),
+                               quant.quant_matmul(x, qw, qtype, K, method=method))
+        assert torch.equal(quant.quant_embedding(torch.tensor([N - 1]), guarded, qtype, K),
+                           quant.quant_embedding(torch.tensor([N - 1]), qw, qtype, K))
+
+
 @pytest.mark.parametrize("qtype", BLOCK32)
 def test_vocab_sized_head_at_batch_one(qtype):
     N, K = 49152, 576
