@@ -18,21 +18,24 @@ Contract:
 
 Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (K a multiple of 32) and Q4_K, Q5_K, Q6_K (K a multiple
 of 256). Two methods:
-  "int8" (= "auto"): each activation row is rounded per 32 values to int8 steps of
+  "int8": each activation row is rounded per 32 values to int8 steps of
           max|x| / 127 (once per call), then integer dot products with the weights' integer
           values (AVX-512 VNNI / AVX-VNNI / AVX2 / plain C) are scaled per block in fp32, as
           llama.cpp does. y is then x_q @ W^T up to fp32 rounding, x_q the rounded rows: each
           output is within (step / 2) @ |W|^T of the exact product (step per 32 values),
           in practice about 1e-3 of |x| @ |W|^T.
   "fp32": each weight chunk is dequantized exactly and multiplied with FMA: x @ W^T up to
-          fp32 summation order. Slower (1.3x to 4x); for callers that need exact weights.
-"auto" is int8 because int8 measured faster for every type, shape and T tried (1 to 128,
-docs/kernels.md#gguf-weights-kept-quantized). Both stream the weights once per call whatever
+          fp32 summation order. Slower (1.3x to 7x) but exact weights.
+"auto" is fp32 unless PDSERVE_QUANT_ACTIVATIONS=int8 (see ACTIVATIONS below); int8 measured
+faster for every type, shape and T tried (1 to 128, docs/kernels.md#gguf-weights-kept-quantized).
+Both stream the weights once per call whatever
 T is (T rows share each decoded chunk) and split the output rows over
 torch.get_num_threads() OpenMP threads.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -43,7 +46,13 @@ QTYPES = {
     "Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q5_1": (3, 32, 24),
     "Q8_0": (4, 32, 34), "Q4_K": (5, 256, 144), "Q5_K": (6, 256, 176), "Q6_K": (7, 256, 210),
 }
-METHODS = {"int8": 0, "fp32": 1, "auto": 0}
+# What "auto" (the engine's choice) means. fp32 by default: the weights exactly, so a kept model
+# answers as its dequantized self (and transformers) does; a 135M model's answers move with
+# int8 activations (SmolLM2 on "What is the capital of France?" stops saying Paris, as
+# llama.cpp's does). PDSERVE_QUANT_ACTIVATIONS=int8 takes llama.cpp's scheme and its tokens,
+# 2-7x faster per call at T = 1 (docs/kernels.md#gguf-weights-kept-quantized).
+ACTIVATIONS = os.environ.get("PDSERVE_QUANT_ACTIVATIONS", "fp32")
+METHODS = {"int8": 0, "fp32": 1, "auto": 0 if ACTIVATIONS == "int8" else 1}
 _F32, _U8 = torch.float32, torch.uint8
 
 

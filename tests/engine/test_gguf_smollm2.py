@@ -13,8 +13,8 @@ from tests.engine.hf_reference import hf_greedy, hf_mismatches
 from tests.engine.so_oracles import COUNTRY_SCHEMA, FRANCE_QUESTION, assert_valid_json
 
 CHATS = ["What is the capital of France?", "Name a primary color."]
-# In logits. The file's blocks are multiplied with int8 activations, as llama.cpp does: a
-# top-2 pair closer than this may swap against transformers' fp32 (measured: 0.08 and 0.12 on
+# In logits. With int8 activations (llama.cpp's scheme) a top-2 pair closer than this may
+# swap against transformers' fp32 (measured: 0.08 and 0.12 on
 # two of four 48-token chats; this model's logits spread ~5-8 per position).
 REAL_MARGIN = 0.25
 
@@ -49,21 +49,26 @@ def _llama_cpp_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[
     return outs
 
 
-def test_chat_greedy_equals_transformers_dequantized_and_llama_cpp_quantized(llm, smollm2):
-    """Dequantized (quantization="none"): transformers' tokens exactly. Kept in its blocks (the
-    default): llama.cpp's tokens on the same file, which quantizes activations to int8 as our
-    kernels do (on the first chat both answer "L'Étoile, ..." where fp32 answers "The capital
-    of France is Paris."), and transformers' within near-ties."""
+def test_chat_greedy_equals_transformers_and_with_int8_activations_llama_cpp(llm, smollm2, monkeypatch):
+    """Kept in its blocks (the default) and dequantized: transformers' tokens exactly. With
+    int8 activations (PDSERVE_QUANT_ACTIVATIONS=int8): llama.cpp's tokens on the same file,
+    which quantizes activations the same way (on the first chat both answer "L'Étoile, ..."
+    where fp32 answers "The capital of France is Paris."), transformers' within near-ties."""
+    from kernels.cpu import quant
+
     prompts = [_chat_ids(llm.get_tokenizer(), q) for q in CHATS]
     greedy = SamplingParams(temperature=0, max_tokens=12)
     # 12 tokens: the first fp32 answer ends (EOS) before that, the second does not.
     expected = hf_greedy(smollm2, prompts, 12)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert "Paris" in outs[0].outputs[0].text and outs[0].outputs[0].finish_reason == "stop"
     dense = LLM(smollm2, max_model_len=512, num_kv_blocks=32, quantization="none")
     outs = dense.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert "Paris" in outs[0].outputs[0].text and outs[0].outputs[0].finish_reason == "stop"
-    kept = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-    tokens = [o.outputs[0].token_ids for o in kept]
+    monkeypatch.setitem(quant.METHODS, "auto", quant.METHODS["int8"])
+    int8 = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in int8]
     assert tokens == _llama_cpp_greedy(smollm2, prompts, 12)
     assert hf_mismatches(smollm2, prompts, tokens, REAL_MARGIN) == 0
 
