@@ -96,30 +96,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if residual is None else (out, summed)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """kernels.reference.silu_and_mul in one pass."""
+def _act_and_mul(x: torch.Tensor, c_name: str, fallback) -> torch.Tensor:
+    """x [..., 2d] -> act(x[..., :d]) * x[..., d:] in one C pass (`c_name`), else `fallback`."""
     lib = library()
     d = x.shape[-1] // 2
     if lib is None or not _rows(x) or d % 8:
-        return reference.silu_and_mul(x)
+        return fallback(x)
     T = x.numel() // x.shape[-1]
     out = torch.empty((*x.shape[:-1], d), dtype=F32)
-    lib.silu_and_mul_f32(x.data_ptr(), x.stride(-2) if x.dim() > 1 else 2 * d, out.data_ptr(), T, d,
+    getattr(lib, c_name)(x.data_ptr(), x.stride(-2) if x.dim() > 1 else 2 * d, out.data_ptr(), T, d,
                          torch.get_num_threads())
     return out
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """kernels.reference.silu_and_mul in one pass."""
+    return _act_and_mul(x, "silu_and_mul_f32", reference.silu_and_mul)
+
+
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """kernels.reference.gelu_tanh_and_mul in one pass."""
-    lib = library()
-    d = x.shape[-1] // 2
-    if lib is None or not _rows(x) or d % 8:
-        return reference.gelu_tanh_and_mul(x)
-    T = x.numel() // x.shape[-1]
-    out = torch.empty((*x.shape[:-1], d), dtype=F32)
-    lib.gelu_tanh_and_mul_f32(x.data_ptr(), x.stride(-2) if x.dim() > 1 else 2 * d, out.data_ptr(), T,
-                              d, torch.get_num_threads())
-    return out
+    return _act_and_mul(x, "gelu_tanh_and_mul_f32", reference.gelu_tanh_and_mul)
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache, is_neox: bool = True):
