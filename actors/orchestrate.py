@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import ray
 
+from engine.kv_connector import DEFAULT_LOAD_FAILURE_POLICY
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -50,8 +51,10 @@ class ActorPeers:
 
 
 def pd_generate(prefill, decode, store, prompt, params: SamplingParams, request_id: str,
-                load_failure_policy: str = "fail") -> AsyncIterator[RequestOutput]:
-    """Disaggregated generation of one request over a prefill and a decode actor handle."""
+                load_failure_policy: str = DEFAULT_LOAD_FAILURE_POLICY) -> AsyncIterator[RequestOutput]:
+    """Disaggregated generation of one request over a prefill and a decode actor handle.
+    `load_failure_policy` decides a prefill that exported no KV; the decode actor's own
+    (its engine_args.kv_load_failure_policy) decides a load that failed."""
     return pd_flow(ActorPeers(prefill, decode, store), prompt, params, request_id, load_failure_policy)
 
 

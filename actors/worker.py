@@ -72,14 +72,15 @@ class EngineWorker:
         replica_id: str | None = None,
         store=None,
         transport: str = "object_store",
-        load_failure_policy: str = "fail",
+        load_failure_policy: str | None = None,
         engine_cls: Callable[..., ServingEngine] = AsyncLLM,
         transport_timeout_s: float = 60.0,
         store_pulls: bool = True,
         handoff_ttl_s: float | None = None,
     ) -> None:
         """`handoff_ttl_s`: how long prompt KV received in a prefill's reply waits for its load
-        (kvstore.handoff.Inbox; None: the inbox's default)."""
+        (kvstore.handoff.Inbox; None: the inbox's default). `load_failure_policy`: None takes
+        `engine_args.kv_load_failure_policy`."""
         role = Role.of(role)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -90,6 +91,7 @@ class EngineWorker:
         self.role = role
         self.replica_id = replica_id or f"{role}-{uuid.uuid4().hex[:8]}"
         engine_args = cluster_engine_args(engine_args)
+        load_failure_policy = load_failure_policy or engine_args.kv_load_failure_policy
         tp, dp = engine_args.tensor_parallel_size, engine_args.data_parallel_size
         config = engine_config_for_role(engine_args, role)
         self.transport = None

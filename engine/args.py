@@ -28,7 +28,8 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from engine.errors import ParameterError
+from engine.errors import ParameterError, check_choice
+from engine.kv_connector import DEFAULT_LOAD_FAILURE_POLICY, LOAD_FAILURE_POLICIES
 from engine.spec_decode.config import SpeculativeConfig
 
 
@@ -101,6 +102,11 @@ class EngineArgs:
                                      "process, as vLLM V1 does, so the front end's Python threads never hold "
                                      "the GIL the engine loop needs; one core (a P/D replica's KV transfers "
                                      "are relayed through its own process)")
+    # P/D (vLLM's KVTransferConfig field of this name; pdserve's default: engine.kv_connector)
+    kv_load_failure_policy: str = _arg(
+        DEFAULT_LOAD_FAILURE_POLICY, "a P/D decode request whose prompt KV is lost, late or malformed: "
+        "recompute computes the prompt on the decode replica, fail ends the request with an error",
+        LOAD_FAILURE_POLICIES)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -157,6 +163,8 @@ class EngineArgs:
         which changes defaults only."""
         if not isinstance(self.model, str) or not self.model:
             raise ParameterError("model", f"model must be a model directory or .gguf file, got {self.model!r}")
+        # Read by the P/D connector (kvstore.connector), which no engine config carries.
+        check_choice("kv_load_failure_policy", self.kv_load_failure_policy, LOAD_FAILURE_POLICIES)
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                               seed=self.seed, device=self.device, max_logprobs=self.max_logprobs,

@@ -28,7 +28,17 @@ from engine.kv_transfer_params import KVTransferParams
 from engine.request import Request
 from engine.sched.output import KVConnectorOutput, SchedulerOutput
 
-LOAD_FAILURE_POLICIES = ("fail", "recompute")
+# vLLM's kv_load_failure_policy. What happens to a request whose prompt KV is lost, late
+# (past the transport's timeout) or refused as malformed (kvstore.kv_io): "recompute" computes
+# the prompt on the decode side, "fail" ends the request with an error (never tokens from
+# wrong or partial KV either way).
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+# pdserve's default, where vLLM's is "fail": recomputing loses no request, and here it is exact
+# (the decode engine computes the prompt as a colocated one would; the same path prefills
+# prompts locally under conditional disaggregation), at the price of one prompt's compute on
+# the decode replica. Refusals and failed loads are counted on /metrics, so a recompute is
+# never silent (docs/pd.md#load-failure-policy).
+DEFAULT_LOAD_FAILURE_POLICY = "recompute"
 
 
 class KVConnectorRole(enum.Enum):
@@ -53,7 +63,9 @@ class KVConnectorBase(ABC):
     for it (a no-op is a decision, documented where it is made)."""
 
     # "fail": a request whose KV cannot be loaded finishes with an error (never runs on
-    # partial KV); "recompute": it computes its whole prompt locally instead.
+    # partial KV); "recompute": it computes its whole prompt locally instead. A connector that
+    # says nothing fails, as vLLM's do; the P/D connector takes the engine argument
+    # (DEFAULT_LOAD_FAILURE_POLICY unless given).
     kv_load_failure_policy: str = "fail"
 
     def __init__(self, role: KVConnectorRole) -> None:

@@ -10,8 +10,9 @@ params, the transfer is already on its way to the store.
 Consumer: a request submitted with those params has its prompt reported as externally
 computed; it waits in WAITING_FOR_REMOTE_KVS while the worker side fetches the bytes (off the
 engine thread); they are written into its blocks between steps, and only then is it
-scheduled. A failed fetch is an error for that request ("fail") or a local recompute of the
-prompt ("recompute"); a request never runs on partial KV.
+scheduled. A failed fetch, or KV refused as malformed (kvstore.kv_io.check_kv: before any of it
+is written, never cast), is an error for that request ("fail") or a local recompute of the
+prompt ("recompute"); a request never runs on partial or wrong KV.
 
 Release: a transfer a consumer request names is released exactly once, by this connector's
 worker side: after its load (done or failed), or when the request finishes without loading
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_connector import (
+    DEFAULT_LOAD_FAILURE_POLICY,
     LOAD_FAILURE_POLICIES,
     GroupBlockIds,
     KVConnectorBase,
@@ -37,7 +39,7 @@ from engine.kv_connector import (
 from engine.kv_transfer_params import KVTransferParams
 from engine.request import Request, RequestStatus
 from engine.sched.output import KVConnectorOutput, SchedulerOutput
-from kvstore.kv_io import gather_kv, scatter_kv
+from kvstore.kv_io import REFUSAL_REASONS, MalformedKV, gather_kv, refusal_key, scatter_kv
 from kvstore.transports.base import KVTransport, TransferError
 
 logger = logging.getLogger(__name__)
@@ -83,7 +85,8 @@ class PDConnector(KVConnectorBase):
     """One side (`side`) of the P/D connector of a replica whose P/D role is `pd_role`."""
 
     def __init__(self, side: KVConnectorRole, pd_role: str, transport: KVTransport, replica_id: str,
-                 block_size: int, load_failure_policy: str = "fail", tensor_parallel_size: int = 1) -> None:
+                 block_size: int, load_failure_policy: str = DEFAULT_LOAD_FAILURE_POLICY,
+                 tensor_parallel_size: int = 1) -> None:
         super().__init__(side)
         if pd_role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {pd_role!r}")
@@ -112,8 +115,10 @@ class PDConnector(KVConnectorBase):
         self._lock = threading.Lock()  # _loads: fetch threads set results
         self._loads: dict[str, _Load] = {}
         self._finished = KVConnectorOutput()
+        # Refusals (kvstore.kv_io) are load failures too; every reason is present from the start,
+        # so a rate over its counter is defined before the first refusal.
         self.stats = {"exports": 0, "export_failures": 0, "loads": 0, "load_failures": 0, "bytes_out": 0,
-                      "bytes_in": 0, "load_seconds": 0.0}
+                      "bytes_in": 0, "load_seconds": 0.0, **{refusal_key(r): 0 for r in REFUSAL_REASONS}}
 
     # ---- scheduler side -----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -255,10 +260,14 @@ class PDConnector(KVConnectorBase):
         try:
             if isinstance(result, BaseException):
                 raise result
+            # Checks the KV against the transfer's params and this cache before writing any of it.
             scatter_kv(self._kv_caches, spec.block_ids, spec.start, spec.end, self.block_size, result,
-                       self._layer_groups)
-        except Exception as e:  # never run on partial or missing KV
-            logger.warning("KV load for %s failed: %s", rid, e)
+                       spec.params.num_tokens, self._layer_groups)
+        except Exception as e:  # never run on partial, missing or malformed KV
+            if isinstance(e, MalformedKV):
+                self.stats[refusal_key(e.reason)] += 1
+            logger.warning("KV load for %s (transfer %s from %s) failed; the request will %s: %s", rid,
+                           spec.params.transfer_id, spec.params.source, self.kv_load_failure_policy, e)
             self._finished.failed_recving[rid] = f"KV load failed: {e}"
             self.stats["load_failures"] += 1
         else:

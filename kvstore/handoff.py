@@ -17,14 +17,17 @@ engine thread, a KV relay's thread and the replica's event loop all reach them.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 
 import torch
 
 from engine.outputs import RequestOutput
+from kvstore.kv_io import MalformedKV
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,9 @@ class Declined:
 
 
 DECLINED = Declined()
-# What an export turned into, for a reply: its bytes or its failure.
-HandedKV = torch.Tensor | ExportFailed
+# What an export turned into, for a reply: its bytes or its failure; on the requester's side
+# also bytes refused because they did not match their meta (KVHandoff's rebuild).
+HandedKV = torch.Tensor | ExportFailed | MalformedKV
 # The channel a reply travels on: with Serve's throughput-optimised mode (cluster.launch.serve_env)
 # calls between deployments are gRPC, whose client refuses a message over this many bytes
 # (Serve's default 4 MiB; pdserve sets 128 MiB). A prompt's KV above the limit less some room
@@ -63,11 +67,14 @@ def max_reply_kv_bytes(environ=None) -> int:
 class KVHandoff:
     """A prefill's reply with its prompt KV (`kv`), or why the export failed (`error`). Both
     None: the replica could not hand it back (tensor or data parallel, or the export came
-    after the reply was due) and registered it in the store as usual."""
+    after the reply was due) and registered it in the store as usual. `refused`: the KV
+    arrived but its bytes did not match their meta (a kvstore.kv_io refusal reason; `error`
+    says how), so the requester's load fails without them."""
 
     output: RequestOutput | None
     kv: torch.Tensor | None = None
     error: str | None = None
+    refused: str | None = None
 
     def __reduce__(self):
         # The KV as raw bytes in a numpy array, where torch's own pickling of a tensor goes
@@ -75,12 +82,14 @@ class KVHandoff:
         # unpickle against 10 us out of band, measured). Ray's serializer ships the buffer out
         # of band (pickle protocol 5); Serve's gRPC path (cloudpickle, no buffer callback)
         # writes it in band as one flat byte string, still one plain copy each way. Bytes,
-        # not values: numpy has no bfloat16.
+        # not values: numpy has no bfloat16. Their crc32 goes beside them: one more pass over
+        # them on each side (zlib, about a copy's speed), against a reply that arrives garbled.
         if self.kv is None:
-            return (KVHandoff, (self.output, None, self.error))
+            return (KVHandoff, (self.output, None, self.error, self.refused))
         kv = self.kv.contiguous()
         raw = kv.reshape(-1).view(torch.uint8).numpy()
-        return (_rebuild, (self.output, raw, str(kv.dtype).removeprefix("torch."), tuple(kv.shape), self.error))
+        return (_rebuild, (self.output, raw, str(kv.dtype).removeprefix("torch."), tuple(kv.shape), self.error,
+                           zlib.crc32(raw)))
 
     @property
     def handed_off(self) -> bool:
@@ -90,10 +99,21 @@ class KVHandoff:
     def value(self) -> HandedKV | None:
         if self.kv is not None:
             return self.kv
+        if self.refused is not None:
+            return MalformedKV(self.refused, self.error)
         return ExportFailed(self.error) if self.error is not None else None
 
 
-def _rebuild(output, raw, dtype: str, shape: tuple, error) -> KVHandoff:
+def _rebuild(output, raw, dtype: str, shape: tuple, error, crc32: int) -> KVHandoff:
+    # Bytes that do not match their meta are refused here, not failed in unpickling: the
+    # reply's output still arrives, and the load fails (the failure policy applies).
+    expected = math.prod(shape) * getattr(torch, dtype).itemsize
+    if raw.nbytes != expected:
+        return KVHandoff(output, None, f"the reply's KV has {raw.nbytes} bytes, its {dtype} {list(shape)} "
+                                       f"needs {expected}", refused="bytes")
+    if zlib.crc32(raw) != crc32:
+        return KVHandoff(output, None, f"the reply's KV bytes do not match their crc32 ({crc32:#010x})",
+                         refused="bytes")
     # A buffer Ray hands over may be read-only (shared memory): copy it then, as torch
     # tensors must be writable.
     data = torch.from_numpy(raw if raw.flags.writeable else raw.copy())

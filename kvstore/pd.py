@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from engine.kv_connector import DEFAULT_LOAD_FAILURE_POLICY
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -139,9 +140,12 @@ class PDPeers(Protocol):
 
 
 async def pd_flow(peers: PDPeers, prompt, params: SamplingParams, request_id: str,
-                  load_failure_policy: str = "fail") -> AsyncIterator[RequestOutput]:
+                  load_failure_policy: str = DEFAULT_LOAD_FAILURE_POLICY) -> AsyncIterator[RequestOutput]:
     """Disaggregated generation of one request over any pair of peers (actor handles here,
-    Serve deployment handles in cluster.http.pd_serve)."""
+    Serve deployment handles in cluster.http.pd_serve). `load_failure_policy` decides a
+    prefill that exported no KV (the decode replica's connector decides a load that failed:
+    with "fail" its error ends this flow as a PDRequestError, which the ingress answers with
+    a 503 and Retry-After)."""
     # Named here, so cleanup can release it even when the prefill's result never arrives (the
     # caller gave up while the export was being registered); the store refuses a
     # registration that comes after its release.

@@ -23,6 +23,7 @@ from actors.report import ReplicaReport
 from cluster.control.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
 from engine.metrics import names
 from engine.metrics.names import MetricDef
+from kvstore.kv_io import REFUSAL_REASONS, refusal_key
 
 # Token-count histogram bounds when the ingress does not say its context length.
 DEFAULT_MAX_MODEL_LEN = 1 << 20
@@ -79,6 +80,12 @@ class _ReplicaFigures:
 
         yield from families(names.ENGINE_FIGURES, lambda r, f: f)
         yield from families(KV_TRANSFER, lambda r, f: r.kv_transfer)
+        refused = _family(names.KV_TRANSFER_REFUSED, [*labels, "reason"])
+        for r in self.reports:
+            for reason in REFUSAL_REASONS:
+                refused.add_metric([self.model_name, str(r.role), r.replica, reason],
+                                   float(r.kv_transfer.get(refusal_key(reason), 0)))
+        yield refused
         # Only replicas that speculate report these (a prefill replica never does).
         yield from families(names.SPEC_DECODE_FIGURES,
                             lambda r, f: {k: f.get(k) for k in names.SPEC_DECODE_FIGURES})

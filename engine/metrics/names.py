@@ -127,3 +127,9 @@ DP_FIGURES: dict[str, MetricDef] = {
     "wave": MetricDef("pdserve:dp_wave", "gauge",
                       "Request wave each data-parallel engine core is in; it advances when all are idle"),
 }
+
+# ---- P/D: a decode replica's KV connector, from its KV-transfer counters (keys
+# kvstore.kv_io.refusal_key(reason)), labelled reason="..." (kvstore.kv_io.REFUSAL_REASONS) -----
+KV_TRANSFER_REFUSED = MetricDef("pdserve:kv_transfer_refused", "counter",
+                                "KV transfers refused as malformed before any write into the cache, by "
+                                "reason (label reason); each is also a KV load failure")

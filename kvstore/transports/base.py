@@ -11,6 +11,7 @@ import torch
 
 from engine.kv_transfer_params import KVTransferParams
 from kvstore.handoff import ExportFailed, Handbacks, Inbox
+from kvstore.kv_io import MalformedKV
 
 logger = logging.getLogger(__name__)
 _WARMUP_TIMEOUT_S = 30.0
@@ -135,7 +136,7 @@ class StoreBackedTransport(KVTransport):
         if isinstance(handed, ExportFailed):
             on_done(TransferError(handed.reason))
             return
-        if handed is not None:
+        if handed is not None:  # its bytes, or their refusal (kvstore.handoff)
             on_done(handed)
             return
         threading.Thread(target=self._fetch, args=(params, on_done), daemon=True,
@@ -154,12 +155,13 @@ class StoreBackedTransport(KVTransport):
             if "error" in entry:
                 raise TransferError(entry["error"])
             on_done(self._receive(params, entry))
-        except Exception as e:
-            on_done(e if isinstance(e, TransferError) else TransferError(f"{type(e).__name__}: {e}"))
+        except Exception as e:  # a refusal keeps its reason (the connector counts it)
+            on_done(e if isinstance(e, (TransferError, MalformedKV)) else TransferError(f"{type(e).__name__}: {e}"))
 
     @abstractmethod
     def _receive(self, params: KVTransferParams, entry: dict) -> torch.Tensor:
-        """Get the bytes of a transfer the store knows (runs on the fetch thread)."""
+        """Get the bytes of a transfer the store knows (runs on the fetch thread); raise
+        MalformedKV if they do not match the meta registered with them."""
 
     def release(self, params: KVTransferParams) -> None:
         if not self.inbox.forget(params.transfer_id):

@@ -7,6 +7,7 @@ import torch
 
 from engine.kv_transfer_params import KVTransferParams
 from kvstore.handoff import max_reply_kv_bytes
+from kvstore.kv_io import check_bytes, kv_crc32
 from kvstore.transports.base import StoreBackedTransport, TransferError
 
 
@@ -35,17 +36,23 @@ class ObjectStoreTransport(StoreBackedTransport):
         # for both ends' gRPC limits; else (declined or not expected) the store carries it.
         if self.handbacks.offer(transfer_id, kv, nbytes, limit=self.max_reply_bytes):
             return
+        # The consumer checks the bytes it gets against these (kvstore.kv_io.check_bytes).
+        meta = {"crc32": kv_crc32(kv)}
         if self._self_handle_fn is None:
             # Wrapped in a list so Ray passes the reference; the store borrows it. The pending
             # call holds the reference until the store has it.
             self.store.register.remote(transfer_id, self.replica_id, None, nbytes, num_tokens,
-                                       refs=[ray.put(kv)])
+                                       meta=meta, refs=[ray.put(kv)])
         else:
             self._hold(transfer_id, kv)
-            self.store.register.remote(transfer_id, self.replica_id, self._self_handle_fn(), nbytes, num_tokens)
+            self.store.register.remote(transfer_id, self.replica_id, self._self_handle_fn(), nbytes, num_tokens,
+                                       meta=meta)
 
     def _receive(self, params: KVTransferParams, entry: dict) -> torch.Tensor:
         kv = ray.get(entry["refs"][0], timeout=self.timeout_s)
         if kv is None:
             raise TransferError(f"transfer {params.transfer_id!r} had no data at its producer")
+        if not isinstance(kv, torch.Tensor):
+            raise TransferError(f"transfer {params.transfer_id!r} holds a {type(kv).__name__}, not KV")
+        check_bytes(kv, entry.get("nbytes"), entry.get("meta", {}).get("crc32"), "the object store")
         return kv

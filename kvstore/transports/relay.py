@@ -10,10 +10,12 @@ back. So the connector keeps every rule it has (fetches off the engine thread, l
 between steps, failure policy, release exactly once), and the replica's process, a Ray
 worker, keeps every call into Ray, as it does for an in-process core.
 
-On the pipe a tensor is a small header (dtype, shape) followed by its raw bytes, received
-straight into a new tensor's memory: no pickling of the data. A pipe that closes ends the
-relay on both sides: the core's pending fetches fail (TransferError), and the replica's relay
-thread exits.
+On the pipe a tensor is a small header (dtype, shape, crc32) followed by its raw bytes, received
+straight into a new tensor's memory: no pickling of the data. Bytes whose count differs from
+the header's leave the pipe out of step (it is closed); bytes that do not match their crc32 are
+refused (kvstore.kv_io.MalformedKV) and the pipe goes on. A pipe that closes ends the relay on
+both sides: the core's pending fetches fail (TransferError), and the replica's relay thread
+exits.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 
 from engine.kv_transfer_params import KVTransferParams
 from kvstore.connector import PDConnector
+from kvstore.kv_io import MalformedKV, check_bytes, kv_crc32
 from kvstore.transports.base import KVTransport, TransferError
 
 logger = logging.getLogger(__name__)
@@ -54,20 +57,24 @@ class _Wire:
     def send_tensor(self, head: tuple, kv: torch.Tensor) -> None:
         kv = kv.detach().to("cpu").contiguous()
         raw = kv.view(torch.uint8).reshape(-1) if kv.numel() else torch.empty(0, dtype=torch.uint8)
+        crc32 = kv_crc32(kv)  # before the lock: other senders need not wait for it
         with self._lock:
-            self.conn.send((*head, str(kv.dtype).removeprefix("torch."), tuple(kv.shape)))
+            self.conn.send((*head, str(kv.dtype).removeprefix("torch."), tuple(kv.shape), crc32))
             self.conn.send_bytes(raw.numpy())
 
     def recv(self) -> tuple:
         return self.conn.recv()
 
-    def recv_tensor(self, dtype: str, shape: tuple) -> torch.Tensor:
+    def recv_tensor(self, dtype: str, shape: tuple, crc32: int) -> torch.Tensor:
+        """The tensor whose header was just received; MalformedKV if its bytes do not match
+        the header's crc32 (they were all read: the pipe stays in step)."""
         kind = getattr(torch, dtype)
         out = torch.empty(shape, dtype=kind)
         raw = out.view(torch.uint8).reshape(-1) if out.numel() else torch.empty(0, dtype=torch.uint8)
         n = self.conn.recv_bytes_into(raw.numpy())
         if n != raw.numel():
             raise TransferError(f"relayed KV had {n} bytes, its header said {raw.numel()}")
+        check_bytes(out, None, crc32, "the KV relay")
         return out
 
     def shutdown(self) -> None:
@@ -145,7 +152,10 @@ class RelayTransport(KVTransport):
         try:
             while True:
                 kind, fetch_id, *rest = self._wire.recv()
-                result = self._wire.recv_tensor(*rest) if kind == "fetched" else TransferError(rest[0])
+                try:
+                    result = self._wire.recv_tensor(*rest) if kind == "fetched" else TransferError(rest[0])
+                except MalformedKV as e:
+                    result = e  # that fetch's load is refused (counted by the connector)
                 self._answered(fetch_id, result)
         except (EOFError, OSError) as e:
             reason += f" ({type(e).__name__})"
@@ -196,8 +206,12 @@ class KVRelay:
             while True:
                 kind, *args = self._wire.recv()
                 if kind == "publish":
-                    transfer_id, num_tokens, dtype, shape = args
-                    self._publish(transfer_id, self._wire.recv_tensor(dtype, shape), num_tokens)
+                    transfer_id, num_tokens, *header = args
+                    try:
+                        kv = self._wire.recv_tensor(*header)
+                    except MalformedKV as e:
+                        kv = e  # garbled on the way from the core: abandoned, never published
+                    self._publish(transfer_id, kv, num_tokens)
                 elif kind == "fetch":
                     self._fetch(*args)
                 elif kind in ("abandon", "release"):
@@ -215,10 +229,12 @@ class KVRelay:
             self._wire.shutdown()
             self._wire.close()
 
-    def _publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None:
+    def _publish(self, transfer_id: str, kv: torch.Tensor | MalformedKV, num_tokens: int) -> None:
         # As the connector does with a local transport: an export that cannot be handed over
         # is abandoned, so its consumer fails (or recomputes) at once instead of waiting.
         try:
+            if isinstance(kv, MalformedKV):
+                raise kv
             self.transport.publish(transfer_id, kv, num_tokens)
         except Exception as e:
             logger.warning("KV export %s failed: %s", transfer_id, e)

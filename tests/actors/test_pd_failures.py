@@ -36,8 +36,9 @@ def shared(ray_local, tiny_model):
     from actors import create_worker
 
     store = create_store()
-    prefill, decode = (create_worker(EngineArgs(tiny_model, **ENGINE), role, store=store)
-                       for role in ("prefill", "decode"))
+    # The fail policy (not the default): the tests of it share the pair.
+    prefill, decode = (create_worker(EngineArgs(tiny_model, **ENGINE, kv_load_failure_policy="fail"), role,
+                                     store=store) for role in ("prefill", "decode"))
     ray_local.get([prefill.ping.remote(), decode.ping.remote()])
     yield store, prefill, decode
     for actor in (prefill, decode, store):
@@ -254,7 +255,7 @@ def test_lease_expiry_frees_unclaimed_transfers(pd, shared):
 def test_store_full_is_an_explicit_error(pd, ray_local):
     ray, _, make = pd
     full = create_store(max_bytes=64)  # room for the 4-byte warm-up, not for KV
-    prefill, decode = make("prefill", full), make("decode", full)
+    prefill, decode = make("prefill", full), make("decode", full, load_failure_policy="fail")
     with pytest.raises(PDRequestError, match="KV store is full"):
         asyncio.run(collect(pd_generate(prefill, decode, full, make_prompt(seed=51), PARAMS, "full")))
     assert_no_leaks(ray, full, prefill, decode)

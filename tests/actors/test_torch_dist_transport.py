@@ -33,8 +33,9 @@ def shared(ray_local, tiny_model):
     from kvstore.store_actor import create_store
 
     store = create_store()
-    prefill, decode = (create_worker(EngineArgs(tiny_model, **ENGINE), role, store=store, **TD)
-                       for role in ("prefill", "decode"))
+    # The fail policy (not the default): its test shares the pair.
+    prefill, decode = (create_worker(EngineArgs(tiny_model, **ENGINE, kv_load_failure_policy="fail"), role,
+                                     store=store, **TD) for role in ("prefill", "decode"))
     ray_local.get([prefill.ping.remote(), decode.ping.remote()])
     yield store, prefill, decode
     for actor in (prefill, decode, store):

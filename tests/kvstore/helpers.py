@@ -15,11 +15,12 @@ def finish_all(engine, rids: set[str], timeout_s: float = 120.0) -> dict:
 
 
 class _RecordedMethod:
-    def __init__(self, name: str, calls: list) -> None:
-        self.name, self.calls = name, calls
+    def __init__(self, name: str, calls: list, keywords: list) -> None:
+        self.name, self.calls, self.keywords = name, calls, keywords
 
     def remote(self, *args, **kwargs):
         self.calls.append((self.name, args))
+        self.keywords.append(kwargs)
         if self.name == "lookup":  # nothing to wait on (and no Ray started by a ray.get)
             raise ConnectionError("the stand-in store answers no lookup")
 
@@ -30,8 +31,9 @@ class RecordingStore:
 
     def __init__(self) -> None:
         self.calls: list = []
+        self.keywords: list[dict] = []  # each call's keyword arguments, in the order of `calls`
         for name in ("register", "abandon", "release", "lookup"):
-            setattr(self, name, _RecordedMethod(name, self.calls))
+            setattr(self, name, _RecordedMethod(name, self.calls, self.keywords))
 
     def names(self) -> list[str]:
         return [name for name, _args in self.calls]

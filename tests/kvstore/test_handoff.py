@@ -13,8 +13,11 @@ import pickle
 import queue
 import threading
 import time
+import zlib
+from types import SimpleNamespace
 
 import pytest
+import ray
 import torch
 
 from engine import EngineArgs, SamplingParams
@@ -29,6 +32,7 @@ from kvstore.handoff import (
     KVHandoff,
     max_reply_kv_bytes,
 )
+from kvstore.kv_io import MalformedKV
 from kvstore.pd import (
     decode_kv_params,
     decode_params,
@@ -248,6 +252,48 @@ def test_a_handoff_pickles_its_kv_bit_for_bit_as_one_out_of_band_buffer(dtype):
     assert torch.equal(pickle.loads(pickle.dumps(handoff, protocol=5)).kv.view(torch.uint8), kv.view(torch.uint8))
     failed = pickle.loads(pickle.dumps(KVHandoff(None, error="why"), protocol=5))
     assert failed.kv is None and failed.error == "why"
+
+
+def test_a_reply_whose_kv_bytes_changed_on_the_way_is_refused_not_unpickled_as_kv():
+    kv = torch.randn(4, 2, 37, 2, 8)
+    buffers: list = []
+    data = pickle.dumps(KVHandoff(None, kv=kv), protocol=5, buffer_callback=buffers.append)
+    garbled = bytearray(buffers[0].raw())
+    garbled[100] ^= 0x80
+    refused = pickle.loads(data, buffers=[garbled])
+    assert refused.kv is None and refused.handed_off and refused.refused == "bytes"
+    assert isinstance(refused.value, MalformedKV) and "crc32" in str(refused.value)
+    rebuild, (output, raw, dtype, _shape, error, crc32) = KVHandoff(None, kv=kv).__reduce__()
+    other_shape = rebuild(output, raw, dtype, (4, 2, 36, 2, 8), error, crc32)  # a header its bytes do not fill
+    assert other_shape.refused == "bytes" and "needs" in other_shape.error
+    # The requester's fetch hands the refusal to its connector (which counts it), not a tensor.
+    consumer = _transport(_Store())
+    consumer.inbox.deliver("t1", refused.value)
+    assert isinstance(_fetch_now(consumer, "t1"), MalformedKV)
+
+
+def test_an_export_registered_in_the_store_carries_its_crc32_and_a_fetch_refuses_other_bytes(monkeypatch):
+    store = _Store()
+    producer = _transport(store)
+    kv = torch.randn(2, 2, 4, 1, 8)
+    producer.publish("t1", kv, 4)  # not expected back: registered with the store
+    meta = store.keywords[0]["meta"]
+    assert meta["crc32"] == zlib.crc32(kv.numpy().tobytes())
+    held = producer.take_export("t1")
+    garbled = held.clone()
+    garbled.view(-1)[3] += 1.0
+    # No Ray here: a lookup answers its entry itself, and ray.get hands back what it is given.
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    for refs, refused in (([held], False), ([garbled], True), ([held[:, :, :3]], True)):  # fewer bytes
+        entry = {"refs": refs, "nbytes": kv.numel() * kv.element_size(), "num_tokens": 4, "meta": meta}
+        consumer = _transport(SimpleNamespace(lookup=SimpleNamespace(remote=lambda tid, wait_s=0.0, e=entry: e)))
+        done: queue.Queue = queue.Queue()
+        consumer.fetch_async(_params("t1"), done.put)  # on the transport's fetch thread
+        result = done.get(timeout=_WAIT_S)
+        if refused:
+            assert isinstance(result, MalformedKV) and result.reason == "bytes", result
+        else:
+            assert torch.equal(result, kv)
 
 
 def test_a_handoff_says_whether_it_carries_the_kv():

@@ -12,14 +12,17 @@ import queue
 import signal
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+import kvstore.transports.relay as relay_module
 from engine import EngineArgs, SamplingParams
 from engine.kv_transfer_params import KVTransferParams
 from engine.llm_engine import LLMEngine
+from kvstore.kv_io import MalformedKV
 from kvstore.pd import (
     decode_kv_params,
     decode_params,
@@ -84,6 +87,32 @@ def test_a_release_reaches_the_real_transport(relayed):
     core_side.release(_params("t3"))
     # Calls are served in order: a fetch after the release finds nothing.
     assert isinstance(_fetch(core_side, _params("t3")), TransferError)
+    assert behind.live_transfers == 0
+
+
+def _wrong_crc32(kv: torch.Tensor) -> int:
+    """A header's crc32 for bytes other than `kv`'s (what a garbled relay would deliver)."""
+    return zlib.crc32(kv.contiguous().reshape(-1).view(torch.uint8).numpy()) ^ 1
+
+
+def test_fetched_bytes_that_do_not_match_their_crc32_are_refused_and_the_pipe_goes_on(relayed, monkeypatch):
+    core_side, _relay, behind = relayed
+    kv = torch.randn(3, 2, 5, 2, 8)
+    behind.publish("t8", kv, 5)
+    monkeypatch.setattr(relay_module, "kv_crc32", _wrong_crc32)  # the sender's header only
+    refused = _fetch(core_side, _params("t8", 5))
+    assert isinstance(refused, MalformedKV) and refused.reason == "bytes" and "crc32" in str(refused)
+    monkeypatch.undo()
+    assert torch.equal(_fetch(core_side, _params("t8", 5)), kv)  # the pipe is still in step
+
+
+def test_published_bytes_that_do_not_match_their_crc32_are_abandoned_not_published(relayed, monkeypatch):
+    core_side, _relay, behind = relayed
+    monkeypatch.setattr(relay_module, "kv_crc32", _wrong_crc32)
+    core_side.publish("t9", torch.randn(3, 2, 5, 2, 8), 5)
+    monkeypatch.undo()
+    abandoned = _fetch(core_side, _params("t9", 5))  # its consumer learns why at once
+    assert isinstance(abandoned, TransferError) and "malformed KV (bytes)" in str(abandoned)
     assert behind.live_transfers == 0
 
 
