@@ -24,7 +24,10 @@ class ReplicaReport:
     seq: int = 0  # the replica's report number: a board keeps the latest
     time: float = 0.0  # wall clock when it was taken
 
-    def routing_stats(self) -> dict[str, int]:
-        """What Serve's request router reads (cluster.replica.router): the queues, and the
-        report number (a router forgets what it sent since the last report)."""
-        return {"waiting": self.engine.waiting, "running": self.engine.running, "seq": self.seq}
+    def routing_stats(self) -> dict:
+        """What Serve's request router reads (cluster.replica.router): the queues, the report
+        number (a router forgets what it sent since the last report) and the LoRA adapters the
+        engine holds (routed to first, as Serve's model multiplexing does)."""
+        lora = self.engine.lora
+        return {"waiting": self.engine.waiting, "running": self.engine.running, "seq": self.seq,
+                "loras": list(lora.held) if lora is not None else []}

@@ -30,6 +30,7 @@ from engine.config import (
 )
 from engine.errors import ParameterError, check_choice
 from engine.kv_connector import DEFAULT_LOAD_FAILURE_POLICY, LOAD_FAILURE_POLICIES
+from engine.lora.config import LoRAConfig
 from engine.spec_decode.config import SpeculativeConfig
 
 
@@ -78,6 +79,13 @@ class EngineArgs:
     allowed_local_media_path: str | None = _arg(
         None, "a directory whose files chat requests may name as file:// image URLs (default: none; "
         "remote URLs are never fetched)")
+    # LoRA
+    enable_lora: bool = _arg(False, "serve LoRA adapters: a request may name one (LoRARequest offline, "
+                             "its `model` online)")
+    max_loras: int = _arg(1, "adapters in one step (device slots)")
+    max_lora_rank: int = _arg(16, "highest adapter rank accepted (slots are sized for it)")
+    max_cpu_loras: int | None = _arg(None, "adapters kept loaded in host memory behind the slots, LRU "
+                                     "(default: max_loras)")
     # execution
     kernel_backend: str = _arg("auto", "kernel implementation (auto: Triton on CUDA, torch on CPU)",
                                BACKENDS)
@@ -201,6 +209,7 @@ class EngineArgs:
             kernel_backend=self.kernel_backend,
             enforce_eager=self.enforce_eager,
             speculative=SpeculativeConfig.from_user(self.speculative_config),
+            lora=LoRAConfig.from_args(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras),
         )
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from engine.errors import ParameterError, check_choice, check_int
+from engine.lora.config import LoRAConfig
 from engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -233,6 +234,12 @@ class EngineConfig:
     enforce_eager: bool = False
     # Speculative decoding (engine.spec_decode); None: one token per request per step.
     speculative: SpeculativeConfig | None = None
+    # Multi-LoRA (engine.lora); None: enable_lora is off and requests name no adapter.
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         check_choice("kernel_backend", self.kernel_backend, BACKENDS)
+        if self.lora is not None and self.parallel.tensor_parallel_size > 1:
+            raise ParameterError("enable_lora", "enable_lora runs with tensor_parallel_size=1 (each "
+                                 "data-parallel core or replica holds the whole model and its adapters), "
+                                 f"got tensor_parallel_size={self.parallel.tensor_parallel_size}")

@@ -19,6 +19,7 @@ from engine.kv_cache import KVCacheManager
 from engine.kv_cache.hybrid import kv_groups, split_blocks, window_blocks_bound
 from engine.kv_connector import KVConnectorFactory, KVConnectorRole
 from engine.load import EngineLoad, SpecDecodeCounts, summed_counters
+from engine.lora.sched import LoRAUsage
 from engine.models.arch import ModelArch, load_arch
 from engine.models.gguf_file import find_gguf
 from engine.models.llava import load_vision_arch
@@ -131,6 +132,8 @@ class EngineCore:
         self.connector = (kv_connector_factory(KVConnectorRole.SCHEDULER)
                           if kv_connector_factory is not None else None)
         self.idle = True
+        lc = config.lora
+        self.lora_usage = None if lc is None else LoRAUsage(lc.max_loras, lc.cpu_capacity)
         self.last_step_ran_model = False  # whether the last step was a forward pass
         # Cumulative: forward passes and the tokens they ran (prompt and generated), so a reader
         # sees how full the steps were (pdserve:engine_steps / engine_step_tokens).
@@ -144,7 +147,8 @@ class EngineCore:
                                    self.structured_output_manager, self.encoder_cache, encoder_budget,
                                    num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                                    num_lookahead_tokens=(spec.num_speculative_tokens
-                                                         if spec and spec.method == "draft_model" else 0))
+                                                         if spec and spec.method == "draft_model" else 0),
+                                   max_loras=config.lora.max_loras if config.lora is not None else 0)
         # Last, so that the build does not compete with the profile run above (vLLM also
         # builds its grammar backend's tokenizer data at start-up).
         self.structured_output_backend_built = self.structured_output_manager.prebuild()
@@ -246,6 +250,8 @@ class EngineCore:
         if not self.scheduler.has_work():
             return []
         scheduler_output = self.scheduler.schedule()
+        if self.lora_usage is not None:
+            self.lora_usage.scheduled(scheduler_output.scheduled_new_reqs)
         runner_output = self.executor.execute_model(scheduler_output)
         self.last_step_ran_model = not scheduler_output.is_empty
         if self.last_step_ran_model:
@@ -328,4 +334,6 @@ class EngineCore:
             spec_decode=None if stats is None else SpecDecodeCounts(
                 stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
                 tuple(stats.num_accepted_tokens_per_pos)),
+            lora=None if self.lora_usage is None else self.lora_usage.figures(self.scheduler.running,
+                                                                              self.scheduler.waiting),
         )

@@ -31,6 +31,9 @@ class KVTransferParams:
     # Ranks of the producer: each exported the shard of its own heads (kvstore.shards), which
     # only a consumer of as many ranks can load.
     tensor_parallel_size: int = 1
+    # The LoRA adapter the prompt's KV was computed with (None: the base model): a consumer
+    # running another adapter must not load it (kvstore.connector recomputes instead).
+    lora_name: str | None = None
 
     def computed_locally(self) -> KVTransferParams:
         """The same continuation with no transfer to load: the consumer computes the prompt

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from engine.args import EngineArgs
 from engine.errors import ParameterError
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.metrics import Metric
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import child_params, child_request_id, merge_children
@@ -42,7 +43,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None: the base model) per
+        prompt, as vLLM takes it (needs enable_lora)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -59,6 +63,11 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompts):
             raise ParameterError("priority", f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}")
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ParameterError("lora_request", f"lora_request must be one LoRARequest or one per prompt "
+                                 f"({len(prompts)}), got {len(loras)}")
 
         # One entry per prompt: (request id, the ids of its n children; [id] when n == 1).
         requests: list[tuple[str, list[str]]] = []
@@ -70,7 +79,8 @@ class LLM:
                 children = [rid] if p.n == 1 else [child_request_id(rid, j) for j in range(p.n)]
                 requests.append((rid, children))
                 for cid, cp in zip(children, child_params(p)):
-                    queued.append(self.engine.add_request(cid, prompt, cp, priority=priority[i] if priority else 0))
+                    queued.append(self.engine.add_request(cid, prompt, cp, priority=priority[i] if priority else 0,
+                                                          lora_request=loras[i]))
         except ValueError:
             self.engine.abort_request(queued)  # nothing of a rejected batch stays queued
             raise

@@ -8,8 +8,10 @@ from engine.core_client import CoreClient, make_core_client
 from engine.errors import ParameterError
 from engine.kv_connector import KVConnectorFactory
 from engine.kv_transfer_params import KVTransferParams
+from engine.lora.check import LoRAChecker
+from engine.lora.request import LoRARequest
 from engine.metrics import Metric, StatsRecorder
-from engine.models.arch import load_arch
+from engine.models.arch import ModelArch, load_arch
 from engine.models.gguf_file import find_gguf
 from engine.models.llava import load_vision_arch
 from engine.multimodal.processor import MultiModalProcessor
@@ -28,16 +30,16 @@ def front_end(config: EngineConfig) -> tuple[object, InputProcessor]:
     arch = load_arch(model_dir)  # first: its errors name what is wrong with the path
     tokenizer = load_tokenizer(model_dir)
     max_len = resolve_max_model_len(config.model.max_model_len, arch)
-    return tokenizer, input_processor(config, tokenizer, max_len, arch.vocab_size)
+    return tokenizer, input_processor(config, tokenizer, max_len, arch)
 
 
-def input_processor(config: EngineConfig, tokenizer, max_model_len: int, vocab_size: int) -> InputProcessor:
+def input_processor(config: EngineConfig, tokenizer, max_model_len: int, arch: ModelArch) -> InputProcessor:
     model_dir = config.model.model
     vision = None if find_gguf(model_dir) is not None else load_vision_arch(model_dir)
     mm = None if vision is None else MultiModalProcessor(
         model_dir, vision, tokenizer, config.multimodal.limit_mm_per_prompt)
-    return InputProcessor(tokenizer, max_model_len, vocab_size, eos_token_ids(model_dir, tokenizer), mm,
-                          max_logprobs=config.model.max_logprobs)
+    return InputProcessor(tokenizer, max_model_len, arch.vocab_size, eos_token_ids(model_dir, tokenizer), mm,
+                          max_logprobs=config.model.max_logprobs, lora_check=LoRAChecker(config.lora, arch))
 
 
 class LLMEngine:
@@ -48,7 +50,7 @@ class LLMEngine:
         self.core: CoreClient = make_core_client(config, kv_connector_factory)
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
-        self.processor = input_processor(config, self.tokenizer, self.core.max_model_len, self.core.arch.vocab_size)
+        self.processor = input_processor(config, self.tokenizer, self.core.max_model_len, self.core.arch)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = StatsRecorder(model_dir, self.core.max_model_len)
 
@@ -64,6 +66,7 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate, tokenize and queue a request; raises ParameterError on bad input. The
         engine runs n=1 requests: LLM.generate and the HTTP ingress fan `n` > 1 out
@@ -72,7 +75,7 @@ class LLMEngine:
             raise ParameterError("n", f"n={params.n}: this engine API takes n=1 requests; LLM.generate and the "
                                  "HTTP server fan n > 1 out into n requests (engine.parallel_sampling)")
         request, text = self.processor.process(
-            prompt, params, request_id, priority, cache_salt, kv_transfer_params
+            prompt, params, request_id, priority, cache_salt, kv_transfer_params, lora_request
         )
         self.core.add_request(request)
         self.output_processor.add_request(request, text)

@@ -49,6 +49,24 @@ class CoreFigures:
 
 
 @dataclass(frozen=True)
+class LoRAFigures:
+    """Adapters by name (engine.lora.sched.LoRAUsage): vllm:lora_requests_info's labels, and
+    `held`, the adapters a router prefers this engine for."""
+
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    held: tuple[str, ...] = ()
+    max_lora: int = 0
+
+    def __add__(self, other: LoRAFigures) -> LoRAFigures:
+        def union(a, b):
+            return tuple(sorted(set(a) | set(b)))
+
+        return LoRAFigures(union(self.running, other.running), union(self.waiting, other.waiting),
+                           union(self.held, other.held), self.max_lora + other.max_lora)
+
+
+@dataclass(frozen=True)
 class EngineLoad:
     waiting: int = 0
     running: int = 0
@@ -64,6 +82,7 @@ class EngineLoad:
     encoder_seconds: float = 0.0
     spec_decode: SpecDecodeCounts | None = None  # None: the engine does not speculate
     data_parallel: tuple[CoreFigures, ...] = ()  # per core; empty without data parallelism
+    lora: LoRAFigures | None = None  # None: enable_lora is off
 
     @property
     def kv_usage(self) -> float:
@@ -84,18 +103,21 @@ class EngineLoad:
         """Several cores' figures as one engine's: counts and counters added, the ratios
         recomputed from the sums, per-core figures concatenated."""
         numbers = {f.name: sum(getattr(load, f.name) for load in loads)
-                   for f in dataclasses.fields(EngineLoad) if f.name not in ("spec_decode", "data_parallel")}
+                   for f in dataclasses.fields(EngineLoad) if f.name not in _NOT_SUMMED}
         specs = [load.spec_decode for load in loads if load.spec_decode is not None]
         spec = None
         for s in specs:
             spec = s if spec is None else spec + s
         cores = tuple(core for load in loads for core in load.data_parallel)
-        return EngineLoad(**numbers, spec_decode=spec, data_parallel=cores)
+        loras = [load.lora for load in loads if load.lora is not None]
+        lora = None
+        for f in loras:
+            lora = f if lora is None else lora + f
+        return EngineLoad(**numbers, spec_decode=spec, data_parallel=cores, lora=lora)
 
     def figures(self) -> dict:
         """Flat figures keyed as engine.metrics.names' tables are (the metric renderers' input)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("spec_decode", "data_parallel")}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_SUMMED}
         out["kv_usage"] = self.kv_usage
         out["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         if self.spec_decode is not None:
@@ -105,4 +127,9 @@ class EngineLoad:
                        spec_decode_num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos))
         if self.data_parallel:
             out["data_parallel"] = [dataclasses.asdict(core) for core in self.data_parallel]
+        if self.lora is not None:
+            out["lora"] = dataclasses.asdict(self.lora)
         return out
+
+
+_NOT_SUMMED = ("spec_decode", "data_parallel", "lora")

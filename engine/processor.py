@@ -16,11 +16,14 @@ from engine.structured_output import validate as validate_structured_outputs
 PromptType = str | dict
 # A P/D decode prompt's image placeholders and hashes (kvstore.pd.decode_prompt).
 FEATURES_FIELD = "multi_modal_features"
+# A served request's adapter (engine.lora.LoRARequest) rides in its prompt dict, so every hop
+# between the ingress and the engine (and both halves of P/D) passes it on unchanged.
+LORA_FIELD = "lora_request"
 
 
 class InputProcessor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int],
-                 mm_processor=None, max_logprobs: int = 20) -> None:
+                 mm_processor=None, max_logprobs: int = 20, lora_check=None) -> None:
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
         # engine.multimodal.processor.MultiModalProcessor for an image model, else None.
@@ -28,6 +31,8 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        # engine.lora.check.LoRAChecker: a request's adapter is read and checked here.
+        self.lora_check = lora_check
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -54,6 +59,7 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        lora_request=None,
     ) -> tuple[Request, str | None]:
         if not isinstance(params, SamplingParams):
             raise ParameterError("sampling_params", f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -84,6 +90,12 @@ class InputProcessor:
                 f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})"
             )
         self._check_sampling_tokens(params)
+        if lora_request is None and isinstance(prompt, dict):
+            lora_request = prompt.get(LORA_FIELD)
+        if lora_request is not None:
+            if self.lora_check is None:
+                raise ParameterError("lora_request", "this engine takes no LoRA adapters")
+            self.lora_check(lora_request)
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)  # a bad spec fails here, not in a step
         params = dataclasses.replace(params, _eos_token_ids=self.eos_token_ids,
@@ -97,6 +109,7 @@ class InputProcessor:
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
             mm_features=mm_features,
+            lora_request=lora_request,
         )
         return request, text
 

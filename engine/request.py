@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.kv_transfer_params import KVTransferParams
+from engine.lora.request import LoRARequest
 from engine.multimodal.features import MultiModalFeatures
 from engine.sampling_params import SamplingParams
 from engine.structured_output.request import StructuredOutputRequest
@@ -68,6 +69,8 @@ class Request:
     structured_output_request: StructuredOutputRequest | None = None
     # Images: placeholder ranges, hashes, pixels (engine.multimodal); None for text only.
     mm_features: MultiModalFeatures | None = None
+    # The adapter it runs with (engine.lora); None: the base model.
+    lora_request: LoRARequest | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -15,7 +15,7 @@ from kernels import reference
 
 BACKENDS = ("torch", "triton")
 _OPS = ("reshape_and_cache", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-        "gelu_tanh_and_mul", "fused_moe")
+        "gelu_tanh_and_mul", "fused_moe", "lora_shrink", "lora_expand", "lora_apply")
 
 
 def default_backend(device_type: str) -> str:
@@ -35,6 +35,10 @@ def get_ops(backend: str = "torch", device_type: str = "cpu") -> SimpleNamespace
             for name in ("paged_attention", "rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding",
                          "reshape_and_cache"):
                 setattr(ops, name, getattr(cpu, name))
+            from kernels.cpu import lora as cpu_lora
+
+            for name in ("lora_shrink", "lora_expand", "lora_apply"):
+                setattr(ops, name, getattr(cpu_lora, name))
         return ops
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(

@@ -268,6 +268,47 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x[..., :d], approximate="tanh").mul_(x[..., d:])
 
 
+def lora_shrink(
+    x: torch.Tensor,  # [T, K] a projection's input
+    a_stack: torch.Tensor,  # [L, R, K] each slot's stacked A matrices (R = slices x max rank)
+    mapping,  # kernels.lora_mapping.LoRAMapping of this step
+) -> torch.Tensor:  # [T, R] fp32
+    """Punica's shrink: s[t] = x[t] @ a_stack[slot(t)]^T for tokens with an adapter; the rows
+    of base-model tokens (slot -1) are zeros. Accumulated and returned in fp32."""
+    slots = mapping.token_slots
+    out = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
+    for slot in slots[slots >= 0].unique().tolist():
+        rows = (slots == slot).nonzero().squeeze(1)
+        out[rows] = x[rows].float() @ a_stack[slot].float().T
+    return out
+
+
+def lora_expand(
+    y: torch.Tensor,  # [T, N] the base projection's output, added to in place
+    s: torch.Tensor,  # [T, R] lora_shrink's output
+    b_stack: torch.Tensor,  # [L, N, R] each slot's B matrices, scaling folded in
+    mapping,  # kernels.lora_mapping.LoRAMapping of this step
+) -> None:
+    """Punica's expand: y[t] += s[t] @ b_stack[slot(t)]^T for tokens with an adapter (in fp32,
+    rounded once to y's dtype); base-model rows are untouched."""
+    slots = mapping.token_slots
+    for slot in slots[slots >= 0].unique().tolist():
+        rows = (slots == slot).nonzero().squeeze(1)
+        y[rows] = (y[rows].float() + s[rows].float() @ b_stack[slot].float().T).to(y.dtype)
+
+
+def lora_apply(
+    y: torch.Tensor,  # [T, N] the base projection's output, added to in place
+    x: torch.Tensor,  # [T, K] its input
+    a_stack: torch.Tensor,  # [L, R, K]
+    b_stack: torch.Tensor,  # [L, N, R]
+    mapping,
+) -> None:
+    """One projection's whole LoRA delta: lora_expand(y, lora_shrink(x, a_stack), b_stack).
+    Implementations may fuse the two (the CPU path keeps the shrink's rows grouped by slot)."""
+    lora_expand(y, lora_shrink(x, a_stack, mapping), b_stack, mapping)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """In place: logits[rows[i], t] = -inf unless bit t % 32 of bitmask[i, t // 32] is set.
 

@@ -21,6 +21,7 @@ worker side: after its load (done or failed), or when the request finishes witho
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -127,7 +128,14 @@ class PDConnector(KVConnectorBase):
         if self.pd_role == "producer" or params is None or not params.loads_remote_kv or rid in self._loaded:
             return 0, False
         n = params.num_tokens - num_computed_tokens
-        if n <= 0:  # the local prefix cache already covers the transfer
+        lora = request.lora_request.lora_name if request.lora_request is not None else None
+        if n > 0 and params.lora_name != lora:
+            # KV of another adapter (or of the base model) would answer with the wrong model:
+            # release the transfer and compute the prompt here, whatever the load policy.
+            logger.warning("request %s: its KV was computed with LoRA %r, it runs %r: recomputing", rid,
+                           params.lora_name, lora)
+            n = 0
+        if n <= 0:  # the local prefix cache already covers the transfer (or it is not ours)
             self._meta.releases.append(params)
             self._loaded.add(rid)
             return 0, False
@@ -138,7 +146,9 @@ class PDConnector(KVConnectorBase):
         rid = request.request_id
         params = request.kv_transfer_params
         if self.pd_role != "consumer" and params is not None and params.do_remote_decode:
-            self._producing[rid] = (request.num_prompt_tokens, [list(ids) for ids in block_ids], params)
+            lora = request.lora_request.lora_name if request.lora_request is not None else None
+            self._producing[rid] = (request.num_prompt_tokens, [list(ids) for ids in block_ids],
+                                    dataclasses.replace(params, lora_name=lora))
         if num_external_tokens <= 0:
             return
         start = self._local_hits.pop(rid)
@@ -176,6 +186,7 @@ class PDConnector(KVConnectorBase):
                 source=self.replica_id,
                 transport=self.transport.name,
                 tensor_parallel_size=self.tensor_parallel_size,
+                lora_name=params.lora_name,
             )
             self._exported[rid] = transfer
             self._meta.saves.append(SaveSpec(rid, transfer, tuple(tuple(ids) for ids in block_ids)))

@@ -24,6 +24,7 @@ from typing import Protocol
 from engine.kv_connector import DEFAULT_LOAD_FAILURE_POLICY
 from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.processor import LORA_FIELD
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -73,13 +74,16 @@ def decode_params(params: SamplingParams) -> SamplingParams:
     )
 
 
-def decode_prompt(prompt_token_ids: list[int], first_token: int, mm_features=None) -> dict:
+def decode_prompt(prompt_token_ids: list[int], first_token: int, mm_features=None, lora_request=None) -> dict:
     """The decode request's prompt. With images it carries their placeholders and hashes
     (MultiModalFeatures without pixels): decode never encodes, it loads the prompt's KV, but
-    it hashes its blocks by image as the prefill did."""
+    it hashes its blocks by image as the prefill did. With a LoRA adapter it names it, so
+    decode runs the adapter the prefill ran (and checks the transfer was made with it)."""
     prompt = {"prompt_token_ids": list(prompt_token_ids) + [first_token]}
     if mm_features is not None:
         prompt["multi_modal_features"] = mm_features
+    if lora_request is not None:
+        prompt[LORA_FIELD] = lora_request
     return prompt
 
 
@@ -176,8 +180,9 @@ async def pd_flow(peers: PDPeers, prompt, params: SamplingParams, request_id: st
         owns_release = exported is None
         decode_error = None
         try:
+            lora = prompt.get(LORA_FIELD) if isinstance(prompt, dict) else None
             async for out in peers.decode(decode_prompt(first.prompt_token_ids, c.token_ids[0],
-                                                        first.multi_modal_features),
+                                                        first.multi_modal_features, lora),
                                           decode_params(params), request_id, kv_params):
                 if out.finished and out.outputs[0].finish_reason == "error":
                     decode_error = out.outputs[0].stop_reason  # its connector released the transfer

@@ -14,6 +14,7 @@ produced by prometheus_client.
 
 from __future__ import annotations
 
+import time
 from collections import Counter as Tally
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -101,6 +102,13 @@ class _ReplicaFigures:
                     family.add_metric([self.model_name, str(r.role), r.replica, str(core["rank"])], float(core[key]))
             yield family
         yield from families(SCALING_SIGNALS, lambda r, f: {k: f.get(k) for k in SCALING_SIGNALS})
+        lora_keys = ["running_lora_adapters", "waiting_lora_adapters", "max_lora"]
+        lora = _family(names.LORA_REQUESTS_INFO, [*labels, *lora_keys])
+        for r, figures in flat:
+            if names.LORA_KEY in figures:
+                info = names.lora_info_labels(figures[names.LORA_KEY])
+                lora.add_metric([self.model_name, str(r.role), r.replica, *(info[k] for k in lora_keys)], time.time())
+        yield lora
         replicas = _family(REPLICAS, ["model_name", "role"])
         for role, n in sorted(Tally(str(r.role) for r in self.reports).items()):
             replicas.add_metric([self.model_name, role], n)

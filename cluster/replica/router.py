@@ -9,6 +9,12 @@ burst would pile onto whichever replica looked idlest at the last report.
 Prefix affinity (optional) sends prompts that start with the same tokens to the same replica,
 where their prefix blocks are already cached, as long as that replica is not much busier than
 the least loaded one (`affinity_slack`, in load units).
+
+LoRA affinity (always on) does the same for a request that names an adapter: a replica that
+holds it (its engine ran it lately, so its weights are in that engine's host cache or slots)
+goes first unless it is busier by more than the slack, as Serve's model multiplexing prefers
+replicas that have the model loaded; when none holds it, its rendezvous home does, so one
+adapter's requests gather on one replica instead of loading everywhere.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from dataclasses import dataclass
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from engine.processor import LORA_FIELD
+
 WAITING_WEIGHT = 4
 
 
@@ -28,6 +36,7 @@ class Candidate:
     running: int
     waiting: int
     sent_since_report: int = 0
+    loras: frozenset[str] = frozenset()  # adapters the replica holds
 
     @property
     def load(self) -> int:
@@ -48,18 +57,24 @@ def _rendezvous(key: str, replica_key: str) -> int:
 
 
 def rank(candidates: list[Candidate], affinity: str | None = None, affinity_slack: int = 8,
-         rng: random.Random | None = None) -> list[str]:
+         rng: random.Random | None = None, lora: str | None = None) -> list[str]:
     """Replica keys, most preferred first: least load first (ties by key, or in random order
     with `rng`, so that idle replicas share light traffic); with an affinity key, its home
     replica (highest rendezvous hash, which stays put when other replicas come and go) moves
-    to the front unless its load exceeds the least load by more than `affinity_slack`."""
+    to the front unless its load exceeds the least load by more than `affinity_slack`. With
+    a LoRA adapter's name, the home is the least loaded replica holding it (else the name's
+    rendezvous home), under the same slack; the adapter outranks a prefix."""
     if rng is None:
         ordered = sorted(candidates, key=lambda c: (c.load, c.key))
     else:
         ordered = sorted(candidates, key=lambda c: (c.load, rng.random()))
-    if affinity is None or not ordered:
+    if not ordered or (affinity is None and lora is None):
         return [c.key for c in ordered]
-    home = max(ordered, key=lambda c: _rendezvous(affinity, c.key))
+    if lora is not None:
+        holders = [c for c in ordered if lora in c.loras]
+        home = holders[0] if holders else max(ordered, key=lambda c: _rendezvous("lora:" + lora, c.key))
+    else:
+        home = max(ordered, key=lambda c: _rendezvous(affinity, c.key))
     if home.load <= ordered[0].load + affinity_slack:
         ordered.remove(home)
         ordered.insert(0, home)
@@ -90,7 +105,8 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
         seq, sent = self._sent.get(key, (None, 0))
         if seq != stats.get("seq"):
             sent = 0  # the replica reported since: its figures include what we sent before
-        return Candidate(key, int(stats.get("running", 0)), int(stats.get("waiting", 0)), sent)
+        return Candidate(key, int(stats.get("running", 0)), int(stats.get("waiting", 0)), sent,
+                         frozenset(stats.get("loras", ())))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -100,12 +116,15 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
             # A call for one replica (a subscription or an abort). If it is gone, any replica
             # takes the call and refuses it, so the caller learns at once (never waits).
             return [[by_key[target]]] if target in by_key else [candidate_replicas[:1]]
-        affinity = None
-        if self._prefix_affinity and pending_request is not None and pending_request.args:
-            prompt = pending_request.args[0]
-            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-            affinity = affinity_key(ids, self._affinity_prefix_tokens)
-        order = rank([self._candidate(r) for r in candidate_replicas], affinity, self._affinity_slack, self._rng)
+        affinity = lora = None
+        prompt = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if isinstance(prompt, dict):
+            lora_request = prompt.get(LORA_FIELD)
+            lora = lora_request.lora_name if lora_request is not None else None
+            if self._prefix_affinity:
+                affinity = affinity_key(prompt.get("prompt_token_ids"), self._affinity_prefix_tokens)
+        order = rank([self._candidate(r) for r in candidate_replicas], affinity, self._affinity_slack, self._rng,
+                     lora)
         # One replica per rank: Serve tries them in this order, skipping full ones.
         return [[by_key[k]] for k in order]
 

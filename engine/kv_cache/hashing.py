@@ -1,7 +1,7 @@
 """Chained block hashes for prefix caching.
 
-A block's hash covers its parent's hash, its own token ids and extra keys (the cache salt on
-the first block; the hash of every image whose placeholders fall in the block), so equal hashes
+A block's hash covers its parent's hash, its own token ids and extra keys (the cache salt and
+the LoRA adapter's name on the first block, so one adapter's KV never serves another; the hash of every image whose placeholders fall in the block), so equal hashes
 imply equal full prefixes, not just equal blocks. Placeholder tokens are the same for every
 image: without the image hash, two prompts with different images would share KV.
 """
@@ -26,14 +26,17 @@ def hash_block_tokens(
 
 def extend_block_hashes(
     block_hashes: list[bytes], token_ids: list[int], block_size: int, cache_salt: str | None,
-    mm_features=None,
+    mm_features=None, lora_name: str | None = None,
 ) -> None:
     """Append the hashes of full blocks of `token_ids` not yet hashed (in place).
-    `mm_features`: the request's MultiModalFeatures, or None."""
+    `mm_features`: the request's MultiModalFeatures, or None. `lora_name`: its adapter's name
+    (the name, not the engine-local id, so a P/D pair's two engines hash alike)."""
     start = len(block_hashes) * block_size
     while start + block_size <= len(token_ids):
         parent = block_hashes[-1] if block_hashes else None
-        extra = (cache_salt,) if (start == 0 and cache_salt) else ()
+        extra = ()
+        if start == 0 and (cache_salt or lora_name):
+            extra = (cache_salt,) if lora_name is None else (cache_salt, "lora", lora_name)
         if mm_features is not None:
             extra += mm_features.hashes_in(start, start + block_size)
         block_hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra))

@@ -142,7 +142,7 @@ class KVCacheManager:
             return KVCacheBlocks(), 0
         extend_block_hashes(
             request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
-            request.mm_features,
+            request.mm_features, request.lora_request and request.lora_request.lora_name,
         )
         bs = self.block_size
         hashes = request.block_hashes[: (request.num_tokens - 1) // bs]
@@ -232,7 +232,7 @@ class KVCacheManager:
             return
         extend_block_hashes(
             request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
-            request.mm_features,
+            request.mm_features, request.lora_request and request.lora_request.lora_name,
         )
         rid = request.request_id
         for group in self.groups:

@@ -133,3 +133,16 @@ DP_FIGURES: dict[str, MetricDef] = {
 KV_TRANSFER_REFUSED = MetricDef("pdserve:kv_transfer_refused", "counter",
                                 "KV transfers refused as malformed before any write into the cache, by "
                                 "reason (label reason); each is also a KV load failure")
+
+# ---- LoRA: in EngineLoad.figures()["lora"] when enable_lora is on. As vLLM's, one gauge whose
+# labels are the adapter names (comma-joined) and whose value is the report's wall time -------
+LORA_KEY = "lora"
+LORA_REQUESTS_INFO = MetricDef("vllm:lora_requests_info", "gauge",
+                               "Running and waiting LoRA adapters (labels running_lora_adapters, "
+                               "waiting_lora_adapters, max_lora); the value is when it was reported")
+
+
+def lora_info_labels(figures: dict) -> dict[str, str]:
+    """vllm:lora_requests_info's labels from EngineLoad.figures()["lora"]."""
+    return {"running_lora_adapters": ",".join(figures["running"]),
+            "waiting_lora_adapters": ",".join(figures["waiting"]), "max_lora": str(figures["max_lora"])}

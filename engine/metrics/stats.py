@@ -115,6 +115,9 @@ class StatsRecorder:
                 core_labels = {**labels, "engine": str(core["rank"])}
                 metrics.append(Counter(definition.name, core_labels, int(core[key])) if definition.kind == "counter"
                                else Gauge(definition.name, core_labels, float(core[key])))
+        if names.LORA_KEY in engine_figures:
+            lora_labels = {**labels, **names.lora_info_labels(engine_figures[names.LORA_KEY])}
+            metrics.append(Gauge(names.LORA_REQUESTS_INFO.name, lora_labels, time.time()))
         metrics.append(Counter(names.PROMPT_TOKENS.name, dict(labels), self.prompt_tokens))
         metrics.append(Counter(names.GENERATION_TOKENS.name, dict(labels), self.generation_tokens))
         for reason, n in sorted(self.finished.items()):

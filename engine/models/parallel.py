@@ -137,8 +137,11 @@ class ColumnParallelLinear(PackedLinearMixin, nn.Linear):
     rank (fused QKV or gate/up: the local slice of each part, concatenated). On CPU the
     weight may be packed for oneDNN (engine.models.cpu_linear)."""
 
+    lora = None  # engine.lora.layers.LoRAStack once adapters are enabled
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.bias)
+        y = self.linear(x, self.bias)
+        return y if self.lora is None else self.lora.add_delta(x, y)
 
 
 class RowParallelLinear(PackedLinearMixin, nn.Linear):
@@ -150,9 +153,12 @@ class RowParallelLinear(PackedLinearMixin, nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
 
+    lora = None  # engine.lora.layers.LoRAStack (one rank: LoRA refuses tensor parallelism)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self.linear(x, self.bias)
+            y = self.linear(x, self.bias)
+            return y if self.lora is None else self.lora.add_delta(x, y)
         y = self.tp.all_reduce(self.linear(x))
         return y if self.bias is None else y + self.bias
 

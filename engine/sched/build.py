@@ -30,6 +30,7 @@ def build_scheduler_output(new_reqs: list[Request], running_reqs: list[Request],
             kv_transfer_params=r.kv_transfer_params,
             mm_features=None if r.mm_features is None else r.mm_features.without_pixels(),
             window_block_ids=kv_cache_manager.get_window_block_ids(r.request_id),
+            lora_request=r.lora_request,
         )
         for r in new_reqs
     ]

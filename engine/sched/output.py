@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from engine.kv_transfer_params import KVTransferParams
+from engine.lora.request import LoRARequest
 from engine.multimodal.features import MultiModalFeatures
 from engine.outputs import Logprob, PromptLogprobs
 from engine.sampling_params import SamplingParams
@@ -33,6 +34,7 @@ class NewRequestData:
     # A hybrid model's sliding-window group (engine.kv_cache.manager): its block ids, the null
     # block where blocks fell out of the window; None without one.
     window_block_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None  # its adapter (engine.lora), None: the base model
 
 
 @dataclass

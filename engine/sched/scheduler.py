@@ -14,6 +14,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import KVCacheBlocks, KVCacheManager
 from engine.kv_connector import KVConnectorBase
 from engine.kv_transfer_params import KVTransferParams
+from engine.lora.sched import lora_slots_full
 from engine.multimodal.encoder_cache import EncoderCacheManager
 from engine.multimodal.sched_encoder import (
     commit_encoder_inputs,
@@ -40,7 +41,7 @@ class Scheduler:
                  kv_cache_manager: KVCacheManager, max_model_len: int, connector: KVConnectorBase | None = None,
                  structured_output_manager=None, encoder_cache: EncoderCacheManager | None = None,
                  encoder_budget: int = 0, num_speculative_tokens: int = 0,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, max_loras: int = 0) -> None:
         if scheduler_config.max_num_batched_tokens is None:
             raise ValueError("max_num_batched_tokens must be resolved (resolved_token_budget) first")
         self.config = scheduler_config
@@ -68,6 +69,7 @@ class Scheduler:
         # Slots reserved past a request's scheduled tokens, where a draft model writes the KV of
         # the drafts it decodes after the step (0 for the n-gram proposer, which has no KV).
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_loras = max_loras  # adapters per step (engine.lora.sched); 0: LoRA off
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -79,9 +81,7 @@ class Scheduler:
     def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
         """Finish requests from outside the step (abort, stop string). Unknown ids are ignored."""
         assert status.finished
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
-        for req_id in request_ids:
+        for req_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
@@ -186,6 +186,9 @@ class Scheduler:
                 break
             request = self.waiting.peek()
             if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request, skipped):
+                continue
+            if lora_slots_full(request, self.running, self.max_loras):
+                skipped.append(self.waiting.pop())
                 continue
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 if not self.remote_kv.load_finished(request):
@@ -301,9 +304,8 @@ class Scheduler:
             "has no pixels (P/D decode)"))
 
     def _pick_victim(self) -> Request:
-        if self.config.scheduling_policy == "priority":
-            return max(self.running, key=Request.sort_key)
-        return self.running[-1]
+        return max(self.running, key=Request.sort_key) if self.config.scheduling_policy == "priority" \
+            else self.running[-1]
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free all blocks, rewind, and requeue at the front."""
@@ -326,7 +328,8 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         self.encoder_seconds += runner_output.encoder_seconds
         if runner_output.kv_connector_output is not None:
-            outputs += self.remote_kv.apply(runner_output.kv_connector_output, self._fail_request)
+            outputs += self.remote_kv.apply(runner_output.kv_connector_output,
+                                            lambda rid: self.finish_requests(rid, RequestStatus.FINISHED_ERROR))
         scored = runner_output.prompt_logprobs  # prompt positions scored this step, by request
         for idx, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
@@ -382,9 +385,6 @@ class Scheduler:
                 )
             )
         return outputs
-
-    def _fail_request(self, request_id: str) -> None:
-        self.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
 
     # ---- introspection ------------------------------------------------------------------
     def get_num_unfinished_requests(self) -> int:

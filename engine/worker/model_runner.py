@@ -5,12 +5,15 @@ accepted one plus one more token."""
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
+from engine.lora.config import LoRAConfig
+from engine.lora.runner import LoRARunner
 from engine.models.arch import ModelArch
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.loader import load_model
@@ -23,6 +26,7 @@ from engine.structured_output.bitmask import bitmask_for_sampled_rows
 from engine.worker.block_table import kv_cache_tensors
 from engine.worker.buffers import StagedBuffer
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
+from engine.worker.dry_runs import dummy_forward, profile_forward
 from engine.worker.encoder_runner import EncoderRunner
 from engine.worker.input_batch import InputBatch
 from engine.worker.prompt_logprobs import prompt_spans, score_prompt
@@ -49,6 +53,7 @@ class ModelRunner:
         ep: EPGroup = SINGLE_EP,
         speculative: SpeculativeConfig | None = None,
         quantization: str | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
         self.arch = arch
         self.tp = tp
@@ -60,6 +65,7 @@ class ModelRunner:
         self.model = load_model(model_dir, arch, ops, device, dtype, max_model_len, tp, ep, quantization)
         if device.type == "cpu":
             self.model.pack_cpu_weights()
+        self.lora = None if lora is None else LoRARunner(self.model, arch, lora, ops, device, dtype)
         # KV heads this rank caches (all of them on one rank).
         self.num_kv_heads = self.model.layout.num_kv_heads
         self.sampler = Sampler()
@@ -161,7 +167,8 @@ class ModelRunner:
         else:
             meta, input_ids, positions, logits_indices = self._to_device(len(rows), T, nb, n_logits, num_sched)
             embeds = self.encoder.embed(input_ids, merges) if merges else None
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)  # [T, hidden]
+            with self.lora.step(req_ids, num_sched) if self.lora is not None else nullcontext():
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)  # [T, hidden]
             if self._drafts_by_model:
                 self.proposer.run_step(input_ids, positions, meta)
         prompt_lps = None
@@ -278,6 +285,8 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
+        if self.lora is not None:
+            self.lora.update(so)
         for req_id in so.finished_req_ids:
             ib.remove_request(req_id)
         for req_id in so.preempted_req_ids:
@@ -360,41 +369,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_dummy_batch(self) -> None:
-        """The model on no tokens: an idle data-parallel core's step. It samples nothing and
-        touches no KV block, but runs every layer, so each MoE layer's expert exchange finds
-        this rank there (a dummy batch, docs/parallel.md#waves-and-dummy-batches)."""
-        empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=empty, block_table=torch.zeros((0, 1), dtype=torch.int32, device=self.device),
-            query_start_loc=torch.zeros(1, dtype=torch.int32, device=self.device),
-            seq_lens=torch.zeros(0, dtype=torch.int32, device=self.device), max_query_len=0, max_seq_len=0)
-        self.model(empty, empty, self.kv_caches, meta)
+        """The model on no tokens: an idle data-parallel core's step (engine.worker.dry_runs)."""
+        dummy_forward(self.model, self.kv_caches, self.device)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
-        """One forward pass of `num_tokens` prompt tokens (plus logits for a full batch of
-        sequences) against a throwaway KV cache, to measure peak activation memory."""
-        a = self.arch
-        nb = -(-num_tokens // self.kernel_block_size)
-        shape = (nb, self.kernel_block_size, self.num_kv_heads, a.head_dim)
-        caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(a.num_layers)
-        ]
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=self.device),
-            block_table=torch.arange(nb, dtype=torch.int32, device=self.device).unsqueeze(0),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
-        hidden = self.model(ids, positions, caches, meta)
-        rows = min(num_tokens, self.input_batch.max_num_reqs)
-        self.model.compute_logits(hidden[:rows])
-        del caches, hidden
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        """One forward pass of `num_tokens` prompt tokens against a throwaway KV cache, to
+        measure peak activation memory (engine.worker.dry_runs)."""
+        profile_forward(self.model, num_tokens, self.kernel_block_size, self.num_kv_heads, self.dtype,
+                        self.device, self.max_model_len, self.input_batch.max_num_reqs)

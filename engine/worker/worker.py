@@ -85,6 +85,7 @@ class Worker:
             ep=ep,
             speculative=ec.speculative,
             quantization=ec.model.quantization,
+            lora=ec.lora,
         )
         self.kv_connector = (kv_connector_factory(KVConnectorRole.WORKER)
                              if kv_connector_factory is not None else None)

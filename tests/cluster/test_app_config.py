@@ -181,6 +181,7 @@ def test_from_flat_splits_every_engine_argument_from_the_app_fields(tiny_model):
                      "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
                      "data_parallel_size": 2, "data_parallel_backend": "ray", "enable_expert_parallel": False,
                      "engine_core_process": False, "kv_load_failure_policy": "fail",
+                     "enable_lora": False, "max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 5,
                      "limit_mm_per_prompt": '{"image": 2}', "encoder_cache_size": 64,
                      "max_num_encoder_input_tokens": 32, "allowed_local_media_path": "/srv/media",
                      "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}

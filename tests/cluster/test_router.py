@@ -367,3 +367,34 @@ def test_equal_loads_are_shared_in_random_order():
     router = _router(replicas, random_ties=True)
     firsts = {_choose(router, replicas)[0][0].replica_id.unique_id for _ in range(60)}
     assert firsts == {"a", "b", "c"}
+
+
+# --- LoRA affinity ----------------------------------------------------------------------------
+
+
+def _lora_pending(name: str, token_ids=(1, 2, 3)):
+    from engine.lora import LoRARequest
+
+    return SimpleNamespace(args=[{"prompt_token_ids": list(token_ids),
+                                  "lora_request": LoRARequest(name, 1, f"/adapters/{name}")}], kwargs={})
+
+
+def test_router_sends_an_adapter_to_a_replica_that_holds_it_within_slack():
+    reps = [FakeReplica(n, running=0) for n in "abc"] + [FakeReplica("d", running=3)]
+    reps[-1].routing_stats["loras"] = ["sql", "chat"]
+    router = _router(reps, affinity_slack=3)
+    assert _names(_choose(router, reps, _lora_pending("sql")))[0] == "d"
+    # a request of the base model, or of an adapter nobody holds, is not drawn to d
+    assert _names(_choose(router, reps, _pending([1, 2, 3])))[-1] == "d"
+    reps[-1].routing_stats["running"] = 4  # beyond the slack: least load wins
+    assert _names(_choose(router, reps, _lora_pending("sql"))) == ["a", "b", "c", "d"]
+
+
+def test_the_least_loaded_holder_wins_and_an_unheld_adapter_has_a_stable_home():
+    cands = [Candidate("a", 0, 0), Candidate("b", 2, 0, loras=frozenset({"x"})),
+             Candidate("c", 1, 0, loras=frozenset({"x"}))]
+    assert rank(cands, lora="x")[0] == "c"
+    homes = {rank(list(p), lora="y")[0] for p in itertools.permutations(_idle(REPLICAS[:4]))}
+    assert len(homes) == 1
+    # different adapters spread over replicas instead of piling onto one
+    assert len({rank(_idle(REPLICAS), lora=f"adapter-{i}")[0] for i in range(20)}) > 1
