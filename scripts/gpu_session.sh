@@ -4,8 +4,8 @@
 # /tmp/site (docs/development.md#the-gpu-machine-workflow). Each stage has its own time limit and log, so one
 # failing stage does not hide the others; a summary line per stage comes last.
 #
-#   bash scripts/gpu_session.sh [stage ...]   # stages: env parity_small throughput kernels
-#                                              #         parity_1b parity_smollm2 (default: the first four)
+#   bash scripts/gpu_session.sh [stage ...]   # stages: gpu_tests env parity_small throughput kernels
+#                                              #         parity_1b parity_smollm2 (default: the first five)
 #                                              #         stash_ray, then serve_cpu in the next call
 #                                              #         stash_smol, then parity_smollm2 likewise
 # Logs go to $OUT (the device tool's folder) or /tmp/gpu_out.
@@ -39,9 +39,15 @@ stage() {  # stage NAME SECONDS COMMAND...
 
 SMOL=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env parity_small throughput kernels)
+[ ${#stages[@]} -eq 0 ] && stages=(gpu_tests env parity_small throughput kernels)
 for s in "${stages[@]}"; do
     case $s in
+        gpu_tests)
+            # The gpu-marked tests on CUDA with compiled Triton (docs/development.md#tests-on-a-gpu).
+            # Only the files that hold them are collected: the others import packages this
+            # machine lacks (Ray, the openai client).
+            stage gpu_tests 300 env PDSERVE_TEST_GPU=1 $PY -m pytest -m gpu -q -p no:cacheprovider \
+                $(grep -rl --include='test_*.py' 'pytest.mark.gpu' tests) ;;
         env) stage env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; nproc;
               '"$PY"' -c "import sys,torch,triton,transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)"' ;;
         parity_small) stage parity_small 120 $PY scripts/gpu_parity.py --preset small ;;

@@ -1,19 +1,115 @@
-"""Shared fixtures: tiny random-weight models made locally (no hub is reachable)."""
+"""Shared fixtures: tiny random-weight models made locally (no hub is reachable), and the
+session's device (docs/development.md#tests-on-a-gpu)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 
 import pytest
 
 # Tests must never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# The suite is a CPU suite on every machine (GPU checks are the scripts in scripts/): hide
-# GPUs and run the Triton kernels in Triton's interpreter, which must be set before triton is
-# first imported.
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
-os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+GPU_ENV = "PDSERVE_TEST_GPU"
+# A GPU session holds many engines in one process (module fixtures, P/D pairs, a plain and a
+# speculating engine); each sizes its KV cache from this share of the card instead of 0.9,
+# so that they all fit (engine.worker.worker.kv_budget_bytes still measures and checks it).
+GPU_TEST_SHARE = 0.02
+
+
+def session_device(environ: Mapping[str, str], cuda_available: Callable[[], bool]) -> str:
+    """The device of this session: "cuda" only when the run asks for the GPU subset
+    (PDSERVE_TEST_GPU=1) and a CUDA GPU is there, else "cpu". `cuda_available` is called only
+    when asked, so the default run never initializes CUDA."""
+    asked = environ.get(GPU_ENV) or "0"
+    if asked not in ("0", "1"):
+        raise pytest.UsageError(f"{GPU_ENV} must be 0 or 1, got {asked!r}")
+    return "cuda" if asked == "1" and cuda_available() else "cpu"
+
+
+def device_environ(device: str) -> dict[str, str]:
+    """What a session on `device` sets before torch and Triton load. On CPU: GPUs hidden (so
+    `device="auto"` is the CPU on every machine) and Triton kernels in Triton's interpreter,
+    which must be set before triton is first imported. On CUDA: nothing, Triton compiles."""
+    return {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"} if device == "cpu" else {}
+
+
+def gpu_markexpr(markexpr: str) -> str:
+    """The -m expression of a run that asked for the GPU subset: only gpu-marked tests, since
+    the rest of the suite needs the interpreter and hidden GPUs (the default run has them)."""
+    return f"({markexpr}) and gpu" if markexpr.strip() else "gpu"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Decided when this file is imported, before any test module or lower conftest imports torch
+# (tests/actors/conftest.py imports the engine).
+DEVICE = session_device(os.environ, _cuda_available)
+os.environ.update(device_environ(DEVICE))
+if DEVICE == "cuda":
+    os.environ.pop("TRITON_INTERPRET", None)  # a shell's setting would hide the compiled kernels
+
+
+def pytest_configure(config):
+    if os.environ.get(GPU_ENV) == "1":
+        config.option.markexpr = gpu_markexpr(config.option.markexpr or "")
+
+
+def pytest_report_header(config):
+    if DEVICE == "cuda":
+        return f"pdserve: gpu-marked tests on CUDA, Triton compiled ({GPU_ENV}=1)"
+    return "pdserve: CPU session (CUDA hidden, Triton interpreted)"
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """The device tests put their tensors and engines on: "cuda" in a GPU session (which
+    runs only gpu-marked tests), else "cpu"."""
+    return DEVICE
+
+
+def with_test_share(kv_budget_bytes: Callable[..., int]) -> Callable[..., int]:
+    """engine.worker.worker.kv_budget_bytes as a GPU session calls it: at most GPU_TEST_SHARE
+    of the card, whatever gpu_memory_utilization the engine asked for."""
+
+    def budget(total, free, reserved, allocated, peak, utilization, *rest) -> int:
+        return kv_budget_bytes(total, free, reserved, allocated, peak, min(utilization, GPU_TEST_SHARE), *rest)
+
+    return budget
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gpu_engines_share_the_card():
+    """In a GPU session, every engine sizes its KV cache from GPU_TEST_SHARE of the card."""
+    if DEVICE != "cuda":
+        yield
+        return
+    import engine.core  # noqa: F401 - first: engine.worker.worker imported on its own is an import cycle
+    from engine.worker import worker
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(worker, "kv_budget_bytes", with_test_share(worker.kv_budget_bytes))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def gpu_memory_freed_after_each_test():
+    """In a GPU session, engines a test dropped give their KV cache back before the next test
+    sizes its own (an engine's reference cycles keep it alive until collected)."""
+    yield
+    if DEVICE == "cuda":
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,12 +1,15 @@
-"""Helpers for the HTTP tests: polling with a deadline, SSE parsing, leak checks, free ports,
-processes and listeners read from /proc."""
+"""Helpers for the HTTP tests: polling with a deadline, load threads that report, SSE parsing,
+leak checks, free ports, processes and listeners read from /proc."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import requests
 
@@ -24,6 +27,77 @@ def wait_for(fn, what: str, timeout_s: float = 60.0, interval_s: float = 0.05):
             return last
         time.sleep(interval_s)
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+class LoadThreads:
+    """Client threads that send requests until stopped: thread `worker` calls
+    `send(worker, i)` for i = 0, 1, ..., one request a call. `send` raises on any answer the
+    test does not expect (a reset or timeout raises in `requests`; a 5xx, a malformed 200 or a
+    wrong text fails its own checks). The first error stops every thread and fails the test:
+    at `check()`, which a test calls while it waits (so it fails at once, not at a timeout),
+    and at the end of the `with` block, which also fails when a thread outlives its bound.
+
+        with LoadThreads(send, 3) as load:
+            wait_for(lambda: load.check() or enough(), "traffic", 60)
+    """
+
+    def __init__(self, send: Callable[[int, int], None], workers: int, join_timeout_s: float = 120.0,
+                 name: str = "load"):
+        self.join_timeout_s = join_timeout_s
+        self.errors: list[tuple[str, BaseException]] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(send, w), name=f"{name}-{w}", daemon=True)
+                         for w in range(workers)]
+
+    def _run(self, send: Callable[[int, int], None], worker: int) -> None:
+        i = 0
+        try:
+            while not self._stop.is_set():
+                send(worker, i)
+                i += 1
+        except BaseException as e:  # noqa: BLE001 - kept, and raised in the test's thread
+            with self._lock:
+                self.errors.append((threading.current_thread().name, e))
+            self._stop.set()
+
+    def check(self) -> None:
+        """Raise the first error a thread met (None while all is well)."""
+        with self._lock:
+            errors = list(self.errors)
+        if errors:
+            name, first = errors[0]
+            summary = "; ".join(f"{n}: {e!r}" for n, e in errors)
+            raise AssertionError(f"{len(errors)} load thread(s) failed: {summary}") from first
+
+    def __enter__(self) -> LoadThreads:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        deadline = time.monotonic() + self.join_timeout_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self.check()
+        alive = [t.name for t in self._threads if t.is_alive()]
+        assert not alive, f"load threads still sending {self.join_timeout_s} s after the stop: {alive}"
+
+
+def in_thread(fn: Callable, *args) -> Future:
+    """Run fn(*args) in a daemon thread. `result(timeout)` on the returned future waits, bounded,
+    and raises what fn raised, so a helper thread cannot fail unseen."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting test
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=f"in-thread-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return future
 
 
 def wait_http_ok(url: str, timeout_s: float = 120.0) -> None:

@@ -5,11 +5,10 @@ that fails fails every waiting row and every later call, within a bound (nothing
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.cluster.helpers import in_thread
 
 ENGINE = {"max_model_len": 128, "num_kv_blocks": 96}
 WORDS = "river engineer village quietly measures before once upon time small sea help there".split()
@@ -32,18 +31,13 @@ def test_concurrent_callers_get_the_offline_engines_outputs_in_order(tiny_model)
     slices = [range(k, k + 12) for k in range(0, 48, 12)]
     # Every caller's rows are handed over before any is awaited, as Ray Data's async batches are.
     futures = [feeder.submit([prompts[i] for i in s], [params[i] for i in s]) for s in slices]
-    results: dict[int, list] = {}
 
-    def wait(k: int) -> None:
-        results[k] = [f.result(timeout=WAIT_S) for f in futures[k]]
+    def wait(k: int) -> list:
+        return [f.result(timeout=WAIT_S) for f in futures[k]]
 
-    threads = [threading.Thread(target=wait, args=(k,)) for k in range(len(slices))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S)
-    assert sorted(results) == [0, 1, 2, 3]
-    got = [out for k in range(4) for out in results[k]]
+    # Each caller waits in its own thread; a caller's error (a failed row, a timeout) is raised here.
+    waiting = [in_thread(wait, k) for k in range(len(slices))]
+    got = [out for w in waiting for out in w.result(timeout=2 * WAIT_S)]
     for o, r in zip(got, ref):
         assert o.prompt_token_ids == r.prompt_token_ids  # row order kept
         assert list(o.outputs[0].token_ids) == list(r.outputs[0].token_ids)

@@ -4,12 +4,10 @@ it again. Decode (ITL target far away, KV nearly empty) stays at its minimum thr
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import requests
 
-from tests.cluster.helpers import ENGINE, assert_no_leaks, wait_for
+from tests.cluster.helpers import ENGINE, LoadThreads, assert_no_leaks, hf_text, wait_for
 
 APP = "autotest"
 NAME = "tiny-auto"
@@ -29,33 +27,30 @@ def app(deploy, tiny_model):
     return deploy(cfg)
 
 
-def test_autoscaler_follows_a_load_step_up_and_down(app):
+def test_autoscaler_follows_a_load_step_up_and_down(app, tiny_model):
     def status():
         return requests.get(f"{app}/status", timeout=30).json()
 
     assert status()["autoscaling"] is True
     assert requests.post(f"{app}/scale", json={"prefill": 2}, timeout=30).status_code == 409  # it owns counts
-    stop = threading.Event()
-    codes: list[int] = []
+    expected = hf_text(tiny_model, "load step", 4)
+    answered = []
 
-    def client():
-        while not stop.is_set():
-            r = requests.post(f"{app}/v1/completions", json={
-                "model": NAME, "prompt": "load step", "max_tokens": 4, "temperature": 0}, timeout=60)
-            codes.append(r.status_code)
+    def send(worker: int, i: int) -> None:
+        # Anything but the right completion fails the thread, and so the test (a reset, a
+        # timeout, a 5xx, a malformed or wrong 200), while replicas come and go.
+        r = requests.post(f"{app}/v1/completions", json={
+            "model": NAME, "prompt": "load step", "max_tokens": 4, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, (r.status_code, r.text)
+        assert r.json()["choices"][0]["text"] == expected, r.text
+        answered.append(worker)  # list.append is atomic
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(2)]
-    for t in threads:
-        t.start()
-    try:
-        up = wait_for(lambda: (s := status())["target"]["prefill"] == 2 and not s["scaling"]
-                      and len(s["prefill"]) == 2 and s, "the autoscaler to add a prefill replica", 120, 0.25)
+    with LoadThreads(send, 2, join_timeout_s=60) as load:
+        up = wait_for(lambda: load.check() or ((s := status())["target"]["prefill"] == 2 and not s["scaling"]
+                                               and len(s["prefill"]) == 2 and s),
+                      "the autoscaler to add a prefill replica", 120, 0.25)
         assert up["target"]["decode"] == 1
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=60)
-    assert codes and set(codes) == {200}
+    assert answered
     down = wait_for(lambda: (s := status())["target"]["prefill"] == 1 and not s["scaling"]
                     and len(s["prefill"]) == 1 and s, "the autoscaler to remove it when idle", 120, 0.25)
     assert down["target"]["decode"] == 1

@@ -8,7 +8,7 @@ import threading
 import pytest
 import requests
 
-from tests.cluster.helpers import ENGINE, assert_no_leaks, metric_value, wait_for
+from tests.cluster.helpers import ENGINE, LoadThreads, assert_no_leaks, metric_value, wait_for
 from tests.engine.hf_reference import hf_greedy
 
 APP = "scaletest"
@@ -69,48 +69,41 @@ def test_scale_up_and_down_under_load_loses_nothing(app, tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     expected = [tok.decode(hf_greedy(tiny_model, [tok.encode(p)], 12)[0], skip_special_tokens=True)
                 for p in PROMPTS]
-    results: list[tuple[int, int, str]] = []
-    stop = threading.Event()
+    answered: list[int] = []  # the prompt index of each right answer
     lock = threading.Lock()
 
-    def client(worker: int) -> None:
-        k = worker
-        while not stop.is_set():
-            r = requests.post(f"{app}/v1/completions", json={
-                "model": NAME, "prompt": PROMPTS[k % 4], "max_tokens": 12, "temperature": 0}, timeout=120)
-            text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
-            with lock:
-                results.append((k % 4, r.status_code, text))
-            k += 3
+    def send(worker: int, i: int) -> None:
+        # Anything but the right completion fails the thread, and so the test: a reset or a
+        # timeout (raised by requests), a non-200, a 200 that is no completion, a wrong text.
+        k = (worker + 3 * i) % 4
+        r = requests.post(f"{app}/v1/completions", json={
+            "model": NAME, "prompt": PROMPTS[k], "max_tokens": 12, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, (r.status_code, r.text)
+        text = r.json()["choices"][0]["text"]
+        assert text == expected[k], (PROMPTS[k], text, expected[k])
+        with lock:
+            answered.append(k)
 
     def served() -> int:
         with lock:
-            return len(results)
+            return len(answered)
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(3)]
-    for t in threads:
-        t.start()
-    try:
-        wait_for(lambda: served() >= 6, "traffic to flow", 60)
+    with LoadThreads(send, 3) as load:
+        wait_for(lambda: load.check() or served() >= 6, "traffic to flow", 60)
         r = requests.post(f"{app}/scale", json={"prefill": 2, "decode": 2}, timeout=60)
         assert r.status_code == 202 and r.json()["target"] == {"prefill": 2, "decode": 2}
         busy = requests.post(f"{app}/scale", json={"prefill": 1}, timeout=60)
         assert busy.status_code == 409 and busy.json()["error"]["code"] == 409
-        wait_for(lambda: _settled_at(app, 2), "2 prefill + 2 decode replicas running", 240, 0.5)
+        wait_for(lambda: load.check() or _settled_at(app, 2), "2 prefill + 2 decode replicas running", 240, 0.5)
         # New replicas take traffic once healthy: both prefill replicas export KV.
-        wait_for(lambda: all(v > 0 for v in _exports_per_prefill(app).values())
-                 and len(_exports_per_prefill(app)) == 2, "both prefill replicas to serve", 120, 0.2)
+        wait_for(lambda: load.check() or (all(v > 0 for v in _exports_per_prefill(app).values())
+                                          and len(_exports_per_prefill(app)) == 2),
+                 "both prefill replicas to serve", 120, 0.2)
         assert main(["scale", "--url", app, "--prefill", "1", "--decode", "1"]) == 0  # the CLI
         mark = served()
-        wait_for(lambda: _settled_at(app, 1), "back to 1 prefill + 1 decode", 240, 0.5)
-        wait_for(lambda: served() >= mark + 6, "traffic after the scale-down", 60)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
-    bad = [(k, code, text) for k, code, text in results if code != 200 or text != expected[k]]
-    assert not bad, bad[:3]
-    assert len(results) >= 12
+        wait_for(lambda: load.check() or _settled_at(app, 1), "back to 1 prefill + 1 decode", 240, 0.5)
+        wait_for(lambda: load.check() or served() >= mark + 6, "traffic after the scale-down", 60)
+    assert served() >= 12 and set(answered) == {0, 1, 2, 3}
     assert main(["status", "--url", app]) == 0
     assert_no_leaks(app, APP, {"prefill", "decode"})
 

@@ -1,6 +1,7 @@
 """Structured outputs end to end on a random-weight model: it writes junk unless the mask
 holds, so every valid output is the mask's doing. Oracles: jsonschema, re.fullmatch, the
-choice list, and HF logits + llguidance's per-token check for the greedy reference."""
+choice list, and HF logits + llguidance's per-token check for the greedy reference. In the GPU
+subset (tests/conftest.py): the engines run on the session's `device`."""
 
 from __future__ import annotations
 
@@ -30,10 +31,12 @@ REGEX = StructuredOutputsParams(regex=CODE_REGEX)
 CHOICE = StructuredOutputsParams(choice=CHOICES)
 GRAMMAR = StructuredOutputsParams(grammar=SUM_GRAMMAR)
 
+pytestmark = pytest.mark.gpu
+
 
 @pytest.fixture(scope="module")
-def llm(tiny_model):
-    return LLM(tiny_model, max_model_len=256)
+def llm(tiny_model, device):
+    return LLM(tiny_model, max_model_len=256, device=device)
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +72,28 @@ def test_sampled_outputs_satisfy_every_kind_of_constraint(llm, prompts):
     _assert_idle(llm)
 
 
-def test_json_object_yields_a_json_object_or_a_valid_prefix(llm, prompts):
-    outs = _gen(llm, prompts, [_sampled(StructuredOutputsParams(json_object=True), i, max_tokens=40)
-                                for i in range(len(prompts))])
+def closing_bias(tokenizer) -> dict[int, float]:
+    """logit_bias +100 (the most allowed) on the tokens `"`, `}` and `]`. A random-weight model
+    left alone writes JSON strings without end, so a json_object output could not be required
+    to stop; with the bias, a string ends as soon as `"` is drawn among the three closers and
+    the object as soon as `}` is allowed, so a correct engine ends the object within a few
+    dozen tokens, then stops (after the object the grammar allows only EOS). The bias cannot
+    make JSON by itself: without the mask the sampler would write closers forever."""
+    ids = {c: tokenizer.encode(c, add_special_tokens=False) for c in ('"', "}", "]")}
+    assert all(len(i) == 1 for i in ids.values()), ids  # one token each, or the bias misses
+    return {i[0]: 100.0 for i in ids.values()}
+
+
+def test_json_object_ends_with_a_whole_json_object(llm, prompts):
+    bias = closing_bias(llm.get_tokenizer())
+    # 100 tokens: of 512 seeded draws on the tiny model all stopped, the longest after 31.
+    outs = _gen(llm, prompts * 2, [_sampled(StructuredOutputsParams(json_object=True), i, max_tokens=100,
+                                            logit_bias=bias) for i in range(2 * len(prompts))])
     for out in outs:
-        assert out.text.startswith("{")
-        if out.finish_reason == "stop":
-            assert isinstance(json.loads(out.text), dict)
+        assert out.finish_reason == "stop", out  # never cut by max_tokens: the object ended
+        assert out.token_ids[-1] in llm.engine.eos_token_ids
+        assert isinstance(json.loads(out.text), dict), out.text
+    _assert_idle(llm)
 
 
 def test_unconstrained_request_is_unaffected_by_constrained_neighbours(llm, prompts):
@@ -123,9 +141,10 @@ def test_constrained_greedy_equals_masked_argmax_reference_with_raw_logprobs(llm
     assert got == pytest.approx(ref_lp, abs=1e-4)
 
 
-def test_preemption_keeps_the_matcher_in_step_with_the_output(tiny_model, llm, prompts):
+def test_preemption_keeps_the_matcher_in_step_with_the_output(tiny_model, llm, prompts, device):
     params = [_sampled(so, i, max_tokens=48) for i, so in enumerate([JSON, JSON, GRAMMAR, REGEX])]
-    small = LLM(tiny_model, max_model_len=128, block_size=8, num_kv_blocks=16, enable_prefix_caching=False)
+    small = LLM(tiny_model, max_model_len=128, block_size=8, num_kv_blocks=16, enable_prefix_caching=False,
+                device=device)
     scheduler = small.engine.core.scheduler
     preempted = []
     original = scheduler._preempt
@@ -136,8 +155,9 @@ def test_preemption_keeps_the_matcher_in_step_with_the_output(tiny_model, llm, p
     assert preempted, "the KV pool was meant to be small enough to force preemption"
 
 
-def test_chunked_prefill_masks_only_the_sampling_chunk(tiny_model, llm):
-    chunked = LLM(tiny_model, max_model_len=256, long_prefill_token_threshold=7, max_num_batched_tokens=24)
+def test_chunked_prefill_masks_only_the_sampling_chunk(tiny_model, llm, device):
+    chunked = LLM(tiny_model, max_model_len=256, long_prefill_token_threshold=7, max_num_batched_tokens=24,
+                  device=device)
     long_prompts = [{"prompt_token_ids": p} for p in random_prompts([40, 23, 31], 1000, seed=5)]
     params = [_sampled(so, i) for i, so in enumerate([JSON, GRAMMAR, CHOICE])]
     assert ([o.token_ids for o in _gen(chunked, long_prompts, params)]

@@ -78,6 +78,7 @@ def _assert_no_leaks(*engines, transport=None):
         assert transport.live_transfers == 0
 
 
+@pytest.mark.gpu
 def test_pd_greedy_equals_colocated_and_transformers(pd_pair, tiny_model):
     p, d, transport = pd_pair
     colocated = _engine(tiny_model)
@@ -91,6 +92,7 @@ def test_pd_greedy_equals_colocated_and_transformers(pd_pair, tiny_model):
     _assert_no_leaks(p, d, transport=transport)
 
 
+@pytest.mark.gpu
 def test_pd_seeded_sampling_and_text_equal_colocated(pd_pair, tiny_model):
     p, d, transport = pd_pair
     colocated = _engine(tiny_model)
@@ -104,6 +106,7 @@ def test_pd_seeded_sampling_and_text_equal_colocated(pd_pair, tiny_model):
     _assert_no_leaks(p, d, transport=transport)
 
 
+@pytest.mark.gpu
 def test_decode_does_not_recompute_the_prompt(pd_pair):
     p, d, _ = pd_pair
     prompt = random_prompts([40], 1000, seed=22)[0]

@@ -1,4 +1,5 @@
-"""CUDA-graph size selection and decode padding (pure logic, checked on CPU)."""
+"""CUDA-graph size selection and decode padding (pure logic, checked on CPU), and decoding with
+graphs against eager mode and transformers on the session's `device` (in the GPU subset)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from engine import LLM, SamplingParams
 from engine.worker.cuda_graphs import capture_sizes, pad_decode_inputs, padded_size
 from kernels import reference as ref
+from tests.engine.hf_reference import hf_greedy, random_prompts
 
 
 def test_capture_sizes_cover_small_batches_then_multiples_of_eight():
@@ -65,3 +68,30 @@ def test_padded_decode_batch_gives_the_same_outputs_for_real_rows():
     # (batched differently, so equal up to float rounding)
     torch.testing.assert_close(padded[0][:n], unpadded[0], atol=1e-6, rtol=1e-6)
     assert torch.equal(padded[1], unpadded[1]) and torch.equal(padded[2], unpadded[2])
+
+
+@pytest.mark.gpu
+def test_decode_graphs_give_the_eager_tokens_and_transformers(tiny_model, device):
+    """On CUDA, decode steps replay captured graphs unless enforce_eager; on CPU nothing is
+    captured and both runs are eager. Either way the tokens are transformers' greedy ones."""
+    prompts = random_prompts([3, 17, 40, 9, 26], 1000, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    tokens, replays = {}, {}
+    for eager in (False, True):
+        llm = LLM(tiny_model, max_model_len=128, max_num_seqs=8, device=device, enforce_eager=eager)
+        graphs = llm.engine.core.executor.worker.runner.decode_graphs
+        assert (graphs is not None) == (device == "cuda" and not eager)
+        replays[eager] = 0
+        if graphs is not None:
+            replay = graphs.run
+
+            def counted(n, replay=replay, eager=eager):
+                replays[eager] += 1
+                return replay(n)
+
+            graphs.run = counted
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens[eager] = [o.outputs[0].token_ids for o in outs]
+        llm.shutdown()
+    assert tokens[False] == tokens[True] == hf_greedy(tiny_model, prompts, 16)
+    assert replays[True] == 0 and (replays[False] > 0) == (device == "cuda")
