@@ -18,13 +18,20 @@ from engine.parallel_sampling import child_params
 from engine.sampling_params import SamplingParams
 
 
-def load_images(allowed_local_media_path: str | None, multimodal: bool, body: ChatCompletionRequest) -> list:
+def load_images(allowed_local_media_path: str | None, image_limit: int | None, body: ChatCompletionRequest) -> list:
     """The request's images, decoded here (the front end) so a bad one is a 400 naming its
-    part; nothing is fetched from the network. `multimodal`: whether the model takes images."""
+    part; nothing is fetched from the network. `image_limit`: the model's images per prompt
+    (limit_mm_per_prompt), None for a text-only model. The count is checked before any image
+    is decoded: a request over it costs no decoding."""
     urls = body.image_urls()
-    if urls and not multimodal:
+    if not urls:
+        return []
+    if image_limit is None:
         raise OpenAIError(400, "this model is text-only: image_url content parts are not accepted",
                           param=urls[0][0])
+    if len(urls) > image_limit:
+        raise OpenAIError(400, f"at most {image_limit} images per request (limit_mm_per_prompt), got {len(urls)}",
+                          param="messages")
     images = []
     for param, url in urls:
         try:
@@ -78,7 +85,8 @@ def chat_job(front: FrontEnd, body: ChatCompletionRequest) -> Job:
         plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, front.tool_parser,
                            front.enable_auto_tool_choice)
         params = _with_tools(params, plan)
-    images = load_images(front.allowed_local_media_path, front.processor.mm_processor is not None, body)
+    mm = front.processor.mm_processor
+    images = load_images(front.allowed_local_media_path, None if mm is None else mm.limit, body)
     text, ids = render(front.tokenizer, body, template_kwargs(front.tokenizer, body.chat_template_kwargs), plan)
     with rejecting(body):
         ids, params = front.prepare(ids, params, images)

@@ -32,7 +32,15 @@ class OpenAIError(Exception):
 
 
 def overloaded(message: str) -> OpenAIError:
+    """503: what should serve the request is failing or not there (yet)."""
     return OpenAIError(503, message, "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def queue_full(message: str) -> OpenAIError:
+    """429: a bounded queue is full. Nothing failed; the client should come back later, as
+    OpenAI's rate limits tell it (its clients retry a 429 after Retry-After)."""
+    return OpenAIError(429, message, "rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 @contextmanager
@@ -48,7 +56,7 @@ def rejecting(body) -> Iterator[None]:
 def replica_error(e: Exception) -> OpenAIError:
     """What the client gets when running a validated request failed."""
     if isinstance(e, BackPressureError):
-        return overloaded(f"engine replicas are at their queue limit; retry later ({e})")
+        return queue_full(f"engine replicas are at their queue limit; retry later ({e})")
     if isinstance(e, PDRequestError):
         return overloaded(f"request failed on a replica: {e}")
     return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error")
@@ -80,7 +88,25 @@ def install_error_handlers(app: FastAPI) -> None:
         """Anything unforeseen is still an OpenAI-shaped 500, never a bare text page."""
         return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error").response()
 
+    @app.exception_handler(RecursionError)
+    async def _too_deep(request: Request, exc: RecursionError) -> JSONResponse:
+        """Only a request's own nesting (JSON arrays and objects in arrays and objects, often
+        ~1000 deep) takes the ingress this deep: the client's fault, not the server's."""
+        return OpenAIError(400, "the request nests too deeply to process (JSON arrays or objects inside "
+                           "each other)").response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return OpenAIError(exc.status_code, str(exc.detail), type_).response()
+        message = _unparsable_body(exc.__cause__) or str(exc.detail)
+        return OpenAIError(exc.status_code, message, type_, headers=exc.headers).response()
+
+
+def _unparsable_body(cause: BaseException | None) -> str | None:
+    """Why FastAPI could not parse a body it answers with a bare "There was an error parsing
+    the body" (it keeps the reason as the cause): said plainly, or None for other errors."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not valid UTF-8 JSON: {cause}"
+    if isinstance(cause, RecursionError):
+        return "the request body's JSON nests too deeply (arrays or objects inside each other)"
+    return None

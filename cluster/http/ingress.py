@@ -28,9 +28,16 @@ from actors.roles import Role
 from cluster.http import openai_format as fmt
 from cluster.http import tokenize as tokenizer_routes
 from cluster.http.auth import ApiKeyCheck, install_api_key_check
+from cluster.http.body_limits import BodyLimits, install_body_limits
 from cluster.http.chat import chat_job
 from cluster.http.completions import completion_job
-from cluster.http.errors import OpenAIError, install_error_handlers, overloaded, replica_error
+from cluster.http.errors import (
+    OpenAIError,
+    install_error_handlers,
+    overloaded,
+    queue_full,
+    replica_error,
+)
 from cluster.http.front_end import DATA_LINES, FrontEnd, Job, SSEFormat
 from cluster.http.metrics import AppMetrics
 from cluster.http.pd_serve import (
@@ -71,6 +78,9 @@ install_error_handlers(app)
 # The check of this process's ingress replica (one per process), set when it starts.
 _api_keys: ApiKeyCheck | None = None
 install_api_key_check(app, lambda: _api_keys)
+# The body limits of this process's ingress replica, set when it starts.
+_body_limits: BodyLimits | None = None
+install_body_limits(app, lambda: _body_limits)
 
 
 def _own_handle(handle):
@@ -81,8 +91,9 @@ def _own_handle(handle):
 class Ingress:
     coordinator_call_s = _COORDINATOR_CALL_S  # an attribute: Serve's wrapper copies the module's globals
     def __init__(self, prefill, decode, coordinator, settings: IngressSettings) -> None:
-        global _api_keys
+        global _api_keys, _body_limits
         _api_keys = ApiKeyCheck(settings.api_key_digests)
+        _body_limits = settings.body_limits
         self.mode = settings.mode
         # Handles made in this replica, not the ones built with the app: Serve picks gRPC or
         # Ray actor calls per handle from the environment of the process that makes it
@@ -112,7 +123,8 @@ class Ingress:
         self.kv_inbox = self.direct.kv_inbox() if self.direct is not None and self.mode == "pd" else None
         self.metrics = AppMetrics(self.front.model_name, self.mode)
         self._pusher: asyncio.Task | None = None  # sends self.metrics to the Coordinator on change
-        self.placement = (PrefillPlacement(settings.local_prefill, RoleCounts(coordinator))
+        counts = RoleCounts(coordinator)
+        self.placement = (PrefillPlacement(settings.local_prefill, counts, settings.prefill_fallback, counts.live)
                           if self.mode == "pd" else None)
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
         self.created = settings.created or int(time.time())
@@ -189,7 +201,8 @@ class Ingress:
 
     def _admit(self, n: int) -> object:
         if self.pending + n > self.max_pending:
-            raise overloaded(f"server is at its limit of {self.max_pending} pending requests; retry later")
+            raise queue_full(f"server is at its limit of {self.max_pending} pending requests "
+                             "(--max-pending-requests); retry later")
         token = object()
         self._pending[token] = n
         return token
@@ -202,10 +215,11 @@ class Ingress:
             return serve_plain_generate(self.engines, prompt, params, request_id)
         return self.placement.run(
             len(prompt["prompt_token_ids"]),
-            lambda: serve_pd_generate(self.prefill, self.engines, self.store, prompt, params, request_id,
-                                      self.load_failure_policy, self.kv_inbox),
+            lambda prefill_timeout_s: serve_pd_generate(self.prefill, self.engines, self.store, prompt, params,
+                                                        request_id, self.load_failure_policy, self.kv_inbox,
+                                                        prefill_timeout_s),
             lambda: serve_plain_generate(self.engines, prompt, params, request_id),
-            self.metrics.local_prefill)
+            self.metrics.local_prefill, self.metrics.pd_fallback)
 
     async def _sse(self, gens, chunks, token, wire: SSEFormat = DATA_LINES) -> AsyncIterator[str]:
         try:

@@ -13,6 +13,7 @@ import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from engine.errors import ParameterError
 from engine.sampling_params import SamplingParams
@@ -240,6 +241,16 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self):
+        """Only an assistant message may have null (or no) content, as in OpenAI's API: its
+        tool_calls say what it did. Any other role's null would reach the template as an empty
+        turn the client never wrote."""
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("null_content", "a {role} message needs content (a string or a list of "
+                                      "content parts), got null", {"role": self.role})
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -339,8 +350,8 @@ def _template_call(call: dict) -> dict:
     if isinstance(fn.get("arguments"), str):
         try:
             fn["arguments"] = json.loads(fn["arguments"])
-        except ValueError:
-            pass  # not JSON: the template gets the text as sent
+        except (ValueError, RecursionError):
+            pass  # not JSON (or nested past what the parser takes): the template gets the text as sent
     return {**call, "function": fn}
 
 

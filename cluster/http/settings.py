@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.http.pd_serve import LocalPrefillRule
+from cluster.http.body_limits import BodyLimits
+from cluster.http.pd_serve import LocalPrefillRule, PrefillFallback
 from engine.args import EngineArgs
 
 
@@ -23,11 +24,13 @@ class IngressSettings:
     engine_args: EngineArgs  # the engine the requests are validated for
     served_model_name: str
     app_name: str
-    max_pending_requests: int = 1024
+    max_pending_requests: int = 1024  # admitted at once; beyond it: 429 + Retry-After
+    body_limits: BodyLimits = field(default_factory=BodyLimits)  # size and arrival time of a body
     load_failure_policy: str = "fail"
     # When the app was built: the same on every ingress replica (`/v1/models` answers alike).
     created: int = 0
     local_prefill: LocalPrefillRule = field(default_factory=LocalPrefillRule)
+    prefill_fallback: PrefillFallback = field(default_factory=PrefillFallback)  # decode-only fallback
     # SHA-256 digests only: the keys themselves never enter the Serve config or its logs.
     api_key_digests: tuple[str, ...] = ()
     direct: DirectSettings | None = None

@@ -17,6 +17,8 @@ from actors.worker import cluster_engine_args
 from cluster.control.autoscale import build_config
 from cluster.control.capacity import auto_replica_cpus
 from cluster.control.coordinator import SCALE_TIMEOUT_S
+from cluster.http.body_limits import MAX_REQUEST_BODY_BYTES, REQUEST_BODY_TIMEOUT_S, BodyLimits
+from cluster.http.pd_serve import MAX_PREFILL_QUEUE_SIZE, PREFILL_TIMEOUT_S, PrefillFallback
 from cluster.launch.app_checks import (
     check_core_process,
     check_direct,
@@ -26,10 +28,10 @@ from cluster.launch.app_checks import (
 )
 from engine.args import EngineArgs
 from engine.errors import ParameterError, check_choice, check_int
+from engine.kv_connector import LOAD_FAILURE_POLICIES
 from engine.models.default_model import require_model_dir, served_name
 
 MODES = ("pd", "colocated")
-POLICIES = ("fail", "recompute")
 # Least time between two streamed messages of an engine replica to an ingress (Ray Serve
 # LLM's stream_batching_interval_ms has the same default). Measured on 2 CPU cores at
 # concurrency 8: 50 ms carried 1.9-3.4 tokens per SSE chunk and cut the CPU outside the
@@ -53,11 +55,17 @@ class AppConfig:
     colocated_replicas: int = 1
     served_model_name: str | None = None
     app_name: str = "pdserve"
-    load_failure_policy: str = "fail"
+    # The old name of engine_args.kv_load_failure_policy (vLLM's name), still taken: given, it
+    # sets the engine argument; None: the engine argument's. Either way both read the same.
+    load_failure_policy: str | None = None
     # Ingress replicas (vLLM's --api-server-count): each tokenizes, validates and streams its
     # share of the HTTP requests in a process of its own; /metrics shows their sum.
     api_server_count: int = 1
-    max_pending_requests: int = 1024  # per ingress replica; beyond it: 503 + Retry-After
+    max_pending_requests: int = 1024  # per ingress replica; beyond it: 429 + Retry-After
+    # Request bodies (cluster.http.body_limits): a larger one is a 413 before it is read, one
+    # that takes longer to arrive a 408.
+    max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES
+    request_body_timeout_s: float = REQUEST_BODY_TIMEOUT_S
     max_ongoing_requests: int = 1024  # per engine replica (Serve's own cap)
     graceful_shutdown_timeout_s: float = 60.0
     # How often a stopping replica looks whether its in-flight requests are done (Serve's
@@ -77,6 +85,12 @@ class AppConfig:
     local_prefill_queue: int = LOCAL_PREFILL_QUEUE
     # P/D prompts of at most this many tokens prefill on their decode replica (0: none).
     max_local_prefill_length: int = 0
+    # Decode-only fallback (cluster.http.pd_serve.PrefillFallback, docs/pd.md#decode-only-fallback):
+    # a prompt no prefill replica can take soon prefills on its decode replica, or with
+    # enforce_disagg (Dynamo's name) is refused with a 503.
+    enforce_disagg: bool = False
+    prefill_timeout_s: float = PREFILL_TIMEOUT_S  # the least time a prefill call gets (0: no bound)
+    max_prefill_queue_size: int = MAX_PREFILL_QUEUE_SIZE  # prompts per prefill replica (0: no bound)
     routing_stats_period_s: float = 0.5
     # CPUs Ray reserves per engine replica, which are also its torch threads (Ray sets
     # OMP_NUM_THREADS to them). None: 1 with GPUs; on CPU the cluster's CPUs shared among the
@@ -125,7 +139,12 @@ class AppConfig:
             raise ParameterError("engine_args", f"engine_args must be an EngineArgs, got "
                                  f"{type(self.engine_args).__name__}")
         check_choice("mode", self.mode, MODES)
-        check_choice("load_failure_policy", self.load_failure_policy, POLICIES)
+        if self.load_failure_policy is not None:
+            check_choice("load_failure_policy", self.load_failure_policy, LOAD_FAILURE_POLICIES)
+            # NOTE: normalised once here, so the servers, the ingress and the engines read one value.
+            object.__setattr__(self, "engine_args", dataclasses.replace(
+                self.engine_args, kv_load_failure_policy=self.load_failure_policy))
+        object.__setattr__(self, "load_failure_policy", self.engine_args.kv_load_failure_policy)
         for name in ("prefill_replicas", "decode_replicas", "colocated_replicas", "api_server_count",
                      "max_pending_requests",
                      "max_ongoing_requests", "max_replicas"):
@@ -135,6 +154,8 @@ class AppConfig:
         require_model_dir(self.engine_args.model)
         self.engine_args.create_engine_config()  # every engine field, checked before Ray starts
         check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
+        self.body_limits()  # checks both bounds
+        self.prefill_fallback()  # checks its bounds
         if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
             raise ParameterError("api_keys", "api_keys must be a list of non-empty strings")
         if not 0 < self.scale_timeout_s <= 3600:
@@ -178,6 +199,12 @@ class AppConfig:
                 f"prefill_tensor_parallel_size={self.tensor_parallel_size(Role.PREFILL)}: each rank moves its "
                 "own shard of the KV heads, which only a decode replica split the same way can load",
             )
+
+    def body_limits(self) -> BodyLimits:
+        return BodyLimits(self.max_request_body_bytes, self.request_body_timeout_s)
+
+    def prefill_fallback(self) -> PrefillFallback:
+        return PrefillFallback(self.enforce_disagg, self.prefill_timeout_s, self.max_prefill_queue_size)
 
     @property
     def direct(self) -> bool:

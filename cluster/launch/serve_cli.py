@@ -14,6 +14,7 @@ from typing import NoReturn
 
 from cluster.http.tool_parsers import TOOL_PARSERS
 from engine.args import EngineArgs
+from engine.kv_connector import LOAD_FAILURE_POLICIES
 
 # Blocked in the Ray node that `pdserve serve` starts (see run_serve).
 NODE_BLOCKED_SIGNALS = {signal.SIGTERM, signal.SIGHUP}
@@ -30,11 +31,16 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="default: SmolLM2-135M-Instruct for the default model, else the model "
                         "directory's name or the .gguf file's name without .gguf")
-    p.add_argument("--load-failure-policy", default="fail", choices=["fail", "recompute"])
+    # The flag's old name; --kv-load-failure-policy (an engine argument, below) is vLLM's.
+    p.add_argument("--load-failure-policy", dest="kv_load_failure_policy", default=argparse.SUPPRESS,
+                   choices=LOAD_FAILURE_POLICIES, help="the same as --kv-load-failure-policy")
     p.add_argument("--api-server-count", type=int, default=1,
                    help="ingress replicas: processes that tokenize, validate and stream HTTP requests")
     p.add_argument("--max-pending-requests", type=int, default=1024,
-                   help="requests in flight per ingress before answering 503")
+                   help="requests in flight per ingress before answering 429")
+    p.add_argument("--max-request-body-bytes", type=int, default=None, metavar="BYTES",
+                   help="larger request bodies are refused with 413 before they are read (default: "
+                        "AppConfig.max_request_body_bytes, 32 MiB)")
     p.add_argument("--stream-interval-ms", type=float, default=None,
                    help="least time between two streamed outputs of a request after its first, so one SSE "
                         "chunk carries the tokens of several engine steps (0: every step; default: "
@@ -61,6 +67,16 @@ def add_serve_parser(sub) -> None:
                         "AppConfig.local_prefill_queue)")
     p.add_argument("--max-local-prefill-length", type=int, default=0, metavar="TOKENS",
                    help="P/D: prompts of at most this many tokens prefill on their decode replica (0: none)")
+    p.add_argument("--enforce-disagg", action="store_true",
+                   help="P/D: a prompt no prefill replica can take soon is refused with 503 + Retry-After "
+                        "instead of prefilled on its decode replica (decode-only fallback)")
+    p.add_argument("--prefill-timeout-s", type=float, default=None, metavar="S",
+                   help="P/D: the least time a prefill call gets before its prompt falls back to its decode "
+                        "replica; longer prompts or queues get more (0: no bound; default: "
+                        "AppConfig.prefill_timeout_s, 10)")
+    p.add_argument("--max-prefill-queue-size", type=int, default=None, metavar="N",
+                   help="P/D: with N prompts per prefill replica in flight, the next falls back to its decode "
+                        "replica (0: no bound; default: AppConfig.max_prefill_queue_size, 32)")
     p.add_argument("--replica-cpus", type=float, default=None,
                    help="CPUs Ray reserves per engine replica, also its torch threads (default: 1 with GPUs; on "
                         "CPU the cluster's CPUs shared among the engine replicas, at most one node's)")
@@ -148,17 +164,23 @@ def _config(args: argparse.Namespace):
     extra["api_keys"] = keys_from(args.api_key)
     if args.local_prefill_queue is not None:
         extra["local_prefill_queue"] = args.local_prefill_queue
+    if args.max_request_body_bytes is not None:
+        extra["max_request_body_bytes"] = args.max_request_body_bytes
+    for name in ("prefill_timeout_s", "max_prefill_queue_size"):
+        if getattr(args, name) is not None:
+            extra[name] = getattr(args, name)
     return AppConfig(
         **extra,
         engine_args=EngineArgs.from_cli_args(args, model=args.model or default_model()),
         mode=args.mode, prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
         colocated_replicas=args.replicas, served_model_name=args.served_model_name, app_name=args.app_name,
-        load_failure_policy=args.load_failure_policy, max_pending_requests=args.max_pending_requests,
+        max_pending_requests=args.max_pending_requests,
         api_server_count=args.api_server_count,
         prefix_affinity=args.prefix_affinity, disable_access_log=args.disable_access_log,
         direct_streaming=args.direct_streaming,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         max_local_prefill_length=args.max_local_prefill_length,
+        enforce_disagg=args.enforce_disagg,
         replica_num_cpus=args.replica_cpus,
         replica_num_threads=args.replica_threads,
         replica_num_gpus=args.replica_gpus, max_replicas=args.max_replicas,

@@ -61,6 +61,8 @@ def _decode(data: bytes):
     try:
         image = Image.open(io.BytesIO(data))
         image.load()  # decode now: a truncated file fails here, not inside a step
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    # DecompressionBombError: PIL refuses to decode past twice Image.MAX_IMAGE_PIXELS (a few KiB
+    # of PNG can declare 200 million pixels); the client's image, so the client's error.
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as e:
         raise ParameterError(FIELD, f"image_url.url: the image cannot be decoded ({e})") from e
     return image

@@ -23,13 +23,13 @@ def _ingress(limit: int) -> Ingress:
     return ing
 
 
-def test_limit_is_503_with_retry_after_and_release_is_idempotent():
+def test_limit_is_429_with_retry_after_and_release_is_idempotent():
     ing = _ingress(3)
     a = ing._admit(2)
     ing._admit(1)
     with pytest.raises(OpenAIError) as e:
         ing._admit(1)
-    assert e.value.status == 503 and e.value.headers["Retry-After"] == "1"
+    assert e.value.status == 429 and e.value.headers["Retry-After"] == "1"
     ing._release(a)
     ing._release(a)
     assert ing.pending == 1
