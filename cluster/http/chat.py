@@ -15,6 +15,7 @@ from cluster.http.tools import ToolPlan, message_tool_calls, plain_conversation,
 from engine.errors import ParameterError
 from engine.multimodal.media import load_image
 from engine.parallel_sampling import child_params
+from engine.processor import LORA_FIELD
 from engine.sampling_params import SamplingParams
 
 
@@ -78,7 +79,7 @@ def render(tokenizer, body, template_kwargs: dict | None = None, plan: ToolPlan 
 
 
 def chat_job(front: FrontEnd, body: ChatCompletionRequest) -> Job:
-    front.check_model(body.model)
+    lora = front.check_model(body.model)
     with rejecting(body):
         params = body.sampling_params()
         body.check_tool_messages()
@@ -89,9 +90,9 @@ def chat_job(front: FrontEnd, body: ChatCompletionRequest) -> Job:
     images = load_images(front.allowed_local_media_path, None if mm is None else mm.limit, body)
     text, ids = render(front.tokenizer, body, template_kwargs(front.tokenizer, body.chat_template_kwargs), plan)
     with rejecting(body):
-        ids, params = front.prepare(ids, params, images)
+        ids, params = front.prepare(ids, params, images, lora)
     request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-    model, n_logprobs = front.model_name, body.num_logprobs
+    model, n_logprobs = body.model, body.num_logprobs  # the base model's name or an adapter's
 
     def logprobs(token_ids, positions):
         if n_logprobs is None:
@@ -157,6 +158,8 @@ def chat_job(front: FrontEnd, body: ChatCompletionRequest) -> Job:
     prompt = {"prompt": text, "prompt_token_ids": ids}
     if images:
         prompt["multi_modal_data"] = {"image": images}
+    if lora is not None:
+        prompt[LORA_FIELD] = lora
     return Job([prompt] * n, child_params(params), request_id, body.stream, chunks, whole, n)
 
 

@@ -12,21 +12,23 @@ from cluster.http.front_end import FrontEnd, Job
 from cluster.http.protocol import CompletionRequest
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import child_params
+from engine.processor import LORA_FIELD
 
 
 def completion_job(front: FrontEnd, body: CompletionRequest) -> Job:
-    front.check_model(body.model)
+    lora = front.check_model(body.model)
     prompts, per_prompt = [], []
     with rejecting(body):
         params = body.sampling_params()
         for p in body.prompts():
             ids = front.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
-            ids, prompt_params = front.prepare(ids, params)  # token ids range-checked here
+            ids, prompt_params = front.prepare(ids, params, lora=lora)  # token ids range-checked here
             per_prompt.append(prompt_params)
             text = p if isinstance(p, str) else front.tokenizer.decode(ids)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompts.append({"prompt": text, "prompt_token_ids": ids} if lora is None else
+                           {"prompt": text, "prompt_token_ids": ids, LORA_FIELD: lora})
     request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
-    model, n_logprobs, echo = front.model_name, body.logprobs, body.echo
+    model, n_logprobs, echo = body.model, body.logprobs, body.echo  # the base model's name or an adapter's
     # max_tokens=0 (with echo) scores the prompt: the engine's one token is left out.
     scoring = body.max_tokens == 0
     # `n` > 1: each prompt's n samples run as n requests; choice index = prompt index * n + j.

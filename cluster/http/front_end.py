@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from cluster.http import openai_format as fmt
 from cluster.http.errors import OpenAIError
+from cluster.http.lora import LoRARegistry
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.processor import InputProcessor
 from engine.sampling_params import SamplingParams
@@ -29,14 +31,19 @@ class FrontEnd:
     allowed_local_media_path: str | None = None  # where file:// images may come from
     tool_parser: type | None = None  # the tool-call parser class (cluster.http.tool_parsers)
     enable_auto_tool_choice: bool = False
+    loras: LoRARegistry | None = None  # the served LoRA adapters (enable_lora), by name
 
-    def check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 for any other name."""
+        if self.loras is not None:
+            return self.loras.resolve(model)
         if model != self.model_name:
             raise OpenAIError(404, f"The model `{model}` does not exist. Available: `{self.model_name}`.",
                               "not_found_error", param="model", code="model_not_found")
+        return None
 
-    def prepare(self, ids: list[int], params: SamplingParams, images: list | None = None
-                ) -> tuple[list[int], SamplingParams]:
+    def prepare(self, ids: list[int], params: SamplingParams, images: list | None = None,
+                lora: LoRARequest | None = None) -> tuple[list[int], SamplingParams]:
         """(token ids, params) of one prompt as the engine will run it: checked exactly as the
         engine checks it (a ParameterError otherwise), image placeholders expanded, and an
         unset max_tokens resolved by the engine's own rule (the room left in the context), so
@@ -44,7 +51,7 @@ class FrontEnd:
         prompt: dict = {"prompt_token_ids": ids}
         if images:
             prompt["multi_modal_data"] = {"image": images}
-        request, _ = self.processor.process(prompt, params)
+        request, _ = self.processor.process(prompt, params, lora_request=lora)
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=request.max_tokens)
         return request.prompt_token_ids, params

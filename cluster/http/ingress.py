@@ -21,7 +21,7 @@ import weakref
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
 from actors.roles import Role
@@ -36,9 +36,16 @@ from cluster.http.errors import (
     install_error_handlers,
     overloaded,
     queue_full,
+    rejecting,
     replica_error,
 )
 from cluster.http.front_end import DATA_LINES, FrontEnd, Job, SSEFormat
+from cluster.http.lora import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    counted,
+    lora_registry,
+)
 from cluster.http.metrics import AppMetrics
 from cluster.http.pd_serve import (
     EngineStreams,
@@ -107,7 +114,9 @@ class Ingress:
                               fmt.TokenText(tokenizer), engine_args.allowed_local_media_path,
                               tool_parser=(None if settings.tool_call_parser is None
                                            else get_tool_parser(settings.tool_call_parser)),
-                              enable_auto_tool_choice=settings.enable_auto_tool_choice)
+                              enable_auto_tool_choice=settings.enable_auto_tool_choice,
+                              loras=lora_registry(settings.served_model_name, settings.lora_modules, processor,
+                                                  engine_args.enable_lora, settings.lora_runtime_updates))
         self.max_pending = settings.max_pending_requests
         self.load_failure_policy = settings.load_failure_policy
         self.store = app_store(settings.app_name) if self.mode == "pd" else None
@@ -176,7 +185,8 @@ class Ingress:
             self._pusher = detached_task(self._push_metrics())
         # Engine ids are unique even when a client reuses its request_id (it stays the response id).
         suffix = uuid.uuid4().hex[:8]
-        gens = [timed(self._run(p, pp, f"{job.request_id}-{i}-{suffix}"), self.metrics, len(p["prompt_token_ids"]))
+        gens = [timed(counted(self.front.loras, p, self._run(p, pp, f"{job.request_id}-{i}-{suffix}")), self.metrics,
+                      len(p["prompt_token_ids"]))
                 for i, (p, pp) in enumerate(zip(prompts, job.params))]
         if job.stream:
             body = self._sse(gens, job.chunks, token, job.sse)
@@ -292,10 +302,33 @@ class Ingress:
     @app.get("/v1/models")
     async def models(self) -> dict:
         front = self.front
+        adapters = [] if front.loras is None else front.loras.models(self.created, front.processor.max_model_len)
         return {"object": "list", "data": [{
             "id": front.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
             "root": front.model_dir, "parent": None, "max_model_len": front.processor.max_model_len,
-        }]}
+        }, *adapters]}
+
+    # vLLM's run-time LoRA routes (docs/lora.md#serving): on with --enable-lora-runtime-updating or
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; they change this ingress replica's adapters.
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+        loras = self._runtime_loras()
+        with rejecting(body):
+            loras.add(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        await self._runtime_loras().unload(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    def _runtime_loras(self):
+        loras = self.front.loras
+        if loras is None or not loras.runtime_updates:
+            raise OpenAIError(404, "run-time LoRA updates are off: start the server with --enable-lora and "
+                              "--enable-lora-runtime-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
+                              "not_found_error")
+        return loras
 
     @app.get("/metrics")
     async def metrics_text(self) -> Response:

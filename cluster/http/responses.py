@@ -221,4 +221,4 @@ def responses_job(front: FrontEnd, body: ResponsesRequest) -> Job:
     except OpenAIError as e:  # chat's `param` is a chat field: name the one this request sent
         param = "input" if (e.param or "").startswith("messages") else _PARAMS.get(e.param, e.param)
         raise OpenAIError(e.status, e.message, e.type, param, e.code, e.headers) from e
-    return adapt(chat, Shell(response_id, int(time.time()), front.model_name, body.echo()))
+    return adapt(chat, Shell(response_id, int(time.time()), chat_request.model, body.echo()))

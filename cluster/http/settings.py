@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.http.body_limits import BodyLimits
+from cluster.http.lora import LoRAModule
 from cluster.http.pd_serve import LocalPrefillRule, PrefillFallback
 from engine.args import EngineArgs
 
@@ -37,3 +38,7 @@ class IngressSettings:
     # Tool calling: "auto" tool choice allowed, and the parser that finds the calls.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # LoRA (engine_args.enable_lora): adapters served from the start, and whether
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter may change them (cluster.http.lora).
+    lora_modules: tuple[LoRAModule, ...] = ()
+    lora_runtime_updates: bool = False

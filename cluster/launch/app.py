@@ -99,7 +99,8 @@ def build_app(cfg: AppConfig):
         body_limits=cfg.body_limits(), prefill_fallback=cfg.prefill_fallback(),
         created=int(time.time()), local_prefill=LocalPrefillRule(cfg.local_prefill_queue, cfg.max_local_prefill_length),
         api_key_digests=tuple(digest(k) for k in keys_from(cfg.api_keys)), direct=direct,
-        enable_auto_tool_choice=cfg.enable_auto_tool_choice, tool_call_parser=cfg.tool_call_parser)
+        enable_auto_tool_choice=cfg.enable_auto_tool_choice, tool_call_parser=cfg.tool_call_parser,
+        lora_modules=cfg.lora_module_list(), lora_runtime_updates=cfg.enable_lora_runtime_updating)
     return serve.deployment(Ingress, name="Ingress", max_ongoing_requests=cfg.max_pending_requests * 2,
                             graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                             graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s,

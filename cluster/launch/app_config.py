@@ -18,6 +18,7 @@ from cluster.control.autoscale import build_config
 from cluster.control.capacity import auto_replica_cpus
 from cluster.control.coordinator import SCALE_TIMEOUT_S
 from cluster.http.body_limits import MAX_REQUEST_BODY_BYTES, REQUEST_BODY_TIMEOUT_S, BodyLimits
+from cluster.http.lora import LoRAModule
 from cluster.http.pd_serve import MAX_PREFILL_QUEUE_SIZE, PREFILL_TIMEOUT_S, PrefillFallback
 from cluster.launch.app_checks import (
     check_core_process,
@@ -133,6 +134,10 @@ class AppConfig:
     # turns the model's text into tool_calls with this parser (cluster.http.tool_parsers).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # LoRA adapters served by name from the start (vLLM's --lora-modules: "name=path" or JSON
+    # entries; needs enable_lora), and vLLM's run-time load/unload routes (cluster.http.lora).
+    lora_modules: tuple[str, ...] = ()
+    enable_lora_runtime_updating: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine_args, EngineArgs):
@@ -154,6 +159,9 @@ class AppConfig:
         require_model_dir(self.engine_args.model)
         self.engine_args.create_engine_config()  # every engine field, checked before Ray starts
         check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
+        if self.lora_modules and not self.engine_args.enable_lora:
+            raise ParameterError("lora_modules", "lora_modules needs enable_lora (--enable-lora)")
+        self.lora_module_list()  # each entry parses
         self.body_limits()  # checks both bounds
         self.prefill_fallback()  # checks its bounds
         if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
@@ -199,6 +207,11 @@ class AppConfig:
                 f"prefill_tensor_parallel_size={self.tensor_parallel_size(Role.PREFILL)}: each rank moves its "
                 "own shard of the KV heads, which only a decode replica split the same way can load",
             )
+
+    def lora_module_list(self) -> tuple[LoRAModule, ...]:
+        if isinstance(self.lora_modules, str):
+            raise ParameterError("lora_modules", "lora_modules must be a list of name=path entries")
+        return tuple(LoRAModule.parse(m) for m in self.lora_modules)
 
     def body_limits(self) -> BodyLimits:
         return BodyLimits(self.max_request_body_bytes, self.request_body_timeout_s)

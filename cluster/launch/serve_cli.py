@@ -53,6 +53,11 @@ def add_serve_parser(sub) -> None:
                    help='allow tool_choice "auto": the model decides, --tool-call-parser finds its calls')
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model family's tool-call format: hermes (Qwen2.5/Qwen3/Hermes), llama3_json, mistral")
+    p.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
+                   help="LoRA adapters served by name (with --enable-lora): name=path or vLLM's JSON form")
+    p.add_argument("--enable-lora-runtime-updating", action="store_true",
+                   help="allow /v1/load_lora_adapter and /v1/unload_lora_adapter (or set "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")
     p.add_argument("--direct-streaming", action=argparse.BooleanOptionalAction, default=None,
                    help="each colocated (P/D: decode) replica serves HTTP itself with its engine core in a "
                         "child process (no hop between an ingress and an engine replica; it counts as one of "
@@ -179,6 +184,7 @@ def _config(args: argparse.Namespace):
         prefix_affinity=args.prefix_affinity, disable_access_log=args.disable_access_log,
         direct_streaming=args.direct_streaming,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        lora_modules=tuple(args.lora_modules), enable_lora_runtime_updating=args.enable_lora_runtime_updating,
         max_local_prefill_length=args.max_local_prefill_length,
         enforce_disagg=args.enforce_disagg,
         replica_num_cpus=args.replica_cpus,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import weakref
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,6 +21,7 @@ def _ingress(limit: int) -> Ingress:
     ing = object.__new__(Ingress)
     ing._pending, ing.max_pending = {}, limit
     ing._pusher = None
+    ing.front = SimpleNamespace(loras=None)  # no LoRA adapters (cluster.http.lora)
     return ing
 
 

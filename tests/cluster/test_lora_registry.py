@@ -1,0 +1,97 @@
+"""cluster.http.lora: --lora-modules parsing, name resolution (404 for an unknown model), and
+unloading that waits for the adapter's requests (bounded) or answers 409."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.http.errors import OpenAIError
+from cluster.http.lora import LoRAModule, LoRARegistry
+from engine.errors import ParameterError
+
+
+def _registry(**kw) -> LoRARegistry:
+    checked = []
+    reg = LoRARegistry("base", checked.append, **kw)
+    reg.checked = checked
+    return reg
+
+
+def test_lora_modules_take_vllms_two_forms_and_refuse_others():
+    assert LoRAModule.parse("sql=/a/sql") == LoRAModule("sql", "/a/sql")
+    assert LoRAModule.parse('{"name": "chat", "path": "/a/c", "base_model_name": "m"}') == LoRAModule("chat", "/a/c", "m")
+    for bad in ("sql", "=/a", "sql=", '{"name": "x"}', "{not json"):
+        with pytest.raises(ParameterError) as e:
+            LoRAModule.parse(bad)
+        assert e.value.field == "lora_modules"
+
+
+def test_each_adapter_is_checked_and_gets_its_own_id():
+    reg = _registry()
+    a, b = reg.add("a", "/p/a"), reg.add("b", "/p/b")
+    assert (a.lora_int_id, b.lora_int_id) == (1, 2) and reg.checked == [a, b]
+    assert reg.resolve("a") is a and reg.resolve("base") is None
+    with pytest.raises(OpenAIError) as e:
+        reg.resolve("c")
+    assert e.value.status == 404 and "`c` does not exist" in e.value.message
+    for name in ("a", "base"):
+        with pytest.raises(ParameterError) as e:
+            reg.add(name, "/p/x")
+        assert e.value.field == "lora_name"
+    listed = reg.models(0, 128)
+    assert [(m["id"], m["parent"], m["root"]) for m in listed] == [("a", "base", "/p/a"), ("b", "base", "/p/b")]
+
+
+def test_a_bad_adapter_is_not_registered():
+    def check(request):
+        raise ParameterError("max_lora_rank", "too big")
+
+    reg = LoRARegistry("base", check)
+    with pytest.raises(ParameterError):
+        reg.add("a", "/p/a")
+    with pytest.raises(OpenAIError):
+        reg.resolve("a")
+
+
+def test_unload_waits_for_the_adapters_requests_then_removes_it():
+    async def main():
+        reg = _registry(unload_wait_s=5)
+        a = reg.add("a", "/p/a")
+        release = asyncio.Event()
+
+        async def request():
+            with reg.using(a):
+                await release.wait()
+
+        task = asyncio.create_task(request())
+        await asyncio.sleep(0)  # the request is running
+        unload = asyncio.create_task(reg.unload("a"))
+        await asyncio.sleep(0)
+        assert not unload.done()
+        with pytest.raises(OpenAIError):  # new requests are refused while it drains
+            reg.resolve("a")
+        release.set()
+        await asyncio.wait_for(unload, 5)
+        await task
+        b = reg.add("a", "/p/a2")  # the name is free again, with a new id
+        assert b.lora_int_id == 2
+
+    asyncio.run(main())
+
+
+def test_unload_of_a_busy_adapter_is_a_409_after_the_bound_and_keeps_it():
+    async def main():
+        reg = _registry(unload_wait_s=0.05)
+        a = reg.add("a", "/p/a")
+        with reg.using(a):
+            with pytest.raises(OpenAIError) as e:
+                await reg.unload("a")
+            assert e.value.status == 409
+        assert reg.resolve("a") is a
+        with pytest.raises(OpenAIError) as e:
+            await reg.unload("missing")
+        assert e.value.status == 404
+
+    asyncio.run(main())
