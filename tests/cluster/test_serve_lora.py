@@ -65,6 +65,9 @@ def _complete(client, model, prompt):
 def test_models_list_the_adapters_with_their_parent(app):
     data = requests.get(f"{app}/v1/models", timeout=30).json()["data"]
     assert [(m["id"], m["parent"]) for m in data] == [(NAME, None), ("a1", NAME)]
+    metrics = requests.get(f"{app}/metrics", timeout=30).text
+    info = [line for line in metrics.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert info and all('max_lora="2"' in line for line in info), metrics[-2000:]
 
 
 def test_concurrent_requests_of_an_adapter_loaded_at_run_time_one_served_from_the_start_and_the_base_match_peft(
