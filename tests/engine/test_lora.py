@@ -64,6 +64,23 @@ def test_mixed_batch_of_two_adapters_and_the_base_model_matches_peft(lora_setup)
     assert _tokens(outs) == expected
 
 
+@pytest.mark.gpu
+def test_triton_kernels_run_a_mixed_batch_as_peft_does(lora_setup, device):
+    """The whole engine path with the Triton LoRA kernels (interpreted on CPU, compiled on CUDA)."""
+    base, a1, a2, vocab = lora_setup
+    r1, r2 = LoRARequest("a1", 1, a1), LoRARequest("a2", 2, a2)
+    prompts = random_prompts([5, 11, 8], vocab, seed=6)
+    loras = [r1, None, r2]
+    llm = LLM(base, max_model_len=64, enable_lora=True, max_loras=2, kernel_backend="triton", device=device)
+    try:
+        outs = llm.generate(_ids(prompts), SamplingParams(temperature=0, max_tokens=6), lora_request=loras,
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert _tokens(outs) == [peft_greedy(base, None if lr is None else lr.lora_path, [p], 6)[0]
+                             for p, lr in zip(prompts, loras)]
+
+
 def test_one_slot_and_one_host_copy_still_answer_every_adapter_correctly(lora_setup):
     """max_loras=1: the scheduler keeps each step to one adapter (the runner raises if a step
     holds two), and with max_cpu_loras=1 the adapters are read from disk again as they alternate."""
