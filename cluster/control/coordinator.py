@@ -139,6 +139,9 @@ class Coordinator:
         self._policy = PolicyState()
         self._autoscaler: asyncio.Task | None = None
         self._store = None
+        # LoRA adapters loaded or unloaded at run time on some ingress replica: name -> path
+        # (None: unloaded), which every ingress replica follows (cluster.http.lora.follow).
+        self.lora_adapters: dict[str, str | None] = {}
 
     # ---- the board --------------------------------------------------------------------------
     async def report(self, report: ReplicaReport) -> None:
@@ -153,6 +156,13 @@ class Coordinator:
 
     async def replicas(self) -> list[ReplicaReport]:
         return self.board.live()
+
+    # ---- LoRA adapters changed at run time (cluster.http.lora) ---------------------------------
+    async def lora_set(self, name: str, path: str | None) -> None:
+        self.lora_adapters[name] = path
+
+    async def lora_table(self) -> dict[str, str | None]:
+        return dict(self.lora_adapters)
 
     # ---- the ingress replicas' request metrics (cluster.control.metrics_merge) ---------------------
     async def report_ingress_metrics(self, ingress_id: str, snapshot: Snapshot) -> None:

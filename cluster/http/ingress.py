@@ -42,6 +42,7 @@ from cluster.http.errors import (
 from cluster.http.front_end import DATA_LINES, FrontEnd, Job, SSEFormat
 from cluster.http.lora import (
     LoadLoRAAdapterRequest,
+    LoRAFollower,
     UnloadLoRAAdapterRequest,
     counted,
     lora_registry,
@@ -118,6 +119,9 @@ class Ingress:
                               loras=lora_registry(settings.served_model_name, settings.lora_modules, processor,
                                                   engine_args.enable_lora, settings.lora_runtime_updates))
         self.max_pending = settings.max_pending_requests
+        loras = self.front.loras  # run-time adapter changes of other ingress replicas, followed
+        self.lora_follower = (LoRAFollower(loras, lambda: self._ask_coordinator("lora_table", timeout_s=2.0))
+                              if loras is not None and loras.runtime_updates else None)
         self.load_failure_policy = settings.load_failure_policy
         self.store = app_store(settings.app_name) if self.mode == "pd" else None
         self.ingress_id = f"ingress-{serve.get_replica_context().replica_id.unique_id}"
@@ -267,15 +271,22 @@ class Ingress:
     # ---- routes -------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest) -> Response:
+        await self._follow_loras(body.model)
         return await self.respond(completion_job(self.front, body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        await self._follow_loras(body.model)
         return await self.respond(chat_job(self.front, body))
 
     @app.post("/v1/responses")
     async def responses(self, body: ResponsesRequest) -> Response:
+        await self._follow_loras(body.model)
         return await self.respond(responses_job(self.front, body))
+
+    async def _follow_loras(self, model) -> None:
+        if self.lora_follower is not None:
+            await self.lora_follower.before(model if isinstance(model, str) else None)
 
     # vLLM's tokenizer routes: the ingress's tokenizer answers, no engine is asked.
     @app.post("/tokenize")
@@ -315,11 +326,17 @@ class Ingress:
         loras = self._runtime_loras()
         with rejecting(body):
             loras.add(body.lora_name, body.lora_path)
+        try:  # the other ingress replicas follow the Coordinator's table
+            await self._ask_coordinator("lora_set", body.lora_name, body.lora_path)
+        except OpenAIError:
+            loras.follow({body.lora_name: None})  # not loaded anywhere, then
+            raise
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
         await self._runtime_loras().unload(body.lora_name)
+        await self._ask_coordinator("lora_set", body.lora_name, None)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     def _runtime_loras(self):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +29,11 @@ from engine.lora.request import LoRARequest
 from engine.processor import LORA_FIELD
 
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# How stale an ingress replica's view of other replicas' run-time changes may get before a
+# request starts a refresh in the background (an unknown name refreshes at once).
+FOLLOW_PERIOD_S = 2.0
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,23 @@ class LoRARegistry:
             except asyncio.TimeoutError:
                 pass
 
+    def knows(self, name: str) -> bool:
+        return name == self.base_name or name in self._adapters
+
+    def follow(self, table: dict[str, str | None]) -> None:
+        """Apply run-time changes made on other ingress replicas (the Coordinator's table:
+        name -> path, None once unloaded). Requests already running keep their adapter."""
+        for name, path in table.items():
+            entry = self._adapters.get(name)
+            if entry is not None and entry[0].lora_path == path:
+                continue
+            self._adapters.pop(name, None)
+            if path is not None:
+                try:
+                    self.add(name, path)
+                except ParameterError as e:  # checked where it was loaded; the files changed since
+                    logger.warning("LoRA adapter %r from another ingress replica not loaded: %s", name, e)
+
     def models(self, created: int, max_model_len: int | None) -> list[dict]:
         """/v1/models entries of the adapters (vLLM's: `root` the path, `parent` the base)."""
         return [{"id": r.lora_name, "object": "model", "created": created_at, "owned_by": "pdserve",
@@ -190,3 +214,30 @@ async def _counted(registry: LoRARegistry, lora: LoRARequest, outputs: AsyncIter
         async with aclosing(outputs) as running:
             async for out in running:
                 yield out
+
+
+class LoRAFollower:
+    """Keeps an ingress replica's registry in step with adapters loaded or unloaded on the
+    others: `fetch()` reads the Coordinator's table. A request naming an adapter this replica
+    does not know waits for one bounded refresh (a 404 after it is real); otherwise a refresh
+    older than FOLLOW_PERIOD_S starts in the background and never delays a request."""
+
+    def __init__(self, registry: LoRARegistry, fetch: Callable[[], object], period_s: float = FOLLOW_PERIOD_S) -> None:
+        self.registry = registry
+        self.fetch = fetch
+        self.period_s = period_s
+        self._at = -math.inf
+        self._running: asyncio.Task | None = None
+
+    async def before(self, model: str | None) -> None:
+        if model is not None and not self.registry.knows(model):
+            await self._refresh()
+        elif time.monotonic() - self._at >= self.period_s and (self._running is None or self._running.done()):
+            self._running = asyncio.ensure_future(self._refresh())
+
+    async def _refresh(self) -> None:
+        self._at = time.monotonic()
+        try:
+            self.registry.follow(await self.fetch())
+        except Exception as e:  # the Coordinator restarting: this replica keeps its own view
+            logger.warning("LoRA adapters of other ingress replicas not refreshed: %r", e)

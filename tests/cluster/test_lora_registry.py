@@ -95,3 +95,49 @@ def test_unload_of_a_busy_adapter_is_a_409_after_the_bound_and_keeps_it():
         assert e.value.status == 404
 
     asyncio.run(main())
+
+
+def test_a_replica_follows_adapters_loaded_and_unloaded_on_others():
+    from cluster.http.lora import LoRAFollower
+
+    async def main():
+        reg = _registry()
+        a = reg.add("a", "/p/a")
+        table = {"b": "/p/b"}
+        fetched = []
+
+        async def fetch():
+            fetched.append(dict(table))
+            return dict(table)
+
+        follower = LoRAFollower(reg, fetch, period_s=3600)
+        await follower.before("b")  # unknown here: one refresh before answering
+        assert reg.resolve("b").lora_path == "/p/b" and reg.resolve("a") is a and len(fetched) == 1
+        await follower.before("a")  # known and fresh: no call
+        assert len(fetched) == 1
+        table.update(a=None, b="/p/b2")  # unloaded elsewhere; b re-loaded from another path
+        follower.period_s = 0
+        await follower.before("a")  # stale: refreshed in the background
+        await follower._running
+        with pytest.raises(OpenAIError):
+            reg.resolve("a")
+        assert reg.resolve("b").lora_path == "/p/b2"
+
+    asyncio.run(main())
+
+
+def test_a_coordinator_that_fails_leaves_the_replicas_view_and_answers_404_for_unknown_names():
+    from cluster.http.lora import LoRAFollower
+
+    async def main():
+        reg = _registry()
+
+        async def fetch():
+            raise TimeoutError("coordinator restarting")
+
+        await LoRAFollower(reg, fetch).before("x")
+        with pytest.raises(OpenAIError) as e:
+            reg.resolve("x")
+        assert e.value.status == 404
+
+    asyncio.run(main())
