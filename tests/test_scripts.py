@@ -45,3 +45,41 @@ def test_gpu_parity_judges_every_position_and_fails_on_a_wrong_token(tiny_model)
     verdict = judge(hf, prompts, [[worst], generated[1]], 1e-3, "cpu")
     assert (verdict["match"], verdict["near_tie"], verdict["mismatch"]) == (1, 0, 1)
     assert agreement([[1, 2], [3]], [[1, 5], [3]]) == 2
+
+
+def test_parity_real_passes_on_the_tiny_model_and_fails_on_a_wrong_token(tiny_model, capsys, monkeypatch):
+    """scripts/parity_real.py's quick mode runs end to end (pdserve and transformers agree on
+    every position, exit 0) and exits 1 when one of pdserve's tokens is transformers' least
+    likely one; its judge calls such a token a mismatch, not a near-tie, and ends the identical
+    prefix there."""
+    from scripts import parity_real
+    from scripts.parity_real import judge, main, random_prompts
+    from tests.engine.hf_reference import _hf_model
+
+    quick = ["--model", tiny_model, "--max-tokens", "8", "--num-prompts", "2"]
+    assert main(quick) == 0
+    out = capsys.readouterr().out
+    assert "positions 16: exact 16, near-ties 0" in out and "mismatches 0" in out
+    hf = _hf_model(tiny_model)
+    greedy = parity_real.pdserve_greedy
+
+    def last_token_worst(llm, prompts, max_tokens):
+        tokens, logprobs, seconds = greedy(llm, prompts, max_tokens)
+        with torch.no_grad():
+            tokens[0][-1] = hf(torch.tensor([prompts[0] + tokens[0][:-1]])).logits[0, -1].argmin().item()
+        return tokens, logprobs, seconds
+
+    monkeypatch.setattr(parity_real, "pdserve_greedy", last_token_worst)
+    assert main(quick) == 1
+    out = capsys.readouterr().out
+    assert "exact 15, near-ties 0" in out and "mismatches 1" in out
+    prompts = random_prompts(500, [5, 12], seed=3)
+    generated = [[], []]
+    with torch.no_grad():  # transformers' own greedy tokens, EOS or not
+        for p, g in zip(prompts, generated):
+            for _ in range(4):
+                g.append(hf(torch.tensor([p + g])).logits[0, -1].argmax().item())
+        worst = hf(torch.tensor([prompts[1] + generated[1][:3]])).logits[0, -1].argmin().item()
+    verdict = judge(hf, prompts, [generated[0], generated[1][:3] + [worst]])
+    assert (verdict["exact"], verdict["near_tie"], verdict["mismatch"]) == (7, 0, 1)
+    assert verdict["identical_prefix"] == [4, 3]
