@@ -96,6 +96,7 @@ def make_ingress(model_dir: str, *, max_pending_requests: int = 64, name: str = 
     ing.engines, ing.metrics, ing.coordinator = EchoEngines(), AppMetrics(name, "colocated"), FakeCoordinator()
     ing.created, ing.ingress_id, ing.direct, ing.placement = 0, "ingress-test", None, None
     ing.coordinator_call_s = 5.0
+    ing.lora_follower = None  # no LoRA adapters (cluster.http.lora)
     ingress_module._body_limits = body_limits
     return ing
 

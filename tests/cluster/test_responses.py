@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -337,6 +338,7 @@ def test_a_failed_stream_ends_with_an_error_event_and_no_done():
     ing = object.__new__(Ingress)
     ing._pending, ing.max_pending, ing._pusher = {}, 4, None
     ing.mode, ing.engines, ing.metrics = "colocated", Streams(), AppMetrics("m", "colocated")
+    ing.front = SimpleNamespace(loras=None)  # no LoRA adapters (cluster.http.lora)
 
     async def chat_chunks(merged):
         async for _, out in merged:
