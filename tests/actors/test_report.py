@@ -3,6 +3,7 @@ can compare, key, print and ship."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 
@@ -10,7 +11,7 @@ import pytest
 
 from actors.report import ReplicaReport
 from actors.roles import Role
-from engine.load import EngineLoad
+from engine.load import EngineLoad, LoRAFigures
 
 
 def test_a_role_is_its_string_for_comparison_keys_and_printing():
@@ -29,5 +30,8 @@ def test_an_unknown_role_is_refused_naming_the_roles():
 
 def test_routers_read_the_queues_and_the_report_number():
     report = ReplicaReport("decode-1", Role.DECODE, EngineLoad(waiting=2, running=5), seq=7)
-    assert report.routing_stats() == {"waiting": 2, "running": 5, "seq": 7}
+    assert report.routing_stats() == {"waiting": 2, "running": 5, "seq": 7, "loras": []}
+    # With enable_lora, the adapters the engine holds (the router prefers them).
+    held = dataclasses.replace(report, engine=EngineLoad(lora=LoRAFigures(held=("a1", "a2"), max_lora=2)))
+    assert held.routing_stats()["loras"] == ["a1", "a2"]
     assert pickle.loads(pickle.dumps(report)) == report  # what crosses Ray to the Coordinator
