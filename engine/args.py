@@ -18,6 +18,7 @@ from engine.config import (
     DEVICES,
     DP_BACKENDS,
     DTYPES,
+    ENGINE_STEP_TIMEOUT_S,
     EXECUTOR_BACKENDS,
     POLICIES,
     QUANTIZATION_METHODS,
@@ -110,6 +111,10 @@ class EngineArgs:
                                      "process, as vLLM V1 does, so the front end's Python threads never hold "
                                      "the GIL the engine loop needs; one core (a P/D replica's KV transfers "
                                      "are relayed through its own process)")
+    engine_step_timeout_s: float = _arg(
+        ENGINE_STEP_TIMEOUT_S, "an engine step or collective, or an engine core process's silence, longer than "
+        "this fails the engine as hung: its requests end with an error and its replica's health check fails "
+        "(0: no bound)")
     # P/D (vLLM's KVTransferConfig field of this name; pdserve's default: engine.kv_connector)
     kv_load_failure_policy: str = _arg(
         DEFAULT_LOAD_FAILURE_POLICY, "a P/D decode request whose prompt KV is lost, late or malformed: "
@@ -210,6 +215,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             speculative=SpeculativeConfig.from_user(self.speculative_config),
             lora=LoRAConfig.from_args(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras),
+            engine_step_timeout_s=self.engine_step_timeout_s,
         )
 
 

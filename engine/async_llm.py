@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +20,8 @@ from concurrent.futures import Future
 
 from engine.args import EngineArgs
 from engine.config import EngineConfig
+from engine.core_client.watchdog import StepClock
+from engine.errors import EngineDeadError
 from engine.kv_connector import KVConnectorFactory
 from engine.kv_transfer_params import KVTransferParams
 from engine.llm_engine import LLMEngine
@@ -47,6 +50,10 @@ class AsyncLLM:
         # Requests added with `submit`: their entry goes when their last output is posted.
         self._sinks: set[str] = set()
         self._errored: BaseException | None = None
+        # The hang watchdog of the steps this thread runs (engine.core_client.watchdog); a core
+        # apart is watched by its client, whose step() then raises.
+        config = config or getattr(self.engine, "config", None)
+        self._clock = StepClock(getattr(config, "engine_step_timeout_s", 0), self._hung)
         self._thread = threading.Thread(target=self._busy_loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -64,6 +71,11 @@ class AsyncLLM:
         except BaseException as e:  # a bug here, not in a step: still fail everything, never hang
             self._die(e)
             raise
+
+    def _hung(self, message: str) -> None:
+        """From the watchdog's thread: the engine thread is stuck in a step and cannot fail the
+        requests itself."""
+        self._die(EngineDeadError(message))
 
     def _die(self, e: BaseException) -> None:
         """The engine is unusable: fail every stream and queued call, loudly (the replica's
@@ -91,11 +103,16 @@ class AsyncLLM:
                 pass
             if not self.engine.has_work():
                 continue
+            self._clock.started = time.monotonic()
             try:
                 outputs = self.engine.step()
             except Exception as e:
                 self._die(e)
                 return
+            finally:
+                self._clock.started = None
+            if self._errored is not None:
+                return  # declared hung while it ran: its requests were failed already
             self._post_step(outputs)
 
     def _handle(self, item: tuple[Callable, tuple, Future]) -> None:
@@ -293,10 +310,13 @@ class AsyncLLM:
         self.engine.core.check_health()
 
     def shutdown(self) -> None:
+        self._clock.stop()
         self._inputs.put(_STOP)
         self.engine.core.wake()
-        self._thread.join(timeout=30)
-        if not self._thread.is_alive():
+        # A thread stuck in a hung step is not waited for: stopping the core (its ranks killed)
+        # is what ends that step.
+        self._thread.join(timeout=0 if self._clock.fired else 30)
+        if self._clock.fired or not self._thread.is_alive():
             self.engine.core.shutdown()
 
 

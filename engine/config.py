@@ -23,6 +23,16 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # How data-parallel engine cores run (vLLM's --data-parallel-backend): "mp", one process per
 # rank on this node; "ray", one Ray actor per rank (registered from outside the engine).
 DP_BACKENDS = ("mp", "ray")
+# Engine hang watchdog (engine.async_llm, engine.core_client): an engine step, or a core apart
+# from its front end, silent for longer fails the engine (its requests end with an error, its
+# replica's health check fails). The slowest healthy step measured: 12 s, the default model's
+# 512-token chunk at a 2k context on a loaded 2-core CPU; a model ten times larger takes about
+# two minutes there. 300 s is more than twice that, and the bound the ranks' own collectives
+# already have (engine.distributed.COLLECTIVE_TIMEOUT). On GPUs a step takes well under a
+# second: 60 s (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S) finds a hang sooner.
+ENGINE_STEP_TIMEOUT_S = 300.0
+# The least bound: a core apart says it is alive every engine.core_client.watchdog.HEARTBEAT_S.
+MIN_ENGINE_STEP_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -236,9 +246,17 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # Multi-LoRA (engine.lora); None: enable_lora is off and requests name no adapter.
     lora: LoRAConfig | None = None
+    # Seconds an engine step (or a silence of a core apart) may last before the engine is failed
+    # as hung; 0: no bound.
+    engine_step_timeout_s: float = ENGINE_STEP_TIMEOUT_S
 
     def __post_init__(self) -> None:
         check_choice("kernel_backend", self.kernel_backend, BACKENDS)
+        t = self.engine_step_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (
+                t == 0 or MIN_ENGINE_STEP_TIMEOUT_S <= t <= 86400):
+            raise ParameterError("engine_step_timeout_s", f"engine_step_timeout_s must be 0 (no bound) or in "
+                                 f"[{MIN_ENGINE_STEP_TIMEOUT_S:g}, 86400] seconds, got {t!r}")
         if self.lora is not None and self.parallel.tensor_parallel_size > 1:
             raise ParameterError("enable_lora", "enable_lora runs with tensor_parallel_size=1 (each "
                                  "data-parallel core or replica holds the whole model and its adapters), "

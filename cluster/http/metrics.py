@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from actors.report import ReplicaReport
 from cluster.control.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
+from cluster.http.pd_serve import FALLBACK_REASONS
 from engine.metrics import names
 from engine.metrics.names import MetricDef
 from kvstore.kv_io import REFUSAL_REASONS, refusal_key
@@ -32,6 +33,9 @@ DEFAULT_MAX_MODEL_LEN = 1 << 20
 REQUESTS = MetricDef("pdserve:requests", "counter", "Requests answered, by status (ok, error, cancelled)")
 LOCAL_PREFILLS = MetricDef("pdserve:local_prefills", "counter",
                            "P/D prompts prefilled on their decode replica (conditional disaggregation)")
+PD_FALLBACKS = MetricDef("pdserve:pd_fallback", "counter",
+                         "P/D prompts prefilled on their decode replica because no prefill replica could take "
+                         "them soon, by reason (decode-only fallback)")
 REPLICAS = MetricDef("pdserve:replicas", "gauge", "Engine replicas reporting, by role")
 # Keys of a replica report's "kv_transfer" dict.
 KV_TRANSFER: dict[str, MetricDef] = {
@@ -142,6 +146,10 @@ class AppMetrics:
         self._success = counter(names.REQUEST_SUCCESS, ("finished_reason",))
         self._requests = counter(REQUESTS, ("status",))
         self._local_prefills = counter(LOCAL_PREFILLS).labels(**self._labels)
+        self._fallbacks = counter(PD_FALLBACKS, ("reason",))
+        if mode == "pd":
+            for reason in FALLBACK_REASONS:  # every reason shows, at 0 until it happens
+                self._fallbacks.labels(**self._labels, reason=reason)
         self.answered = 0  # requests recorded (tells the ingress its snapshot changed)
         # What a scrape renders: the request metrics of every ingress replica, then the engines'.
         self._requests_of_all = SnapshotCollector()
@@ -165,6 +173,9 @@ class AppMetrics:
 
     def local_prefill(self) -> None:
         self._local_prefills.inc()
+
+    def pd_fallback(self, reason: str) -> None:
+        self._fallbacks.labels(**self._labels, reason=reason).inc()
 
     def snapshot(self) -> Snapshot:
         """This replica's request metrics, as plain data (cluster.control.metrics_merge)."""

@@ -45,6 +45,8 @@ class ReplicaGone(RuntimeError):
 
 
 class EngineServer:
+    _stopping = False  # once stopping, off the Coordinator's board: ingresses count it gone
+
     def __init__(self, engine_args: EngineArgs, role: Role | str, app_name: str = "pdserve",
                  load_failure_policy: str = "fail", coordinator: str | None = "Coordinator",
                  store_kwargs: dict | None = None, stream_interval_ms: float = 0.0,
@@ -202,7 +204,8 @@ class EngineServer:
         # Serve asks every routing_stats_period_s; an idle replica's figures do not change, so
         # the coordinator hears of them only when they do, or as a heartbeat (it drops a
         # replica silent for STALE_AFTER_S).
-        if self._coordinator is not None and (same != self._forwarded or now - self._forwarded_at >= _HEARTBEAT_S):
+        if self._coordinator is not None and not self._stopping and (
+                same != self._forwarded or now - self._forwarded_at >= _HEARTBEAT_S):
             self._forwarded, self._forwarded_at = same, now
             # Fire and forget: a slow or restarting coordinator must not stall routing stats.
             self._coordinator.report.remote(report)
@@ -210,7 +213,11 @@ class EngineServer:
 
     async def __del__(self) -> None:
         # Serve has let in-flight requests finish (graceful_shutdown_timeout_s). A prefill
-        # replica also keeps its process until the decode side fetched what it exported.
+        # replica also keeps its process until the decode side fetched what it exported; it
+        # leaves the board first, so ingresses stop counting on it (decode-only fallback).
+        self._stopping = True
+        if self._coordinator is not None:
+            self._coordinator.forget.remote(self.replica_id)
         if self.role == Role.PREFILL and self.store is not None:
             deadline = time.monotonic() + _EXPORT_DRAIN_S
             while time.monotonic() < deadline:
@@ -222,5 +229,3 @@ class EngineServer:
                     break
                 await asyncio.sleep(0.2)  # polling the store while draining, bounded
         self.worker.stop()
-        if self._coordinator is not None:
-            self._coordinator.forget.remote(self.replica_id)  # off the board now, not when stale

@@ -42,6 +42,7 @@ from engine.core_client.messages import (
     CoreStep,
     Shutdown,
 )
+from engine.core_client.watchdog import CoreInbox, Silence
 from engine.errors import EngineDeadError, ParameterError
 from engine.executor.multiproc import reap_children
 from engine.kv_connector import KVConnectorFactory, spawn_safe
@@ -138,7 +139,8 @@ class CoresClient(ABC):
         # Each core's latest figures, kept by the threads that receive its messages (so they
         # are current even while nothing drives step()): load(fresh=False) reads them.
         self._figures: list[EngineLoad | None] = [None] * size
-        self._inbox: queue.Queue = _Inbox(self._figures)
+        self.silence = Silence(size, config.engine_step_timeout_s)  # the hang watchdog's clock
+        self._inbox: queue.Queue = CoreInbox(self._figures, self.silence)
         self._owners: dict[str, tuple[int, Request]] = {}  # unfinished request -> (core, request)
         self._ready: list[EngineCoreOutput] = []
         self._results: dict[int, CallResult] = {}
@@ -330,6 +332,10 @@ class CoresClient(ABC):
 
     # ---- health and shutdown ------------------------------------------------------------
     def _check(self) -> None:
+        silent = self.silence.longest() if self.failure is None else None
+        if silent is not None:  # a step or collective over the bound, or a stopped process
+            self.failure = (f"{self.label(silent[0])} has been silent for {silent[1]:.0f} s, over "
+                            f"engine_step_timeout_s={self.silence.bound_s:g}: hung")
         if self.failure is not None:
             raise EngineDeadError(self.failure)
 
@@ -386,15 +392,3 @@ class CoreProcClient(CoresClient):
     def core_pids(self) -> list[int]:
         return [self.process.pid]
 
-
-class _Inbox(queue.Queue):
-    """The cores' messages, noting each core's figures as they arrive."""
-
-    def __init__(self, figures: list[EngineLoad | None]) -> None:
-        super().__init__()
-        self._figures = figures
-
-    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
-        if isinstance(item, CoreStep) and item.figures is not None:
-            self._figures[item.rank] = item.figures
-        super().put(item, block, timeout)

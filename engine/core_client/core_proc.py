@@ -36,8 +36,10 @@ from engine.core_client.messages import (
     CoreFailed,
     CoreReady,
     CoreStep,
+    Heartbeat,
     Shutdown,
 )
+from engine.core_client.watchdog import HEARTBEAT_S
 from engine.kv_connector import KVConnectorFactory
 from engine.load import EngineLoad
 from engine.request import Request
@@ -45,8 +47,9 @@ from engine.sched.output import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
-# An idle core re-checks its queue this often (it is woken by any input before that).
-IDLE_WAIT_S = 1.0
+# An idle core re-checks its queue this often (it is woken by any input before that), and
+# so says it is alive (a Heartbeat) at least every HEARTBEAT_S.
+IDLE_WAIT_S = HEARTBEAT_S
 # While every request waits for remote KV (P/D decode) or a grammar, the loop polls this often
 # in case a wake-up is missed (as engine.async_llm does).
 WAITING_POLL_S = 0.05
@@ -59,7 +62,8 @@ class CoreLoop:
     def __init__(self, core: EngineCore, rank: int, send: Callable[[object], None]) -> None:
         self.core = core
         self.rank = rank  # 0 for a lone core; the core's index in a data-parallel group
-        self.send = send
+        self._out = send
+        self._sent_at = time.monotonic()
         self.num_requests = 0  # requests routed here since the core started
         # Requests not yet scheduled once: their queue time goes out with their first output.
         self._unscheduled: dict[str, Request] = {}
@@ -77,6 +81,8 @@ class CoreLoop:
                 if not self._stopped:
                     self._step()
                     self._publish([])  # figures changed by inputs alone (an abort frees blocks)
+                    if time.monotonic() - self._sent_at >= HEARTBEAT_S:
+                        self.send(Heartbeat(self.rank, [], *self._queue_figures()))
         except Exception:
             if _stop_requested(inbox):
                 # Told to stop while in a collective with a peer that stopped first.
@@ -84,6 +90,10 @@ class CoreLoop:
                 return
             logger.exception("engine core %d failed", self.rank)
             self.send(CoreFailed(self.rank, traceback.format_exc()))
+
+    def send(self, message: object) -> None:
+        self._sent_at = time.monotonic()
+        self._out(message)
 
     def _step(self) -> None:
         if self.core.has_work():

@@ -79,6 +79,13 @@ class CoreStep:
 
 
 @dataclass(frozen=True)
+class Heartbeat(CoreStep):
+    """A core that sent nothing else for HEARTBEAT_S is alive (engine.core_client.watchdog). A
+    step with no outputs, so whatever reads steps may take it as one; the client drops it once
+    noted, so an idle front end does not pile them up."""
+
+
+@dataclass(frozen=True)
 class WaveComplete:
     """Sent by core 0: every core was idle at the end of wave `wave`; they paused."""
 

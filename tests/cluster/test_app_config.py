@@ -180,7 +180,7 @@ def test_from_flat_splits_every_engine_argument_from_the_app_fields(tiny_model):
                      "disable_hybrid_kv_cache_manager": True, "quantization": "none",
                      "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
                      "data_parallel_size": 2, "data_parallel_backend": "ray", "enable_expert_parallel": False,
-                     "engine_core_process": False, "kv_load_failure_policy": "fail",
+                     "engine_core_process": False, "kv_load_failure_policy": "fail", "engine_step_timeout_s": 30.0,
                      "enable_lora": False, "max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 5,
                      "limit_mm_per_prompt": '{"image": 2}', "encoder_cache_size": 64,
                      "max_num_encoder_input_tokens": 32, "allowed_local_media_path": "/srv/media",

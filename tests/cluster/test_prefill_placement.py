@@ -37,7 +37,7 @@ class _Gate:
         self.closed = 0  # halves whose cleanup ran (where a real one aborts its request)
 
     def half(self, side: str, fail: bool = False):
-        async def gen():
+        async def gen(*_timeout_s):  # the remote half is given its prefill bound
             self.started.append(side)
             try:
                 await self.release.wait()
