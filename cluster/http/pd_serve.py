@@ -116,6 +116,10 @@ class ServePeers:
                 raise RuntimeError(f"the prefill's reply is over the gRPC message limit ({e.details()}); "
                                    f"raise {GRPC_MAX_MESSAGE}") from e
             raise PDRequestError(f"prefill call failed: {e.code().name}: {e.details()}") from e
+        except Exception as e:
+            # The prefill replica's own failure (its engine died), which Serve's gRPC path
+            # re-raises as itself, not as a RayTaskError: the request failed on a replica.
+            raise PDRequestError(f"prefill failed on its replica: {type(e).__name__}: {e}") from e
         self._open.remove(response)
         if self.inbox is None:
             return out

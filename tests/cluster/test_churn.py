@@ -31,7 +31,6 @@ def test_two_kills_under_load_leave_no_wrong_answer_no_unexplained_failure_no_le
     lines: list[str] = []
     report = run_churn(app, APP, NAME, duration_s=8.0, every_s=4.0, clients=2, max_tokens=8, warm_s=2.0,
                        seed=3, timeout_s=60.0, retry_s=120.0, log=lines.append)
-    import json; open("/tmp/churn_ci.json", "w").write(json.dumps(report, indent=1))  # DEBUG
     assert len(report["kills"]) == 2, (report["kills"], lines)
     assert report["wrong_200"] == 0, report["wrong_examples"]
     assert report["unacceptable_failures"] == {}, (report["attempt_failures"], report["failure_examples"])
@@ -45,3 +44,16 @@ def test_two_kills_under_load_leave_no_wrong_answer_no_unexplained_failure_no_le
     text = openai_client(app).completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8,
                                                  temperature=0).choices[0].text
     assert text == hf_text(tiny_model, PROMPTS[0], 8)
+
+
+def test_rss_counts_only_processes_that_lived_through_as_the_same_job_and_holds_them_to_the_bound():
+    from scripts.churn import RSS_GROWTH, RSS_SLACK_MIB, rss_report
+
+    warm = {1: (100, "ray::ServeController", 200.0), 2: (100, "ray::IDLE", 50.0), 3: (100, "ray::KVStore", 100.0),
+            4: (100, "ray::ServeReplica:churn:Coordinator", 300.0)}
+    end = {1: (100, "ray::ServeController", 200.0 * RSS_GROWTH + RSS_SLACK_MIB),  # at the bound
+           2: (100, "ray::ServeReplica:churn:Prefill", 900.0),  # an idle worker that became a replica
+           3: (999, "ray::KVStore", 900.0),  # a new process under a reused pid
+           4: (100, "ray::ServeReplica:churn:Coordinator", 300.0 * RSS_GROWTH + RSS_SLACK_MIB + 1)}
+    rows = {r["pid"]: r["ok"] for r in rss_report(warm, end)}
+    assert rows == {1: True, 4: False}

@@ -144,13 +144,17 @@ def test_a_prefill_replica_that_dies_during_the_call_falls_back_but_a_failing_en
     died = _Case(_Response(error=ray.exceptions.ActorDiedError()))
     assert died.outputs() == [[7], [7, 8]] and died.fallbacks == ["replica_died"]
     assert died.store.released == died.prefill.calls  # the flow's cleanup released it
-    # The replica answered with its engine's failure (RayTaskError): nothing says another try
-    # would do better than the 503 the client can retry.
+    # The replica answered with its engine's failure, as a RayTaskError or (Serve's gRPC path)
+    # as the exception itself: a 503 the client can retry, never a 500 without Retry-After.
     task_error = ray.exceptions.RayTaskError("prefill_handoff", "RuntimeError: engine failed", RuntimeError())
-    failed = _Case(_Response(error=task_error))
-    with pytest.raises(PDRequestError, match="prefill replica unavailable") as e:
-        failed.outputs()
-    assert not isinstance(e.value, PrefillUnavailable) and failed.fallbacks == [] and failed.decode.requests == []
+    for error in (task_error, RuntimeError("engine failed: EngineDeadError('core exited with code -9')")):
+        failed = _Case(_Response(error=error))
+        with pytest.raises(PDRequestError, match="prefill") as e:
+            failed.outputs()
+        assert not isinstance(e.value, PrefillUnavailable) and failed.fallbacks == [] and failed.decode.requests == []
+        answer = replica_error(e.value)
+        assert answer.status == 503 and answer.headers["Retry-After"]
+        assert failed.store.released == failed.prefill.calls
 
 
 def test_no_prefill_replica_on_the_board_falls_back_at_once_but_an_unknown_count_does_not():
