@@ -235,7 +235,7 @@ def leaks(url: str, since: float) -> str | None:
     and the store has no transfer; else what is not so."""
     import requests
 
-    status = requests.get(f"{url}/status", timeout=10).json()
+    status = requests.get(f"{url}/status", timeout=30).json()
     roles = [role for role in ("prefill", "decode", "colocated") if role in status.get("target", {})]
     for role in roles:
         fresh = [r for r in status.get(role, []) if r["time"] > since]
@@ -261,9 +261,9 @@ def run_churn(url: str, app_name: str, model: str, duration_s: float, every_s: f
     with Clients(url, model, oracle, clients, max_tokens, timeout_s, retry_s) as load:
         time.sleep(warm_s)  # steady load before the first measure: the duration of the warm-up
         # What the end asks of the server (its /status, its /metrics), asked once before the
-        # baseline: a first call's imports are not growth.
-        leaks(url, 0.0)
-        requests.get(f"{url}/metrics", timeout=30)
+        # baseline: a first call's imports are not growth (a loaded machine may take a while).
+        for route in ("status", "metrics"):
+            requests.get(f"{url}/{route}", timeout=120)
         warm = processes(root)
         started = time.monotonic()
         while time.monotonic() - started < duration_s:
