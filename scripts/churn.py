@@ -284,6 +284,7 @@ def run_churn(url: str, app_name: str, model: str, duration_s: float, every_s: f
         time.sleep(1.0)  # replicas report every routing-stats period; polled, bounded
     end = processes(root)
     t = load.tally
+    fallbacks = _fallbacks(url)
     rss = rss_report(warm, end)
     bad = {k: n for k, n in t.unrecovered.items() if not k.endswith("+retry-after")}
     bad.update({k: n for k, n in t.attempt_failures.items() if k.startswith("4") or k == "timeout"})
@@ -292,11 +293,25 @@ def run_churn(url: str, app_name: str, model: str, duration_s: float, every_s: f
               "requests": t.requests, "first_try": t.first_try, "retried_ok": t.retried_ok, "failed": t.failed,
               "wrong_200": t.wrong_200, "wrong_examples": t.wrong, "attempt_failures": dict(t.attempt_failures),
               "failure_examples": t.examples,
-              "unacceptable_failures": bad, "leak": recovered, "rss": rss,
+              "unacceptable_failures": bad, "pd_fallbacks": fallbacks, "leak": recovered, "rss": rss,
               "rss_bound": f"end <= {RSS_GROWTH} x warm + {RSS_SLACK_MIB:g} MiB"}
     report["ok"] = (t.wrong_200 == 0 and not bad and recovered is None and all(r["ok"] for r in rss)
                     and t.requests > 0)
     return report
+
+
+def _fallbacks(url: str) -> dict[str, float]:
+    """pdserve:pd_fallback_total by reason (prompts the decode replicas prefilled for a prefill
+    replica that could not), {} when /metrics does not answer."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = requests.get(f"{url}/metrics", timeout=30).text
+    except requests.RequestException:
+        return {}
+    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "pdserve:pd_fallback_total"}
 
 
 def _start_app(args) -> tuple[str, str]:
