@@ -83,7 +83,7 @@ def test_routing_stats_carry_load_and_a_fresh_sequence_number_and_reach_the_coor
     server = _server(coordinator=coordinator)
     a = asyncio.run(server.record_routing_stats())
     b = asyncio.run(server.record_routing_stats())
-    assert a == {"waiting": 2, "running": 3, "seq": a["seq"]}  # what Serve's routers read
+    assert a == {"waiting": 2, "running": 3, "seq": a["seq"], "loras": []}  # what Serve's routers read
     assert b["seq"] == a["seq"] + 1  # routers reset their sent-since-report count on a new seq
     # The coordinator hears only of changes (and a heartbeat, when nothing changes for a while).
     assert [r.seq for r in coordinator.reports] == [a["seq"]]

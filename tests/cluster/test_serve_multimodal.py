@@ -136,5 +136,5 @@ def test_an_image_to_a_text_only_model_is_400_naming_the_part():
 
     body = ChatCompletionRequest(model=NAME, messages=_messages(_data_url(image(0))))
     with pytest.raises(OpenAIError) as info:
-        load_images(None, False, body)  # a model that takes no images
+        load_images(None, None, body)  # a model that takes no images (no image limit)
     assert info.value.status == 400 and info.value.param == "messages[0].content[0].image_url.url"
