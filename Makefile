@@ -32,8 +32,10 @@ $(TEST_STAMP): $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/pdserve serve
 
+# Two pytest-xdist workers, each with its own Ray: on 2 cores the suite is about a third faster
+# than one process, which leaves the cores idle while it waits on replica starts and HTTP.
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .

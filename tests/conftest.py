@@ -56,6 +56,59 @@ if DEVICE == "cuda":
     os.environ.pop("TRITON_INTERPRET", None)  # a shell's setting would hide the compiled kernels
 
 
+# Modules whose tests ask the session's shared app of each mode (tests/cluster/conftest.py,
+# shared_app). Under pytest-xdist (the README's test command runs two workers) one worker
+# runs them all, so each app starts once; every other module goes to a worker whole.
+SHARED_APP_MODULES = frozenset({
+    "tests/cluster/test_lm_eval.py",
+    "tests/cluster/test_responses.py",
+    "tests/cluster/test_serve_lora.py",
+    "tests/cluster/test_serve_scoring.py",
+    "tests/cluster/test_serve_tools.py",
+})
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit the xdist scheduler hands a worker whole: the test's module, or the shared
+    apps' group."""
+    path = nodeid.split("::", 1)[0]
+    return "shared-app" if path in SHARED_APP_MODULES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModuleAndSharedApp(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByModuleAndSharedApp(config, log)
+
+
+def xdist_worker_index(environ: Mapping[str, str]) -> int:
+    """0 outside xdist or on its first worker ("gw0"), N on worker "gwN"."""
+    name = environ.get("PYTEST_XDIST_WORKER", "")
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+
+
+def serve_port_ranges(worker: int) -> dict[str, str]:
+    """Serve's direct-ingress port ranges for the Ray of xdist worker `worker`: each worker
+    starts its own Ray, and two Serve controllers would hand out the same ports (Serve retries
+    on a port in use, but a disjoint range never needs to). Worker 0 keeps Serve's defaults."""
+    if worker == 0:
+        return {}
+    if worker > 9:
+        raise pytest.UsageError("at most 10 xdist workers: their Serve port ranges would overlap")
+    # Serve's defaults are 30000-31000 (HTTP) and 40000-41000 (gRPC): worker N takes 900 ports
+    # N thousand above each, so ten workers fit below the next range.
+    http, grpc = 30100 + 1000 * worker, 40100 + 1000 * worker
+    return {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + 899),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + 899)}
+
+
 def pytest_configure(config):
     if os.environ.get(GPU_ENV) == "1":
         config.option.markexpr = gpu_markexpr(config.option.markexpr or "")
@@ -166,6 +219,12 @@ def ray_local():
     # it requests (pdserve's 2 s, cluster/http/front.py). The suite's apps answer through Serve's
     # own proxy, and it stops dozens of replicas (deleted apps, scale-downs, replacements).
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0.2")
+    # Serve's own control loop period (pdserve serve sets 0.5 s to save an idle server's CPU,
+    # cluster/launch/serve_env.py): every app start, deletion and replacement takes several
+    # turns of it, and the suite makes dozens; 0.1 s saves 1-2 s on each.
+    os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")
+    for name, value in serve_port_ranges(xdist_worker_index(os.environ)).items():
+        os.environ.setdefault(name, value)
     # Serve's switches as `pdserve serve` sets them, for the processes this Ray starts (they
     # take the environment of its start).
     configure_serve_env()

@@ -40,6 +40,12 @@ LOG_BUFFER = "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"
 # by default: a prefill's reply carries the prompt's KV (kvstore.handoff; one 256-token prompt
 # of SmolLM2 is 12 MB), so 128 MiB, and a KV bigger than that goes through the store.
 GRPC_MAX_MESSAGE_BYTES = str(128 * 1024 * 1024)
+# How long the controller waits for a starting proxy (HAProxy's manager, or Serve's proxy) to
+# say it is ready; three misses in a row and it kills the proxy, and `serve.start` fails.
+# Ray's 5 s is missed on a busy 2-core machine (measured: the HAProxy manager's first readiness
+# answer took over 20 s while another Ray started replicas there), so 30 s.
+PROXY_READY = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+PROXY_READY_S = "30"
 # And it makes every HTTP replica a direct-ingress one, HAProxy or not, whose drain keeps it
 # reachable for Ray's default 30 s: cluster.http.front's 2 s then holds whatever the front.
 
@@ -51,5 +57,6 @@ def configure_serve_env(environ: dict | None = None) -> None:
     env.setdefault(THROUGHPUT, "1")
     env.setdefault(LOG_BUFFER, "1")
     env.setdefault(GRPC_MAX_MESSAGE, GRPC_MAX_MESSAGE_BYTES)
+    env.setdefault(PROXY_READY, PROXY_READY_S)
     if env[THROUGHPUT] == "1":
         env.setdefault(MIN_DRAINING, MIN_DRAINING_S)

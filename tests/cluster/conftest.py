@@ -1,6 +1,11 @@
 """Serve on local Ray for the HTTP tests: one HTTP proxy on 127.0.0.1 for the session, and an
 app per test module (deployed by `deploy`, deleted with its KV store when the module ends, so
-an idle app's replicas do not share the two cores with the modules that follow)."""
+an idle app's replicas do not share the two cores with the modules that follow).
+
+The modules that only ask an app questions (scoring, tools, the Responses API, lm-eval, LoRA)
+share one app per mode, `shared_app`: starting an app costs 13-17 s on two cores, and ten of
+them were a sixth of the suite. Its mode is a session parameter, so pytest runs every test of
+one mode together, across those modules, and the app lives through them."""
 
 from __future__ import annotations
 
@@ -24,6 +29,9 @@ def serve_url(ray_local):
 # Apps deployed and not yet deleted, in deployment order (shared by `deploy` and the module
 # teardown below).
 _DEPLOYED: list[str] = []
+# The shared apps among them: they outlive a module; `deploy` still deletes them before it
+# starts another app, so at most one app runs at a time.
+_SHARED: set[str] = set()
 
 
 def _delete(name: str) -> None:
@@ -44,7 +52,7 @@ def _delete_apps_at_module_end():
     """Set up before a module's own fixtures, so torn down after them: its apps go with it.
     Modules that deploy nothing never import Serve here."""
     yield
-    for name in list(_DEPLOYED):
+    for name in [n for n in _DEPLOYED if n not in _SHARED]:
         _delete(name)
 
 
@@ -71,6 +79,66 @@ def deploy(serve_url):
         wait_http_ok(f"{serve_url}/health")
         return serve_url
 
+    run.url = serve_url
     yield run
     for name in list(_DEPLOYED):
         _delete(name)
+
+
+@dataclasses.dataclass
+class SharedApp:
+    """The app of one mode shared by the question-asking modules (tests/cluster/helpers.py,
+    shared_app_config): `url()` deploys it again if another module's app replaced it."""
+
+    mode: str
+    config: object
+    deploy: object
+
+    @property
+    def name(self) -> str:
+        return self.config.app_name
+
+    @property
+    def roles(self) -> set[str]:
+        return {"prefill", "decode"} if self.mode == "pd" else {"colocated"}
+
+    def url(self) -> str:
+        if self.name not in _DEPLOYED:
+            _SHARED.add(self.name)
+            return self.deploy(self.config)
+        return self.deploy.url
+
+
+def pytest_collection_modifyitems(config, items):
+    """A module that asks the shared app must be in SHARED_APP_MODULES, or under xdist both
+    workers could start the apps."""
+    from tests.conftest import SHARED_APP_MODULES
+
+    unlisted = sorted({item.nodeid.split("::")[0] for item in items if "shared_app" in item.fixturenames}
+                      - SHARED_APP_MODULES)
+    if unlisted:
+        raise pytest.UsageError(f"{unlisted} use shared_app: add them to tests/conftest.py SHARED_APP_MODULES")
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_model, tmp_path_factory) -> dict[str, str]:
+    """PEFT adapters of the tiny model: a1 (served from the start by the shared app), a2 (loaded
+    at run time) and big (rank 32, over the shared app's max_lora_rank)."""
+    from tests.engine.lora_factory import make_peft_adapter
+
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    d = tmp_path_factory.mktemp("http-adapters")
+    return {"a1": make_peft_adapter(tiny_model, str(d / "a1"), 8, ["q_proj", "v_proj"], seed=21),
+            "a2": make_peft_adapter(tiny_model, str(d / "a2"), 16, every, use_rslora=True, seed=22, scale=0.5),
+            "big": make_peft_adapter(tiny_model, str(d / "big"), 32, ["q_proj"], seed=23)}
+
+
+@pytest.fixture(scope="session", params=["pd", "colocated"])
+def shared_app(request, deploy, tiny_model, lora_adapters):
+    from tests.cluster.helpers import shared_app_config
+
+    app = SharedApp(request.param, shared_app_config(tiny_model, request.param, lora_adapters["a1"]), deploy)
+    yield app
+    if app.name in _DEPLOYED:
+        _delete(app.name)
+    _SHARED.discard(app.name)

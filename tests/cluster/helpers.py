@@ -262,6 +262,21 @@ def tiny_app(model: str, mode: str, name: str, app_name: str, engine: dict | Non
                      served_model_name=name, app_name=app_name, replica_num_cpus=0, **pd, **fields)
 
 
+SHARED_NAME = "tiny"
+
+
+def shared_app_config(model: str, mode: str, lora_a1: str):
+    """The app the question-asking modules share (tests/cluster/conftest.py, shared_app): what
+    each of them needs at once. A context of 1024 (the tools' JSON is long in the tiny
+    tokenizer's tokens), hermes tool parsing for tool_choice "auto", and LoRA with adapter a1
+    served from the start and run-time loading; base-model requests run through the LoRA layers
+    with no adapter, as they do on a vLLM server started with --enable-lora."""
+    return tiny_app(model, mode, SHARED_NAME, f"shared-{mode}",
+                    engine={"max_model_len": 1024, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16},
+                    enable_auto_tool_choice=True, tool_call_parser="hermes", lora_modules=(f"a1={lora_a1}",),
+                    enable_lora_runtime_updating=True)
+
+
 def openai_client(url: str):
     import openai
 

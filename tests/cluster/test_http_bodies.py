@@ -66,6 +66,10 @@ def _exchange(port: int, *parts: bytes, timeout_s: float = 20.0, closes: bool = 
         if closes:
             try:
                 closed = sock.recv(1) == b""
+            except ConnectionResetError:
+                # Closed with bytes of ours still unread (the rest of a body it refused): the
+                # kernel answers with a reset instead of an orderly end. Closed all the same.
+                closed = True
             except TimeoutError:
                 closed = False
         return response.status, response.headers, body, closed

@@ -36,16 +36,23 @@ def test_this_machine_has_haproxy():
 
 def test_the_serve_controller_loop_and_throughput_mode_are_pdserves_unless_the_operator_set_them():
     from cluster.http.front import MIN_DRAINING
-    from cluster.launch.serve_env import CONTROL_LOOP, LOG_BUFFER, THROUGHPUT, configure_serve_env
+    from cluster.launch.serve_env import (
+        CONTROL_LOOP,
+        LOG_BUFFER,
+        PROXY_READY,
+        THROUGHPUT,
+        configure_serve_env,
+    )
     from kvstore.handoff import GRPC_MAX_MESSAGE
 
     env: dict[str, str] = {}
     configure_serve_env(env)
     assert env == {CONTROL_LOOP: "0.5", THROUGHPUT: "1", LOG_BUFFER: "1", MIN_DRAINING: "2",
-                   GRPC_MAX_MESSAGE: str(128 * 1024 * 1024)}
-    env = {CONTROL_LOOP: "0.1", THROUGHPUT: "0", LOG_BUFFER: "100", GRPC_MAX_MESSAGE: "4194304"}
+                   GRPC_MAX_MESSAGE: str(128 * 1024 * 1024), PROXY_READY: "30"}
+    env = {CONTROL_LOOP: "0.1", THROUGHPUT: "0", LOG_BUFFER: "100", GRPC_MAX_MESSAGE: "4194304", PROXY_READY: "5"}
     configure_serve_env(env)
-    assert env == {CONTROL_LOOP: "0.1", THROUGHPUT: "0", LOG_BUFFER: "100", GRPC_MAX_MESSAGE: "4194304"}
+    assert env == {CONTROL_LOOP: "0.1", THROUGHPUT: "0", LOG_BUFFER: "100", GRPC_MAX_MESSAGE: "4194304",
+                   PROXY_READY: "5"}
 
 
 def test_the_suites_ray_runs_its_workers_with_pdserves_serve_switches(ray_local):

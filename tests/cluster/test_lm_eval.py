@@ -20,9 +20,8 @@ from scripts.lm_eval_parity import (
     served_model,
     served_model_args,
 )
-from tests.cluster.helpers import assert_no_leaks, tiny_app
+from tests.cluster.helpers import assert_no_leaks
 
-NAME = "tiny-lm-eval"
 # The shipped tasks: 12 four-way questions (one loglikelihood request per choice), 6 answers.
 CHOICES, GENERATIONS = 48, 6
 
@@ -32,17 +31,17 @@ def hf_results(tiny_model):
     return evaluate("hf", hf_model_args(tiny_model))
 
 
-@pytest.fixture(scope="module", params=["pd", "colocated"])
-def mode(request):
-    return request.param
+@pytest.fixture(scope="module")
+def mode(shared_app) -> str:
+    return shared_app.mode
 
 
 @pytest.fixture(scope="module")
-def app(deploy, tiny_model, mode):
-    return deploy(tiny_app(tiny_model, mode, NAME, f"lm-eval-{mode}"))
+def app(shared_app) -> str:
+    return shared_app.url()
 
 
-def test_local_completions_loglikelihoods_and_generations_equal_the_hf_backend(app, mode, hf_results):
+def test_local_completions_loglikelihoods_and_generations_equal_the_hf_backend(app, mode, hf_results, shared_app):
     served = evaluate("local-completions", served_model_args(app, served_model(app), num_concurrent=2),
                       batch_size=4)
     parity = compare(served, hf_results)
@@ -54,7 +53,7 @@ def test_local_completions_loglikelihoods_and_generations_equal_the_hf_backend(a
     for task, values in parity.metrics.items():
         for metric, (s, r) in values.items():
             assert s == pytest.approx(r), (task, metric, summary)
-    assert_no_leaks(app, f"lm-eval-{mode}", {"prefill", "decode"} if mode == "pd" else {"colocated"})
+    assert_no_leaks(app, shared_app.name, shared_app.roles)
 
 
 def test_the_generation_task_stops_some_answers_at_a_stop_string(tiny_model, hf_results):

@@ -24,9 +24,9 @@ from cluster.http.errors import OpenAIError
 from cluster.http.front_end import FrontEnd, Job
 from cluster.http.responses import ResponsesRequest, responses_job
 from cluster.http.responses_answer import Shell, adapt
-from tests.cluster.helpers import assert_no_leaks, openai_client, tiny_app
+from tests.cluster.helpers import SHARED_NAME, assert_no_leaks, openai_client
 
-NAME = "tiny-responses"
+NAME = SHARED_NAME
 # A schema the grammar nearly fixes, so greedy decoding ends it (finish "stop") on a random model.
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -369,14 +369,14 @@ CHAT_MESSAGES = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "
 CHAT_JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}}
 
 
-@pytest.fixture(scope="module", params=["pd", "colocated"])
-def mode(request) -> str:
-    return request.param
+@pytest.fixture(scope="module")
+def mode(shared_app) -> str:
+    return shared_app.mode
 
 
 @pytest.fixture(scope="module")
-def app(mode, deploy, tiny_model):
-    return deploy(tiny_app(tiny_model, mode, NAME, f"responses-{mode}"))
+def app(shared_app) -> str:
+    return shared_app.url()
 
 
 @pytest.fixture(scope="module")
@@ -513,5 +513,5 @@ def test_an_unknown_model_is_a_404(app):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
-def test_no_request_or_kv_block_is_left_on_the_replicas(app, mode):
-    assert_no_leaks(app, f"responses-{mode}", {"prefill", "decode"} if mode == "pd" else {"colocated"})
+def test_no_request_or_kv_block_is_left_on_the_replicas(app, mode, shared_app):
+    assert_no_leaks(app, shared_app.name, shared_app.roles)

@@ -12,34 +12,27 @@ import openai
 import pytest
 import requests
 
-from tests.cluster.helpers import assert_no_leaks, openai_client, tiny_app
+from tests.cluster.helpers import SHARED_NAME, assert_no_leaks, openai_client
 from tests.engine.hf_reference import random_prompts
-from tests.engine.lora_factory import make_peft_adapter, peft_greedy
+from tests.engine.lora_factory import peft_greedy
 
-NAME = "tiny-lora"
+NAME = SHARED_NAME
 N = 12
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model, tmp_path_factory):
-    d = tmp_path_factory.mktemp("http-adapters")
-    return {"a1": make_peft_adapter(tiny_model, str(d / "a1"), 8, ["q_proj", "v_proj"], seed=21),
-            "a2": make_peft_adapter(tiny_model, str(d / "a2"), 16, ALL, use_rslora=True, seed=22, scale=0.5),
-            "big": make_peft_adapter(tiny_model, str(d / "big"), 32, ["q_proj"], seed=23)}
-
-
-@pytest.fixture(scope="module", params=["colocated", "pd"])
-def mode(request):
-    return request.param
+def adapters(lora_adapters) -> dict[str, str]:
+    return lora_adapters
 
 
 @pytest.fixture(scope="module")
-def app(deploy, tiny_model, mode, adapters):
-    cfg = tiny_app(tiny_model, mode, NAME, f"lora-{mode}",
-                   engine={"enable_lora": True, "max_loras": 2, "max_lora_rank": 16},
-                   lora_modules=(f"a1={adapters['a1']}",), enable_lora_runtime_updating=True)
-    return deploy(cfg)
+def mode(shared_app) -> str:
+    return shared_app.mode
+
+
+@pytest.fixture(scope="module")
+def app(shared_app) -> str:
+    return shared_app.url()
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +64,7 @@ def test_models_list_the_adapters_with_their_parent(app):
 
 
 def test_concurrent_requests_of_an_adapter_loaded_at_run_time_one_served_from_the_start_and_the_base_match_peft(
-        app, adapters, tiny_model, tokenizer, mode):
+        app, adapters, tiny_model, tokenizer, mode, shared_app):
     r = requests.post(f"{app}/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": adapters["a2"]}, timeout=60)
     assert r.status_code == 200, r.text
     client = openai_client(app)
@@ -84,7 +77,7 @@ def test_concurrent_requests_of_an_adapter_loaded_at_run_time_one_served_from_th
     chat = client.chat.completions.create(model="a2", messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=4, temperature=0)
     assert chat.model == "a2" and chat.choices[0].finish_reason in ("length", "stop")
-    assert_no_leaks(app, f"lora-{mode}", {"prefill", "decode"} if mode == "pd" else {"colocated"})
+    assert_no_leaks(app, shared_app.name, shared_app.roles)
     r = requests.post(f"{app}/v1/unload_lora_adapter", json={"lora_name": "a2"}, timeout=60)
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError):

@@ -12,20 +12,20 @@ import pytest
 import requests
 import torch
 
-from tests.cluster.helpers import assert_no_leaks, openai_client, sse_events, tiny_app
+from tests.cluster.helpers import SHARED_NAME, assert_no_leaks, openai_client, sse_events
 from tests.engine.hf_reference import _hf_model, random_prompts
 
-NAME = "tiny-scoring"
-
-
-@pytest.fixture(scope="module", params=["pd", "colocated"])
-def mode(request):
-    return request.param
+NAME = SHARED_NAME
 
 
 @pytest.fixture(scope="module")
-def app(deploy, tiny_model, mode):
-    return deploy(tiny_app(tiny_model, mode, NAME, f"scoring-{mode}"))
+def mode(shared_app) -> str:
+    return shared_app.mode
+
+
+@pytest.fixture(scope="module")
+def app(shared_app) -> str:
+    return shared_app.url()
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def _hf_logprobs(model_dir, ids):
 PROMPTS = random_prompts([17, 5, 30], 1000, seed=41)
 
 
-def test_echo_logprobs_of_token_prompts_match_transformers(client, tiny_model, tokenizer, app, mode):
+def test_echo_logprobs_of_token_prompts_match_transformers(client, tiny_model, tokenizer, app, mode, shared_app):
     """lm-eval's request: a batch of token-id prompts, echo, logprobs=1, max_tokens=1."""
     r = client.completions.create(model=NAME, prompt=PROMPTS, echo=True, logprobs=1, max_tokens=1, temperature=0)
     assert len(r.choices) == len(PROMPTS)
@@ -67,7 +67,7 @@ def test_echo_logprobs_of_token_prompts_match_transformers(client, tiny_model, t
         assert choice.text.startswith(tokenizer.decode(ids))
         assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     assert r.usage.prompt_tokens == sum(map(len, PROMPTS)) and r.usage.completion_tokens == len(PROMPTS)
-    assert_no_leaks(app, f"scoring-{mode}", {"prefill", "decode"} if mode == "pd" else {"colocated"})
+    assert_no_leaks(app, shared_app.name, shared_app.roles)
 
 
 def test_echo_with_max_tokens_zero_returns_only_the_scored_prompt(client, tiny_model, tokenizer):

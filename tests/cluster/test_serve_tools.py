@@ -15,9 +15,9 @@ import jsonschema
 import pytest
 import requests
 
-from tests.cluster.helpers import assert_no_leaks, openai_client, tiny_app
+from tests.cluster.helpers import SHARED_NAME, assert_no_leaks, openai_client
 
-NAME = "tiny-tools"
+NAME = SHARED_NAME
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
@@ -32,16 +32,14 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris for two days?"}]
 
 
-@pytest.fixture(scope="module", params=["pd", "colocated"])
-def mode(request):
-    return request.param
+@pytest.fixture(scope="module")
+def mode(shared_app) -> str:
+    return shared_app.mode
 
 
 @pytest.fixture(scope="module")
-def app(deploy, tiny_model, mode):
-    # The tools' JSON is long in the tiny tokenizer's tokens: a longer context than the suite's.
-    return deploy(tiny_app(tiny_model, mode, NAME, f"tools-{mode}", engine={"max_model_len": 1024},
-                           enable_auto_tool_choice=True, tool_call_parser="hermes"))
+def app(shared_app) -> str:
+    return shared_app.url()
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +75,7 @@ def _streamed(client, **kw):
     return content, [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)], finish
 
 
-def test_required_calls_validate_plain_and_streamed(client, app, mode):
+def test_required_calls_validate_plain_and_streamed(client, app, mode, shared_app):
     # One call (parallel_tool_calls=False): the grammar closes the array after it.
     kw = dict(model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0,
               parallel_tool_calls=False)
@@ -92,7 +90,7 @@ def test_required_calls_validate_plain_and_streamed(client, app, mode):
     assert calls == [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
     # Parallel calls are the same grammar without maxItems (test_tools checks the schema): the
     # random model never closes that array, so it is not asked here.
-    assert_no_leaks(app, f"tools-{mode}", {"prefill", "decode"} if mode == "pd" else {"colocated"})
+    assert_no_leaks(app, shared_app.name, shared_app.roles)
 
 
 def test_named_call_validates_plain_and_streamed(client):

@@ -1,0 +1,42 @@
+"""The suite's split over pytest-xdist workers (tests/conftest.py): whole modules per worker,
+the shared-app modules together, and disjoint Serve port ranges per worker's Ray."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.conftest import SHARED_APP_MODULES, serve_port_ranges, work_unit, xdist_worker_index
+
+
+def test_a_module_is_one_unit_and_the_shared_app_modules_are_one_together():
+    assert work_unit("tests/engine/test_gguf.py::test_a[x]") == "tests/engine/test_gguf.py"
+    assert work_unit("tests/engine/test_gguf.py::TestX::test_b") == "tests/engine/test_gguf.py"
+    assert {work_unit(f"{m}::test_q[pd]") for m in SHARED_APP_MODULES} == {"shared-app"}
+
+
+def test_every_shared_app_module_exists():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert all(os.path.isfile(os.path.join(root, m)) for m in SHARED_APP_MODULES)
+
+
+def test_worker_index_comes_from_xdists_worker_name():
+    assert xdist_worker_index({}) == 0
+    assert xdist_worker_index({"PYTEST_XDIST_WORKER": "gw0"}) == 0
+    assert xdist_worker_index({"PYTEST_XDIST_WORKER": "gw3"}) == 3
+    assert xdist_worker_index({"PYTEST_XDIST_WORKER": "master"}) == 0
+
+
+def test_workers_serve_ports_do_not_overlap_and_the_first_keeps_serves_defaults():
+    assert serve_port_ranges(0) == {}
+    spans = []
+    for worker in range(1, 10):
+        r = serve_port_ranges(worker)
+        spans += [(int(r[f"RAY_SERVE_DIRECT_INGRESS_MIN_{p}_PORT"]), int(r[f"RAY_SERVE_DIRECT_INGRESS_MAX_{p}_PORT"]))
+                  for p in ("HTTP", "GRPC")]
+    spans += [(30000, 31000), (40000, 41000)]  # Serve's defaults, worker 0's
+    spans.sort()
+    assert all(a[1] < b[0] for a, b in zip(spans, spans[1:])), spans
+    with pytest.raises(pytest.UsageError):
+        serve_port_ranges(10)
