@@ -135,9 +135,8 @@ def test_leaving_clients_stall_no_stream_and_the_stop_path_drains_then_ends_ever
         server, tiny_model, mode, stop):
     srv = server(mode)
     assert_a_client_leaving_stalls_no_other_stream(srv.url, os.path.basename(tiny_model))
-    stream = Stream(srv.url, os.path.basename(tiny_model))
-    stream.start()
-    assert stream.started.wait(120) and stream.error is None, stream.error
+    # The server's processes are looked at before the stream that the signal must catch in
+    # flight starts: on a busy machine these /proc scans took longer than its 128 tokens.
     srv.tree.update(process_tree(srv.proc.pid))
     replicas = [pid for pid in srv.tree if "ServeReplica" in cmdline(pid)]
     # Direct streaming (the default): P/D: ingress with its decode engine, prefill, coordinator;
@@ -145,7 +144,7 @@ def test_leaving_clients_stall_no_stream_and_the_stop_path_drains_then_ends_ever
     assert len(replicas) == (3 if mode == "pd" else 2), [cmdline(p) for p in srv.tree]
     [ingress] = [pid for pid in replicas if "Ingress" in cmdline(pid)]
     assert any(int(proc_stat(pid)[1]) == ingress for pid in srv.tree if proc_stat(pid)), "no engine core"
-    # The HTTP port is HAProxy's (cluster/http/front.py): the stream reached us through it. Serve
+    # The HTTP port is HAProxy's (cluster/http/front.py): the streams reached us through it. Serve
     # reloads HAProxy when its targets change (a new process takes the socket over, `-sf OLD`), so
     # one look can fall between the two owners: look again, bounded.
     deadline = time.monotonic() + 10
@@ -158,8 +157,11 @@ def test_leaving_clients_stall_no_stream_and_the_stop_path_drains_then_ends_ever
     for pid in srv.tree:
         if running(pid, srv.tree[pid]) and pid != srv.proc.pid and "haproxy" not in cmdline(pid):
             assert sigterm_blocked(pid), f"{cmdline(pid)[:80]} neither blocks nor ignores SIGTERM"
-    tokens_at_signal = stream.tokens
     names = {pid: cmdline(pid) for pid in srv.tree}  # to say which ones went, should the stream fail
+    stream = Stream(srv.url, os.path.basename(tiny_model))
+    stream.start()
+    assert stream.started.wait(120) and stream.error is None, stream.error
+    tokens_at_signal = stream.tokens
 
     t0 = time.monotonic()
     if stop == "SIGINT to the main process":
