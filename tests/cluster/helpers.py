@@ -262,6 +262,21 @@ def tiny_app(model: str, mode: str, name: str, app_name: str, engine: dict | Non
                      served_model_name=name, app_name=app_name, replica_num_cpus=0, **pd, **fields)
 
 
+class RecordingStore:
+    """A stand-in for the KV store actor's handle: records the transfers the caller releases."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+        self.release = self
+
+    def remote(self, transfer_id: str):
+        self.released.append(transfer_id)
+
+        async def done():
+            return None
+        return done()
+
+
 SHARED_NAME = "tiny"
 
 

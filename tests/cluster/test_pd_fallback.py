@@ -37,6 +37,7 @@ from cluster.http.pd_serve import (
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvstore.pd import PDRequestError
+from tests.cluster.helpers import RecordingStore
 
 # ---- the decision, without Serve ------------------------------------------------------------
 
@@ -71,19 +72,6 @@ class _Prefill:
         return self.response
 
 
-class _Store:
-    def __init__(self) -> None:
-        self.released: list[str] = []
-        self.release = self
-
-    def remote(self, transfer_id: str):
-        self.released.append(transfer_id)
-
-        async def done():
-            return None
-        return done()
-
-
 def _output(tokens: list[int], finish_reason: str | None = None) -> RequestOutput:
     return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "", list(tokens), finish_reason)],
                          finished=finish_reason is not None, delta_token_ids=list(tokens))
@@ -106,7 +94,7 @@ class _Case:
 
     def __init__(self, response: _Response, fallback: PrefillFallback | None = None,
                  live_prefill: int | None = 1, queue: int = 0) -> None:
-        self.prefill, self.store, self.decode = _Prefill(response), _Store(), _DecodeEngine()
+        self.prefill, self.store, self.decode = _Prefill(response), RecordingStore(), _DecodeEngine()
         self.placement = PrefillPlacement(LocalPrefillRule(queue, 0), lambda role: 1, fallback or PrefillFallback(),
                                           lambda role: live_prefill)
         self.fallbacks: list[str] = []

@@ -14,6 +14,7 @@ from cluster.http.pd_serve import ServePeers
 from engine.sampling_params import SamplingParams
 from kvstore.handoff import Inbox, KVHandoff, max_reply_kv_bytes
 from kvstore.pd import PDRequestError
+from tests.cluster.helpers import RecordingStore
 
 
 class _Response:
@@ -42,21 +43,8 @@ class _Prefill:
         return self.response
 
 
-class _Store:
-    def __init__(self) -> None:
-        self.released: list[str] = []
-        self.release = self
-
-    def remote(self, transfer_id: str):
-        self.released.append(transfer_id)
-
-        async def done():
-            return None
-        return done()
-
-
-def _peers(response: _Response) -> tuple[ServePeers, _Prefill, _Store, Inbox]:
-    prefill, store, inbox = _Prefill(response), _Store(), Inbox()
+def _peers(response: _Response) -> tuple[ServePeers, _Prefill, RecordingStore, Inbox]:
+    prefill, store, inbox = _Prefill(response), RecordingStore(), Inbox()
     return ServePeers(prefill, decode_streams=None, store=store, inbox=inbox), prefill, store, inbox
 
 
