@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
+from engine.models import fused_decode
 from engine.models.arch import ModelArch
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.cpu_linear import pack_model_linears, pack_weight, packed_linear
@@ -144,6 +145,9 @@ class CausalLM(nn.Module):
         # reference ops): the loader fills it (cos_sin_cache) once the model is real.
         self.register_buffer("cos_sin", torch.empty(max_positions, arch.rotary_dim, dtype=torch.float32),
                              persistent=False)
+        # Short-query steps as one C call over GGUF blocks (engine.models.fused_decode): None
+        # until the first step builds it, False where the model does not fit it.
+        self._stack = None
         self.register_buffer("cos_sin_local", None if arch.local_rope_theta is None else torch.empty(
             max_positions, arch.rotary_dim, dtype=torch.float32), persistent=False)
 
@@ -158,6 +162,12 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.arch.embed_scale != 1.0 and inputs_embeds is None:
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)  # rounded as transformers does
+        if self._stack is None:  # first step: the weights are loaded by now
+            self._stack = fused_decode.build(self) or False
+        if self._stack and fused_decode.accepts(x, meta):
+            x = x if x.is_contiguous() else x.contiguous()
+            return self._stack(x, positions, meta.slot_mapping, meta.block_table, meta.query_start_loc,
+                               meta.seq_lens, kv_caches)
         residual = None
         cos_sin = (self.cos_sin, self.cos_sin_local)
         for layer, kv in zip(self.layers, kv_caches):

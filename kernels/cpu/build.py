@@ -31,7 +31,10 @@ _SIGNATURES = {
     "reshape_and_cache_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "quant_matmul_f32": [_PTR, _I64, _PTR, _I64, _I64, _INT, _I64, _PTR, _I64, _I64, _INT, _INT],
     "quant_embedding_f32": [_PTR, _I64, _PTR, _I64, _INT, _I64, _PTR, _INT],
+    "decode_stack_scratch": [_PTR, _I64],
+    "decode_stack_f32": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR],
 }
+_RESTYPES = {"decode_stack_scratch": _I64}  # the rest return nothing
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -90,6 +93,6 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = None
+        fn.restype = _RESTYPES.get(name)
     _lib = lib
     return lib

@@ -146,14 +146,31 @@ static inline __attribute__((always_inline)) chunk load_chunk(int type, const ui
     return decode(type, buf, nv / 32);
 }
 
+/* Bytes 16 k .. 16 k + 15 of v, taken in registers: loading them back from a spilled chunk
+ * defeats store forwarding (a 64-byte store, a 16-byte load), which cost the fp32 path 3x. */
+static inline __attribute__((always_inline)) u8x16 quarter(u8x64 v, int k) {
+#define Q16(o) o, o + 1, o + 2, o + 3, o + 4, o + 5, o + 6, o + 7, o + 8, o + 9, o + 10, o + 11, o + 12, o + 13, o + 14, o + 15
+    switch (k) {
+    case 0: return __builtin_shufflevector(v, v, Q16(0));
+    case 1: return __builtin_shufflevector(v, v, Q16(16));
+    case 2: return __builtin_shufflevector(v, v, Q16(32));
+    default: return __builtin_shufflevector(v, v, Q16(48));
+    }
+}
+
 /* The chunk's first nv values as floats in natural order, exactly as gguf_quants computes them
  * (every product is exact in fp32: only the add of m rounds). */
+static inline __attribute__((always_inline)) v16 run_weights(int type, const chunk *ch, int c) {
+    const int l = run_lane(type, c / 4, c % 4);
+    const v16 w = ch->s[l] * (u8_float(quarter(ch->q[c / 4], c % 4)) - (float)OFFSET[type]);
+    return HAS_M(type) ? w + ch->m[l] : w;
+}
 static inline __attribute__((always_inline)) void dequant(int type, const chunk *ch, int nv, float *out) {
+#pragma GCC unroll 16
     for (int c = 0; c < 16; c++) {
-        const int g = run_group(type, c / 4, c % 4), l = run_lane(type, c / 4, c % 4);
+        const int g = run_group(type, c / 4, c % 4);
         if (16 * g >= nv) continue;
-        v16 w = ch->s[l] * (u8_float(ld16((const uint8_t *)ch->q + 16 * c)) - (float)OFFSET[type]);
-        if (HAS_M(type)) w += ch->m[l];
+        const v16 w = run_weights(type, ch, c);  /* run c: values 16 g .. 16 g + 15 */
         memcpy(out + 16 * g, &w, 64);
     }
 }
@@ -266,21 +283,38 @@ static inline __attribute__((always_inline)) v16 chunk_dot(int type, const chunk
     return HAS_M(type) ? g * (w->s * a->dx) + w->m * a->dxs : w->s * (g * a->dx + a->dxs);
 }
 
-/* y[0, n] for n in [n0, n1), T = 1, int8: the accumulator stays in a register (the short
- * chunk, whose copy may call memcpy, goes first so that no call falls in its life). */
-static inline __attribute__((always_inline)) void rows_t1(int type, const uint8_t *w, int64_t rb, int64_t N, int64_t n0,
-                                                          int64_t n1, int64_t K, const act_chunk *A, float *y) {
+/* acc + the fp32 product of a chunk with x's chunk: each run of 16 weights dequantized in
+ * registers exactly as `dequant` does (s * q is exact, so an FMA with m rounds as the add) and
+ * multiplied in; four accumulators keep four FMA chains in flight. */
+static inline __attribute__((always_inline)) void chunk_fma(int type, const chunk *ch, const float *x, int nv, v16 acc[4]) {
+#pragma GCC unroll 16
+    for (int c = 0; c < 16; c++) {
+        const int g = run_group(type, c / 4, c % 4);
+        if (16 * g < nv) acc[c % 4] += run_weights(type, ch, c) * ldf16(x + 16 * g);
+    }
+}
+
+/* acc + chunk c (nv values) of row n times the activations, by either path. */
+static inline __attribute__((always_inline)) void t1_chunk(int type, int int8, const uint8_t *w, int64_t rb, int64_t N,
+                                                           int64_t n, int64_t c, int nv, const act_chunk *A,
+                                                           const float *x, v16 acc[4]) {
+    const chunk ch = load_chunk(type, w, rb, n, N, c, nv);
+    if (int8) acc[0] += chunk_dot(type, &ch, A + c, nv);
+    else chunk_fma(type, &ch, x + c * 256, nv, acc);
+}
+
+/* y[0, n] for n in [n0, n1), T = 1: the accumulators stay in registers (the short chunk,
+ * whose copy may call memcpy, goes first so that no call falls in their life). fp32 takes no
+ * tile and no dequantized copy in memory (the tile path's four activation rows would all be
+ * the one row). */
+static inline __attribute__((always_inline)) void rows_t1(int type, int int8, const uint8_t *w, int64_t rb, int64_t N,
+                                                          int64_t n0, int64_t n1, int64_t K, const act_chunk *A,
+                                                          const float *x, float *y) {
     for (int64_t n = n0; n < n1; n++) {
-        v16 acc = {0};
-        if (K % 256) {
-            const chunk ch = load_chunk(type, w, rb, n, N, K / 256, (int)(K % 256));
-            acc = chunk_dot(type, &ch, A + K / 256, (int)(K % 256));
-        }
-        for (int64_t c = 0; c < K / 256; c++) {
-            const chunk ch = load_chunk(type, w, rb, n, N, c, 256);
-            acc += chunk_dot(type, &ch, A + c, 256);
-        }
-        y[n] = hsum16(acc);
+        v16 acc[4] = {{0}};
+        if (K % 256) t1_chunk(type, int8, w, rb, N, n, K / 256, (int)(K % 256), A, x, acc);
+        for (int64_t c = 0; c < K / 256; c++) t1_chunk(type, int8, w, rb, N, n, c, 256, A, x, acc);
+        y[n] = hsum16((acc[0] + acc[1]) + (acc[2] + acc[3]));
     }
 }
 
@@ -329,7 +363,9 @@ static inline __attribute__((always_inline)) void row_tile(
  * keep the compile fast where 64-byte vectors are split); and rows ids of the embedding. */
 #define TYPE_FUNCTIONS(TYPE)                                                                        \
     static void t1_##TYPE(const uint8_t *w, int64_t rb, int64_t N, int64_t n0, int64_t n1, int64_t K, \
-                          const act_chunk *A, float *y) { rows_t1(TYPE, w, rb, N, n0, n1, K, A, y); } \
+                          const act_chunk *A, float *y) { rows_t1(TYPE, 1, w, rb, N, n0, n1, K, A, 0, y); } \
+    static void f1_##TYPE(const uint8_t *w, int64_t rb, int64_t N, int64_t n0, int64_t n1, int64_t K, \
+                          const float *x, float *y) { rows_t1(TYPE, 0, w, rb, N, n0, n1, K, 0, x, y); } \
     static void tile_##TYPE(int int8, const uint8_t *w, int64_t rb, int64_t N, int64_t n0, int64_t n1, \
                             int64_t K, const act_chunk *A, const float *x, int64_t xs, int64_t T,   \
                             float *y, int64_t ys) {                                                 \
@@ -347,6 +383,7 @@ TYPE_FUNCTIONS(Q4_0) TYPE_FUNCTIONS(Q4_1) TYPE_FUNCTIONS(Q5_0) TYPE_FUNCTIONS(Q5
 TYPE_FUNCTIONS(Q8_0) TYPE_FUNCTIONS(Q4_K) TYPE_FUNCTIONS(Q5_K) TYPE_FUNCTIONS(Q6_K)
 #define TABLE(f) {f##_Q4_0, f##_Q4_1, f##_Q5_0, f##_Q5_1, f##_Q8_0, f##_Q4_K, f##_Q5_K, f##_Q6_K}
 static void (*const T1[NTYPES])(const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t, const act_chunk *, float *) = TABLE(t1);
+static void (*const F1[NTYPES])(const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t, const float *, float *) = TABLE(f1);
 static void (*const TILE[NTYPES])(int, const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t, const act_chunk *,
                                   const float *, int64_t, int64_t, float *, int64_t) = TABLE(tile);
 static void (*const EMB[NTYPES])(const uint8_t *, int64_t, int64_t, int64_t, float *) = TABLE(emb);
@@ -354,6 +391,7 @@ static void (*const EMB[NTYPES])(const uint8_t *, int64_t, int64_t, int64_t, flo
 static void rows(int type, int int8, const uint8_t *w, int64_t rb, int64_t N, int64_t n0, int64_t n1,
                  int64_t K, const act_chunk *A, const float *x, int64_t xs, int64_t T, float *y, int64_t ys) {
     if (int8 && T == 1) T1[type](w, rb, N, n0, n1, K, A, y);
+    else if (T == 1) F1[type](w, rb, N, n0, n1, K, x, y);
     else TILE[type](int8, w, rb, N, n0, n1, K, A, x, xs, T, y, ys);
 }
 
