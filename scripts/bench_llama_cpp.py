@@ -13,6 +13,12 @@ alternating, and the script prints each figure's range and the ratios:
     python scripts/bench_llama_cpp.py                         # the default model (SmolLM2 Q4_1)
     python scripts/bench_llama_cpp.py --model x.gguf --threads 2 --repeats 3
     python scripts/bench_llama_cpp.py --quantization none     # pdserve's dequantized path
+    python scripts/bench_llama_cpp.py --make-1b /tmp/q1b      # a 1B-shaped Q4_K_M file (below)
+
+--make-1b DIR benchmarks a 1.1B-parameter Llama shape (make_model's `1b` preset, TinyLlama's
+dimensions; random weights, so only speed and memory mean anything) quantized to Q4_K_M by
+llama.cpp's own quantizer. It writes DIR/1b (the HF directory, 4.4 GB fp32), DIR/1b-f16.gguf
+and DIR/1b-Q4_K_M.gguf once and reuses them after.
 """
 
 from __future__ import annotations
@@ -140,15 +146,37 @@ def _span(values: list[float], fmt: str = "{:.1f}") -> str:
     return fmt.format(min(values)) if len(values) == 1 else f"{fmt.format(min(values))}-{fmt.format(max(values))}"
 
 
+def make_1b(out: str) -> str:
+    """DIR/1b-Q4_K_M.gguf, made if absent: random `1b` weights -> F16 GGUF -> llama.cpp Q4_K_M."""
+    target = os.path.join(out, "1b-Q4_K_M.gguf")
+    if os.path.exists(target):
+        return target
+    from engine.models.make_model import make_model
+    from scripts.bench_gguf_load import quantize_q4_k_m
+    from tests.engine.gguf_factory import write_gguf
+
+    os.makedirs(out, exist_ok=True)
+    hf = os.path.join(out, "1b")
+    if not os.path.exists(os.path.join(hf, "config.json")):
+        make_model(hf, "1b", "llama")
+    f16 = write_gguf(hf, os.path.join(out, "1b-f16.gguf"), "F16", general_name="random 1b")
+    quantize_q4_k_m(f16, target + ".tmp")
+    os.replace(target + ".tmp", target)
+    return target
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quantization", default=None, help="pdserve's quantization argument")
+    p.add_argument("--make-1b", metavar="DIR", help="benchmark a 1B-shaped Q4_K_M file made (once) in DIR")
     p.add_argument("--side", choices=("llama_cpp", "pdserve"), help=argparse.SUPPRESS)
     p.add_argument("--prompts", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.make_1b and not args.side:
+        args.model = make_1b(args.make_1b)
     if args.model is None:
         from engine.models.default_model import default_model
 

@@ -26,6 +26,10 @@ of 256). Two methods:
           in practice about 1e-3 of |x| @ |W|^T.
   "fp32": each weight chunk is dequantized exactly and multiplied with FMA: x @ W^T up to
           fp32 summation order. Slower (1.3x to 7x) but exact weights.
+From GEMM_ROWS activation rows on, "fp32" dequantizes GEMM_BLOCK weight rows at a time
+(exactly, as quant_embedding) and multiplies each block with torch's GEMM: a prefill chunk is
+compute-bound, and MKL's GEMM on a dequantized block beats the tile kernel 2-3x there (T = 256
+to 512) while costing one block of fp32 memory, not the whole weight.
 "auto" is fp32 unless PDSERVE_QUANT_ACTIVATIONS=int8 (see ACTIVATIONS below); int8 measured
 faster for every type, shape and T tried (1 to 128, docs/kernels.md#gguf-weights-kept-quantized).
 Both stream the weights once per call whatever
@@ -53,6 +57,10 @@ QTYPES = {
 # 2-7x faster per call at T = 1 (docs/kernels.md#gguf-weights-kept-quantized).
 ACTIVATIONS = os.environ.get("PDSERVE_QUANT_ACTIVATIONS", "fp32")
 METHODS = {"int8": 0, "fp32": 1, "auto": 0 if ACTIVATIONS == "int8" else 1}
+# Measured (docs/kernels.md#gguf-weights-kept-quantized): at 64 rows the two are even, from
+# 256 the GEMM is 2-3x faster (SmolLM2's and a 1B model's projections, 2 threads).
+GEMM_ROWS = 128
+GEMM_BLOCK = 512  # weight rows per dequantized block: 4 MB of fp32 at K = 2048
 _F32, _U8 = torch.float32, torch.uint8
 
 
@@ -118,7 +126,15 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: str, K: int,
         _check_matmul(x, qweight, qtype, K, out, method)
     if out is None:
         out = torch.empty((T, N), dtype=_F32)
-    if T and N:
+    if T >= GEMM_ROWS and METHODS[method] == 1:
+        block = torch.empty((min(N, GEMM_BLOCK), K), dtype=_F32)
+        for r0 in range(0, N, GEMM_BLOCK):
+            rows = torch.arange(r0, min(N, r0 + GEMM_BLOCK))
+            w = block[:len(rows)]
+            lib.quant_embedding_f32(rows.data_ptr(), len(rows), qweight.data_ptr(), qweight.shape[1], info[0], K,
+                                    w.data_ptr(), torch.get_num_threads())
+            out[:, r0:r0 + len(rows)] = x @ w.T
+    elif T and N:
         lib.quant_matmul_f32(x.data_ptr(), x.stride(0), qweight.data_ptr(), N, qweight.shape[1], info[0], K,
                              out.data_ptr(), out.stride(0), T, METHODS[method], torch.get_num_threads())
     return out

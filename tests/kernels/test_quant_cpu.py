@@ -86,7 +86,7 @@ SHAPES = {32: [(40, 96), (1536, 576), (576, 1536)], 256: [(40, 512), (576, 1536)
 def test_matmul_matches_the_dequantized_product(qtype):
     for N, K in SHAPES[quant.QTYPES[qtype][1]]:
         case = _case(qtype, N, K)
-        for T in (1, 3, 17, 64):
+        for T in (1, 3, 17, 64, quant.GEMM_ROWS + 2):  # the last: fp32 through dequantized blocks
             x = torch.randn(T, K, generator=torch.Generator().manual_seed(T))
             outputs = {m: quant.quant_matmul(x, case[0], qtype, K, method=m) for m in ("int8", "fp32")}
             _check(outputs, x, case, f"{qtype} {N}x{K} T={T}")
