@@ -1,7 +1,9 @@
 """Kernel speed on a CUDA GPU: Triton paged_attention (decode) against torch SDPA on dense
 K/V, with achieved GB/s and % of peak HBM bandwidth; plus the element-wise kernels against
-their torch references, and fused_moe (Triton grouped GEMM vs the per-expert torch loop) at
-Mixtral-8x7B and Qwen3-30B-A3B expert shapes. Needs CUDA.
+their torch references, fused_moe (Triton grouped GEMM vs the per-expert torch loop) at
+Mixtral-8x7B and Qwen3-30B-A3B expert shapes, and gguf_matmul (GGUF blocks dequantized in the
+kernel) against the dense bf16 product of the dequantized weight, with the block bytes' GB/s:
+what decides whether a GPU should keep GGUF blocks (PDSERVE_GGUF_TRITON=1). Needs CUDA.
 
     python scripts/bench_kernels.py [--heads 32 --kv-heads 8 --head-dim 128] [--peak-gbps N]
 """
@@ -104,6 +106,29 @@ def bench_fused_moe(args):
         del w13, w2
 
 
+# (label, N, K): a Llama-2-7B's gate/up and down, a 1B model's gate/up.
+GGUF_SHAPES = [("7B gate/up", 22016, 4096), ("7B down", 4096, 11008), ("1B gate/up", 11264, 2048)]
+
+
+def bench_gguf(args):
+    from kernels.triton_kernels import gguf
+
+    print("\ngguf_matmul, bf16 activations (us: kept blocks / dense bf16 of the dequantized weight; "
+          "block GB/s at T=1)")
+    for qtype in ("Q4_K", "Q6_K", "Q8_0", "Q4_0"):
+        for label, N, K in GGUF_SHAPES:
+            _, values, nbytes = gguf.QTYPES[qtype]
+            qw = torch.randint(0, 256, (N, K // values * nbytes), dtype=torch.uint8, device="cuda")  # speed only
+            dense = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+            for T in (1, 16, 512):
+                x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+                t_q = _time_us(gguf.gguf_matmul, x, qw, qtype, K)
+                t_d = _time_us(torch.nn.functional.linear, x, dense)
+                gbps = f"  {qw.numel() / t_q / 1e3:7.0f} GB/s" if T == 1 else ""
+                print(f"  {qtype} {label:<11} T={T:<4} {t_q:9.1f} / {t_d:9.1f}{gbps}")
+            del qw, dense
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, default=32)
@@ -122,6 +147,7 @@ def main() -> None:
     bench_decode_attention(args, peak)
     bench_elementwise(args)
     bench_fused_moe(args)
+    bench_gguf(args)
 
 
 if __name__ == "__main__":

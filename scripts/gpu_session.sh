@@ -52,7 +52,7 @@ for s in "${stages[@]}"; do
               '"$PY"' -c "import sys,torch,triton,transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)"' ;;
         parity_small) stage parity_small 120 $PY scripts/gpu_parity.py --preset small ;;
         throughput) stage throughput 150 $PY scripts/bench_throughput.py --gpu ;;
-        kernels) stage kernels 60 $PY scripts/bench_kernels.py ;;
+        kernels) stage kernels 150 $PY scripts/bench_kernels.py ;;
         parity_1b) stage parity_1b 150 $PY scripts/gpu_parity.py --preset 1b ;;
         stash_ray) mkdir -p /tmp/wa && cp .gpu/wa/* /tmp/wa/ && ls /tmp/wa | wc -l ;;
         serve_cpu)

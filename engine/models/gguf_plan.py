@@ -56,7 +56,7 @@ class QuantPlan:
             embedding = isinstance(m, VocabParallelEmbedding)
             n, k = (m.num_embeddings, m.embedding_dim) if embedding else (m.out_features, m.in_features)
             if all(_fits(qtype, k, rows, src, embedding, device) for qtype, rows, src in parts):
-                self.weights[param] = QuantWeight(n, k)
+                self.weights[param] = QuantWeight(n, k, device=device)
 
     def raw(self, name: str, src: tuple | None) -> tuple[str, torch.Tensor]:
         """(block type, uint8 [rows, row bytes]) of checkpoint tensor `name`, sliced by `src`

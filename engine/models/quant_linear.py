@@ -15,6 +15,7 @@ load as before.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -28,10 +29,25 @@ def _kernels():
     return quant
 
 
+# CUDA: the Triton kernels (kernels.triton_kernels.gguf) are tested under the interpreter and
+# compiled for sm_90, but not yet timed on a GPU against the dequantized bf16 path; until
+# they are, a GPU dequantizes at load unless this opts in.
+TRITON_GGUF = os.environ.get("PDSERVE_GGUF_TRITON", "0") == "1"
+
+
+def _triton():
+    from kernels.triton_kernels import gguf
+
+    return gguf
+
+
 def kernel_supports(qtype: str, in_features: int, device: torch.device) -> bool:
     """Whether a kernel multiplies `qtype` blocks of rows of `in_features` on `device`."""
+    if device.type == "cuda":
+        return (TRITON_GGUF and qtype in _triton().QTYPES
+                and in_features % _triton().QTYPES[qtype][1] == 0)
     if device.type != "cpu":
-        return False  # GPU kernels for the block formats are not wired yet: dequantize at load
+        return False
     return _kernels().supported(qtype, in_features)
 
 
@@ -50,12 +66,14 @@ class QuantWeight:
     out_features: int
     in_features: int
     segments: list[QuantSegment] = field(default_factory=list)
+    device: torch.device | None = None  # where the blocks live (None: where they are read, CPU)
 
     def add(self, start: int, stop: int, qtype: str, data: torch.Tensor) -> None:
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[0] != stop - start:
             raise ValueError(f"quantized rows [{start}, {stop}) need uint8 [{stop - start}, row bytes], "
                              f"got {data.dtype} {tuple(data.shape)}")
-        self.segments.append(QuantSegment(start, stop, qtype, data.contiguous()))
+        data = data.contiguous() if self.device is None else data.to(self.device).contiguous()
+        self.segments.append(QuantSegment(start, stop, qtype, data))
         self.segments.sort(key=lambda s: s.start)
 
     def covered(self) -> bool:
@@ -73,17 +91,30 @@ class QuantWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] @ W^T -> [..., out_features] in fp32 (the kernels' dtype)."""
-        flat = x.reshape(-1, self.in_features).float().contiguous()
-        quant = _kernels()
-        parts = [quant.quant_matmul(flat, s.data, s.qtype, self.in_features) for s in self.segments]
+        flat = x.reshape(-1, self.in_features)
+        if flat.device.type == "cpu":
+            flat = flat.float().contiguous()
+            quant = _kernels()
+            parts = [quant.quant_matmul(flat, s.data, s.qtype, self.in_features) for s in self.segments]
+        else:
+            parts = self.triton_parts(flat.contiguous())
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def triton_parts(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each segment's product in flat's dtype by the Triton kernel (the GPU path; tests run
+        it on CPU under TRITON_INTERPRET=1)."""
+        gguf = _triton()
+        return [gguf.gguf_matmul(flat, s.data, s.qtype, self.in_features) for s in self.segments]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W (an embedding table), dequantized: [len(ids), in_features] fp32."""
         if len(self.segments) != 1:
             raise ValueError("an embedding table is one segment")
         s = self.segments[0]
+        if s.data.device.type != "cpu":  # the looked-up rows' blocks, dequantized by torch ops
+            rows = s.data[ids.reshape(-1)]
+            return dequantize(rows.reshape(-1), s.qtype, (rows.shape[0], self.in_features))
         return _kernels().quant_embedding(ids.reshape(-1), s.data, s.qtype, self.in_features)
 
     def dequantize(self) -> torch.Tensor:

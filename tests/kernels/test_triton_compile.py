@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.triton_kernels import activation, attention, cache, moe, norm, rotary
+from kernels.triton_kernels import activation, attention, cache, gguf, moe, norm, rotary
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -86,6 +86,14 @@ def compile_fused_moe(dtype: str, upcast: bool):
     assert ".entry" in _compile(moe._down_kernel, down_sig, tiles)
 
 
+def compile_gguf(qtype: str, dtype: str, upcast: bool):
+    code, qk, bb = gguf.QTYPES[qtype]
+    sig = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "out_ptr": f"*{dtype}",
+           **_ints("T", "N", "K", "x_stride", "out_stride", "row_bytes")}
+    assert ".entry" in _compile(gguf._gguf_matmul_kernel, sig, dict(
+        QTYPE=code, QK=qk, BB=bb, BLOCK_T=64, BLOCK_N=64, BLOCK_K=32, UPCAST=upcast))
+
+
 def main() -> None:
     # (splits, upcast, head_dim, group[, sliding window and softcap]). The fp32 (upcast) path is
     # compiled at head_dim 64: at 256 the same code takes ~18 s of LLVM/ptxas time (fp32 tiles
@@ -101,6 +109,10 @@ def main() -> None:
     for dtype, upcast in (("bf16", False), ("fp32", True)):
         compile_fused_moe(dtype, upcast)
         print("compiled fused_moe", dtype)
+    for qtype in gguf.SUPPORTED:  # every block format on the bf16 path; the fp32 one once
+        compile_gguf(qtype, "bf16", False)
+    compile_gguf("Q4_K", "fp32", True)
+    print("compiled gguf_matmul")
 
 
 def test_all_kernels_compile_for_hopper():
@@ -110,7 +122,7 @@ def test_all_kernels_compile_for_hopper():
     proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_triton_compile"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 9
+    assert proc.stdout.count("compiled") == 10
 
 
 if __name__ == "__main__":
