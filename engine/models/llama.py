@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
-from engine.models import fused_decode
 from engine.models.arch import ModelArch
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.cpu_linear import pack_model_linears, pack_weight, packed_linear
+from engine.models.fused_decode import accepts as stack_accepts
+from engine.models.fused_decode import build as build_stack
 from engine.models.moe import SparseMoE
 from engine.models.parallel import (
     ColumnParallelLinear,
@@ -163,8 +164,8 @@ class CausalLM(nn.Module):
         if self.arch.embed_scale != 1.0 and inputs_embeds is None:
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)  # rounded as transformers does
         if self._stack is None:  # first step: the weights are loaded by now
-            self._stack = fused_decode.build(self) or False
-        if self._stack and fused_decode.accepts(x, meta):
+            self._stack = build_stack(self) or False
+        if self._stack and stack_accepts(x, meta):
             x = x if x.is_contiguous() else x.contiguous()
             return self._stack(x, positions, meta.slot_mapping, meta.block_table, meta.query_start_loc,
                                meta.seq_lens, kv_caches)

@@ -122,7 +122,8 @@ def sse_events(response) -> list:
 
 def replicas(url: str) -> list[dict]:
     """Every replica's latest report from GET /status, with its role."""
-    status = requests.get(f"{url}/status", timeout=10).json()
+    # A bound, not a wait: a loaded 2-core machine (two xdist workers) took over 10 s to answer.
+    status = requests.get(f"{url}/status", timeout=30).json()
     return [{**r, "role": role} for role in ("prefill", "decode", "colocated") for r in status.get(role, [])]
 
 
