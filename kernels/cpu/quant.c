@@ -20,160 +20,18 @@
 
 #include "vec.h"
 
-enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, NTYPES }; /* quant.py's codes */
-static const int BLOCK_VALUES[NTYPES] = {32, 32, 32, 32, 32, 256, 256, 256};
-static const int BLOCK_BYTES[NTYPES] = {18, 20, 22, 24, 34, 144, 176, 210};
-static const int OFFSET[NTYPES] = {8, 0, 16, 0, 128, 0, 0, 32};
-#define HAS_M(type) ((type) == Q4_1 || (type) == Q5_1 || (type) == Q4_K || (type) == Q5_K)
+#include "quant_chunk.h"
+
 #define NT 4                        /* weight rows decoded together (T > 1) */
 #define TT 64                       /* activation rows sharing one decode */
 #define PARALLEL_MIN_BYTES (1 << 15) /* of weights, to wake a second thread */
-#ifndef PREFETCH
-#define PREFETCH 4096 /* bytes ahead in the weight stream */
-#endif
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 
-/* A weight chunk: 256 values in the order of run_group, s and m per run (run_lane). And an
- * activation row's chunk for the int8 path in the same order: int8 values, and per run lane
- * the row's scale dx and the scaled sum dxs (quantize_row). */
-typedef struct { u8x64 q[4]; v16 s, m; } chunk;
+/* An activation row's chunk for the int8 path, in a weight chunk's order: int8 values, and
+ * per run lane the row's scale dx and the scaled sum dxs (quantize_row). */
 typedef int8_t i8x8 __attribute__((vector_size(8)));
 typedef struct { i8x64 a[4]; v16 dx, dxs; } act_chunk;
 
-/* Q4_K/Q5_K's 12 scale bytes (read as 16) -> 6-bit scales 0..7 and mins 0..7: bytes 0..7 hold
- * scales and mins 0..3 in their low 6 bits and the top 2 bits of 4..7, bytes 8..11 the low 4
- * bits of 4..7 (scales in the low nibble, mins in the high). */
-static inline v16 k_scales(const uint8_t *p) {
-    const u8x16 s = ld16(p);
-    const u8x16 x = __builtin_shufflevector(s, s, 0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
-    const u8x16 y = __builtin_shufflevector(s, s, 0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7);
-    const u8x16 top = {0, 0, 0, 0, 255, 255, 255, 255, 0, 0, 0, 0, 255, 255, 255, 255};
-    const u8x16 min_hi = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 255, 255, 255, 255};
-    const u8x16 low = ((x & ~min_hi) | ((x >> 4) & min_hi)) & (u8x16)((top & 15) | (~top & 63));
-    return u8_float(low | ((y >> 2) & (top & 0x30)));
-}
-
-/* A chunk is unpacked in the order that takes the fewest shuffles: quarter k of q[c] is a run
- * of 16 values, the natural group run_group(c, k) (values 16 g .. 16 g + 15), scaled by lane
- * run_lane(c, k) of s and m. 32-value blocks: q[2h] and q[2h + 1] hold the first and last 16
- * values of blocks 4h..4h+3, scaled in lane 4k + h (lanes 4k + 2, 4k + 3 are 0); otherwise run
- * (c, k) has lane 4k + c, where group_sums leaves its sum. The activations take the same order. */
-static inline int run_group(int type, int c, int k) {
-    if (BLOCK_VALUES[type] == 32) return 2 * (4 * (c / 2) + k) + c % 2;
-    if (type == Q6_K) return 4 * c + k;
-    return 2 * (4 * (c / 2) + 2 * (k / 2) + c % 2) + k % 2; /* 64 bytes' low nibbles, then high */
-}
-static inline int run_lane(int type, int c, int k) { return 4 * k + (BLOCK_VALUES[type] == 32 ? c / 2 : c); }
-
-/* The chunk at p: one super-block, or nb 32-value blocks (1..8; for nb < 8 all 8 blocks'
- * headers and the 4-block half holding block nb - 1 are read, the missing blocks scaled by 0). */
-static inline __attribute__((always_inline)) chunk decode(int type, const uint8_t *p, int nb) {
-    const int B = BLOCK_BYTES[type];
-    chunk c;
-    if (BLOCK_VALUES[type] == 32) {
-        const v16 f = block_halves(p, B), zero = {0}; /* d_b at 2b, Q4_1 / Q5_1's m_b at 2b + 1 */
-        const int qs = type == Q8_0 || type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
-        for (int h = 0; h < 2; h++) {
-            if (4 * h >= nb) {
-                c.q[2 * h] = c.q[2 * h + 1] = (u8x64){0};
-                continue;
-            }
-            if (type == Q8_0) {
-                c.q[2 * h] = quad16(p + 4 * h * B + 2, B) ^ 0x80;
-                c.q[2 * h + 1] = quad16(p + 4 * h * B + 18, B) ^ 0x80;
-                continue;
-            }
-            const u8x64 z = quad16(p + 4 * h * B + qs, B);
-            c.q[2 * h] = z & 15, c.q[2 * h + 1] = z >> 4;
-            if (type == Q5_0 || type == Q5_1) { /* fifth bits: values 0..15 of each block, 16..31 */
-                uint64_t lo = 0, hi = 0;
-                for (int i = 0; i < 4; i++) {
-                    uint32_t m;
-                    memcpy(&m, p + (4 * h + i) * B + qs - 4, 4);
-                    lo |= (uint64_t)(m & 0xFFFF) << 16 * i, hi |= (uint64_t)(m >> 16) << 16 * i;
-                }
-                c.q[2 * h] |= bits16(lo), c.q[2 * h + 1] |= bits16(hi);
-            }
-        }
-#define BLOCK_LANES(o) o, 8 + o, 16, 16, 2 + o, 10 + o, 16, 16, 4 + o, 12 + o, 16, 16, 6 + o, 14 + o, 16, 16
-        c.s = __builtin_shufflevector(f, zero, BLOCK_LANES(0));
-        c.m = HAS_M(type) ? __builtin_shufflevector(f, zero, BLOCK_LANES(1)) : zero;
-        if (nb < 8) { /* and-ed, not multiplied: the missing blocks' bytes may read as NaN */
-            const i32x16 keep = (i32x16){0, 4, 8, 8, 1, 5, 8, 8, 2, 6, 8, 8, 3, 7, 8, 8} < nb;
-            c.s = (v16)((i32x16)c.s & keep), c.m = (v16)((i32x16)c.m & keep);
-        }
-    } else if (type == Q4_K || type == Q5_K) {
-        uint32_t d2;
-        memcpy(&d2, p, 4);
-        const v8 dd = half8((u16x8)(uint32_t __attribute__((vector_size(16)))){d2});
-        const v16 sm = k_scales(p + 4) * __builtin_shufflevector(dd, dd, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        for (int h = 0; h < 2; h++) {
-            const u8x64 z = ld64(p + (type == Q5_K ? 48 : 16) + 64 * h);
-            c.q[2 * h] = z & 15, c.q[2 * h + 1] = z >> 4;
-            if (type == Q5_K) {
-                c.q[2 * h] |= bit_planes(ld32(p + 16), 4 * h, 4 * h + 2, 1) << 4;
-                c.q[2 * h + 1] |= bit_planes(ld32(p + 16), 4 * h + 1, 4 * h + 3, 1) << 4;
-            }
-        }
-#define SUB_LANES(o) o, 1 + o, 4 + o, 5 + o, o, 1 + o, 4 + o, 5 + o, 2 + o, 3 + o, 6 + o, 7 + o, 2 + o, 3 + o, 6 + o, 7 + o
-        c.s = __builtin_shufflevector(sm, sm, SUB_LANES(0));
-        c.m = -__builtin_shufflevector(sm, sm, SUB_LANES(8));
-    } else { /* Q6_K: low nibbles (64-byte runs) | high 2 bits (32-byte runs) | int8 scales | d */
-        for (int h = 0; h < 2; h++) {
-            const u8x64 z = ld64(p + 64 * h);
-            c.q[2 * h] = (z & 15) | bit_planes(ld32(p + 128 + 32 * h), 0, 2, 2) << 4;
-            c.q[2 * h + 1] = (z >> 4) | bit_planes(ld32(p + 128 + 32 * h), 4, 6, 2) << 4;
-        }
-        const v16 sc = bytes_float(ld16(p + 192), 1);
-        c.s = half8((u16x8){ldh(p + 208)})[0] * __builtin_shufflevector(sc, sc, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-        c.m = (v16){0};
-    }
-    return c;
-}
-
-/* Chunk c of row n holding nv values. A short one (nv / 32 blocks) reads on into the next rows
- * where a whole chunk's bytes are left in the matrix, else decodes from a zero-padded copy. */
-static inline __attribute__((always_inline)) chunk load_chunk(int type, const uint8_t *w, int64_t rb, int64_t n,
-                                                              int64_t N, int64_t c, int nv) {
-    const uint8_t *p = w + n * rb + c * (int64_t)(256 / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
-    if (nv == 256) { /* the hardware prefetcher alone leaves a core at ~7 of its ~15 GB/s */
-        for (int o = 0; o < (256 / BLOCK_VALUES[type]) * BLOCK_BYTES[type]; o += 64) __builtin_prefetch(p + PREFETCH + o);
-        return decode(type, p, 8);
-    }
-    if ((N - n) * rb - c * 8 * BLOCK_BYTES[type] >= 8 * BLOCK_BYTES[type]) return decode(type, p, nv / 32);
-    uint8_t buf[8 * 34] = {0};
-    memcpy(buf, p, (size_t)(nv / 32 * BLOCK_BYTES[type]));
-    return decode(type, buf, nv / 32);
-}
-
-/* Bytes 16 k .. 16 k + 15 of v, taken in registers: loading them back from a spilled chunk
- * defeats store forwarding (a 64-byte store, a 16-byte load), which cost the fp32 path 3x. */
-static inline __attribute__((always_inline)) u8x16 quarter(u8x64 v, int k) {
-#define Q16(o) o, o + 1, o + 2, o + 3, o + 4, o + 5, o + 6, o + 7, o + 8, o + 9, o + 10, o + 11, o + 12, o + 13, o + 14, o + 15
-    switch (k) {
-    case 0: return __builtin_shufflevector(v, v, Q16(0));
-    case 1: return __builtin_shufflevector(v, v, Q16(16));
-    case 2: return __builtin_shufflevector(v, v, Q16(32));
-    default: return __builtin_shufflevector(v, v, Q16(48));
-    }
-}
-
-/* The chunk's first nv values as floats in natural order, exactly as gguf_quants computes them
- * (every product is exact in fp32: only the add of m rounds). */
-static inline __attribute__((always_inline)) v16 run_weights(int type, const chunk *ch, int c) {
-    const int l = run_lane(type, c / 4, c % 4);
-    const v16 w = ch->s[l] * (u8_float(quarter(ch->q[c / 4], c % 4)) - (float)OFFSET[type]);
-    return HAS_M(type) ? w + ch->m[l] : w;
-}
-static inline __attribute__((always_inline)) void dequant(int type, const chunk *ch, int nv, float *out) {
-#pragma GCC unroll 16
-    for (int c = 0; c < 16; c++) {
-        const int g = run_group(type, c / 4, c % 4);
-        if (16 * g >= nv) continue;
-        const v16 w = run_weights(type, ch, c);  /* run c: values 16 g .. 16 g + 15 */
-        memcpy(out + 16 * g, &w, 64);
-    }
-}
 
 /* acc + per 4-byte lane the dot product of unsigned w and signed a. big: w may exceed 127. */
 static inline i32x16 dot64(i32x16 acc, u8x64 w, i8x64 a, int big) {
