@@ -4,7 +4,7 @@
 Why: a batch-1 decode step of a 30-layer model is ~300 kernel calls of a few microseconds of
 work each; from Python each also pays its argument checks, a tensor allocation and ctypes
 (docs/kernels.md#one-call-decode). The stack makes the same calls from C, so its hidden
-states are bit for bit those of the layer-by-layer path (tests/kernels/test_decode_stack.py).
+states are bit for bit those of the layer-by-layer path (tests/engine/test_fused_decode.py).
 
 Which models: one rank, no LoRA, every projection kept in GGUF blocks with a C kernel, no
 biases, no q/k norms or sandwich norms, SiLU MLP, full attention (no windows, no soft-cap),

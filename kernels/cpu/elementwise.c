@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 #define PARALLEL_MIN_ELEMS (1 << 15)

@@ -17,6 +17,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 #define CHUNK 32        /* keys per step of the online softmax (multiple of 8) */

@@ -18,6 +18,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 #include "quant_chunk.h"
