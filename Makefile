@@ -32,10 +32,10 @@ $(TEST_STAMP): $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/pdserve serve
 
-# One process. `-n 2` (pytest-xdist, set up by tests/conftest.py) is about a third faster on 2
-# cores, but timing-sensitive tests flaked under it (docs/benchmarks.md#the-test-suite).
+# Two pytest-xdist workers, each with its own Ray, taking whole modules (tests/conftest.py):
+# 1132 s against 1494 s in one process on 2 cores (docs/benchmarks.md#the-test-suite).
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .

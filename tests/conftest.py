@@ -86,6 +86,38 @@ def pytest_xdist_make_scheduler(config, log):
     return ByModuleAndSharedApp(config, log)
 
 
+def unique_nodeids(nodeids: list[str], names: list[str]) -> list[str]:
+    """Each item's node id, made unique where several items share one: schemathesis names its
+    items `test[POST /v1/completions]` but gives them all the function's node id, and xdist
+    keys its work by node id, so under two workers 12 of test_http_fuzz's 13 operations never
+    ran. A shared id takes the item's own name as its last part."""
+    counts: dict[str, int] = {}
+    for nodeid in nodeids:
+        counts[nodeid] = counts.get(nodeid, 0) + 1
+    out = [f"{n.rsplit('::', 1)[0]}::{name}" if counts[n] > 1 else n for n, name in zip(nodeids, names, strict=True)]
+    if len(set(out)) != len(out):
+        raise pytest.UsageError(f"duplicate test ids: {sorted({n for n in out if out.count(n) > 1})}")
+    return out
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item, nodeid in zip(items, unique_nodeids([i.nodeid for i in items], [i.name for i in items]), strict=True):
+        if nodeid != item.nodeid:
+            _set_nodeid(item, nodeid)
+
+
+def _set_nodeid(item, nodeid: str) -> None:
+    """pytest has no public setter; xdist and the reports read what this sets (pytest 9.2 keeps
+    a structured `_id`, older ones the string `_nodeid`, which is what schemathesis sets)."""
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(nodeid)
+    else:
+        item._nodeid = nodeid
+
+
 def xdist_worker_index(environ: Mapping[str, str]) -> int:
     """0 outside xdist or on its first worker ("gw0"), N on worker "gwN"."""
     name = environ.get("PYTEST_XDIST_WORKER", "")

@@ -7,7 +7,13 @@ import os
 
 import pytest
 
-from tests.conftest import SHARED_APP_MODULES, serve_port_ranges, work_unit, xdist_worker_index
+from tests.conftest import (
+    SHARED_APP_MODULES,
+    serve_port_ranges,
+    unique_nodeids,
+    work_unit,
+    xdist_worker_index,
+)
 
 
 def test_a_module_is_one_unit_and_the_shared_app_modules_are_one_together():
@@ -19,6 +25,15 @@ def test_a_module_is_one_unit_and_the_shared_app_modules_are_one_together():
 def test_every_shared_app_module_exists():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     assert all(os.path.isfile(os.path.join(root, m)) for m in SHARED_APP_MODULES)
+
+
+def test_items_sharing_a_node_id_get_their_names_and_the_others_keep_theirs():
+    ids = ["t.py::test_a", "t.py::test_fuzz", "t.py::test_fuzz", "t.py::test_b[x]"]
+    names = ["test_a", "test_fuzz[GET /health]", "test_fuzz[POST /scale]", "test_b[x]"]
+    assert unique_nodeids(ids, names) == ["t.py::test_a", "t.py::test_fuzz[GET /health]",
+                                          "t.py::test_fuzz[POST /scale]", "t.py::test_b[x]"]
+    with pytest.raises(pytest.UsageError, match="duplicate test ids"):
+        unique_nodeids(["t.py::test_a", "t.py::test_a"], ["test_a", "test_a"])
 
 
 def test_worker_index_comes_from_xdists_worker_name():
