@@ -7,6 +7,8 @@ LLMEngine around it. Never imports Ray: actors wrap it.
 from __future__ import annotations
 
 import logging
+import pickle
+from concurrent.futures import Future
 
 import torch
 
@@ -95,7 +97,11 @@ class EngineCore:
     runs_apart = False
 
     def __init__(self, config: EngineConfig, kv_connector_factory: KVConnectorFactory | None = None,
-                 executor_cls: type[Executor] | None = None, dp: DPPlacement = SINGLE_DP) -> None:
+                 executor_cls: type[Executor] | None = None, dp: DPPlacement = SINGLE_DP,
+                 tokenizer_from_front_end: bool = False) -> None:
+        """`tokenizer_from_front_end`: a front end (LLMEngine) will give this core its tokenizer
+        (give_tokenizer), and the structured-output backend is built from it then; otherwise
+        it is built now from a tokenizer the core loads itself."""
         self.config = config
         mc, cc = config.model, config.cache
         self.arch = load_arch(mc.model)
@@ -151,7 +157,10 @@ class EngineCore:
                                    max_loras=config.lora.max_loras if config.lora is not None else 0)
         # Last, so that the build does not compete with the profile run above (vLLM also
         # builds its grammar backend's tokenizer data at start-up).
-        self.structured_output_backend_built = self.structured_output_manager.prebuild()
+        self._given_tokenizer = None
+        self.structured_output_backend_built: Future | None = None
+        if not tokenizer_from_front_end:
+            self.structured_output_backend_built = self.structured_output_manager.prebuild()
         tokens = num_blocks * cc.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens; max concurrency %.2fx at %d tokens/request%s",
@@ -205,9 +214,23 @@ class EngineCore:
         size, budget = self.config.multimodal.budgets(step_tokens, vision.tokens_per_image)
         return EncoderCacheManager(size), budget
 
+    def give_tokenizer(self, pickled: bytes | None) -> None:
+        """The front end's tokenizer (engine.tokenizer.pickled_tokenizer; None: it did not
+        pickle): the structured-output backend is built from this copy, on a compile thread,
+        instead of from the tokenizer loaded again. A core that started its build already
+        keeps it."""
+        if self.structured_output_backend_built is not None:
+            return
+        self._given_tokenizer = pickle.loads(pickled) if pickled is not None else None
+        self.structured_output_backend_built = self.structured_output_manager.prebuild()
+
     def _structured_output_backend(self):
-        """Built on a compile thread when the engine starts (see the manager's prebuild)."""
-        tokenizer = load_tokenizer(self.config.model.model)
+        """Built on a compile thread when the engine starts or its front end gives it the
+        tokenizer (see the manager's prebuild; a build that failed is retried by the first
+        structured request)."""
+        tokenizer, self._given_tokenizer = self._given_tokenizer, None
+        if tokenizer is None:
+            tokenizer = load_tokenizer(self.config.model.model)
         eos = eos_token_ids(self.config.model.model, tokenizer)
         return BACKENDS[DEFAULT_BACKEND](tokenizer, self.arch.vocab_size, eos)
 

@@ -20,7 +20,7 @@ from engine.outputs import RequestOutput
 from engine.processor import InputProcessor, PromptType
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import eos_token_ids, load_tokenizer
+from engine.tokenizer import eos_token_ids, load_tokenizer, pickled_tokenizer
 
 
 def front_end(config: EngineConfig) -> tuple[object, InputProcessor]:
@@ -49,6 +49,7 @@ class LLMEngine:
         # First: it validates the model path.
         self.core: CoreClient = make_core_client(config, kv_connector_factory)
         self.tokenizer = load_tokenizer(model_dir)
+        self.core.give_tokenizer(pickled_tokenizer(self.tokenizer))
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
         self.processor = input_processor(config, self.tokenizer, self.core.max_model_len, self.core.arch)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -317,6 +317,11 @@ class CoresClient(ABC):
     def kv_outbox_size(self) -> int:
         return sum(self._call_all("kv_outbox_size"))
 
+    def give_tokenizer(self, pickled: bytes | None) -> None:
+        """Every core builds its structured-output backend from the front end's tokenizer
+        (EngineCore.give_tokenizer)."""
+        self._call_all("give_tokenizer", pickled)
+
     # ---- where the cores run (operators and tests) --------------------------------------
     def core_pids(self) -> list[int]:
         """Pids of the cores' processes on this node; empty for cores that are Ray actors."""

@@ -250,7 +250,8 @@ def run_core(config: EngineConfig, num_threads: int, blocked_signals: set[int] |
     """Process entry point of a lone engine core (engine_core_process)."""
     prepare_process(blocked_signals, None, num_threads)
     try:
-        core = EngineCore(config, kv_connector_factory)
+        # Its front end (LLMEngine, the only maker of core clients) gives it the tokenizer.
+        core = EngineCore(config, kv_connector_factory, tokenizer_from_front_end=True)
     except BaseException:
         conn.send(CoreFailed(0, traceback.format_exc()))
         return

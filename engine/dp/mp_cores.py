@@ -85,7 +85,7 @@ def run_dp_core(config: EngineConfig, dp: DPPlacement, control_init: str | None,
     """Process entry point of one data-parallel core."""
     prepare_process(blocked_signals, cuda_devices, num_threads)
     try:
-        core = EngineCore(config, None, dp=dp)
+        core = EngineCore(config, None, dp=dp, tokenizer_from_front_end=True)  # given by LLMEngine
         control = DPControlGroup(dp.rank, dp.size, control_init, COLLECTIVE_TIMEOUT) if control_init else None
     except BaseException:
         conn.send(CoreFailed(dp.rank, traceback.format_exc()))
