@@ -65,7 +65,9 @@ class DPCoreActor(ServesKVExports):
         torch.set_num_threads(num_threads)
         if self.config.model.device != "cpu" and torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray gave this actor its GPU(s) and made them the only ones visible
-        self.core = core = EngineCore(self.config, self.kv_connector_factory, self.executor_cls, dp=dp)
+        # Its front end (LLMEngine over DPEngineClient) gives it the tokenizer.
+        self.core = core = EngineCore(self.config, self.kv_connector_factory, self.executor_cls, dp=dp,
+                                      tokenizer_from_front_end=True)
         timeout = timedelta(seconds=collective_timeout_s)
         control = DPControlGroup(dp.rank, dp.size, control_init, timeout) if control_init else None
         core.set_kv_wakeup(lambda: self._inbox.put(WAKE))

@@ -219,16 +219,22 @@ class EngineCore:
         pickle): the structured-output backend is built from this copy, on a compile thread,
         instead of from the tokenizer loaded again. A core that started its build already
         keeps it."""
-        if self.structured_output_backend_built is not None:
+        if self.structured_output_backend_built is not None or self.structured_output_manager.backend_ready:
             return
-        self._given_tokenizer = pickle.loads(pickled) if pickled is not None else None
+        self._given_tokenizer = pickled  # unpickled on the compile thread, off this one
         self.structured_output_backend_built = self.structured_output_manager.prebuild()
 
     def _structured_output_backend(self):
         """Built on a compile thread when the engine starts or its front end gives it the
         tokenizer (see the manager's prebuild; a build that failed is retried by the first
         structured request)."""
-        tokenizer, self._given_tokenizer = self._given_tokenizer, None
+        pickled, self._given_tokenizer = self._given_tokenizer, None
+        tokenizer = None
+        if pickled is not None:
+            try:
+                tokenizer = pickle.loads(pickled)
+            except Exception:  # noqa: BLE001 - e.g. a core on a node whose transformers differs
+                logger.warning("the front end's tokenizer did not unpickle; loading it again", exc_info=True)
         if tokenizer is None:
             tokenizer = load_tokenizer(self.config.model.model)
         eos = eos_token_ids(self.config.model.model, tokenizer)

@@ -48,12 +48,16 @@ class LLMEngine:
         model_dir = config.model.model
         # First: it validates the model path.
         self.core: CoreClient = make_core_client(config, kv_connector_factory)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.core.give_tokenizer(pickled_tokenizer(self.tokenizer))
-        self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
-        self.processor = input_processor(config, self.tokenizer, self.core.max_model_len, self.core.arch)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats = StatsRecorder(model_dir, self.core.max_model_len)
+        try:
+            self.tokenizer = load_tokenizer(model_dir)
+            self.core.give_tokenizer(pickled_tokenizer(self.tokenizer))
+            self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
+            self.processor = input_processor(config, self.tokenizer, self.core.max_model_len, self.core.arch)
+            self.output_processor = OutputProcessor(self.tokenizer)
+            self.stats = StatsRecorder(model_dir, self.core.max_model_len)
+        except BaseException:
+            self.core.shutdown()  # a core process or actors would otherwise outlive the failed start
+            raise
 
     @property
     def max_model_len(self) -> int:
