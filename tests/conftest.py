@@ -4,6 +4,7 @@ session's device (docs/development.md#tests-on-a-gpu)."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Mapping
 
 import pytest
@@ -91,12 +92,11 @@ def unique_nodeids(nodeids: list[str], names: list[str]) -> list[str]:
     items `test[POST /v1/completions]` but gives them all the function's node id, and xdist
     keys its work by node id, so under two workers 12 of test_http_fuzz's 13 operations never
     ran. A shared id takes the item's own name as its last part."""
-    counts: dict[str, int] = {}
-    for nodeid in nodeids:
-        counts[nodeid] = counts.get(nodeid, 0) + 1
+    counts = Counter(nodeids)
     out = [f"{n.rsplit('::', 1)[0]}::{name}" if counts[n] > 1 else n for n, name in zip(nodeids, names, strict=True)]
-    if len(set(out)) != len(out):
-        raise pytest.UsageError(f"duplicate test ids: {sorted({n for n in out if out.count(n) > 1})}")
+    still = sorted(n for n, k in Counter(out).items() if k > 1)
+    if still:
+        raise pytest.UsageError(f"duplicate test ids: {still}")
     return out
 
 
