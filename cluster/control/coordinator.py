@@ -127,6 +127,7 @@ class Coordinator:
         self.control = control
         self.scaling = False
         self._synced = False
+        self._sync_task: asyncio.Task | None = None
         self.stuck: str | None = None
         self.scale_timeout_s = scale_timeout_s
         # What one engine replica reserves, whether an autoscaler may add nodes, and where free
@@ -148,6 +149,7 @@ class Coordinator:
         # async: Serve runs sync methods on a thread pool; the board and the autoscaler task
         # belong to this replica's event loop.
         self.board.report(report)
+        self._sync_soon()
         if self.autoscale.enabled and (self._autoscaler is None or self._autoscaler.done()):
             self._autoscaler = asyncio.get_running_loop().create_task(self._autoscale_forever())
 
@@ -167,6 +169,7 @@ class Coordinator:
     # ---- the ingress replicas' request metrics (cluster.control.metrics_merge) ---------------------
     async def report_ingress_metrics(self, ingress_id: str, snapshot: Snapshot) -> None:
         self.ingress_metrics[ingress_id] = snapshot
+        self._sync_soon()
 
     async def scrape(self, ingress_id: str, snapshot: Snapshot) -> tuple[list[ReplicaReport], Snapshot]:
         """For `GET /metrics` on `ingress_id`, which sends its fresh snapshot: the engine
@@ -175,6 +178,17 @@ class Coordinator:
         return self.board.live(), add(self.ingress_metrics.values())
 
     # ---- scaling ----------------------------------------------------------------------------
+    def _sync_soon(self) -> None:
+        """Start the sync below when the first report arrives, not on the first /status or
+        /scale: Serve's status call costs ~2 s the first time in this process (idle machine),
+        and a loaded machine took it past the ingress's 10 s bound on /status (a 503)."""
+        if not self._synced and self._sync_task is None:
+            self._sync_task = asyncio.get_running_loop().create_task(self._locked_sync())
+
+    async def _locked_sync(self) -> None:
+        async with self._scale_lock:
+            await self._sync_targets()
+
     async def _sync_targets(self) -> None:
         """Once: adopt the replica counts Serve runs now. Serve keeps externally set counts
         when this coordinator restarts, so the configured ones may be stale."""
@@ -183,6 +197,9 @@ class Coordinator:
         self._synced = True
         try:
             states = await self.control.replica_states()
+        except asyncio.CancelledError:  # the next /status or /scale syncs instead
+            self._synced = False
+            raise
         except Exception:  # Serve busy: keep the configured targets
             logger.exception("could not read Serve's replica counts")
             return

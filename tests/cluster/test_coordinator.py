@@ -161,6 +161,56 @@ def test_a_restarted_coordinator_adopts_the_counts_serve_runs():
     assert run(coord.status())["target"] == {"prefill": 3, "decode": 2}
 
 
+class CountingControl(FakeControl):
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    async def replica_states(self):
+        self.reads += 1
+        return await super().replica_states()
+
+
+@pytest.mark.parametrize("first", ["engine replica", "ingress"])
+def test_the_first_report_syncs_the_counts_before_any_status_asks(first):
+    # Serve's status call is slow the first time in a process: the sync runs in the
+    # background from the first report, and /status does not read Serve again.
+    control = CountingControl()
+    control.counts = {"Prefill": 2, "Decode": 3}
+    coord = Coordinator("pd", "app", control=control)
+    coord._store_stats = lambda: _const({"live_transfers": 0, "bytes": 0})
+
+    async def go():
+        if first == "ingress":
+            await coord.report_ingress_metrics("ingress-1", None)
+        else:
+            await coord.report(_fig("p-1", "prefill"))
+        assert control.reads == 0 and coord._sync_task is not None  # started, not awaited
+        await coord._sync_task
+        assert coord.targets == {"prefill": 2, "decode": 3}
+        await coord.report(_fig("d-1", "decode"))
+        return await coord.status()
+
+    assert run(go())["target"] == {"prefill": 2, "decode": 3} and control.reads == 1
+
+
+def test_a_background_sync_cut_short_is_done_by_the_next_status():
+    class StuckOnce(CountingControl):
+        async def replica_states(self):
+            if self.reads == 0:
+                self.reads += 1
+                await asyncio.Event().wait()  # cancelled when its event loop ends
+            return await super().replica_states()
+
+    control = StuckOnce()
+    control.counts = {"Prefill": 2, "Decode": 1}
+    coord = Coordinator("pd", "app", control=control)
+    coord._store_stats = lambda: _const({"live_transfers": 0, "bytes": 0})
+    run(coord.report(_fig("p-1", "prefill")))  # the loop ends with the sync task waiting: cancelled
+    assert control.reads == 1 and coord.targets == {"prefill": 1, "decode": 1}
+    assert run(coord.status())["target"] == {"prefill": 2, "decode": 1} and control.reads == 2
+
+
 def test_a_target_beyond_free_resources_is_409_with_the_numbers_and_changes_nothing():
     control = FakeControl()
     coord = Coordinator("pd", "app", {"prefill": 1, "decode": 1}, {"prefill": 4, "decode": 4}, control=control,
