@@ -197,11 +197,23 @@ def gpu_memory_freed_after_each_test():
         torch.cuda.empty_cache()
 
 
+def shared_cache_dir(basetemp, under_xdist: bool) -> str:
+    """The run's pdserve cache: beside the workers' base temps under xdist (one directory for
+    the run), inside the base temp otherwise."""
+    root = basetemp.parent if under_xdist else basetemp
+    path = root / "pdserve-cache"
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def pdserve_cache(tmp_path_factory):
     """A private pdserve cache for the session (GGUF tokenizers converted by the tests land
-    here, not in the user's ~/.cache). Set before Ray starts, so replicas inherit it."""
-    path = str(tmp_path_factory.mktemp("pdserve-cache"))
+    here, not in the user's ~/.cache). Set before Ray starts, so replicas inherit it. The
+    xdist workers of one run share it (their base temp's parent): the compiled CPU kernels
+    (~8 CPU-s) and SmolLM2's converted tokenizer (5-15 s) are made once, not once per worker;
+    both are written under a private name and renamed, so concurrent makers are safe."""
+    path = shared_cache_dir(tmp_path_factory.getbasetemp(), "PYTEST_XDIST_WORKER" in os.environ)
     old = os.environ.get("PDSERVE_CACHE")
     os.environ["PDSERVE_CACHE"] = path
     yield path

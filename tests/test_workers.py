@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import (
     SHARED_APP_MODULES,
     serve_port_ranges,
+    shared_cache_dir,
     unique_nodeids,
     work_unit,
     xdist_worker_index,
@@ -55,3 +56,14 @@ def test_workers_serve_ports_do_not_overlap_and_the_first_keeps_serves_defaults(
     assert all(a[1] < b[0] for a, b in zip(spans, spans[1:])), spans
     with pytest.raises(pytest.UsageError):
         serve_port_ranges(10)
+
+
+def test_xdist_workers_of_one_run_share_one_pdserve_cache_and_a_plain_run_keeps_its_own(tmp_path):
+    run = tmp_path / "pytest-7"
+    gw0, gw1 = run / "popen-gw0", run / "popen-gw1"
+    gw0.mkdir(parents=True), gw1.mkdir()
+    assert shared_cache_dir(gw0, True) == shared_cache_dir(gw1, True) == str(run / "pdserve-cache")
+    plain = tmp_path / "pytest-8"
+    plain.mkdir()
+    assert shared_cache_dir(plain, False) == str(plain / "pdserve-cache")
+    assert os.path.isdir(run / "pdserve-cache") and os.path.isdir(plain / "pdserve-cache")
