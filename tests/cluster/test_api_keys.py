@@ -1,6 +1,7 @@
 """API keys (cluster.http.auth): the check on its own, and through a Serve app with the official
 openai client. The app runs two ingress replicas (`api_server_count`), so the keys are
-checked by each, and `/metrics` must show the requests of both whichever answers."""
+checked by each, and `/metrics` must show the requests of both whichever answers. The
+tokenizer routes through an app are asked here too (one app start fewer)."""
 
 from __future__ import annotations
 
@@ -107,3 +108,56 @@ def test_serve_app_answers_401_without_a_valid_key_and_serves_with_one(app):
     assert "".join(c.choices[0].text for c in chunks if c.choices)
     status = requests.get(f"{app}/status", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=30)
     assert status.status_code == 200 and "sk-" not in status.text
+
+
+# ---- vLLM's tokenizer routes through this app (cluster.http.tokenize; its own tests are in
+# tests/cluster/test_tokenize.py), behind the keys like /v1/* ------------------------------
+TEXT = "The river ran past the old mill."
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+TOK_AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
+
+
+def test_http_tokenize_then_detokenize_gives_the_text_back_and_counts_as_chat(app, tiny_model):
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    r = requests.post(f"{app}/tokenize", json={"model": NAME, "prompt": TEXT}, headers=TOK_AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == tok(TEXT)["input_ids"] and r.json()["max_model_len"] == ENGINE["max_model_len"]
+    back = requests.post(f"{app}/detokenize", json={"tokens": r.json()["tokens"]}, headers=TOK_AUTH, timeout=30)
+    assert back.json() == {"prompt": TEXT}
+
+    counted = requests.post(f"{app}/tokenize", json={"messages": CONVERSATION}, headers=TOK_AUTH, timeout=30).json()
+    chat = OpenAI(base_url=f"{app}/v1", api_key=KEYS[0], max_retries=0).chat.completions.create(
+        model=NAME, messages=CONVERSATION, max_tokens=1)
+    assert counted["count"] == chat.usage.prompt_tokens
+    assert counted["tokens"] == tok.apply_chat_template(CONVERSATION, add_generation_prompt=True)["input_ids"]
+
+    info = requests.get(f"{app}/tokenizer_info", headers=TOK_AUTH, timeout=30).json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+
+
+def test_http_bad_bodies_are_openai_400s_naming_the_field(app, tiny_model):
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(tiny_model))
+    for path, body, param in (("/detokenize", {"tokens": [1, vocab]}, "tokens"),
+                              ("/detokenize", {"tokens": "1 2"}, "tokens"),
+                              ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"messages": [{"role": "robot", "content": "hi"}]}, "messages")):
+        r = requests.post(f"{app}{path}", json=body, headers=TOK_AUTH, timeout=30)
+        assert r.status_code == 400, (path, body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", err
+    r = requests.post(f"{app}/tokenize", json={"model": "gpt-4", "prompt": "x"}, headers=TOK_AUTH, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_http_tokenizer_routes_answer_401_without_the_key(app):
+    for method, path, body in (("post", "/tokenize", {"prompt": "x"}), ("post", "/detokenize", {"tokens": [1]}),
+                               ("get", "/tokenizer_info", None)):
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+            r = requests.request(method, f"{app}{path}", json=body, headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+        assert requests.request(method, f"{app}{path}", json=body, headers=TOK_AUTH, timeout=30).status_code == 200

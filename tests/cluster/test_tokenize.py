@@ -1,6 +1,8 @@
 """vLLM's tokenizer routes (cluster.http.tokenize): ids as the model's Hugging Face tokenizer
 gives them, conversations counted as /v1/chat/completions counts them, out-of-vocabulary ids a
-400 naming `tokens`, what lm-eval's remote tokenizer reads, and the API keys of /v1/*."""
+400 naming `tokens`, what lm-eval's remote tokenizer reads, and the API keys of /v1/*. The same
+routes through a deployed app are asked in tests/cluster/test_api_keys.py, on its app (an app
+start is 13-17 s of two cores)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import dataclasses
 import json
 
 import pytest
-import requests
 
 from cluster.http import openai_format as fmt
 from cluster.http.auth import guarded
@@ -24,7 +25,6 @@ from cluster.http.tokenize import (
 )
 from engine import EngineArgs
 from engine.llm_engine import front_end
-from tests.cluster.helpers import ENGINE
 
 TEXT = "The river ran past the old mill."
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
@@ -146,63 +146,3 @@ def test_the_tokenizer_routes_need_the_api_key_as_v1_does():
     for path in ("/tokenize", "/detokenize", "/tokenizer_info", "/v1/completions"):
         assert guarded(path), path
     assert not guarded("/health") and not guarded("/metrics")
-
-
-# ---- through a deployed app ----------------------------------------------------------------
-NAME, KEY = "tiny-tok", "sk-tok"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture(scope="module")
-def app(deploy, tiny_model):
-    from cluster.launch.app_config import AppConfig
-
-    cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE), mode="colocated", served_model_name=NAME,
-                    app_name="toktest", replica_num_cpus=0, api_keys=(KEY,))
-    return deploy(cfg)
-
-
-def test_http_tokenize_then_detokenize_gives_the_text_back_and_counts_as_chat(app, tiny_model):
-    from openai import OpenAI
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    r = requests.post(f"{app}/tokenize", json={"model": NAME, "prompt": TEXT}, headers=AUTH, timeout=30)
-    assert r.status_code == 200, r.text
-    assert r.json()["tokens"] == tok(TEXT)["input_ids"] and r.json()["max_model_len"] == ENGINE["max_model_len"]
-    back = requests.post(f"{app}/detokenize", json={"tokens": r.json()["tokens"]}, headers=AUTH, timeout=30)
-    assert back.json() == {"prompt": TEXT}
-
-    counted = requests.post(f"{app}/tokenize", json={"messages": CONVERSATION}, headers=AUTH, timeout=30).json()
-    chat = OpenAI(base_url=f"{app}/v1", api_key=KEY, max_retries=0).chat.completions.create(
-        model=NAME, messages=CONVERSATION, max_tokens=1)
-    assert counted["count"] == chat.usage.prompt_tokens
-    assert counted["tokens"] == tok.apply_chat_template(CONVERSATION, add_generation_prompt=True)["input_ids"]
-
-    info = requests.get(f"{app}/tokenizer_info", headers=AUTH, timeout=30).json()
-    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
-
-
-def test_http_bad_bodies_are_openai_400s_naming_the_field(app, tiny_model):
-    from transformers import AutoTokenizer
-
-    vocab = len(AutoTokenizer.from_pretrained(tiny_model))
-    for path, body, param in (("/detokenize", {"tokens": [1, vocab]}, "tokens"),
-                              ("/detokenize", {"tokens": "1 2"}, "tokens"),
-                              ("/tokenize", {"prompt": 5}, "prompt"),
-                              ("/tokenize", {"messages": [{"role": "robot", "content": "hi"}]}, "messages")):
-        r = requests.post(f"{app}{path}", json=body, headers=AUTH, timeout=30)
-        assert r.status_code == 400, (path, body, r.text)
-        err = r.json()["error"]
-        assert err["param"] == param and err["type"] == "invalid_request_error", err
-    r = requests.post(f"{app}/tokenize", json={"model": "gpt-4", "prompt": "x"}, headers=AUTH, timeout=30)
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-
-
-def test_http_tokenizer_routes_answer_401_without_the_key(app):
-    for method, path, body in (("post", "/tokenize", {"prompt": "x"}), ("post", "/detokenize", {"tokens": [1]}),
-                               ("get", "/tokenizer_info", None)):
-        for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
-            r = requests.request(method, f"{app}{path}", json=body, headers=headers, timeout=30)
-            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
-        assert requests.request(method, f"{app}{path}", json=body, headers=AUTH, timeout=30).status_code == 200
