@@ -4,8 +4,9 @@ a body over --max-request-body-bytes is a 413 before it is read, one that arrive
 connection stays usable after any 4xx that read its body.
 
 Most tests run the ingress's real FastAPI app under uvicorn without Serve
-(tests/cluster/ingress_harness.py); the last ones go through Serve's HTTP proxy to a deployed
-app, to show the proxy hands the request to the app before the body arrives."""
+(tests/cluster/ingress_harness.py); tests/cluster/test_serve_front_door.py sends the same bodies
+through Serve's HTTP proxy to a deployed app, to show the proxy hands the request to the app
+before the body arrives."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import base64
 import http.client
 import io
 import json
-import socket
 import time
 
 import pytest
@@ -22,6 +22,7 @@ import requests
 from cluster.http.body_limits import MAX_REQUEST_BODY_BYTES, BodyLimits
 from tests.cluster.helpers import ENGINE
 from tests.cluster.ingress_harness import make_ingress, serve_ingress
+from tests.cluster.raw_http import assert_openai_error, exchange, post_head
 
 NAME = "m"
 CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -46,49 +47,12 @@ def limits(monkeypatch):
     return put
 
 
-def _post_head(port: int, length: int | None, path: str = "/v1/chat/completions") -> bytes:
-    framing = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"{framing}\r\n\r\n").encode()
-
-
-def _exchange(port: int, *parts: bytes, timeout_s: float = 20.0, closes: bool = True):
-    """Send `parts` on a new connection, then read one response (bounded by `timeout_s`):
-    (status, headers, body as JSON, whether the server then closed the connection, looked at
-    only when `closes` says it should)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
-        for part in parts:
-            sock.sendall(part)
-        response = http.client.HTTPResponse(sock)
-        response.begin()
-        body = json.loads(response.read())
-        closed = None
-        if closes:
-            try:
-                closed = sock.recv(1) == b""
-            except ConnectionResetError:
-                # Closed with bytes of ours still unread (the rest of a body it refused): the
-                # kernel answers with a reset instead of an orderly end. Closed all the same.
-                closed = True
-            except TimeoutError:
-                closed = False
-        return response.status, response.headers, body, closed
-
-
-def _assert_openai_error(body: dict, status: int, *needles: str, code: str | None = None) -> str:
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == (code or status), body
-    for needle in needles:
-        assert needle in err["message"], err["message"]
-    return err["message"]
-
-
 # ---- size ------------------------------------------------------------------------------------
 def test_a_body_declared_over_the_limit_is_413_before_any_byte_of_it_is_sent(served):
     """Only the headers go out: an answer at all proves the body was not waited for."""
-    status, headers, body, closed = _exchange(served.port, _post_head(served.port, 64 * MiB))
+    status, headers, body, closed = exchange(served.port, post_head(served.port, 64 * MiB))
     assert status == 413 and headers["connection"] == "close" and closed
-    _assert_openai_error(body, 413, str(64 * MiB), str(MAX_REQUEST_BODY_BYTES), "--max-request-body-bytes")
+    assert_openai_error(body, 413, str(64 * MiB), str(MAX_REQUEST_BODY_BYTES), "--max-request-body-bytes")
 
 
 def test_a_client_sending_a_64_mib_body_gets_the_413_and_its_session_goes_on(served):
@@ -96,7 +60,7 @@ def test_a_client_sending_a_64_mib_body_gets_the_413_and_its_session_goes_on(ser
         r = session.post(f"{served.url}/v1/completions", data=b"x" * (64 * MiB),
                          headers={"Content-Type": "application/json"}, timeout=60)
         assert r.status_code == 413 and r.headers["connection"] == "close"
-        _assert_openai_error(r.json(), 413, "--max-request-body-bytes")
+        assert_openai_error(r.json(), 413, "--max-request-body-bytes")
         assert session.post(f"{served.url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
 
 
@@ -105,16 +69,16 @@ def test_a_chunked_body_is_cut_off_as_soon_as_it_passes_the_limit(served, limits
     limits(max_bytes=MiB)
     piece = b"x" * (64 * 1024)
     chunk = b"%x\r\n" % len(piece) + piece + b"\r\n"
-    status, headers, body, closed = _exchange(served.port, _post_head(served.port, None), chunk * 17)
+    status, headers, body, closed = exchange(served.port, post_head(served.port, None), chunk * 17)
     assert status == 413 and headers["connection"] == "close" and closed
-    _assert_openai_error(body, 413, f"over {MiB} bytes")
+    assert_openai_error(body, 413, f"over {MiB} bytes")
 
 
 def test_a_chunked_body_within_the_limit_is_served(served, limits):
     limits(max_bytes=MiB)
     data = json.dumps(CHAT).encode()
     chunks = b"".join(b"%x\r\n" % len(p) + p + b"\r\n" for p in (data[:10], data[10:])) + b"0\r\n\r\n"
-    status, _, body, _ = _exchange(served.port, _post_head(served.port, None), chunks, closes=False)
+    status, _, body, _ = exchange(served.port, post_head(served.port, None), chunks, closes=False)
     assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
 
 
@@ -122,10 +86,10 @@ def test_a_chunked_body_within_the_limit_is_served(served, limits):
 def test_a_body_that_stops_arriving_is_cut_off_with_408_at_the_bound(served, limits):
     limits(timeout_s=1.0)
     start = time.monotonic()
-    status, headers, body, closed = _exchange(served.port, _post_head(served.port, 100), b'{"model": "m"')
+    status, headers, body, closed = exchange(served.port, post_head(served.port, 100), b'{"model": "m"')
     waited = time.monotonic() - start
     assert status == 408 and headers["connection"] == "close" and closed
-    _assert_openai_error(body, 408, "within 1 s")
+    assert_openai_error(body, 408, "within 1 s")
     assert 1.0 <= waited < 10.0, waited
 
 
@@ -157,7 +121,7 @@ def test_bad_bodies_are_4xx_in_openai_shape(served, body, status, needle):
     r = requests.post(f"{served.url}/v1/chat/completions", data=body,
                       headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == status, r.text
-    _assert_openai_error(r.json(), status, needle)
+    assert_openai_error(r.json(), status, needle)
 
 
 def test_a_recursion_error_anywhere_in_a_route_is_a_400_not_a_500():
@@ -188,7 +152,7 @@ def test_a_recursion_error_anywhere_in_a_route_is_a_400_not_a_500():
              "http_version": "1.1", "scheme": "http", "server": ("t", 80), "client": ("c", 1), "root_path": ""}
     asyncio.run(deep(scope, receive, send))
     assert sent[0]["status"] == 400
-    _assert_openai_error(json.loads(sent[1]["body"]), 400, "nests too deeply")
+    assert_openai_error(json.loads(sent[1]["body"]), 400, "nests too deeply")
 
 
 @pytest.mark.parametrize("message", [
@@ -200,7 +164,7 @@ def test_a_message_other_than_an_assistants_with_null_content_is_400_naming_mess
     r = requests.post(f"{served.url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages"
-    _assert_openai_error(r.json(), 400, f"a {message['role']} message needs content", "null", "messages.0")
+    assert_openai_error(r.json(), 400, f"a {message['role']} message needs content", "null", "messages.0")
 
 
 def test_an_assistant_message_with_tool_calls_may_have_null_content(served):
@@ -255,7 +219,7 @@ def test_a_full_queue_is_429_with_retry_after_and_the_connection_stays_usable(se
             r = session.post(f"{served.url}/v1/chat/completions", json=CHAT, timeout=30)
             assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
             assert r.json()["error"]["type"] == "rate_limit_error"
-            _assert_openai_error(r.json(), 429, "--max-pending-requests", code="rate_limit_exceeded")
+            assert_openai_error(r.json(), 429, "--max-pending-requests", code="rate_limit_exceeded")
             ing._release(held)
             assert session.post(f"{served.url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
     finally:
@@ -317,64 +281,3 @@ def test_the_flag_sets_the_apps_body_limit_and_bad_bounds_name_their_field(tiny_
         with pytest.raises(ParameterError, match=field) as e:
             AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE), **{field: value})
         assert e.value.field == field
-
-
-# ---- through Serve's HTTP proxy ------------------------------------------------------------------
-APP = "bodytest"
-
-
-@pytest.fixture(scope="module")
-def app(deploy, tiny_model):
-    from cluster.launch.app_config import AppConfig
-    from engine import EngineArgs
-
-    cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE), mode="colocated", served_model_name=NAME,
-                    app_name=APP, replica_num_cpus=0, max_request_body_bytes=MiB, request_body_timeout_s=2.0)
-    return deploy(cfg)
-
-
-def _port(url: str) -> int:
-    return int(url.rsplit(":", 1)[1])
-
-
-def test_through_serve_a_64_mib_declared_body_is_413_before_any_byte_of_it_is_sent(app):
-    """Serve's proxy hands the request to the ingress replica before the body arrives (it
-    forwards the body as the app reads it), so the app's 413 comes back with no body sent."""
-    start = time.monotonic()
-    status, headers, body, closed = _exchange(_port(app), _post_head(_port(app), 64 * MiB))
-    assert status == 413 and headers["connection"] == "close" and closed
-    _assert_openai_error(body, 413, str(64 * MiB), str(MiB))  # the app's own limit, not the default
-    assert time.monotonic() - start < 10.0
-
-
-def test_through_serve_a_chunked_body_over_the_apps_limit_is_413(app):
-    piece = b"x" * (256 * 1024)
-    chunk = b"%x\r\n" % len(piece) + piece + b"\r\n"
-    status, headers, body, closed = _exchange(_port(app), _post_head(_port(app), None), chunk * 5)
-    assert status == 413 and closed
-    _assert_openai_error(body, 413, f"over {MiB} bytes")
-
-
-def test_through_serve_a_body_that_stops_arriving_is_408_at_the_apps_bound(app):
-    start = time.monotonic()
-    status, _, body, closed = _exchange(_port(app), _post_head(_port(app), 100), b'{"model": "m"')
-    assert status == 408 and closed
-    _assert_openai_error(body, 408, "within 2 s")
-    assert 2.0 <= time.monotonic() - start < 20.0
-
-
-def test_through_serve_a_keep_alive_connection_stays_usable_after_a_4xx(app):
-    conn = http.client.HTTPConnection("127.0.0.1", _port(app), timeout=60)
-    conn.connect()
-    sock = conn.sock
-    headers = {"Content-Type": "application/json"}
-    for bad, status in ((b'{"model": ', 400), (json.dumps({**CHAT, "messages": [{"role": "user"}]}), 400),
-                        (json.dumps({**CHAT, "model": "other"}), 404)):
-        conn.request("POST", "/v1/chat/completions", body=bad, headers=headers)
-        r = conn.getresponse()
-        assert r.status == status and "error" in json.loads(r.read())
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(CHAT), headers=headers)
-        ok = conn.getresponse()
-        assert ok.status == 200 and json.loads(ok.read())["usage"]["completion_tokens"] == 2
-        assert conn.sock is sock
-    conn.close()

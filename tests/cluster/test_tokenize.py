@@ -1,7 +1,7 @@
 """vLLM's tokenizer routes (cluster.http.tokenize): ids as the model's Hugging Face tokenizer
 gives them, conversations counted as /v1/chat/completions counts them, out-of-vocabulary ids a
 400 naming `tokens`, what lm-eval's remote tokenizer reads, and the API keys of /v1/*. The same
-routes through a deployed app are asked in tests/cluster/test_api_keys.py, on its app (an app
+routes through a deployed app are asked in tests/cluster/test_serve_front_door.py (an app
 start is 13-17 s of two cores)."""
 
 from __future__ import annotations
