@@ -16,9 +16,9 @@ def load_tokenizer(model_dir: str):
         from engine.models.gguf_tokenizer import load_gguf_tokenizer
 
         return load_gguf_tokenizer(gguf)
-    from transformers import AutoTokenizer
+    from engine.tokenizer_class import load_hf_tokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return load_hf_tokenizer(model_dir)
 
 
 def pickled_tokenizer(tokenizer) -> bytes | None:

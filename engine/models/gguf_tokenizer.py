@@ -16,11 +16,11 @@ import os
 import shutil
 import tempfile
 
+from engine.cache_dir import cache_root
+
 logger = logging.getLogger(__name__)
 
 
-def cache_root() -> str:
-    return os.environ.get("PDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pdserve"))
 
 
 def _cache_dir(path: str) -> str:
@@ -34,9 +34,11 @@ def _cache_dir(path: str) -> str:
 def load_gguf_tokenizer(path: str):
     from transformers import AutoTokenizer
 
+    from engine.tokenizer_class import load_hf_tokenizer
+
     cached = _cache_dir(path)
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(cached)
+        return load_hf_tokenizer(cached)
     from engine.models.gguf_file import metadata
 
     # transformers wraps a Gemma file's vocabulary in GemmaTokenizer, which adds a `<mask>`
