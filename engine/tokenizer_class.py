@@ -61,10 +61,12 @@ def _record_path(model_dir: str) -> str | None:
 def remembered_class(model_dir: str):
     """The transformers class AutoTokenizer picked for these exact files, or None."""
     path = _record_path(model_dir)
+    if path is None:
+        return None
     try:
-        with open(path) as f:  # type: ignore[arg-type]
+        with open(path) as f:
             name = f.read().strip()
-    except (OSError, TypeError):
+    except OSError:
         return None
     import transformers
 
