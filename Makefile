@@ -33,7 +33,8 @@ run: $(STAMP)
 	$(VENV)/bin/pdserve serve
 
 # Two pytest-xdist workers, each with its own Ray, taking whole modules (tests/conftest.py):
-# 1132 s against 1495 s in one process on 2 cores (docs/benchmarks.md#the-test-suite).
+# 896-1085 s at fff7de8, against 1495 s in one process at a02deda, on 2 cores
+# (docs/benchmarks.md#the-test-suite).
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q -n 2 tests
 
