@@ -1,5 +1,7 @@
 """Where pdserve keeps what it derives once per machine (converted GGUF tokenizers, the
-tokenizer classes AutoTokenizer picked): $PDSERVE_CACHE, else ~/.cache/pdserve."""
+tokenizer classes AutoTokenizer picked, the benchmarks' preset models): $PDSERVE_CACHE, else
+~/.cache/pdserve. kernels/cpu/build.py reads the same variable itself (the kernels package
+sits below engine/ and imports nothing from it)."""
 
 from __future__ import annotations
 

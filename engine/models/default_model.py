@@ -15,6 +15,7 @@ import importlib.metadata
 import os
 import sys
 
+from engine.cache_dir import cache_root
 from engine.errors import ParameterError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -58,8 +59,7 @@ def _is_default(model: str) -> bool:
 
 
 def preset_model_dir(preset: str) -> str:
-    root = os.environ.get("PDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pdserve"))
-    return os.path.join(root, "models", preset)
+    return os.path.join(cache_root(), "models", preset)
 
 
 def ensure_preset_model(preset: str) -> str:
