@@ -21,8 +21,6 @@ from engine.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 
 
-
-
 def _cache_dir(path: str) -> str:
     import transformers
 
