@@ -1,5 +1,5 @@
 """The suite's split over pytest-xdist workers (tests/conftest.py): whole modules per worker,
-the shared-app modules together, and disjoint Serve port ranges per worker's Ray."""
+each group of modules sharing an app together, and disjoint Serve port ranges per worker's Ray."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tests.conftest import (
-    SHARED_APP_MODULES,
+    SHARED_APP_GROUPS,
     serve_port_ranges,
     shared_cache_dir,
     unique_nodeids,
@@ -17,15 +17,20 @@ from tests.conftest import (
 )
 
 
-def test_a_module_is_one_unit_and_the_shared_app_modules_are_one_together():
+def test_a_module_is_one_unit_and_the_modules_sharing_an_app_are_one_together():
     assert work_unit("tests/engine/test_gguf.py::test_a[x]") == "tests/engine/test_gguf.py"
     assert work_unit("tests/engine/test_gguf.py::TestX::test_b") == "tests/engine/test_gguf.py"
-    assert {work_unit(f"{m}::test_q[pd]") for m in SHARED_APP_MODULES} == {"shared-app"}
+    for group, modules in SHARED_APP_GROUPS.items():
+        assert {work_unit(f"{m}::test_q[pd]") for m in modules} == {group}
+    assert work_unit("tests/cluster/test_churn.py::test_x") == work_unit("tests/cluster/test_serve_pd_direct.py::t")
+    assert work_unit("tests/cluster/test_churn.py::test_x") != work_unit("tests/cluster/test_lm_eval.py::t[pd]")
 
 
-def test_every_shared_app_module_exists():
+def test_every_shared_app_module_exists_and_is_in_one_group():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    assert all(os.path.isfile(os.path.join(root, m)) for m in SHARED_APP_MODULES)
+    every = [m for modules in SHARED_APP_GROUPS.values() for m in modules]
+    assert all(os.path.isfile(os.path.join(root, m)) for m in every)
+    assert len(every) == len(set(every))
 
 
 def test_items_sharing_a_node_id_get_their_names_and_the_others_keep_theirs():

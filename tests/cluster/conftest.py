@@ -5,7 +5,9 @@ an idle app's replicas do not share the two cores with the modules that follow).
 The modules that only ask an app questions (scoring, tools, the Responses API, lm-eval, LoRA)
 share one app per mode, `shared_app`: starting an app costs 13-17 s on two cores, and ten of
 them were a sixth of the suite. Its mode is a session parameter, so pytest runs every test of
-one mode together, across those modules, and the app lives through them."""
+one mode together, across those modules, and the app lives through them. The modules that
+kill, stop and scale the processes of a P/D app with direct streaming (churn, the decode-only
+fallback and the stalled core, the direct P/D path) share one such app, `shared_direct_app`."""
 
 from __future__ import annotations
 
@@ -110,14 +112,14 @@ class SharedApp:
 
 
 def pytest_collection_modifyitems(config, items):
-    """A module that asks the shared app must be in SHARED_APP_MODULES, or under xdist both
-    workers could start the apps."""
-    from tests.conftest import SHARED_APP_MODULES
+    """A module that asks a shared app must be in that app's group, or under xdist both
+    workers could start it."""
+    from tests.conftest import SHARED_APP_GROUPS
 
-    unlisted = sorted({item.nodeid.split("::")[0] for item in items if "shared_app" in item.fixturenames}
-                      - SHARED_APP_MODULES)
-    if unlisted:
-        raise pytest.UsageError(f"{unlisted} use shared_app: add them to tests/conftest.py SHARED_APP_MODULES")
+    for fixture, modules in SHARED_APP_GROUPS.items():
+        unlisted = sorted({item.nodeid.split("::")[0] for item in items if fixture in item.fixturenames} - modules)
+        if unlisted:
+            raise pytest.UsageError(f"{unlisted} use {fixture}: add them to its group, tests/conftest.py SHARED_APP_GROUPS")
 
 
 @pytest.fixture(scope="session")
@@ -142,3 +144,18 @@ def shared_app(request, deploy, tiny_model, lora_adapters):
     if app.name in _DEPLOYED:
         _delete(app.name)
     _SHARED.discard(app.name)
+
+
+@pytest.fixture(scope="session")
+def shared_direct_app(deploy, tiny_model):
+    """The P/D app with direct streaming and every engine core in a child process, shared by the
+    modules that kill, stop and scale its processes (test_churn, test_pd_fallback,
+    test_serve_pd_direct; each leaves it serving with every role back): two app starts fewer."""
+    from tests.cluster.helpers import shared_direct_app_config
+
+    app = SharedApp("pd", shared_direct_app_config(tiny_model), deploy)
+    yield app
+    if app.name in _DEPLOYED:
+        _delete(app.name)
+    _SHARED.discard(app.name)
+

@@ -293,6 +293,21 @@ def shared_app_config(model: str, mode: str, lora_a1: str):
                     enable_lora_runtime_updating=True)
 
 
+# The app of `shared_direct_app` (tests/cluster/conftest.py).
+DIRECT_APP = "pddirect"
+DIRECT_NAME = "pd-direct-model"
+DIRECT_STEP_TIMEOUT_S = 3.0  # engine_step_timeout_s: test_pd_fallback stops a core and waits on it
+
+
+def shared_direct_app_config(model: str):
+    """P/D with direct streaming (the ingress is the decode replica), every engine core in a
+    child process, every prompt disaggregated (tiny_app), health checks every second (the kill
+    tests wait on failed ones), and room for a second decode replica (the scale test)."""
+    return tiny_app(model, "pd", DIRECT_NAME, DIRECT_APP,
+                    engine={"engine_core_process": True, "engine_step_timeout_s": DIRECT_STEP_TIMEOUT_S},
+                    direct_streaming=True, health_check_period_s=1.0, max_replicas=2)
+
+
 def openai_client(url: str):
     import openai
 

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.helpers import hf_text, tiny_app
-
-APP = "churn"
-NAME = "churn-model"
+from tests.cluster.helpers import DIRECT_APP as APP
+from tests.cluster.helpers import DIRECT_NAME as NAME
+from tests.cluster.helpers import hf_text
 
 
 @pytest.fixture(scope="module")
-def app(deploy, tiny_model):
-    cfg = tiny_app(tiny_model, "pd", NAME, APP, engine={"engine_core_process": True}, direct_streaming=True,
-                   health_check_period_s=1.0)
-    return deploy(cfg)
+def app(shared_direct_app):
+    return shared_direct_app.url()
 
 
 def test_two_kills_under_load_leave_no_wrong_answer_no_unexplained_failure_no_leak_and_bounded_rss(

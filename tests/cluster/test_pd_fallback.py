@@ -7,7 +7,8 @@ ServePeers) with stand-in handles: the prompt runs whole on its decode engine, t
 is cancelled and its transfer released, each case is counted by reason, and enforce_disagg
 answers 503 with Retry-After instead.
 
-Behind Serve, one app shares the slow cases (each replacement takes tens of seconds here):
+Behind Serve, on the P/D app with direct streaming that this module shares with test_churn
+and test_serve_pd_direct (`shared_direct_app`; each replacement takes tens of seconds here):
 the issue's stalled prefill (the Prefill replica's process stopped with SIGSTOP: alive, silent)
 under 4 requests, each answered 200 with the healthy server's text (greedy and seeded) within
 the stated bound; then a decode engine core stopped mid-request: a 503 with Retry-After within
@@ -37,6 +38,9 @@ from cluster.http.pd_serve import (
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvstore.pd import PDRequestError
+from tests.cluster.helpers import DIRECT_APP as APP
+from tests.cluster.helpers import DIRECT_NAME as NAME
+from tests.cluster.helpers import DIRECT_STEP_TIMEOUT_S as STEP_TIMEOUT_S
 from tests.cluster.helpers import RecordingStore
 
 # ---- the decision, without Serve ------------------------------------------------------------
@@ -216,8 +220,6 @@ def test_bad_bounds_are_refused_naming_the_field(field, value):
 
 # ---- behind Serve -----------------------------------------------------------------------------
 
-APP = "pdfallback"
-NAME = "fallback-model"
 ROLES = {"prefill", "decode"}
 MAX_TOKENS = 16
 # Two greedy requests (oracle: transformers) and two seeded samples: the healthy server's text.
@@ -230,22 +232,16 @@ REQUESTS = [("The river ran quietly past", {"temperature": 0}),
 # requests measured gives these short prompts no more) plus its own prefill and decode on the
 # decode replica (under a second alone; up to 20 s allowed on this loaded 2-core machine).
 ANSWER_BOUND_S = 10.0 + 20.0
-STEP_TIMEOUT_S = 3.0  # engine_step_timeout_s of the app's engines
 # The watchdog's own delays (its checks every 0.1 s on the engine thread) and the HTTP path.
 WATCHDOG_SLACK_S = 12.0
 
 
 @pytest.fixture(scope="module")
-def app(deploy, tiny_model):
-    from tests.cluster.helpers import tiny_app
-
+def app(shared_direct_app):
     # Direct streaming: the ingress is the decode replica; every engine core in a child
-    # process; every prompt disaggregated (tiny_app), so each stalled prefill is a fallback.
-    cfg = tiny_app(tiny_model, "pd", NAME, APP, engine={"engine_core_process": True,
-                                                         "engine_step_timeout_s": STEP_TIMEOUT_S},
-                   direct_streaming=True, health_check_period_s=1.0)
-    assert cfg.prefill_timeout_s == 10.0  # the default, which the bound above states
-    return deploy(cfg)
+    # process; every prompt disaggregated, so each stalled prefill is a fallback.
+    assert shared_direct_app.config.prefill_timeout_s == 10.0  # the default, which the bound above states
+    return shared_direct_app.url()
 
 
 def _fallbacks(url: str) -> dict[str, float]:
