@@ -74,6 +74,7 @@ SHARED_APP_GROUPS = {
         "tests/cluster/test_churn.py",
         "tests/cluster/test_pd_fallback.py",
         "tests/cluster/test_serve_pd_direct.py",
+        "tests/cluster/test_serve_spec.py",
     }),
 }
 

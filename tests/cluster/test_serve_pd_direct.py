@@ -104,7 +104,7 @@ def test_a_killed_prefill_core_is_a_5xx_then_serve_replaces_the_prefill_replica(
     assert_no_leaks(app, APP, ROLES)
 
 
-# Last: it leaves the module's app with two decode replicas.
+# Last: it scales the shared app up and back (test_serve_spec asks it after this module).
 def test_the_scale_api_scales_decode_as_ingress_replicas(app, model):
     from ray import serve
 
@@ -123,3 +123,14 @@ def test_the_scale_api_scales_decode_as_ingress_replicas(app, model):
         assert client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10,
                                          temperature=0).choices[0].text == expected
     assert_no_leaks(app, APP, ROLES)
+    # And back to one: /status settles with one replica of each role.
+    r = requests.post(f"{app}/scale", json={"decode": 1}, timeout=60)
+    assert r.status_code == 202, r.text
+
+    def settled():
+        s = requests.get(f"{app}/status", timeout=30).json()
+        return not s["scaling"] and len(s["decode"]) == 1 and len(s["prefill"]) == 1
+    wait_for(settled, "one decode replica again", 180, 0.5)
+    assert serve.status().applications[APP].deployments["Ingress"].replica_states == {"RUNNING": 1}
+    assert client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10,
+                                     temperature=0).choices[0].text == expected

@@ -1,14 +1,16 @@
 """Speculative decoding through the Serve app as `pdserve serve` runs it: the engine that
 speculates is the ingress's own (direct streaming), its core in a child process.
 
-Three apps, deployed one after the other and asked the same questions (completions over token
-prompts after which the tiny model loops, so runs of drafts are accepted; a stop string; a
-seeded sampled completion; a chat; each plain and streamed, through the official openai
-client):
+Three apps, asked one after the other the same questions (completions over token prompts
+after which the tiny model loops, so runs of drafts are accepted; a stop string; a seeded
+sampled completion; a chat; each plain and streamed, through the official openai client):
+- P/D without speculation: what the other two must answer, field for field. It is the P/D
+  app with direct streaming and engine cores in child processes that this module shares with
+  test_churn, test_pd_fallback and test_serve_pd_direct (`shared_direct_app`), asked first,
+  while it still runs;
 - P/D with n-gram speculation on the decode replica, every prompt disaggregated;
 - colocated with a draft model, the target itself: its greedy drafts are all accepted iff the
-  draft's KV cache is right;
-- P/D without speculation: what the other two must answer, field for field.
+  draft's KV cache is right.
 Oracles: Hugging Face `generate`, the app without speculation, the replicas' counters as
 /metrics shows them, and the processes under the ingress replica.
 """
@@ -32,8 +34,8 @@ MAX_TOKENS = 24
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a river twice."}]
 CHAT_TOKENS = 16
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-APPS = ("pd-ngram", "colocated-draft", "pd-plain")
-SPECULATING = APPS[:2]
+APPS = ("pd-plain", "pd-ngram", "colocated-draft")
+SPECULATING = ("pd-ngram", "colocated-draft")
 FIELDS = ("text", "tokens", "finish", "usage")
 
 
@@ -68,12 +70,12 @@ def _reassemble(chunks) -> dict:
             "usage": (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens)}
 
 
-def _ask(url: str) -> dict:
+def _ask(url: str, name: str) -> dict:
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     prompts = _prompts()
-    base = dict(model=NAME, max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
+    base = dict(model=name, max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
     stream = dict(stream=True, stream_options={"include_usage": True})
     # One request with every prompt (they decode in one batch), then each streamed alone. A
     # batch's usage is the sum: per prompt it is compared streamed.
@@ -89,7 +91,7 @@ def _ask(url: str) -> dict:
                 "logprobs": r.choices[0].logprobs.token_logprobs, "finish": r.choices[0].finish_reason,
                 "usage": (r.usage.prompt_tokens, r.usage.completion_tokens)},
                _reassemble(list(client.completions.create(prompt=prompts[0], stop=stop, **base, **stream)))]
-    chat_args = dict(model=NAME, messages=CHAT, max_tokens=CHAT_TOKENS, temperature=0)
+    chat_args = dict(model=name, messages=CHAT, max_tokens=CHAT_TOKENS, temperature=0)
     r = client.chat.completions.create(**chat_args)
     chat = {"text": r.choices[0].message.content, "finish": r.choices[0].finish_reason,
             "usage": (r.usage.prompt_tokens, r.usage.completion_tokens)}
@@ -101,12 +103,12 @@ def _ask(url: str) -> dict:
     return dict(completions=completions, streamed=streamed, stopped=stopped, chat=chat, chat_streamed=chat_streamed)
 
 
-def _ask_seeded(url: str) -> list[str]:
+def _ask_seeded(url: str, name: str) -> list[str]:
     """The same seeded sampled completion, twice."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    return [client.completions.create(model=NAME, prompt=_prompts()[1], max_tokens=MAX_TOKENS, temperature=0.8,
+    return [client.completions.create(model=name, prompt=_prompts()[1], max_tokens=MAX_TOKENS, temperature=0.8,
                                       seed=7).choices[0].text for _ in range(2)]
 
 
@@ -148,31 +150,37 @@ def _speculative_config(app: str, tiny_model: str) -> dict | None:
 
 
 @pytest.fixture(scope="module")
-def answers(deploy, tiny_model) -> dict[str, Answers]:
-    """Each app deployed in turn (one at a time on two cores), asked, and checked."""
+def answers(deploy, tiny_model, shared_direct_app) -> dict[str, Answers]:
+    """Each app in turn (one at a time on two cores), asked and checked: the shared app without
+    speculation first, then each speculating one deployed in its place."""
     from cluster.launch.app_config import AppConfig
     from engine import EngineArgs
+    from tests.cluster.helpers import DIRECT_NAME
 
     out = {}
     for app in APPS:
         spec = _speculative_config(app, tiny_model)
         mode = app.split("-")[0]
-        # local_prefill_queue=0: in P/D every prompt's KV comes from the prefill replica.
-        cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, speculative_config=spec, **ENGINE), mode=mode,
-                        served_model_name=NAME, app_name=f"spec-{app}", replica_num_cpus=0, local_prefill_queue=0)
         roles = {"prefill", "decode"} if mode == "pd" else {"colocated"}
-        url = deploy(cfg)
-        asked = _ask(url)
+        if spec is None:
+            url, app_name, name = shared_direct_app.url(), shared_direct_app.name, DIRECT_NAME
+        else:
+            # local_prefill_queue=0: in P/D every prompt's KV comes from the prefill replica.
+            cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, speculative_config=spec, **ENGINE), mode=mode,
+                            served_model_name=NAME, app_name=f"spec-{app}", replica_num_cpus=0,
+                            local_prefill_queue=0)
+            url, app_name, name = deploy(cfg), cfg.app_name, NAME
+        asked = _ask(url, name)
         # The counters of the greedy requests alone (the seeded one's drafts may be rejected).
         spec_series = _scrape_after(url, roles, time.time())
-        seeded = _ask_seeded(url)
+        seeded = _ask_seeded(url, name)
         try:
-            assert_no_leaks(url, cfg.app_name, roles)
+            assert_no_leaks(url, app_name, roles)
             leaks = None
         except AssertionError as e:
             leaks = str(e)
         out[app] = Answers(**asked, seeded=seeded, spec_series=spec_series,
-                           core_processes=_spawned_under_ingress(cfg.app_name), leaks=leaks)
+                           core_processes=_spawned_under_ingress(app_name), leaks=leaks)
     return out
 
 
