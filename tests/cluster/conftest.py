@@ -150,8 +150,9 @@ def shared_app(request, deploy, tiny_model, lora_adapters):
 def shared_direct_app(deploy, tiny_model):
     """The P/D app with direct streaming and every engine core in a child process, shared by the
     modules that kill, stop and scale its processes (test_churn, test_pd_fallback,
-    test_serve_pd_direct; each leaves it serving with every role back, one replica each) and
-    by test_serve_spec as its app without speculation: three app starts fewer."""
+    test_serve_pd_direct; each leaves it serving with every role back, one replica each), by
+    test_serve_pd's requests and by test_serve_spec as its app without speculation: four app
+    starts fewer."""
     from tests.cluster.helpers import shared_direct_app_config
 
     app = SharedApp("pd", shared_direct_app_config(tiny_model), deploy)

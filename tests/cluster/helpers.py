@@ -260,7 +260,7 @@ def tiny_app(model: str, mode: str, name: str, app_name: str, engine: dict | Non
 
     pd = {"local_prefill_queue": 0, "max_local_prefill_length": 0} if mode == "pd" else {}
     return AppConfig(engine_args=EngineArgs(model=model, **{**ENGINE, **(engine or {})}), mode=mode,
-                     served_model_name=name, app_name=app_name, replica_num_cpus=0, **pd, **fields)
+                     served_model_name=name, app_name=app_name, replica_num_cpus=0, **{**pd, **fields})
 
 
 class RecordingStore:
@@ -297,15 +297,18 @@ def shared_app_config(model: str, mode: str, lora_a1: str):
 DIRECT_APP = "pddirect"
 DIRECT_NAME = "pd-direct-model"
 DIRECT_STEP_TIMEOUT_S = 3.0  # engine_step_timeout_s: test_pd_fallback stops a core and waits on it
+DIRECT_SHORT = 3  # max_local_prefill_length: test_serve_pd's short prompts prefill on their decode replica
 
 
 def shared_direct_app_config(model: str):
     """P/D with direct streaming (the ingress is the decode replica), every engine core in a
-    child process, every prompt disaggregated (tiny_app), health checks every second (the kill
-    tests wait on failed ones), and room for a second decode replica (the scale test)."""
+    child process, every prompt of more than DIRECT_SHORT tokens disaggregated whatever the
+    load, health checks every second (the kill tests wait on failed ones), and room for a
+    second decode replica (the scale test)."""
     return tiny_app(model, "pd", DIRECT_NAME, DIRECT_APP,
                     engine={"engine_core_process": True, "engine_step_timeout_s": DIRECT_STEP_TIMEOUT_S},
-                    direct_streaming=True, health_check_period_s=1.0, max_replicas=2)
+                    direct_streaming=True, health_check_period_s=1.0, max_replicas=2,
+                    max_local_prefill_length=DIRECT_SHORT)
 
 
 def openai_client(url: str):

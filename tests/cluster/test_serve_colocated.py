@@ -1,19 +1,37 @@
-"""The Serve app in colocated mode (the baseline), with a pending-request limit of 2 so the
-429 path can be reached with requests the test holds open."""
+"""The Serve app in colocated mode (the baseline): the engine deployment behind the ingress
+(test_serve_direct: without), with a pending-request limit of 2 so the 429 path can be reached
+with requests the test holds open, and --engine-core-process: the replica's engine core runs
+in a child process of the replica (as vLLM V1's EngineCoreProc). Driven by requests and the
+official openai client. Oracles: Hugging Face greedy text, the replica's and its core's pids,
+/proc, Serve's logs and the replica's KV figures (no leak). Nothing may outlive what it belongs
+to, and a dead core is a 5xx and a replaced replica, never a hang or a wrong 200. (The engine
+in the replica's own thread, behind an ingress, is test_serve_front_door's.)"""
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 
 import pytest
 import requests
 
+from engine import EngineArgs
+from engine.errors import ParameterError
 from tests.cluster import structured_checks
 from tests.cluster.helpers import (
     ENGINE,
+    answers_exactly,
     assert_no_leaks,
+    deployment_processes,
+    engine_core_of,
+    hf_text,
     in_thread,
+    kill_core_then_answers_again,
     metric_value,
+    openai_client,
+    proc_stat,
+    running,
     serve_logs,
     sse_events,
     wait_for,
@@ -22,17 +40,17 @@ from tests.engine.hf_reference import hf_greedy
 
 APP = "colotest"
 NAME = "tiny-colo"
+PROMPT = "The river ran quietly past"
 
 
 @pytest.fixture(scope="module")
 def app(deploy, tiny_model):
     from cluster.launch.app_config import AppConfig
-    from engine import EngineArgs
 
-    cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE),
+    cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, engine_core_process=True, **ENGINE),
                     mode="colocated", served_model_name=NAME, app_name=APP,
-                    replica_num_cpus=0, max_pending_requests=2,
-                    direct_streaming=False)  # the engine deployment behind the ingress (test_serve_direct: without)
+                    replica_num_cpus=0, max_pending_requests=2, direct_streaming=False,
+                    health_check_period_s=1.0)  # the kill tests wait on failed checks
     return deploy(cfg)
 
 
@@ -203,6 +221,41 @@ def test_structured_outputs_colocated_valid_and_equal_to_offline(app, tiny_model
     structured_checks.check_every_spelling_constrains_sampled_completions(client, NAME)
     structured_checks.check_equals_offline(client, NAME, tiny_model, ENGINE)
     assert_no_leaks(app, APP, {"colocated"})
+
+
+def test_the_replicas_core_is_its_child_and_answers_like_transformers(app, tiny_model):
+    engine_core_of("Colocated", APP)
+    client = openai_client(app)
+    text = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
+    assert text == hf_text(tiny_model, PROMPT, 10)
+    with client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0, stream=True) as s:
+        assert "".join(c.choices[0].text for c in s) == text
+    assert_no_leaks(app, APP, {"colocated"})
+
+
+def test_a_killed_core_is_a_5xx_then_serve_replaces_the_replica(app, tiny_model):
+    kill_core_then_answers_again(app, "Colocated", APP, NAME, PROMPT, hf_text(tiny_model, PROMPT, 10))
+
+
+def test_a_killed_replica_takes_its_core_process_with_it(app, tiny_model):
+    old = deployment_processes("Colocated", APP)
+    [core] = old["engine_cores"]
+    start = proc_stat(core)[19]  # so a reused pid is not taken for the core
+    os.kill(old["replica"], signal.SIGKILL)
+    # It must not outlive its replica: Ray ends a dead worker's children, and the core also
+    # stops by itself when its pipe closes (tests/engine/test_engine_core_process.py).
+    wait_for(lambda: not running(core, start), "the orphaned core process to exit", 60, 0.2)
+    expected = hf_text(tiny_model, PROMPT, 10)
+    wait_for(answers_exactly(openai_client(app), NAME, PROMPT, expected), "a replaced replica to answer", 180, 2.0)
+
+
+def test_tensor_parallel_apps_refuse_the_core_process_before_anything_starts(tiny_model):
+    from cluster.launch.app_config import AppConfig
+
+    args = EngineArgs(model=tiny_model, engine_core_process=True)
+    with pytest.raises(ParameterError, match="tensor_parallel_size=2") as e:
+        AppConfig(engine_args=args, mode="pd", prefill_tensor_parallel_size=2, decode_tensor_parallel_size=2)
+    assert e.value.field == "engine_core_process"
 
 
 def test_deleting_the_app_lets_in_flight_requests_finish(app):

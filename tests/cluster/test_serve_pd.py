@@ -1,4 +1,7 @@
-"""The Serve app in P/D mode on local Ray, driven by the official openai client and raw HTTP.
+"""The Serve app in P/D mode on local Ray, driven by the official openai client and raw HTTP:
+the P/D app with direct streaming and engine cores in child processes that this module shares
+with test_churn, test_pd_fallback, test_serve_pd_direct and test_serve_spec
+(`shared_direct_app`).
 
 Oracles: Hugging Face greedy generation (text and token counts), HF log-softmax (logprobs),
 the OpenAI error shape, and the replicas' own KV figures (no leaked block or transfer).
@@ -14,27 +17,28 @@ import requests
 import torch
 
 from tests.cluster import structured_checks
-from tests.cluster.helpers import ENGINE, assert_no_leaks, metric_value, sse_events, wait_for
+from tests.cluster.helpers import (
+    DIRECT_APP,
+    DIRECT_NAME,
+    DIRECT_SHORT,
+    ENGINE,
+    assert_no_leaks,
+    metric_value,
+    sse_events,
+    wait_for,
+)
 from tests.engine.hf_reference import _hf_model, hf_greedy
 
-APP = "pdtest"
-NAME = "tiny-test"
-SHORT = 3
+APP, NAME, SHORT = DIRECT_APP, DIRECT_NAME, DIRECT_SHORT
 PROMPTS = ["The river ran quietly past", "A good engineer measures before", "Hello! How can I help you",
            "Once upon a time there was a small village by the sea where"]
 
 
 @pytest.fixture(scope="module")
-def app(deploy, tiny_model):
-    from cluster.launch.app_config import AppConfig
-    from engine import EngineArgs
-
+def app(shared_direct_app):
     # Prompts of at most SHORT tokens prefill on their decode replica; every other one is
     # disaggregated whatever the load (queue 0), so the P/D path is what the other tests test.
-    cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE),
-                    mode="pd", served_model_name=NAME, app_name=APP, replica_num_cpus=0,
-                    local_prefill_queue=0, max_local_prefill_length=SHORT)
-    return deploy(cfg)
+    return shared_direct_app.url()
 
 
 @pytest.fixture(scope="module")
