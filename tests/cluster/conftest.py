@@ -7,7 +7,9 @@ share one app per mode, `shared_app`: starting an app costs 13-17 s on two cores
 them were a sixth of the suite. Its mode is a session parameter, so pytest runs every test of
 one mode together, across those modules, and the app lives through them. The modules that
 kill, stop and scale the processes of a P/D app with direct streaming (churn, the decode-only
-fallback and the stalled core, the direct P/D path) share one such app, `shared_direct_app`."""
+fallback and the stalled core, the direct P/D path) share one such app, `shared_direct_app`,
+which test_serve_pd asks its P/D questions and test_serve_spec asks as its app without
+speculation. A shared app goes after the last test of its group."""
 
 from __future__ import annotations
 
@@ -89,8 +91,9 @@ def deploy(serve_url):
 
 @dataclasses.dataclass
 class SharedApp:
-    """The app of one mode shared by the question-asking modules (tests/cluster/helpers.py,
-    shared_app_config): `url()` deploys it again if another module's app replaced it."""
+    """An app several modules share (`shared_app`, `shared_direct_app` below): `url()` deploys
+    it again if another module's app replaced it, and otherwise waits until it has settled, so
+    a module never starts on a replica that the one before it left being replaced."""
 
     mode: str
     config: object
@@ -108,7 +111,43 @@ class SharedApp:
         if self.name not in _DEPLOYED:
             _SHARED.add(self.name)
             return self.deploy(self.config)
+        wait_for(lambda: _settled(self.name, self.deploy.url), f"the shared app {self.name} to settle", 180, 0.2)
         return self.deploy.url
+
+
+def _settled(name: str, url: str) -> bool:
+    """Serve runs the app with every replica RUNNING (none starting, stopping or failing its
+    health check), and the Coordinator is not scaling it."""
+    import requests
+    from ray import serve
+
+    app = serve.status().applications.get(name)
+    if app is None or app.status != "RUNNING":
+        return False
+    if any(d.status != "HEALTHY" or set(d.replica_states) != {"RUNNING"} for d in app.deployments.values()):
+        return False
+    return not requests.get(f"{url}/status", timeout=30).json().get("scaling", False)
+
+
+# Each work unit's last test id, in the run's order (pytest_runtest_teardown below).
+_LAST_OF_GROUP: dict[str, str] = {}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of a group of modules sharing an app, the shared apps go (the module
+    ends below do not delete them), so an idle app does not share the two cores with the
+    modules that follow. Under xdist one worker runs a group whole, in collection order."""
+    from tests.conftest import SHARED_APP_GROUPS, work_unit
+
+    group = work_unit(item.nodeid)
+    if group not in SHARED_APP_GROUPS:
+        return
+    if not _LAST_OF_GROUP:  # the run's final order, known once its first test has run
+        _LAST_OF_GROUP.update({work_unit(i.nodeid): i.nodeid for i in item.session.items})
+    if item.nodeid == _LAST_OF_GROUP[group]:
+        for name in [n for n in _DEPLOYED if n in _SHARED]:
+            _delete(name)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -254,7 +254,8 @@ def hf_text(model: str, prompt: str, max_tokens: int) -> str:
 
 def tiny_app(model: str, mode: str, name: str, app_name: str, engine: dict | None = None, **fields):
     """The AppConfig of a module's app on the suite's tiny model, in `mode`: in P/D every
-    prompt is disaggregated whatever its length or the load, so the P/D path is what is tested."""
+    prompt is disaggregated whatever its length or the load, so the P/D path is what is tested
+    (unless `fields` set the local-prefill rule themselves)."""
     from cluster.launch.app_config import AppConfig
     from engine import EngineArgs
 
@@ -296,7 +297,10 @@ def shared_app_config(model: str, mode: str, lora_a1: str):
 # The app of `shared_direct_app` (tests/cluster/conftest.py).
 DIRECT_APP = "pddirect"
 DIRECT_NAME = "pd-direct-model"
-DIRECT_STEP_TIMEOUT_S = 3.0  # engine_step_timeout_s: test_pd_fallback stops a core and waits on it
+# engine_step_timeout_s: test_pd_fallback stops a core and waits this long for the watchdog.
+# Every module on the shared app runs under it, structured outputs included, on a loaded
+# 2-core machine: 10 s leaves their slowest steps (well under a second here) a wide margin.
+DIRECT_STEP_TIMEOUT_S = 10.0
 DIRECT_SHORT = 3  # max_local_prefill_length: test_serve_pd's short prompts prefill on their decode replica
 
 

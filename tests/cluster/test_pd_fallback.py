@@ -239,7 +239,8 @@ WATCHDOG_SLACK_S = 12.0
 @pytest.fixture(scope="module")
 def app(shared_direct_app):
     # Direct streaming: the ingress is the decode replica; every engine core in a child
-    # process; every prompt disaggregated, so each stalled prefill is a fallback.
+    # process; every prompt of more than DIRECT_SHORT tokens (all of these) disaggregated, so each
+    # stalled prefill is a fallback.
     assert shared_direct_app.config.prefill_timeout_s == 10.0  # the default, which the bound above states
     return shared_direct_app.url()
 

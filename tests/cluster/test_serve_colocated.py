@@ -4,8 +4,9 @@ with requests the test holds open, and --engine-core-process: the replica's engi
 in a child process of the replica (as vLLM V1's EngineCoreProc). Driven by requests and the
 official openai client. Oracles: Hugging Face greedy text, the replica's and its core's pids,
 /proc, Serve's logs and the replica's KV figures (no leak). Nothing may outlive what it belongs
-to, and a dead core is a 5xx and a replaced replica, never a hang or a wrong 200. (The engine
-in the replica's own thread, behind an ingress, is test_serve_front_door's.)"""
+to, and a dead core is a 5xx and a replaced replica, never a hang or a wrong 200. (An engine in
+the replica's own thread behind an ingress is what test_serve_front_door's app runs, asked
+there for API keys, the tokenizer routes and body limits.)"""
 
 from __future__ import annotations
 

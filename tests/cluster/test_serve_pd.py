@@ -1,7 +1,9 @@
 """The Serve app in P/D mode on local Ray, driven by the official openai client and raw HTTP:
 the P/D app with direct streaming and engine cores in child processes that this module shares
 with test_churn, test_pd_fallback, test_serve_pd_direct and test_serve_spec
-(`shared_direct_app`).
+(`shared_direct_app`). (P/D apps whose prefill engine runs in its replica's own thread, the
+default: test_serve_scale, test_serve_autoscale, test_serve_tp and the shared question-asking
+app.)
 
 Oracles: Hugging Face greedy generation (text and token counts), HF log-softmax (logprobs),
 the OpenAI error shape, and the replicas' own KV figures (no leaked block or transfer).

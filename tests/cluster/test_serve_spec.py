@@ -8,7 +8,8 @@ sampled completion; a chat; each plain and streamed, through the official openai
   app with direct streaming and engine cores in child processes that this module shares with
   test_churn, test_pd_fallback and test_serve_pd_direct (`shared_direct_app`), asked first,
   while it still runs;
-- P/D with n-gram speculation on the decode replica, every prompt disaggregated;
+- P/D with n-gram speculation on the decode replica: the shared app's config with
+  speculation added (every prompt here disaggregated, engine cores in child processes);
 - colocated with a draft model, the target itself: its greedy drafts are all accepted iff the
   draft's KV cache is right.
 Oracles: Hugging Face `generate`, the app without speculation, the replicas' counters as
@@ -17,6 +18,7 @@ Oracles: Hugging Face `generate`, the app without speculation, the replicas' cou
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -165,10 +167,13 @@ def answers(deploy, tiny_model, shared_direct_app) -> dict[str, Answers]:
         if spec is None:
             url, app_name, name = shared_direct_app.url(), shared_direct_app.name, DIRECT_NAME
         else:
-            # local_prefill_queue=0: in P/D every prompt's KV comes from the prefill replica.
-            cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, speculative_config=spec, **ENGINE), mode=mode,
-                            served_model_name=NAME, app_name=f"spec-{app}", replica_num_cpus=0,
-                            local_prefill_queue=0)
+            if mode == "pd":  # the shared app's config with speculation: nothing else differs
+                base = shared_direct_app.config
+                cfg = dataclasses.replace(base, engine_args=dataclasses.replace(base.engine_args, speculative_config=spec),
+                                          served_model_name=NAME, app_name=f"spec-{app}")
+            else:
+                cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, speculative_config=spec, **ENGINE),
+                                mode=mode, served_model_name=NAME, app_name=f"spec-{app}", replica_num_cpus=0)
             url, app_name, name = deploy(cfg), cfg.app_name, NAME
         asked = _ask(url, name)
         # The counters of the greedy requests alone (the seeded one's drafts may be rejected).
