@@ -33,7 +33,7 @@ run: $(STAMP)
 	$(VENV)/bin/pdserve serve
 
 # Two pytest-xdist workers, each with its own Ray, taking whole modules (tests/conftest.py):
-# 896-1085 s at fff7de8, against 1495 s in one process at a02deda, on 2 cores
+# 715 s at 395b19d (local), against 1495 s in one process at a02deda, on 2 cores
 # (docs/benchmarks.md#the-test-suite).
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q -n 2 tests
