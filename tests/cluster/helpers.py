@@ -321,6 +321,14 @@ def openai_client(url: str):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def assert_plain_and_streamed_answer(client, model: str, prompt: str, expected: str, max_tokens: int = 10) -> None:
+    """A greedy completion answers `expected`, plain and streamed alike."""
+    args = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    assert client.completions.create(**args).choices[0].text == expected
+    with client.completions.create(**args, stream=True) as s:
+        assert "".join(c.choices[0].text for c in s) == expected
+
+
 def answers_exactly(client, model: str, prompt: str, expected: str, max_tokens: int = 10):
     """A check for wait_for: False while the server answers 5xx or drops the connection (a
     replica being replaced: with direct streaming that is the HTTP server itself), True once

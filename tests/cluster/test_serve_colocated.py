@@ -24,6 +24,7 @@ from tests.cluster.helpers import (
     ENGINE,
     answers_exactly,
     assert_no_leaks,
+    assert_plain_and_streamed_answer,
     deployment_processes,
     engine_core_of,
     hf_text,
@@ -227,10 +228,7 @@ def test_structured_outputs_colocated_valid_and_equal_to_offline(app, tiny_model
 def test_the_replicas_core_is_its_child_and_answers_like_transformers(app, tiny_model):
     engine_core_of("Colocated", APP)
     client = openai_client(app)
-    text = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
-    assert text == hf_text(tiny_model, PROMPT, 10)
-    with client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0, stream=True) as s:
-        assert "".join(c.choices[0].text for c in s) == text
+    assert_plain_and_streamed_answer(client, NAME, PROMPT, hf_text(tiny_model, PROMPT, 10))
     assert_no_leaks(app, APP, {"colocated"})
 
 

@@ -17,6 +17,7 @@ from tests.cluster.helpers import (
     ENGINE,
     answers_exactly,
     assert_no_leaks,
+    assert_plain_and_streamed_answer,
     engine_core_of,
     hf_text,
     kill_core_then_answers_again,
@@ -53,10 +54,7 @@ def test_the_ingress_owns_its_engine_and_answers_like_transformers(app, model):
     assert deployments == {"Ingress", "Coordinator"}  # no engine deployment behind the ingress
     engine_core_of("Ingress", APP)
     client = openai_client(app)
-    text = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
-    assert text == hf_text(model, PROMPT, 10)
-    with client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0, stream=True) as s:
-        assert "".join(c.choices[0].text for c in s) == text
+    assert_plain_and_streamed_answer(client, NAME, PROMPT, hf_text(model, PROMPT, 10))
     [rep] = replicas(app)
     assert rep["role"] == "colocated"
     assert metric_value(app, "vllm:generation_tokens_total", model_name=NAME) >= 20

@@ -18,6 +18,7 @@ from tests.cluster.helpers import (
     DIRECT_APP,
     DIRECT_NAME,
     assert_no_leaks,
+    assert_plain_and_streamed_answer,
     engine_core_of,
     hf_text,
     kill_core_then_answers_again,
@@ -63,11 +64,7 @@ def test_the_ingress_is_the_decode_replica_and_loads_the_prompt_kv_from_its_core
     store = ray.get_actor(store_name(APP), namespace=STORE_NAMESPACE)
     registered = ray.get(store.stats.remote())["registered"]
     client = openai_client(app)
-    expected = hf_text(model, PROMPT, 10)
-    text = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
-    assert text == expected
-    with client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0, stream=True) as s:
-        assert "".join(c.choices[0].text for c in s) == text
+    assert_plain_and_streamed_answer(client, NAME, PROMPT, hf_text(model, PROMPT, 10))
     assert {r["role"] for r in replicas(app)} == ROLES
     assert_no_leaks(app, APP, ROLES)  # blocks on both sides, and no live transfer in the store
     # Both prompts' KV crossed from the prefill core to the decode core (never recomputed).
