@@ -89,7 +89,7 @@ def prefill_attention(q, key_cache, value_cache, block_table, starts: list[int],
                 qr.float(), k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
             )
         else:  # a chunk over a cached prefix: causal, aligned to the end of the context
-            mask = torch.ones(q_len, ctx[r], dtype=torch.bool).tril(ctx[r] - q_len)
+            mask = torch.ones(q_len, ctx[r], dtype=torch.bool, device=key_cache.device).tril(ctx[r] - q_len)
             o = F.scaled_dot_product_attention(
                 qr.float(), k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
             )
@@ -109,12 +109,14 @@ def _gather_context(key_cache, value_cache, block_table, max_len):
 
 
 def _decode_attention(q, key_cache, value_cache, block_table, starts, ctx, rows, scale, out):
+    dev = key_cache.device  # the index and mask tensors live beside the cache (CUDA in GPU tests)
     for bucket in _length_buckets(sorted(rows, key=lambda r: ctx[r]), ctx, key_cache[0, 0].numel()):
-        lens = torch.tensor([ctx[r] for r in bucket])
-        k, v = _gather_context(key_cache, value_cache, block_table[torch.tensor(bucket)], ctx[bucket[-1]])
-        tok = torch.tensor([starts[r] for r in bucket])
+        lens = torch.tensor([ctx[r] for r in bucket], device=dev)
+        k, v = _gather_context(key_cache, value_cache, block_table[torch.tensor(bucket, device=block_table.device)],
+                               ctx[bucket[-1]])
+        tok = torch.tensor([starts[r] for r in bucket], device=q.device)
         qd = q[tok].unsqueeze(2).float()  # [n, H, 1, D]
-        mask = torch.arange(k.shape[2]).view(1, 1, 1, -1) < lens.view(-1, 1, 1, 1)
+        mask = torch.arange(k.shape[2], device=dev).view(1, 1, 1, -1) < lens.view(-1, 1, 1, 1)
         o = F.scaled_dot_product_attention(
             qd, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
         )

@@ -71,7 +71,8 @@ def test_triton_kernels_run_a_mixed_batch_as_peft_does(lora_setup, device):
     r1, r2 = LoRARequest("a1", 1, a1), LoRARequest("a2", 2, a2)
     prompts = random_prompts([5, 11, 8], vocab, seed=6)
     loras = [r1, None, r2]
-    llm = LLM(base, max_model_len=64, enable_lora=True, max_loras=2, kernel_backend="triton", device=device)
+    llm = LLM(base, max_model_len=64, enable_lora=True, max_loras=2, kernel_backend="triton", device=device,
+              dtype="float32")  # exact parity with PEFT (CUDA's `auto` is bf16)
     try:
         outs = llm.generate(_ids(prompts), SamplingParams(temperature=0, max_tokens=6), lora_request=loras,
                             use_tqdm=False)

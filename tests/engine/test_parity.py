@@ -42,7 +42,8 @@ def _generate(llm, prompts):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_greedy_matches_transformers_for_mixed_batch(model_factory, variant, device):
     model = _make(model_factory, variant)
-    llm = LLM(model, max_model_len=256, device=device)
+    # fp32: exact parity (on CUDA `auto` would be bf16, which the bf16 test below judges).
+    llm = LLM(model, max_model_len=256, device=device, dtype="float32")
     prompts = random_prompts(LENGTHS, llm.engine.core.arch.vocab_size - 64)
     assert _generate(llm, prompts) == hf_greedy(model, prompts, MAX_NEW)
 
@@ -100,7 +101,7 @@ def test_greedy_is_independent_of_batch_composition(tiny_model):
 def test_greedy_matches_transformers_with_triton_kernels(model_factory, device):
     # Triton kernels under the interpreter on CPU, compiled on CUDA: the whole engine path.
     model = model_factory("qwen3")
-    llm = LLM(model, max_model_len=64, kernel_backend="triton", device=device)
+    llm = LLM(model, max_model_len=64, kernel_backend="triton", device=device, dtype="float32")
     assert llm.engine.core.kernel_backend == "triton"
     prompts = random_prompts([3, 17, 9], llm.engine.core.arch.vocab_size - 64, seed=9)
     params = SamplingParams(temperature=0.0, max_tokens=6)

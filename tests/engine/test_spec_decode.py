@@ -60,7 +60,8 @@ def _counter(llm, name: str) -> int:
 ], ids=["plain", "chunked-prefill", "tight-budget"])
 def test_greedy_with_ngram_speculation_matches_transformers(tiny_model, engine_kwargs):
     prompts = _prompts()
-    llm = LLM(tiny_model, max_model_len=256, speculative_config=NGRAM, **engine_kwargs)
+    # fp32: exact parity with transformers also on CUDA, whose `auto` dtype is bf16.
+    llm = LLM(tiny_model, max_model_len=256, speculative_config=NGRAM, dtype="float32", **engine_kwargs)
     assert _generate(llm, prompts) == _hf_greedy(tiny_model, prompts)
     assert _counter(llm, "vllm:spec_decode_num_accepted_tokens") > 0
     assert _counter(llm, "vllm:spec_decode_num_draft_tokens") >= _counter(llm, "vllm:spec_decode_num_accepted_tokens")

@@ -36,7 +36,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def llm(tiny_model, device):
-    return LLM(tiny_model, max_model_len=256, device=device)
+    # fp32 everywhere in this module: exact parity with the reference also on CUDA (whose
+    # `auto` dtype is bf16), and the engines compared with each other share a dtype.
+    return LLM(tiny_model, max_model_len=256, device=device, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +146,7 @@ def test_constrained_greedy_equals_masked_argmax_reference_with_raw_logprobs(llm
 def test_preemption_keeps_the_matcher_in_step_with_the_output(tiny_model, llm, prompts, device):
     params = [_sampled(so, i, max_tokens=48) for i, so in enumerate([JSON, JSON, GRAMMAR, REGEX])]
     small = LLM(tiny_model, max_model_len=128, block_size=8, num_kv_blocks=16, enable_prefix_caching=False,
-                device=device)
+                device=device, dtype="float32")
     scheduler = small.engine.core.scheduler
     preempted = []
     original = scheduler._preempt
@@ -157,7 +159,7 @@ def test_preemption_keeps_the_matcher_in_step_with_the_output(tiny_model, llm, p
 
 def test_chunked_prefill_masks_only_the_sampling_chunk(tiny_model, llm, device):
     chunked = LLM(tiny_model, max_model_len=256, long_prefill_token_threshold=7, max_num_batched_tokens=24,
-                  device=device)
+                  device=device, dtype="float32")
     long_prompts = [{"prompt_token_ids": p} for p in random_prompts([40, 23, 31], 1000, seed=5)]
     params = [_sampled(so, i) for i, so in enumerate([JSON, GRAMMAR, CHOICE])]
     assert ([o.token_ids for o in _gen(chunked, long_prompts, params)]

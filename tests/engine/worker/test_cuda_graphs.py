@@ -78,7 +78,8 @@ def test_decode_graphs_give_the_eager_tokens_and_transformers(tiny_model, device
     params = SamplingParams(temperature=0.0, max_tokens=16)
     tokens, replays = {}, {}
     for eager in (False, True):
-        llm = LLM(tiny_model, max_model_len=128, max_num_seqs=8, device=device, enforce_eager=eager)
+        llm = LLM(tiny_model, max_model_len=128, max_num_seqs=8, device=device, enforce_eager=eager,
+                  dtype="float32")  # exact parity (CUDA's `auto` is bf16)
         graphs = llm.engine.core.executor.worker.runner.decode_graphs
         assert (graphs is not None) == (device == "cuda" and not eager)
         replays[eager] = 0
