@@ -58,6 +58,33 @@ def bench_decode_attention(args, peak):
             print(f"{batch:>6} {ctx:>6} {t_tri:>10.1f} {gbs_tri:>8.0f} {pct:>6} {t_sdpa:>9.1f} {gbs_sdpa:>8.0f}")
 
 
+def bench_decode_attention_batch1(args, peak):
+    """Batch 1 across contexts and KV splits, each timed three times: the 62 us at 2,048 tokens
+    the first H200 run showed (docs/benchmarks.md#paged-attention) was never explained."""
+    from kernels import triton_kernels as tk
+
+    dtype = getattr(torch, args.dtype)
+    H, Hkv, D, page = args.heads, args.kv_heads, args.head_dim, 16
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    print("\npaged_attention decode at batch 1 (us, three timings each): splits None = the default")
+    for ctx in (512, 1024, 2048, 4096, 8192, 16384):
+        nb = -(-ctx // page)
+        kc = torch.randn(nb, page, Hkv, D, device="cuda", dtype=dtype)
+        vc = torch.randn_like(kc)
+        table = torch.randperm(nb, device="cuda", dtype=torch.int32).view(1, nb)
+        q = torch.randn(1, H, D, device="cuda", dtype=dtype)
+        qsl = torch.arange(2, device="cuda", dtype=torch.int32)
+        seq = torch.full((1,), ctx, device="cuda", dtype=torch.int32)
+        out = torch.empty_like(q)
+        cells = []
+        for splits in (None, 1, 4, 8, 16, 32):
+            times = [_time_us(tk.paged_attention, q, kc, vc, table, qsl, seq, D**-0.5, out, num_kv_splits=splits)
+                     for _ in range(3)]
+            cells.append(f"{splits}: " + "/".join(f"{t:.0f}" for t in times))
+        gbs = decode_attention_bytes(1, ctx, H, Hkv, D, itemsize) / 1e3
+        print(f"  ctx {ctx:>6} ({gbs / 1e3:.1f} MB): " + "; ".join(cells))
+
+
 def bench_elementwise(args):
     from kernels import reference as ref
     from kernels import triton_kernels as tk
@@ -129,6 +156,39 @@ def bench_gguf(args):
             del qw, dense
 
 
+def bench_gguf_tiles(args):
+    """The tilings of gguf_matmul at decode sizes: which one the default should be."""
+    from kernels.triton_kernels import gguf, gguf_words
+
+    T_ = gguf.Tiles
+    sweep = [T_("dot", bn, bk, 16, 4) for bn in (32, 64, 128) for bk in (32, 64)]
+    sweep += [T_("gemv", 16, bk, 1, w) for bk in (64, 128, 256) for w in (2, 4)] + [T_("gemv", 8, 256, 1, 4)]
+    sweep += [T_("words", bn, 32, 1, w) for bn in (2, 4, 8, 16, 32) for w in (1, 2, 4)]
+    print("\ngguf_matmul tilings, bf16 (us; block GB/s at T=1): dot = BLOCK_T rows share a tile, gemv = one row")
+    for qtype, (label, N, K) in (("Q4_K", GGUF_SHAPES[2]), ("Q6_K", GGUF_SHAPES[1]), ("Q8_0", GGUF_SHAPES[2])):
+        _, values, nbytes = gguf.QTYPES[qtype]
+        qw = torch.randint(0, 256, (N, K // values * nbytes), dtype=torch.uint8, device="cuda")
+        for T in (1, 4, 16):
+            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+            dense = _time_us(torch.nn.functional.linear, x, torch.randn(N, K, device="cuda", dtype=torch.bfloat16))
+            rows = []
+            for tiles in sweep:
+                if ((tiles.block_k % values and values % tiles.block_k) or (tiles.method == "gemv" and T > 4)
+                        or (tiles.method == "words" and qtype not in gguf_words.WORD_TYPES)):
+                    continue
+                try:
+                    rows.append((_time_us(gguf.gguf_matmul, x, qw, qtype, K, tiles), tiles))
+                except Exception as e:  # a tiling the compiler refuses (shared memory, registers)
+                    print(f"  {tiles}: {type(e).__name__}")
+            rows.sort(key=lambda r: r[0])
+            best = ", ".join(f"{t.method} n{t.block_n} k{t.block_k} w{t.num_warps} "
+                             f"{us:.1f}" for us, t in rows[:4])
+            default = _time_us(gguf.gguf_matmul, x, qw, qtype, K)
+            print(f"  {qtype} {label} T={T}: dense {dense:.1f}, default {default:.1f}, best: {best}; "
+                  f"best GB/s {qw.numel() / rows[0][0] / 1e3:.0f}")
+        del qw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, default=32)
@@ -138,16 +198,21 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--peak-gbps", type=float, default=None, help="override the device's peak")
+    ap.add_argument("--only", nargs="+", default=None, choices=["attention", "attention1", "elementwise", "moe", "gguf", "tiles"],
+                    help="run only these parts")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU (the kernels are tested on CPU by the test suite)")
     name = torch.cuda.get_device_name()
     peak = peak_bandwidth_gbps(name, args.peak_gbps)
     print(f"device: {name}, peak HBM bandwidth: {peak or 'unknown'} GB/s")
-    bench_decode_attention(args, peak)
-    bench_elementwise(args)
-    bench_fused_moe(args)
-    bench_gguf(args)
+    parts = {"attention": lambda: bench_decode_attention(args, peak),
+             "attention1": lambda: bench_decode_attention_batch1(args, peak), "elementwise": lambda: bench_elementwise(args),
+             "moe": lambda: bench_fused_moe(args), "gguf": lambda: bench_gguf(args),
+             "tiles": lambda: bench_gguf_tiles(args)}
+    for name, run in parts.items():
+        if args.only is None or name in args.only:
+            run()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 # failing stage does not hide the others; a summary line per stage comes last.
 #
 #   bash scripts/gpu_session.sh [stage ...]   # stages: gpu_tests env parity_small throughput kernels
-#                                              #         parity_1b parity_smollm2 (default: the first five)
+#                                              #         parity_1b parity_smollm2 gguf_tests kernels_quant
+#                                              #         gguf_gpu profile (default: the first five)
 #                                              #         stash_ray, then serve_cpu in the next call
 #                                              #         stash_smol, then parity_smollm2 likewise
 # Logs go to $OUT (the device tool's folder) or /tmp/gpu_out.
@@ -46,13 +47,22 @@ for s in "${stages[@]}"; do
             # The gpu-marked tests on CUDA with compiled Triton (docs/development.md#tests-on-a-gpu).
             # Only the files that hold them are collected: the others import packages this
             # machine lacks (Ray, the openai client).
-            stage gpu_tests 300 env PDSERVE_TEST_GPU=1 $PY -m pytest -m gpu -q -p no:cacheprovider \
+            # Four workers share the card (each engine takes GPU_TEST_SHARE of it) and compile
+            # their kernels side by side.
+            stage gpu_tests 240 env PDSERVE_TEST_GPU=1 $PY -m pytest -m gpu -q -p no:cacheprovider -n 4 --timeout 120 \
                 $(grep -rl --include='test_*.py' 'pytest.mark.gpu' tests) ;;
         env) stage env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; nproc;
               '"$PY"' -c "import sys,torch,triton,transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)"' ;;
         parity_small) stage parity_small 120 $PY scripts/gpu_parity.py --preset small ;;
         throughput) stage throughput 150 $PY scripts/bench_throughput.py --gpu ;;
+        gguf_tests)  # the GGUF kernel's and the kept-blocks engine's gpu-marked tests alone
+            stage gguf_tests 90 env PDSERVE_TEST_GPU=1 $PY -m pytest -m gpu -q -p no:cacheprovider \
+                tests/kernels/test_triton_gguf.py tests/engine/test_quantized_gguf.py ;;
         kernels) stage kernels 150 $PY scripts/bench_kernels.py ;;
+        kernels_quant) stage kernels_quant 130 $PY scripts/bench_kernels.py --only gguf tiles ;;
+        attention1) stage attention1 60 $PY scripts/bench_kernels.py --only attention1 ;;
+        gguf_gpu) stage gguf_gpu 100 $PY scripts/bench_gguf_gpu.py ;;
+        profile) stage profile 150 $PY scripts/gpu_profile.py ;;
         parity_1b) stage parity_1b 150 $PY scripts/gpu_parity.py --preset 1b ;;
         stash_ray) mkdir -p /tmp/wa && cp .gpu/wa/* /tmp/wa/ && ls /tmp/wa | wc -l ;;
         serve_cpu)

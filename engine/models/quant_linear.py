@@ -29,9 +29,10 @@ def _kernels():
     return quant
 
 
-# CUDA: the Triton kernels (kernels.triton_kernels.gguf) are tested under the interpreter and
-# compiled for sm_90, but not yet timed on a GPU against the dequantized bf16 path; until
-# they are, a GPU dequantizes at load unless this opts in.
+# CUDA: the Triton kernels (kernels.triton_kernels.gguf) hold a third of the bf16 bytes but,
+# timed on an H200, only Q4_K at one token row beats the dense bf16 product, and a kept
+# 1B-shaped file decodes 3x slower (docs/kernels.md#gguf-weights-on-a-gpu): a GPU dequantizes
+# at load unless this opts in.
 TRITON_GGUF = os.environ.get("PDSERVE_GGUF_TRITON", "0") == "1"
 
 

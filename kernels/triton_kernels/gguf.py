@@ -8,15 +8,17 @@ Contract:
         x @ W^T, W the dequantization of qweight's rows exactly as
         engine.models.gguf_quants.dequantize computes it (fp32), rounded to x's dtype before
         the product when x is 16-bit (so the product equals the dequantize-at-load path of a
-        16-bit model, whose weights are that rounding), accumulated in fp32.
+        16-bit model, whose weights are that rounding), accumulated in fp32. The whole-word
+        Q4_K / Q6_K kernels (gguf_words, decode sizes) multiply the unrounded weights: within
+        the same bound.
     SUPPORTED: the types it takes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: K a multiple of 32; Q4_K, Q5_K,
         Q6_K: K a multiple of 256).
 
 Each program dequantizes a [BLOCK_N, BLOCK_K] tile of W in registers (every value's bytes are
 found by the ggml layout formulas below) and multiplies it into a [BLOCK_T, BLOCK_N] fp32
-tile with tl.dot; weights are read once per token tile, never written back dequantized. The
-launch reads no device data (the grid comes from shapes), so it can be captured in a CUDA
-graph.
+tile with tl.dot (or, one token row per program, reduces it with tl.sum); weights are read
+once per token tile, never written back dequantized. The launches read no device data (the
+grid comes from shapes), so they can be captured in a CUDA graph.
 
 Value v of a block (v < 32, or < 256 for the K-quants), per type, with b the block's bytes:
   Q4_0: d = f16(b[0:2]); q = nibble v of b[2:18] (byte v % 16, high half for v >= 16); d (q - 8)
@@ -36,10 +38,13 @@ Value v of a block (v < 32, or < 256 for the K-quants), per type, with b the blo
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_kernels.gguf_words import word_matmul
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # qtype -> (code in the kernel, values per block, bytes per block); the CPU kernels' codes.
@@ -137,6 +142,61 @@ def _gguf_matmul_kernel(
              mask=t_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _gguf_gemv_kernel(
+    x_ptr, w_ptr, out_ptr, N, K, x_stride, out_stride, row_bytes,
+    QTYPE: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One token row per program (grid: N tiles x T): no 16-row dot tile to pad at decode
+    sizes. Products in fp32 of the weights rounded to x's dtype, as the dot kernel."""
+    t = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + t * x_stride + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        w = _weights(w_ptr, offs_n, offs_k, n_mask[:, None] & k_mask[None, :], row_bytes, QTYPE, QK, BB)
+        w = w.to(x_ptr.dtype.element_ty).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(out_ptr + t * out_stride + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A launch's tiling. method "dot": BLOCK_T rows share each dequantized [BLOCK_N, BLOCK_K]
+    weight tile through tl.dot; "gemv": one token row per program (tl.sum, no 16-row dot tile);
+    "words": the whole-word kernels of gguf_words (Q4_K, Q6_K; block_k unused)."""
+
+    method: str
+    block_n: int
+    block_k: int = 32
+    block_t: int = 16
+    num_warps: int = 4
+
+
+# Launch choices timed on an H200 (bf16, 1B and 7B projection shapes; scripts/bench_kernels.py
+# --only tiles, docs/kernels.md#gguf-weights-on-a-gpu): the whole-word kernels win for Q4_K up
+# to 16 rows and Q6_K up to 4, thin tiles with one warp best at a single row; the general
+# one-row kernel wins for the other types up to 4 rows; past those, the dot kernel.
+WORDS_MAX_T = {"Q4_K": 16, "Q6_K": 4}
+ONE_ROW_MAX_T = 4
+
+
+def default_tiles(T: int, qtype: str) -> Tiles:
+    """The tiling gguf_matmul uses for T token rows of a qtype weight."""
+    if T <= WORDS_MAX_T.get(qtype, 0):
+        if qtype == "Q4_K":
+            return Tiles("words", 8 if T == 1 else 32, num_warps=1)
+        return Tiles("words", 2 if T == 1 else 4, num_warps=1)
+    if _INTERPRET:  # small tiles: the interpreter's cost grows with the tile
+        return Tiles("dot", 32, 32, 16)
+    if T <= ONE_ROW_MAX_T:
+        return Tiles("gemv", 16, 128, 1, 2)
+    return Tiles("dot", 32, 64, 16) if T <= 16 else Tiles("dot", 64, 32, 64)
+
+
 def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: str, K: int) -> None:
     if qtype not in QTYPES:
         raise ValueError(f"quantization type {qtype!r} has no Triton kernel; supported: {list(QTYPES)}")
@@ -153,18 +213,28 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: str, K: int) -> None:
                          f"{x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}")
 
 
-def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
-    """x [T, K] @ W^T -> [T, N] in x's dtype, W the dequantized qweight (module docstring)."""
+def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: str, K: int, tiles: Tiles | None = None) -> torch.Tensor:
+    """x [T, K] @ W^T -> [T, N] in x's dtype, W the dequantized qweight (module docstring).
+    `tiles`: the launch's tiling (default_tiles; the benchmark sweeps others)."""
     _check(x, qweight, qtype, K)
     T, N = x.shape[0], qweight.shape[0]
-    out = torch.empty((T, N), dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:
+        return torch.empty((T, N), dtype=x.dtype, device=x.device)
+    tiles = tiles or default_tiles(T, qtype)
+    code, values, nbytes = QTYPES[qtype]
+    if tiles.method == "words":
+        return word_matmul(x, qweight, qtype, K, tiles.block_n, tiles.num_warps)
+    out = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    if tiles.method == "gemv":
+        grid = (triton.cdiv(N, tiles.block_n), T)
+        _gguf_gemv_kernel[grid](x, qweight, out, N, K, x.stride(0), out.stride(0), qweight.shape[1],
+                                QTYPE=code, QK=values, BB=nbytes, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                                num_warps=tiles.num_warps)
         return out
-    # tl.dot's smallest tile is 16; a decode step's few rows take one 16-row tile, a prefill 64.
-    bt = 16 if _INTERPRET or T <= 16 else 64
-    bn = 32 if _INTERPRET else 64
+    # tl.dot's smallest tile is 16 rows: a decode step's few rows take one 16-row tile.
     upcast = _INTERPRET or x.dtype == torch.float32
-    grid = (triton.cdiv(T, bt), triton.cdiv(N, bn))
+    grid = (triton.cdiv(T, tiles.block_t), triton.cdiv(N, tiles.block_n))
     _gguf_matmul_kernel[grid](x, qweight, out, T, N, K, x.stride(0), out.stride(0), qweight.shape[1],
-                              QTYPE=QTYPES[qtype][0], QK=QTYPES[qtype][1], BB=QTYPES[qtype][2], BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=32, UPCAST=upcast)
+                              QTYPE=code, QK=values, BB=nbytes, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
+                              BLOCK_K=tiles.block_k, UPCAST=upcast, num_warps=tiles.num_warps)
     return out

@@ -9,6 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import ParameterError
+from engine.models import quant_linear
 from engine.models.quant_linear import QuantWeight
 from tests.engine.gguf_factory import write_gguf
 from tests.engine.hf_reference import hf_greedy, hf_mismatches, random_prompts
@@ -89,6 +90,21 @@ def test_kept_blocks_decode_to_what_the_dequantized_path_loads(files):
     if ref_w is None:  # oneDNN packed it: multiply the identity instead
         ref_w = ref.linear(torch.eye(ref.in_features)).T
     assert torch.allclose(w, ref_w, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_kept_blocks_on_the_sessions_device_decode_as_the_dequantized_load(files, device, monkeypatch):
+    """On CUDA the projections stay blocks through the Triton kernel (opted in here), on CPU
+    through the C kernels; in fp32 both multiply the exact weights, so the tokens equal the
+    dequantized load's on the same device."""
+    monkeypatch.setattr(quant_linear, "TRITON_GGUF", True)
+    prompts = random_prompts([4, 30, 61], 900, seed=11)
+    kept = LLM(files["mix"], max_model_len=128, dtype="float32", device=device)
+    model = _model(kept)
+    assert model.layers[0].mlp.gate_up_proj.quant is not None
+    assert all(s.data.device.type == device for s in model.layers[0].self_attn.qkv_proj.quant.segments)
+    dense = LLM(files["mix"], max_model_len=128, dtype="float32", quantization="none", device=device)
+    assert _tokens(kept, prompts) == _tokens(dense, prompts)
 
 
 def test_tensor_parallel_ranks_keep_their_rows_and_block_columns(files, monkeypatch):

@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.triton_kernels import activation, attention, cache, gguf, moe, norm, rotary
+from kernels.triton_kernels import activation, attention, cache, gguf, gguf_words, moe, norm, rotary
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -94,6 +94,21 @@ def compile_gguf(qtype: str, dtype: str, upcast: bool):
         QTYPE=code, QK=qk, BB=bb, BLOCK_T=64, BLOCK_N=64, BLOCK_K=32, UPCAST=upcast))
 
 
+def compile_gguf_one_row():
+    """The one-token-row kernels: the general gemv on every type, the whole-word Q4_K / Q6_K
+    at the default tilings' widths."""
+    common = {"x_ptr": "*bf16", "out_ptr": "*bf16", **_ints("N", "K", "x_stride", "out_stride")}
+    for code, qk, bb in gguf.QTYPES.values():
+        assert ".entry" in _compile(gguf._gguf_gemv_kernel, {**common, "w_ptr": "*u8", "row_bytes": "i32"},
+                                    dict(QTYPE=code, QK=qk, BB=bb, BLOCK_N=16, BLOCK_K=128))
+    for block_n in (8, 32):
+        assert ".entry" in _compile(gguf_words._q4k_word_kernel, {**common, "w_ptr": "*i32", "row_words": "i32"},
+                                    dict(BLOCK_N=block_n))
+    for block_n in (2, 4):
+        assert ".entry" in _compile(gguf_words._q6k_word_kernel, {**common, "w_ptr": "*i16", "row_halves": "i32"},
+                                    dict(BLOCK_N=block_n))
+
+
 def main() -> None:
     # (splits, upcast, head_dim, group[, sliding window and softcap]). The fp32 (upcast) path is
     # compiled at head_dim 64: at 256 the same code takes ~18 s of LLVM/ptxas time (fp32 tiles
@@ -113,6 +128,8 @@ def main() -> None:
         compile_gguf(qtype, "bf16", False)
     compile_gguf("Q4_K", "fp32", True)
     print("compiled gguf_matmul")
+    compile_gguf_one_row()
+    print("compiled gguf one-row kernels")
 
 
 def test_all_kernels_compile_for_hopper():
@@ -122,7 +139,7 @@ def test_all_kernels_compile_for_hopper():
     proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_triton_compile"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 10
+    assert proc.stdout.count("compiled") == 11
 
 
 if __name__ == "__main__":

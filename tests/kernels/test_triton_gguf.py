@@ -17,7 +17,7 @@ import torch
 from engine.models import quant_linear
 from engine.models.gguf_quants import dequantize
 from engine.models.quant_linear import QuantWeight
-from kernels.triton_kernels import gguf
+from kernels.triton_kernels import gguf, gguf_words
 from tests.kernels.test_quant_cpu import random_qweight
 
 
@@ -58,6 +58,43 @@ def test_16_bit_activations_multiply_the_weights_rounded_to_their_dtype(qtype, d
     y = gguf.gguf_matmul(x, qw, qtype, K)
     assert y.dtype == dtype
     _check(y, x, W, 2**-7 if dtype == torch.bfloat16 else 2**-10, f"{qtype} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", gguf.SUPPORTED)
+def test_the_one_row_per_program_tiling_matches_too(qtype, device):
+    """The gemv launch (one token row per program, no dot tile), fp32 and bf16."""
+    values = gguf.QTYPES[qtype][1]
+    N, K = 40, 2 * max(values, 64)
+    qw, W = _case(qtype, N, K, device)
+    tiles = gguf.Tiles("gemv", block_n=16, block_k=64)
+    for T in (1, 3):
+        x = torch.randn(T, K, generator=torch.Generator().manual_seed(T)).to(device)
+        _check(gguf.gguf_matmul(x, qw, qtype, K, tiles), x, W, 1e-5, f"{qtype} T={T}")
+        xb = x.to(torch.bfloat16)
+        y = gguf.gguf_matmul(xb, qw, qtype, K, tiles)
+        assert y.dtype == torch.bfloat16
+        _check(y, xb, W, 2**-7, f"{qtype} T={T} bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", gguf_words.WORD_TYPES)
+@pytest.mark.parametrize("block_n", [8, 16])
+def test_the_whole_word_kernels_match(qtype, block_n, device):
+    """Q4_K / Q6_K at decode sizes (the default tiling up to WORDS_MAX_T rows): rows past a
+    whole tile, two blocks per row, fp32 and bf16. They multiply the exact weights, so bf16
+    is held to the rounded reference's bound."""
+    N, K = 40, 512
+    qw, W = _case(qtype, N, K, device)
+    assert gguf.default_tiles(1, qtype).method == "words"
+    tiles = gguf.Tiles("words", block_n)
+    for T in (1, 3):
+        x = torch.randn(T, K, generator=torch.Generator().manual_seed(T)).to(device)
+        _check(gguf.gguf_matmul(x, qw, qtype, K, tiles), x, W, 1e-5, f"{qtype} T={T}")
+        xb = x.to(torch.bfloat16)
+        y = gguf.gguf_matmul(xb, qw, qtype, K)
+        assert y.dtype == torch.bfloat16
+        _check(y, xb, W, 2**-7, f"{qtype} T={T} bf16")
 
 
 def test_a_kept_projection_of_mixed_types_through_the_triton_branch():
