@@ -98,7 +98,8 @@ def compile_gguf_one_row():
     """The one-token-row kernels: the general gemv on every type, the whole-word Q4_K / Q6_K
     at the default tilings' widths."""
     common = {"x_ptr": "*bf16", "out_ptr": "*bf16", **_ints("N", "K", "x_stride", "out_stride")}
-    for code, qk, bb in gguf.QTYPES.values():
+    for qtype in ("Q5_1", "Q8_0", "Q5_K"):  # its dequantization is the dot kernel's, compiled for all
+        code, qk, bb = gguf.QTYPES[qtype]
         assert ".entry" in _compile(gguf._gguf_gemv_kernel, {**common, "w_ptr": "*u8", "row_bytes": "i32"},
                                     dict(QTYPE=code, QK=qk, BB=bb, BLOCK_N=16, BLOCK_K=128))
     for block_n in (8, 32):
