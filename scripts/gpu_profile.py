@@ -1,7 +1,7 @@
 """Where a GPU decode step goes: the kernels of one step at batch 1 and 64 on the `1b` preset
 (or --model), eager, from torch's profiler, with launches per step and GPU microseconds per
 step for each kernel, and the step's wall time with and without CUDA graphs beside. This is
-the list the kernel-fusion work reads (docs/benchmarks.md#gpu-figures-h200). Needs CUDA.
+the list the kernel-fusion work reads (docs/benchmarks.md#where-a-decode-step-goes). Needs CUDA.
 
     python scripts/gpu_profile.py [--model DIR] [--batches 1 64] [--steps 8] [--top 25]
 """

@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu_session.sh [stage ...]   # stages: gpu_tests env parity_small throughput kernels
 #                                              #         parity_1b parity_smollm2 gguf_tests kernels_quant
-#                                              #         gguf_gpu profile (default: the first five)
+#                                              #         attention1 gguf_gpu profile (default: the first five)
 #                                              #         stash_ray, then serve_cpu in the next call
 #                                              #         stash_smol, then parity_smollm2 likewise
 # Logs go to $OUT (the device tool's folder) or /tmp/gpu_out.

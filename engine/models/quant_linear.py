@@ -31,8 +31,8 @@ def _kernels():
 
 # CUDA: the Triton kernels (kernels.triton_kernels.gguf) hold a third of the bf16 bytes but,
 # timed on an H200, only Q4_K at one token row beats the dense bf16 product, and a kept
-# 1B-shaped file decodes 3x slower (docs/kernels.md#gguf-weights-on-a-gpu): a GPU dequantizes
-# at load unless this opts in.
+# 1B-shaped file decoded 3x slower with the first tilings (docs/kernels.md#gguf-weights-on-a-gpu):
+# a GPU dequantizes at load unless this opts in.
 TRITON_GGUF = os.environ.get("PDSERVE_GGUF_TRITON", "0") == "1"
 
 

@@ -177,9 +177,11 @@ class Tiles:
 
 
 # Launch choices timed on an H200 (bf16, 1B and 7B projection shapes; scripts/bench_kernels.py
-# --only tiles, docs/kernels.md#gguf-weights-on-a-gpu): the whole-word kernels win for Q4_K up
-# to 16 rows and Q6_K up to 4, thin tiles with one warp best at a single row; the general
-# one-row kernel wins for the other types up to 4 rows; past those, the dot kernel.
+# --only tiles at 1, 4 and 16 rows, docs/kernels.md#gguf-weights-on-a-gpu): the whole-word
+# kernels win for Q4_K up to 16 rows and Q6_K up to 4, with one warp each and thin tiles at a
+# single row; the general one-row kernel wins for the other types up to 4 rows; past those,
+# the dot kernel. Where the launch changes with T, so does the rounding (the word kernels use
+# unrounded weights): on this opt-in path a product's last bits depend on the batch's size.
 WORDS_MAX_T = {"Q4_K": 16, "Q6_K": 4}
 ONE_ROW_MAX_T = 4
 
@@ -222,6 +224,8 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: str, K: int, tile
         return torch.empty((T, N), dtype=x.dtype, device=x.device)
     tiles = tiles or default_tiles(T, qtype)
     code, values, nbytes = QTYPES[qtype]
+    if tiles.method not in ("dot", "gemv", "words"):
+        raise ValueError(f"tiles.method must be 'dot', 'gemv' or 'words', got {tiles.method!r}")
     if tiles.method == "words":
         return word_matmul(x, qweight, qtype, K, tiles.block_n, tiles.num_warps)
     out = torch.empty((T, N), dtype=x.dtype, device=x.device)

@@ -132,3 +132,5 @@ def test_bad_arguments_are_refused_by_name():
         gguf.gguf_matmul(x.double(), qw, "Q4_0", 64)
     with pytest.raises(ValueError, match="x must be"):
         gguf.gguf_matmul(torch.randn(64, 2).T, qw, "Q4_0", 64)  # rows not contiguous
+    with pytest.raises(ValueError, match="tiles.method"):
+        gguf.gguf_matmul(x, qw, "Q4_0", 64, gguf.Tiles("gemm", 16))
