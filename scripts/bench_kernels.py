@@ -58,7 +58,7 @@ def bench_decode_attention(args, peak):
             print(f"{batch:>6} {ctx:>6} {t_tri:>10.1f} {gbs_tri:>8.0f} {pct:>6} {t_sdpa:>9.1f} {gbs_sdpa:>8.0f}")
 
 
-def bench_decode_attention_batch1(args, peak):
+def bench_decode_attention_batch1(args):
     """Batch 1 across contexts and KV splits, each timed three times: the 62 us at 2,048 tokens
     the first H200 run showed (docs/benchmarks.md#paged-attention) was never explained."""
     from kernels import triton_kernels as tk
@@ -81,8 +81,8 @@ def bench_decode_attention_batch1(args, peak):
             times = [_time_us(tk.paged_attention, q, kc, vc, table, qsl, seq, D**-0.5, out, num_kv_splits=splits)
                      for _ in range(3)]
             cells.append(f"{splits}: " + "/".join(f"{t:.0f}" for t in times))
-        gbs = decode_attention_bytes(1, ctx, H, Hkv, D, itemsize) / 1e3
-        print(f"  ctx {ctx:>6} ({gbs / 1e3:.1f} MB): " + "; ".join(cells))
+        mb = decode_attention_bytes(1, ctx, H, Hkv, D, itemsize) / 1e6
+        print(f"  ctx {ctx:>6} ({mb:.1f} MB): " + "; ".join(cells))
 
 
 def bench_elementwise(args):
@@ -207,7 +207,7 @@ def main() -> None:
     peak = peak_bandwidth_gbps(name, args.peak_gbps)
     print(f"device: {name}, peak HBM bandwidth: {peak or 'unknown'} GB/s")
     parts = {"attention": lambda: bench_decode_attention(args, peak),
-             "attention1": lambda: bench_decode_attention_batch1(args, peak), "elementwise": lambda: bench_elementwise(args),
+             "attention1": lambda: bench_decode_attention_batch1(args), "elementwise": lambda: bench_elementwise(args),
              "moe": lambda: bench_fused_moe(args), "gguf": lambda: bench_gguf(args),
              "tiles": lambda: bench_gguf_tiles(args)}
     for name, run in parts.items():
