@@ -10,23 +10,15 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "EngineWorker": "actors.worker",
-    "PDRequestError": "kvstore.pd",
-    "colocated_generate": "actors.orchestrate",
     "create_worker": "actors.worker",
-    "pd_generate": "actors.orchestrate",
 }
 __all__ = [
     "EngineWorker",
-    "PDRequestError",
-    "colocated_generate",
     "create_worker",
-    "pd_generate",
 ]
 
 if TYPE_CHECKING:
-    from actors.orchestrate import colocated_generate, pd_generate
     from actors.worker import EngineWorker, create_worker
-    from kvstore.pd import PDRequestError
 
 
 def __getattr__(name: str):

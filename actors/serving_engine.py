@@ -1,5 +1,6 @@
-"""What an EngineWorker needs of its engine: engine.AsyncLLM answers it, and tests inject
-stand-ins that do (`EngineWorker(engine_cls=...)`). The worker asks nothing else, so it never
+"""What an EngineWorker needs of its engine: an EngineClient (engine/engine_client.py) with a
+replica's figures and workers. engine.AsyncLLM answers it, and tests inject stand-ins that do
+(`EngineWorker(engine_cls=...)`). The worker asks nothing else, so it never
 looks inside the engine for its executor, its cores or their kinds."""
 
 from __future__ import annotations
@@ -7,21 +8,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from engine.kv_transfer_params import KVTransferParams
+from engine.engine_client import EngineClient
+from engine.engine_request import EngineRequest
 from engine.load import EngineLoad
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 
 
-class ServingEngine(Protocol):
-    def generate(self, prompt, sampling_params: SamplingParams, request_id: str | None = None, *,
-                 kv_transfer_params: KVTransferParams | None = None,
-                 observe: Callable[[RequestOutput], None] | None = None,
+class ServingEngine(EngineClient, Protocol):
+    def generate(self, request: EngineRequest, *, observe: Callable[[RequestOutput], None] | None = None,
                  stream_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]: ...
 
-    async def submit(self, prompt, sampling_params: SamplingParams, request_id: str,
-                     sink: Callable[[object], None], *,
-                     kv_transfer_params: KVTransferParams | None = None) -> None: ...
+    async def submit(self, request: EngineRequest, sink: Callable[[object], None]) -> None: ...
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -23,15 +23,14 @@ import actors.ray_executor  # noqa: F401  (registers distributed_executor_backen
 from actors.report import ReplicaReport
 from actors.roles import Role
 from actors.serving_engine import ServingEngine
-from engine import AsyncLLM, EngineArgs, SamplingParams
+from engine import AsyncLLM, EngineArgs
+from engine.engine_request import EngineRequest
 from engine.kv_connector import KVConnectorRole
-from engine.kv_transfer_params import KVTransferParams
 from engine.load import summed_counters
 from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
 from kvstore.connector_factory import PDConnectorFactory
 from kvstore.handoff import ExportFailed, KVHandoff
-from kvstore.pd import prefill_kv_params, prefill_params
 from kvstore.transports.object_store import ObjectStoreTransport
 from kvstore.transports.relay import KVRelay, RelayConnectorFactory
 from kvstore.transports.torch_dist import TorchDistTransport
@@ -169,30 +168,24 @@ class EngineWorker:
         return TorchDistTransport(store, self.replica_id, self_handle, device_type=device, timeout_s=timeout_s)
 
     # ---- requests -----------------------------------------------------------------------
-    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
-                       kv_transfer_params: KVTransferParams | None = None,
-                       observe: Callable[[RequestOutput], None] | None = None, stream_interval_s: float = 0.0):
-        """Stream RequestOutputs (a Ray streaming generator when called on the actor). Closing
-        it early aborts the request in the engine before the close returns. `observe` and
-        `stream_interval_s`: as for AsyncLLM.generate."""
-        async with aclosing(self.engine.generate(prompt, params, request_id, kv_transfer_params=kv_transfer_params,
-                                                 observe=observe, stream_interval_s=stream_interval_s)) as outputs:
+    async def generate(self, request: EngineRequest):
+        """Stream RequestOutputs: a Ray streaming generator, for callers of the actor (an async
+        generator function, so Ray streams it). Closing it early aborts the request in the
+        engine before the close returns. A caller in this process uses `self.engine.generate`."""
+        async with aclosing(self.engine.generate(request)) as outputs:
             async for out in outputs:
                 yield out
 
-    async def submit(self, prompt, params: SamplingParams, request_id: str, sink,
-                     kv_transfer_params: KVTransferParams | None = None) -> None:
+    async def submit(self, request: EngineRequest, sink) -> None:
         """Add a request whose outputs go to `sink` (see AsyncLLM.submit): how a serving
         replica gathers one message per step for its front end."""
-        await self.engine.submit(prompt, params, request_id, sink, kv_transfer_params=kv_transfer_params)
+        await self.engine.submit(request, sink)
 
-    async def prefill(self, prompt, params: SamplingParams, request_id: str,
-                      transfer_id: str | None = None) -> RequestOutput:
-        """Run the prompt with max_tokens=1; the output carries the first token and the
-        kv_transfer_params of the exported prompt KV."""
+    async def prefill(self, request: EngineRequest) -> RequestOutput:
+        """Run a prefill request (cluster.pd.split.prefill_request) to its end; the output
+        carries the first token and the kv_transfer_params of the exported prompt KV."""
         last = None
-        async for out in self.engine.generate(prompt, prefill_params(params), request_id,
-                                              kv_transfer_params=prefill_kv_params(params, transfer_id)):
+        async for out in self.engine.generate(request):
             last = out
         return last
 
@@ -210,8 +203,7 @@ class EngineWorker:
         transport = self.handoff_transport
         return transport.inbox if transport is not None else None
 
-    async def prefill_handoff(self, prompt, params: SamplingParams, request_id: str,
-                              transfer_id: str, max_kv_bytes: int | None = None) -> KVHandoff:
+    async def prefill_handoff(self, request: EngineRequest, max_kv_bytes: int | None = None) -> KVHandoff:
         """`prefill`, with the exported prompt KV in the reply instead of the store
         (kvstore.handoff): for a requester that hosts the decode engine itself. Without a
         one-rank object-store transport (tensor or data parallel) the export goes to the
@@ -219,10 +211,11 @@ class EngineWorker:
         KV the requester's channel takes; a bigger one goes to the store too."""
         transport = self.handoff_transport
         if transport is None:
-            return KVHandoff(await self.prefill(prompt, params, request_id, transfer_id))
+            return KVHandoff(await self.prefill(request))
+        transfer_id = request.kv_transfer_params.transfer_id
         transport.handbacks.expect(transfer_id, max_kv_bytes)
         try:
-            out = await self.prefill(prompt, params, request_id, transfer_id)
+            out = await self.prefill(request)
             if out is None or out.kv_transfer_params is None:
                 return KVHandoff(out)  # nothing exported (e.g. it finished at its first token)
             # In process the export came before the output; from a core in a child process it

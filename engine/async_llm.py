@@ -13,7 +13,6 @@ import asyncio
 import queue
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -21,9 +20,9 @@ from concurrent.futures import Future
 from engine.args import EngineArgs
 from engine.config import EngineConfig
 from engine.core_client.watchdog import StepClock
+from engine.engine_request import EngineRequest
 from engine.errors import EngineDeadError
 from engine.kv_connector import KVConnectorFactory
-from engine.kv_transfer_params import KVTransferParams
 from engine.llm_engine import LLMEngine
 from engine.load import EngineLoad
 from engine.outputs import RequestOutput
@@ -155,7 +154,7 @@ class AsyncLLM:
         """Run fn(*args) on the engine thread between steps; a concurrent Future."""
         fut: Future = Future()
         if self._errored is not None:
-            fut.set_exception(RuntimeError(f"engine is dead: {self._errored!r}"))
+            fut.set_exception(EngineDeadError(f"engine is dead: {self._errored!r}"))
         else:
             self._inputs.put((fn, args, fut))
             self.engine.core.wake()  # a data-parallel client may be waiting on its cores
@@ -172,16 +171,18 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if isinstance(item, tuple) and item[2].set_running_or_notify_cancel():
-                item[2].set_exception(RuntimeError(f"engine is dead: {self._errored!r}"))
+                item[2].set_exception(EngineDeadError(f"engine is dead: {self._errored!r}"))
+
+    def process(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None,
+                **kwargs) -> EngineRequest:
+        """The EngineRequest of a prompt (LLMEngine.process): what a caller that holds a prompt,
+        not a processed request, hands to `generate`."""
+        return self.engine.process(prompt, sampling_params, request_id, **kwargs)
 
     async def generate(
         self,
-        prompt: PromptType,
-        sampling_params: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        kv_transfer_params: KVTransferParams | None = None,
+        request: EngineRequest,
+        *,
         observe: Callable[[RequestOutput], None] | None = None,
         stream_interval_s: float = 0.0,
     ) -> AsyncIterator[RequestOutput]:
@@ -193,8 +194,9 @@ class AsyncLLM:
         output gather for that long before the next one (Ray Serve LLM's stream batching: a
         streamed chunk then carries several tokens); the first output and the last are never
         held. `observe` sees each engine step's output as it arrives on this loop, before any
-        merging (a replica's latency figures)."""
-        request_id = request_id or uuid.uuid4().hex
+        merging (a replica's latency figures). An engine that died (or hung, past its step
+        watchdog) raises EngineDeadError: the request was not at fault."""
+        request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
@@ -203,10 +205,7 @@ class AsyncLLM:
         finished = False
         not_before = None  # loop time before which the next output waits for more steps
         try:
-            await asyncio.wrap_future(self.call(
-                self.engine.add_request, request_id, prompt, sampling_params, priority, cache_salt,
-                kv_transfer_params,
-            ))
+            await asyncio.wrap_future(self.call(self.engine.add, request))
             while not finished:
                 item = await outputs.get(not_before)
                 if item is _ABORTED:
@@ -214,7 +213,7 @@ class AsyncLLM:
                     return
                 if isinstance(item, BaseException):
                     finished = True
-                    raise RuntimeError(f"engine failed: {item!r}") from item
+                    raise EngineDeadError(f"engine failed: {item!r}") from item
                 finished = item.finished
                 yield item
                 if stream_interval_s > 0:
@@ -229,32 +228,21 @@ class AsyncLLM:
                 fut = self.call(self.engine.abort_request, request_id)
                 try:
                     await asyncio.shield(asyncio.wrap_future(fut))
-                except (asyncio.CancelledError, RuntimeError):
+                except (asyncio.CancelledError, RuntimeError):  # EngineDeadError: nothing left to abort
                     pass
 
-    async def submit(
-        self,
-        prompt: PromptType,
-        sampling_params: SamplingParams,
-        request_id: str,
-        sink: Callable[[object], None],
-        priority: int = 0,
-        cache_salt: str | None = None,
-        kv_transfer_params: KVTransferParams | None = None,
-    ) -> None:
+    async def submit(self, request: EngineRequest, sink: Callable[[object], None]) -> None:
         """Add a request whose outputs go to `sink` instead of a stream: called on this event
         loop with each RequestOutput (all of one step's in one loop callback), or with the
         exception that killed the engine. Nothing is posted after the finished output, nor
         after `abort`. Validation errors raise here (nothing was queued)."""
+        request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._streams[request_id] = (asyncio.get_running_loop(), sink)
         self._sinks.add(request_id)
         try:
-            await asyncio.wrap_future(self.call(
-                self.engine.add_request, request_id, prompt, sampling_params, priority, cache_salt,
-                kv_transfer_params,
-            ))
+            await asyncio.wrap_future(self.call(self.engine.add, request))
         except BaseException:
             self._sinks.discard(request_id)
             self._streams.pop(request_id, None)

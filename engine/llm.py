@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -78,9 +79,11 @@ class LLM:
                 rid = f"offline-{self._counter}"
                 children = [rid] if p.n == 1 else [child_request_id(rid, j) for j in range(p.n)]
                 requests.append((rid, children))
-                for cid, cp in zip(children, child_params(p)):
-                    queued.append(self.engine.add_request(cid, prompt, cp, priority=priority[i] if priority else 0,
-                                                          lora_request=loras[i]))
+                # Processed once; its n samples differ only in their params (seeds).
+                request = self.engine.process(prompt, p, rid, priority=priority[i] if priority else 0,
+                                              lora_request=loras[i])
+                for cid, cp in zip(children, child_params(request.sampling_params)):
+                    queued.append(self.engine.add(dataclasses.replace(request, request_id=cid, sampling_params=cp)))
         except ValueError:
             self.engine.abort_request(queued)  # nothing of a rejected batch stays queued
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.config import EngineConfig
 from engine.core import resolve_max_model_len
 from engine.core_client import CoreClient, make_core_client
+from engine.engine_request import EngineRequest
 from engine.errors import ParameterError
 from engine.kv_connector import KVConnectorFactory
 from engine.kv_transfer_params import KVTransferParams
@@ -18,14 +19,14 @@ from engine.multimodal.processor import MultiModalProcessor
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.processor import InputProcessor, PromptType
-from engine.request import RequestStatus
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import eos_token_ids, load_tokenizer, pickled_tokenizer
 
 
-def front_end(config: EngineConfig) -> tuple[object, InputProcessor]:
-    """(tokenizer, InputProcessor) of a model without loading its weights: what a front end
-    (the HTTP ingress) needs to tokenize and validate requests exactly as the engine will."""
+def load_processor(config: EngineConfig) -> tuple[object, InputProcessor]:
+    """(tokenizer, InputProcessor) of a model without loading its weights: what the HTTP
+    ingress needs to build each EngineRequest exactly as the engine would."""
     model_dir = config.model.model
     arch = load_arch(model_dir)  # first: its errors name what is wrong with the path
     tokenizer = load_tokenizer(model_dir)
@@ -63,6 +64,12 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
+    def process(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+                **fields) -> EngineRequest:
+        """The EngineRequest of a prompt (InputProcessor.process; `fields`: its priority,
+        cache_salt, kv_transfer_params, lora_request)."""
+        return self.processor.process(prompt, params, request_id, **fields)
+
     def add_request(
         self,
         request_id: str | None,
@@ -73,18 +80,23 @@ class LLMEngine:
         kv_transfer_params: KVTransferParams | None = None,
         lora_request: LoRARequest | None = None,
     ) -> str:
-        """Validate, tokenize and queue a request; raises ParameterError on bad input. The
-        engine runs n=1 requests: LLM.generate and the HTTP ingress fan `n` > 1 out
-        (engine.parallel_sampling)."""
+        """Process and queue a prompt (the offline API); raises ParameterError on bad input."""
+        return self.add(self.processor.process(prompt, params, request_id, priority, cache_salt,
+                                               kv_transfer_params, lora_request))
+
+    def add(self, request: EngineRequest) -> str:
+        """Queue a processed request, checked against this engine's limits (a ParameterError),
+        never tokenized again. The engine runs n=1 requests: LLM.generate and the HTTP ingress
+        fan `n` > 1 out (engine.parallel_sampling)."""
+        self.processor.check(request)
+        params = request.sampling_params
         if params.n != 1:
             raise ParameterError("n", f"n={params.n}: this engine API takes n=1 requests; LLM.generate and the "
                                  "HTTP server fan n > 1 out into n requests (engine.parallel_sampling)")
-        request, text = self.processor.process(
-            prompt, params, request_id, priority, cache_salt, kv_transfer_params, lora_request
-        )
-        self.core.add_request(request)
-        self.output_processor.add_request(request, text)
-        self.stats.request_added(request.request_id, request.arrival_time)
+        core_request = Request.of(request)
+        self.core.add_request(core_request)
+        self.output_processor.add_request(core_request, request.prompt)
+        self.stats.request_added(core_request.request_id, core_request.arrival_time)
         return request.request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:

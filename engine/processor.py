@@ -1,24 +1,23 @@
-"""Input validation and tokenization, before a request reaches the EngineCore."""
+"""The input processor: a prompt and its params into an EngineRequest (tokenized, validated,
+max_tokens resolved), once per request; and the check every engine makes of a built one."""
 
 from __future__ import annotations
 
 import dataclasses
 import uuid
 
+from engine.engine_request import EngineRequest
 from engine.errors import ParameterError
 from engine.kv_transfer_params import KVTransferParams
+from engine.lora.request import LoRARequest
 from engine.multimodal.features import MultiModalFeatures
 from engine.multimodal.processor import FIELD as MM_FIELD
-from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.structured_output import validate as validate_structured_outputs
 
+# What a front end is given: text, or vLLM's prompt dict ({"prompt"} or {"prompt_token_ids"},
+# with "multi_modal_data" for images). Past the input processor a request is an EngineRequest.
 PromptType = str | dict
-# A P/D decode prompt's image placeholders and hashes (kvstore.pd.decode_prompt).
-FEATURES_FIELD = "multi_modal_features"
-# A served request's adapter (engine.lora.LoRARequest) rides in its prompt dict, so every hop
-# between the ingress and the engine (and both halves of P/D) passes it on unchanged.
-LORA_FIELD = "lora_request"
 
 
 class InputProcessor:
@@ -59,22 +58,67 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
-        lora_request=None,
-    ) -> tuple[Request, str | None]:
+        lora_request: LoRARequest | None = None,
+    ) -> EngineRequest:
+        """The one place a request is tokenized, its images processed and its default
+        max_tokens resolved (the room left in the context). `prompt`: text, or vLLM's prompt
+        dict ({"prompt"} or {"prompt_token_ids"}, with "multi_modal_data" for images)."""
         if not isinstance(params, SamplingParams):
             raise ParameterError("sampling_params", f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        text, ids, mm_features = self._tokenize_with_media(prompt, kv_transfer_params)
+        text, ids, mm_features = self._tokenize_with_media(prompt)
+        room = self._check_prompt(ids)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=room)
+        params = dataclasses.replace(params, _eos_token_ids=self.eos_token_ids,
+                                     _bad_words_token_ids=self._bad_words_ids(params.bad_words))
+        request = EngineRequest(
+            request_id=request_id or uuid.uuid4().hex, prompt_token_ids=ids, sampling_params=params, prompt=text,
+            lora_request=lora_request, mm_features=mm_features, kv_transfer_params=kv_transfer_params,
+            priority=priority, cache_salt=cache_salt,
+        )
+        self.check(request)
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)  # a bad spec fails here, not in a step
+        return request
+
+    def check(self, request: EngineRequest) -> None:
+        """Check a built request against this engine's limits, without tokenizing it again:
+        what every engine does with a request a front end processed (a ParameterError names
+        the field)."""
+        if not isinstance(request, EngineRequest):
+            raise ParameterError("request", f"request must be an EngineRequest, got {type(request).__name__}")
+        params, ids = request.sampling_params, request.prompt_token_ids
+        self._check_ids(ids)
+        room = self._check_prompt(ids)
         n = len(ids)
-        if n == 0:
-            raise ParameterError("prompt", "prompt must not be empty")
-        if kv_transfer_params is not None:
-            if not isinstance(kv_transfer_params, KVTransferParams):
+        if params.max_tokens is None:
+            raise ParameterError("max_tokens", "max_tokens must be resolved by the input processor (it was None)")
+        if params.max_tokens > room:
+            raise ParameterError(
+                "max_tokens", f"max_tokens must be <= {room} for this prompt: prompt ({n} tokens) + max_tokens "
+                f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})"
+            )
+        kv = request.kv_transfer_params
+        if kv is not None:
+            if not isinstance(kv, KVTransferParams):
                 raise ParameterError("kv_transfer_params", "kv_transfer_params must be KVTransferParams, "
-                                     f"got {type(kv_transfer_params).__name__}")
-            prior = kv_transfer_params.num_prior_output_tokens
+                                     f"got {type(kv).__name__}")
+            prior = kv.num_prior_output_tokens
             if not 0 <= prior < n:
                 raise ParameterError("kv_transfer_params", f"kv_transfer_params.num_prior_output_tokens "
                                      f"must be in [0, {n}) for this prompt, got {prior}")
+        self._check_sampling_tokens(params)
+        self._check_features(request)
+        if request.lora_request is not None:
+            if self.lora_check is None:
+                raise ParameterError("lora_request", "this engine takes no LoRA adapters")
+            self.lora_check(request.lora_request)
+
+    def _check_prompt(self, ids: list[int]) -> int:
+        """The room the prompt leaves in the context (a ParameterError if none)."""
+        n = len(ids)
+        if n == 0:
+            raise ParameterError("prompt", "prompt must not be empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ParameterError("prompt", f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
@@ -83,35 +127,12 @@ class InputProcessor:
                 "prompt", f"prompt is {n} tokens but max_model_len is {self.max_model_len}: the prompt must "
                 f"be at most {self.max_model_len - 1} tokens"
             )
-        room = self.max_model_len - n
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ParameterError(
-                "max_tokens", f"max_tokens must be <= {room} for this prompt: prompt ({n} tokens) + max_tokens "
-                f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})"
-            )
-        self._check_sampling_tokens(params)
-        if lora_request is None and isinstance(prompt, dict):
-            lora_request = prompt.get(LORA_FIELD)
-        if lora_request is not None:
-            if self.lora_check is None:
-                raise ParameterError("lora_request", "this engine takes no LoRA adapters")
-            self.lora_check(lora_request)
-        if params.structured_outputs is not None:
-            validate_structured_outputs(params.structured_outputs)  # a bad spec fails here, not in a step
-        params = dataclasses.replace(params, _eos_token_ids=self.eos_token_ids,
-                                     _bad_words_token_ids=self._bad_words_ids(params.bad_words))
-        request = Request(
-            request_id=request_id or uuid.uuid4().hex,
-            prompt_token_ids=ids,
-            sampling_params=params,
-            max_tokens=params.max_tokens if params.max_tokens is not None else room,
-            priority=priority,
-            cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params,
-            mm_features=mm_features,
-            lora_request=lora_request,
-        )
-        return request, text
+        return self.max_model_len - n
+
+    @staticmethod
+    def _check_ids(ids) -> None:
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ParameterError("prompt", "prompt_token_ids must be a list of integers")
 
     def _check_sampling_tokens(self, params: SamplingParams) -> None:
         """What needs this engine's limits: logprob counts and token ids in the vocabulary."""
@@ -143,11 +164,9 @@ class InputProcessor:
                     seqs[ids] = None
         return tuple(seqs)
 
-    def _tokenize_with_media(self, prompt: PromptType, kv_transfer_params: KVTransferParams | None):
+    def _tokenize_with_media(self, prompt: PromptType):
         """(text, token ids, MultiModalFeatures or None). An image model runs every prompt
         through its processor, so stray placeholders without images are caught too."""
-        if isinstance(prompt, dict) and prompt.get(FEATURES_FIELD) is not None:
-            return self._decode_side_features(prompt, kv_transfer_params)
         has_media = isinstance(prompt, dict) and prompt.get(MM_FIELD) is not None
         if self.mm_processor is None:
             if has_media:
@@ -159,20 +178,25 @@ class InputProcessor:
             self.tokenize(prompt)  # raises the usual error
         return self.mm_processor.process(prompt if isinstance(prompt, dict) else {"prompt": prompt})
 
-    def _decode_side_features(self, prompt: dict, kv_transfer_params: KVTransferParams | None):
-        """A P/D decode prompt: token ids with placeholders already expanded and the features
-        the prefill side computed (no pixels: the prompt's KV is loaded, not recomputed)."""
-        features = prompt[FEATURES_FIELD]
-        if kv_transfer_params is None or self.mm_processor is None:
-            raise ParameterError(FEATURES_FIELD, f"{FEATURES_FIELD} is only for a P/D decode request of an "
-                                 "image model (it comes with kv_transfer_params)")
+    def _check_features(self, request: EngineRequest) -> None:
+        """Images: only for an image model; each item's placeholders are image tokens of the
+        prompt, and an item without pixels only comes with KV to load (a P/D decode half:
+        decode never encodes). A prompt without features holds no image placeholders."""
+        features, ids = request.mm_features, request.prompt_token_ids
+        mm = self.mm_processor
+        if features is None:
+            if mm is not None and mm.image_token_id in ids:
+                raise ParameterError(MM_FIELD, f"the prompt has image placeholders ({mm.image_token!r}) "
+                                     f"but {MM_FIELD} has no images")
+            return
+        if mm is None:
+            raise ParameterError(MM_FIELD, f"{MM_FIELD}: this model is text-only and takes no images")
         if not isinstance(features, MultiModalFeatures):
-            raise ParameterError(FEATURES_FIELD, f"{FEATURES_FIELD} must be MultiModalFeatures, "
-                                 f"got {type(features).__name__}")
-        text, ids = self.tokenize({"prompt_token_ids": prompt.get("prompt_token_ids"), "prompt": prompt.get("prompt")})
-        image_id = self.mm_processor.image_token_id
+            raise ParameterError(MM_FIELD, f"mm_features must be MultiModalFeatures, got {type(features).__name__}")
         for item in features.items:
-            if item.end > len(ids) or any(t != image_id for t in ids[item.offset:item.end]):
-                raise ParameterError(FEATURES_FIELD, f"{FEATURES_FIELD}: an image's placeholders "
-                                     f"[{item.offset}, {item.end}) are not image tokens of the prompt")
-        return text, ids, features
+            if item.end > len(ids) or any(t != mm.image_token_id for t in ids[item.offset:item.end]):
+                raise ParameterError(MM_FIELD, f"{MM_FIELD}: an image's placeholders [{item.offset}, {item.end}) "
+                                     "are not image tokens of the prompt")
+            if item.pixel_values is None and request.kv_transfer_params is None:
+                raise ParameterError(MM_FIELD, f"{MM_FIELD}: an image without pixels is only for a P/D decode "
+                                     "request (it comes with kv_transfer_params)")

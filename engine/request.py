@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.engine_request import EngineRequest
 from engine.kv_transfer_params import KVTransferParams
 from engine.lora.request import LoRARequest
 from engine.multimodal.features import MultiModalFeatures
@@ -88,6 +89,16 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @classmethod
+    def of(cls, request: EngineRequest) -> Request:
+        """The scheduler's state of a checked request (its arrival counted from now: this
+        engine's clock, which queue time and priority order are measured on)."""
+        return cls(request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+                   sampling_params=request.sampling_params, max_tokens=request.sampling_params.max_tokens,
+                   priority=request.priority, cache_salt=request.cache_salt,
+                   kv_transfer_params=request.kv_transfer_params, mm_features=request.mm_features,
+                   lora_request=request.lora_request)
 
     @property
     def num_prompt_tokens(self) -> int:

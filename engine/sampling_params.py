@@ -11,6 +11,10 @@ _GREEDY_EPS = 1e-5
 _INT32_MAX = 2**31 - 1
 # Parallel samples per request (engine.parallel_sampling fans them out as separate requests).
 MAX_N = 128
+# Tokens a request generates when it does not say (vLLM's and OpenAI completions' default). The
+# offline API and the CLIs built on it take this one; an HTTP chat or Responses request instead
+# gets the room left in the context (max_tokens=None, resolved by engine.processor).
+DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass
@@ -28,7 +32,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: the room left in the context
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

@@ -1,6 +1,6 @@
 """KV handed back with the prefill's reply, when the requester hosts the decode engine.
 
-With direct streaming in P/D (cluster.replica.direct) the ingress replica that asks a Prefill replica
+With direct streaming in P/D (cluster.replica.server) the ingress replica that asks a Prefill replica
 for a prompt's first token also runs the decode engine that will load the prompt's KV. The
 store then adds nothing but calls: the prefill would put the bytes and register them, the
 decode side would look them up, fetch and release them (three actor calls and the object

@@ -40,16 +40,16 @@ async def _timed(stream):
     return ttft, [b - a for a, b in zip(stamps, stamps[1:])], n
 
 
-async def _one_pd(handles, n, rid, params, rng, vocab):
-    from actors import pd_generate
+async def _one_pd(handles, processor, n, rid, params, rng, vocab):
+    from cluster.pd.actor_peers import pd_generate
 
     prefill, decode, store = handles
     prompt = {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]}
-    async for _ in pd_generate(prefill, decode, store, prompt, params, rid):
+    async for _ in pd_generate(prefill, decode, store, processor.process(prompt, params, rid)):
         pass
 
 
-def bench_transfer(ray, engine_args, lengths, vocab):
+def bench_transfer(ray, engine_args, processor, lengths, vocab):
     from actors import create_worker
     from engine import SamplingParams
     from kvstore.store_actor import create_store
@@ -65,12 +65,12 @@ def bench_transfer(ray, engine_args, lengths, vocab):
         ray.get([prefill.ping.remote(), decode.ping.remote()])
 
         handles = (prefill, decode, store)
-        asyncio.run(_one_pd(handles, lengths[0], "warm", params, rng, vocab))  # pair set-up, warm-up
+        asyncio.run(_one_pd(handles, processor, lengths[0], "warm", params, rng, vocab))  # pair set-up, warm-up
         for n in lengths:
             before = ray.get(decode.kv_transfer_stats.remote())
             reps = 3
             for r in range(reps):
-                asyncio.run(_one_pd(handles, n, f"{transport}-{n}-{r}", params, rng, vocab))
+                asyncio.run(_one_pd(handles, processor, n, f"{transport}-{n}-{r}", params, rng, vocab))
             after = ray.get(decode.kv_transfer_stats.remote())
             secs = (after["load_seconds"] - before["load_seconds"]) / reps
             nbytes = (after["bytes_in"] - before["bytes_in"]) / reps
@@ -79,8 +79,9 @@ def bench_transfer(ray, engine_args, lengths, vocab):
             ray.kill(actor)
 
 
-def bench_latency(ray, engine_args, n_requests, rate, vocab, seed):
-    from actors import colocated_generate, create_worker, pd_generate
+def bench_latency(ray, engine_args, processor, n_requests, rate, vocab, seed):
+    from actors import create_worker
+    from cluster.pd.actor_peers import colocated_generate, pd_generate
     from engine import SamplingParams
     from kvstore.store_actor import create_store
 
@@ -93,8 +94,9 @@ def bench_latency(ray, engine_args, n_requests, rate, vocab, seed):
     async def run(make_stream):
         async def delayed(i, p, o, delay):
             await asyncio.sleep(delay)  # arrival time of the request (the workload), not sync
-            return await _timed(make_stream({"prompt_token_ids": p},
-                                            SamplingParams(temperature=0, max_tokens=o, ignore_eos=True), f"r{i}"))
+            request = processor.process({"prompt_token_ids": p},
+                                        SamplingParams(temperature=0, max_tokens=o, ignore_eos=True), f"r{i}")
+            return await _timed(make_stream(request))
         t = 0.0
         tasks = []
         for i, ((p, o), g) in enumerate(zip(workload, gaps)):
@@ -110,14 +112,15 @@ def bench_latency(ray, engine_args, n_requests, rate, vocab, seed):
     colocated = create_worker(engine_args, "colocated")
     ray.get([prefill.ping.remote(), decode.ping.remote(), colocated.ping.remote()])
     modes = {
-        "colocated": lambda pr, pa, rid: colocated_generate(colocated, pr, pa, rid),
-        "P/D": lambda pr, pa, rid: pd_generate(prefill, decode, store, pr, pa, rid),
+        "colocated": lambda request: colocated_generate(colocated, request),
+        "P/D": lambda request: pd_generate(prefill, decode, store, request),
     }
     print(f"{'mode':<10} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'ITL p50':>8} {'p90':>7} {'p99':>7} {'tok/s':>7}")
     for name, make in modes.items():
         for i in range(2):  # warm both paths (first transfer, first pair) before measuring
-            asyncio.run(_timed(make({"prompt_token_ids": workload[i][0]},
-                                    SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), f"w{i}")))
+            asyncio.run(_timed(make(processor.process({"prompt_token_ids": workload[i][0]},
+                                                      SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                                                      f"w{i}"))))
         results, wall = asyncio.run(run(make))
         ttft = [r[0] * 1e3 for r in results]
         itl = [g * 1e3 for r in results for g in r[1]]
@@ -141,16 +144,19 @@ def main() -> None:
 
     import ray
 
+    from engine.llm_engine import load_processor
     from engine.models.arch import load_arch
     from engine.models.default_model import ensure_preset_model
 
     engine_args = EngineArgs.from_cli_args(args, model=args.model or ensure_preset_model("small"))
     vocab = load_arch(engine_args.model).vocab_size - 64
+    # The front end's input processor: the requests reach the workers processed, as from an ingress.
+    _, processor = load_processor(engine_args.create_engine_config())
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         print(f"model={engine_args.model}")
-        bench_transfer(ray, engine_args, args.lengths, vocab)
-        bench_latency(ray, engine_args, args.requests, args.rate, vocab, args.workload_seed)
+        bench_transfer(ray, engine_args, processor, args.lengths, vocab)
+        bench_latency(ray, engine_args, processor, args.requests, args.rate, vocab, args.workload_seed)
     finally:
         ray.shutdown()
 

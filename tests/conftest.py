@@ -290,7 +290,7 @@ def ray_local():
 
     before = set(os.environ)
     # A stopping direct-ingress replica keeps serving for this long so HAProxy can stop sending
-    # it requests (pdserve's 2 s, cluster/http/front.py). The suite's apps answer through Serve's
+    # it requests (pdserve's 2 s, cluster/launch/http_proxy.py). The suite's apps answer through Serve's
     # own proxy, and it stops dozens of replicas (deleted apps, scale-downs, replacements).
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0.2")
     # Serve's own control loop period (pdserve serve sets 0.5 s to save an idle server's CPU,

@@ -21,11 +21,12 @@ PACKAGES = ("kernels", "engine", "kvstore", "actors", "cluster", "scripts")
 RANK = {"kernels": 0, "engine": 1, "kvstore": 2, "actors": 3, "cluster": 4, "scripts": 5}
 MAX_LINES = 400
 # cluster/'s rooms: one may import only the rooms listed for it (launch starts everything; the
-# ingress reaches engine replicas and the Coordinator; those three and batch stand alone).
-# cluster/tasks.py is shared by all.
+# ingress reaches engine replicas, the P/D flow and the Coordinator; the P/D flow reaches
+# engine replicas; replica, control and batch stand alone). cluster/tasks.py is shared by all.
 CLUSTER_ROOMS = {
-    "launch": {"http", "replica", "control", "batch"},
-    "http": {"replica", "control"},
+    "launch": {"http", "pd", "replica", "control", "batch"},
+    "http": {"pd", "replica", "control"},
+    "pd": {"replica"},
     "replica": set(),
     "control": set(),
     "batch": set(),
@@ -223,3 +224,32 @@ def test_source_files_are_at_most_400_lines(package):
             if n > MAX_LINES:
                 long[os.path.relpath(path, ROOT)] = n
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def _layout_block() -> dict[str, set[str]]:
+    """docs/architecture.md's layout block: folder -> the file names it lists."""
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        block = f.read().split("```layout\n", 1)[1].split("```", 1)[0]
+    folders: dict[str, set[str]] = {}
+    folder = None
+    for line in block.splitlines():
+        if not line.startswith(" "):
+            folder, _, line = line.partition(" ")
+            folders[folder] = set()
+        folders[folder].update(line.split())
+    return folders
+
+
+def test_the_architecture_layout_names_every_source_file_and_no_other():
+    listed = _layout_block()
+    actual: dict[str, set[str]] = {}
+    for package in PACKAGES:
+        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, package)):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            names = {f for f in filenames if f.endswith((".py", ".c", ".h", ".sh")) and f != "__init__.py"}
+            if names:
+                actual[os.path.relpath(dirpath, ROOT) + "/"] = names
+    missing = sorted(f"{d}{n}" for d, names in actual.items() for n in names - listed.get(d, set()))
+    stale = sorted(f"{d}{n}" for d, names in listed.items() for n in names - actual.get(d, set()))
+    assert not missing, f"files docs/architecture.md's layout does not name: {missing}"
+    assert not stale, f"files docs/architecture.md's layout names that do not exist: {stale}"

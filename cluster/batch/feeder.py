@@ -19,6 +19,7 @@ import itertools
 import threading
 from concurrent.futures import Future
 
+from engine.engine_request import EngineRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
@@ -29,7 +30,7 @@ class EngineFeeder:
         self._name = name
         self._ids = itertools.count()
         self._cv = threading.Condition()
-        self._inbox: list[tuple[object, object, Future]] = []
+        self._inbox: list[tuple[EngineRequest, Future]] = []
         self._running: dict[str, Future] = {}  # feeder thread only
         self._error: BaseException | None = None
         self._closed = False
@@ -37,22 +38,26 @@ class EngineFeeder:
         self._thread = threading.Thread(target=self._loop, name=f"{name}-engine-feeder", daemon=True)
         self._thread.start()
 
-    def submit(self, prompts: list, params: list) -> list[Future]:
-        """Queue one request per prompt; each future resolves to its RequestOutput, or to the
-        ValueError that the engine's input processing raised for that row."""
-        futures = [Future() for _ in prompts]
+    def next_id(self) -> str:
+        """A request id no other row of this feeder has."""
+        return f"{self._name}-{next(self._ids)}"
+
+    def submit(self, requests: list[EngineRequest]) -> list[Future]:
+        """Queue processed requests (LLMEngine.process; ids from `next_id`); each future
+        resolves to its final RequestOutput, or to the ValueError of the engine's check."""
+        futures = [Future() for _ in requests]
         with self._cv:
             if self._error is not None:
                 raise RuntimeError(f"the engine failed earlier: {self._error!r}") from self._error
             if self._closed:
                 raise RuntimeError("the engine feeder is closed")
-            self._inbox.extend(zip(prompts, params, futures))
+            self._inbox.extend(zip(requests, futures))
             self._cv.notify()
         return futures
 
-    def generate(self, prompts: list, params: list) -> list[RequestOutput]:
+    def generate(self, requests: list[EngineRequest]) -> list[RequestOutput]:
         """Blocking form of `submit` (outputs in input order)."""
-        return [f.result() for f in self.submit(prompts, params)]
+        return [f.result() for f in self.submit(requests)]
 
     def close(self, timeout: float | None = None) -> None:
         """Stop after the rows in flight; idempotent."""
@@ -75,9 +80,9 @@ class EngineFeeder:
         inbox: list = []
         try:
             while (inbox := self._take_inbox()) is not None:
-                for prompt, params, future in inbox:
+                for request, future in inbox:
                     try:
-                        rid = self.engine.add_request(f"{self._name}-{next(self._ids)}", prompt, params)
+                        rid = self.engine.add(request)
                     except ValueError as e:  # this row's prompt or parameters: the others go on
                         future.set_exception(e)
                         continue
@@ -89,7 +94,7 @@ class EngineFeeder:
         except BaseException as e:  # noqa: BLE001 - handed to every waiting caller
             with self._cv:
                 self._error = e
-                pending = [f for *_, f in inbox + self._inbox] + list(self._running.values())
+                pending = [f for _, f in inbox + self._inbox] + list(self._running.values())
                 self._inbox, self._running = [], {}
             for future in pending:
                 if not future.done():

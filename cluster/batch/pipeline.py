@@ -71,13 +71,12 @@ class EnginePredictor:
 
     def _prepare(self, batch: pa.Table):
         """(outputs to fill, row indexes sent, their futures): rows that fail here (bad type,
-        bad parameters) get their error now; the engine's input processing (tokenizing,
-        length checks) reports the rest through the futures, once per row."""
+        bad parameters, the input processor's checks) get their error now, once per row."""
         if self.prompt_column not in batch.column_names:
             raise ValueError(f"input has no {self.prompt_column!r} column (columns: {batch.column_names})")
         rows = batch.to_pylist()
         out = {c: [None] * len(rows) for c in OUTPUT_COLUMNS}
-        todo, prompts, params = [], [], []
+        todo, requests = [], []
         for i, row in enumerate(rows):
             prompt = row[self.prompt_column]
             if not isinstance(prompt, (str, list)):
@@ -85,14 +84,14 @@ class EnginePredictor:
                                    f"got {type(prompt).__name__}")
                 continue
             try:
-                p = row_params(self.defaults, row)
+                request = self.llm.engine.process(prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt},
+                                                  row_params(self.defaults, row), self.feeder.next_id())
             except (ValueError, TypeError) as e:
                 out["error"][i] = str(e)
                 continue
             todo.append(i)
-            prompts.append(prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt})
-            params.append(p)
-        return out, todo, self.feeder.submit(prompts, params) if prompts else []
+            requests.append(request)
+        return out, todo, self.feeder.submit(requests) if requests else []
 
     @staticmethod
     def _fill(out: dict, i: int, future) -> None:

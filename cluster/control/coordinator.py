@@ -21,6 +21,7 @@ from actors.roles import Role
 from cluster.control.autoscale import PolicyState, RoleSignal, build_config, decide
 from cluster.control.capacity import describe, free_resources, needed_for, shortfall
 from cluster.control.metrics_merge import Snapshot, add
+from cluster.control.results import ReplicaStatus, ScaleResult, Status
 
 logger = logging.getLogger(__name__)
 
@@ -29,15 +30,6 @@ SCALE_TIMEOUT_S = 120.0
 # A replica that has not reported for this long is gone (reports come every ~0.5 s).
 STALE_AFTER_S = 10.0
 DEPLOYMENTS = {Role.PREFILL: "Prefill", Role.DECODE: "Decode", Role.COLOCATED: "Colocated"}
-
-
-def status_of(report: ReplicaReport) -> dict:
-    """One replica's line in `GET /status`."""
-    e = report.engine
-    return {"replica": report.replica, "running": e.running, "waiting": e.waiting, "free_blocks": e.free_blocks,
-            "total_blocks": e.total_blocks, "kv_usage": e.kv_usage, "prefix_cache_hit_rate": e.prefix_cache_hit_rate,
-            "ttft_p90_s": report.ttft_p90_s, "itl_p90_s": report.itl_p90_s, "kv_handoffs": report.kv_handoffs,
-            "time": report.time}
 
 
 class ScaleRequestError(ValueError):
@@ -109,7 +101,7 @@ class Coordinator:
                  cluster_autoscaling: bool = False, resources=None, deployments: dict | None = None) -> None:
         self.mode = mode
         # role -> the Serve deployment of its replicas (colocated or decode ones are the
-        # ingress's with direct streaming, cluster.replica.direct)
+        # ingress's with direct streaming, cluster.replica.server)
         self.deployments = dict(deployments or DEPLOYMENTS)
         self.app_name = app_name
         self.roles = (Role.PREFILL, Role.DECODE) if mode == "pd" else (Role.COLOCATED,)
@@ -237,37 +229,36 @@ class Coordinator:
                 self.targets[role] = n
         self.scaling = True
 
-    async def scale(self, body: object) -> tuple[int, dict]:
-        """`POST /scale`: (HTTP status, body). 202 with the target; 400 bad input; 409 while
-        another change is in progress or the autoscaler owns the counts."""
+    async def scale(self, body: object) -> ScaleResult:
+        """`POST /scale`: accepted (202, the target); 400 bad input; 409 while another change
+        is in progress, the autoscaler owns the counts or the target does not fit."""
         try:
             targets = parse_scale_request(body, self.roles, self.max_replicas)
         except ScaleRequestError as e:
-            return e.status, {"error": {"message": e.message, "type": "invalid_request_error",
-                                        "param": e.param, "code": e.status}}
+            return ScaleResult.refuse(e.status, e.message, "invalid_request_error", e.param)
         async with self._scale_lock:
             await self._sync_targets()
             if self.autoscale.enabled:
-                return 409, _conflict("autoscaling is on: it owns the replica counts")
+                return ScaleResult.refuse(409, "autoscaling is on: it owns the replica counts", "conflict")
             if await self._refresh_scaling():
-                return 409, _conflict(f"a scale to {self.targets} is still in progress; retry when "
-                                      f"GET /status says scaling is false")
+                return ScaleResult.refuse(409, f"a scale to {self.targets} is still in progress; retry when "
+                                               f"GET /status says scaling is false", "conflict")
             added = {r: n - self.targets[r] for r, n in targets.items()}
             needed = needed_for(added, self.replica_resources)
             if needed and not self.cluster_autoscaling:
                 free = await asyncio.to_thread(self._free)
                 if shortfall(needed, free):
-                    body = _conflict(f"target {({**self.targets, **targets})} does not fit the cluster: the added "
-                                     f"replicas {describe(needed, free)} (and no autoscaler adds nodes)")
-                    body["error"].update(needed=needed, free=free)
-                    return 409, body
+                    return ScaleResult.refuse(
+                        409, f"target {({**self.targets, **targets})} does not fit the cluster: the added "
+                             f"replicas {describe(needed, free)} (and no autoscaler adds nodes)", "conflict",
+                        needed=needed, free=free)
             try:
                 await self.apply(targets, "manual")
             except Exception as e:  # e.g. the app was deployed without external scaling
                 logger.exception("scale %s failed", targets)
-                return 503, {"error": {"message": f"Serve refused the change: {type(e).__name__}: {e}",
-                                       "type": "service_unavailable", "param": None, "code": 503}}
-        return 202, {"target": dict(self.targets), "scaling": True}
+                return ScaleResult.refuse(503, f"Serve refused the change: {type(e).__name__}: {e}",
+                                          "service_unavailable")
+        return ScaleResult.accept(self.targets)
 
     # ---- status -----------------------------------------------------------------------------
     async def _store_stats(self) -> dict:
@@ -289,16 +280,14 @@ class Coordinator:
             self._store = None
             return {"live_transfers": 0, "bytes": 0, "error": f"{type(e).__name__}: {e}"}
 
-    async def status(self) -> dict:
+    async def status(self) -> Status:
         async with self._scale_lock:
             await self._sync_targets()
             await self._refresh_scaling()
         live = self.board.live()
-        out = {role: [status_of(r) for r in live if r.role == role] for role in self.roles}
-        out.update(mode=self.mode, store=await self._store_stats(), scaling=self.scaling,
-                   target=dict(self.targets), autoscaling=self.autoscale.enabled, stuck=self.stuck,
-                   pending=await self._pending() if self.scaling else None)
-        return out
+        return Status(self.mode, {role: [ReplicaStatus.of(r) for r in live if r.role == role] for role in self.roles},
+                      await self._store_stats(), self.scaling, dict(self.targets), self.autoscale.enabled,
+                      self.stuck, await self._pending() if self.scaling else None)
 
     async def _pending(self) -> dict | None:
         """While scaling: the replicas not running yet, and the resources they wait for."""
@@ -351,7 +340,3 @@ class Coordinator:
                 await self.autoscale_tick()
             except Exception:  # a failed tick must not end autoscaling
                 logger.exception("autoscale tick failed")
-
-
-def _conflict(message: str) -> dict:
-    return {"error": {"message": message, "type": "conflict", "param": None, "code": 409}}

@@ -9,18 +9,16 @@ import uuid
 
 from cluster.http import openai_format as fmt
 from cluster.http.errors import OpenAIError, rejecting
-from cluster.http.front_end import FrontEnd, Job
 from cluster.http.protocol import ChatCompletionRequest
+from cluster.http.served_model import Job, ServedModel, samples
 from cluster.http.tools import ToolPlan, message_tool_calls, plain_conversation, supports_tools
 from engine.errors import ParameterError
 from engine.multimodal.media import load_image
-from engine.parallel_sampling import child_params
-from engine.processor import LORA_FIELD
 from engine.sampling_params import SamplingParams
 
 
 def load_images(allowed_local_media_path: str | None, image_limit: int | None, body: ChatCompletionRequest) -> list:
-    """The request's images, decoded here (the front end) so a bad one is a 400 naming its
+    """The request's images, decoded here (the ingress) so a bad one is a 400 naming its
     part; nothing is fetched from the network. `image_limit`: the model's images per prompt
     (limit_mm_per_prompt), None for a text-only model. The count is checked before any image
     is decoded: a request over it costs no decoding."""
@@ -78,26 +76,27 @@ def render(tokenizer, body, template_kwargs: dict | None = None, plan: ToolPlan 
     return text, tokenizer.encode(text, add_special_tokens=False)  # the template has its specials
 
 
-def chat_job(front: FrontEnd, body: ChatCompletionRequest) -> Job:
-    lora = front.check_model(body.model)
+def chat_job(served: ServedModel, body: ChatCompletionRequest) -> Job:
+    lora = served.check_model(body.model)
     with rejecting(body):
         params = body.sampling_params()
         body.check_tool_messages()
-        plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, front.tool_parser,
-                           front.enable_auto_tool_choice)
+        plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, served.tool_parser,
+                           served.enable_auto_tool_choice)
         params = _with_tools(params, plan)
-    mm = front.processor.mm_processor
-    images = load_images(front.allowed_local_media_path, None if mm is None else mm.limit, body)
-    text, ids = render(front.tokenizer, body, template_kwargs(front.tokenizer, body.chat_template_kwargs), plan)
+    mm = served.processor.mm_processor
+    images = load_images(served.allowed_local_media_path, None if mm is None else mm.limit, body)
+    text, ids = render(served.tokenizer, body, template_kwargs(served.tokenizer, body.chat_template_kwargs), plan)
     with rejecting(body):
-        ids, params = front.prepare(ids, params, images, lora)
+        request = served.request(ids, params, text, images, lora)
+    ids = request.prompt_token_ids  # image placeholders expanded
     request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     model, n_logprobs = body.model, body.num_logprobs  # the base model's name or an adapter's
 
     def logprobs(token_ids, positions):
         if n_logprobs is None:
             return None
-        return fmt.chat_logprobs(front.text_of, token_ids, positions or [], n_logprobs)
+        return fmt.chat_logprobs(served.text_of, token_ids, positions or [], n_logprobs)
 
     def choice(j, out) -> dict:
         c = out.outputs[0]
@@ -155,12 +154,7 @@ def chat_job(front: FrontEnd, body: ChatCompletionRequest) -> Job:
     # `n` > 1: n requests of the same prompt (engine.parallel_sampling); choice j is sample j.
     n = params.n
     streamers = [plan.streamer() for _ in range(n)] if plan is not None else []
-    prompt = {"prompt": text, "prompt_token_ids": ids}
-    if images:
-        prompt["multi_modal_data"] = {"image": images}
-    if lora is not None:
-        prompt[LORA_FIELD] = lora
-    return Job([prompt] * n, child_params(params), request_id, body.stream, chunks, whole, n)
+    return Job(samples(request), request_id, body.stream, chunks, whole, n)
 
 
 def _with_tools(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:

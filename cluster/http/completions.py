@@ -8,47 +8,45 @@ import uuid
 
 from cluster.http import openai_format as fmt
 from cluster.http.errors import rejecting
-from cluster.http.front_end import FrontEnd, Job
 from cluster.http.protocol import CompletionRequest
+from cluster.http.served_model import Job, ServedModel, samples
 from engine.outputs import RequestOutput
-from engine.parallel_sampling import child_params
-from engine.processor import LORA_FIELD
 
 
-def completion_job(front: FrontEnd, body: CompletionRequest) -> Job:
-    lora = front.check_model(body.model)
-    prompts, per_prompt = [], []
+def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
+    lora = served.check_model(body.model)
+    processed = []
     with rejecting(body):
         params = body.sampling_params()
         for p in body.prompts():
-            ids = front.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
-            ids, prompt_params = front.prepare(ids, params, lora=lora)  # token ids range-checked here
-            per_prompt.append(prompt_params)
-            text = p if isinstance(p, str) else front.tokenizer.decode(ids)
-            prompts.append({"prompt": text, "prompt_token_ids": ids} if lora is None else
-                           {"prompt": text, "prompt_token_ids": ids, LORA_FIELD: lora})
+            if isinstance(p, str):
+                request = served.request(served.tokenizer.encode(p, add_special_tokens=True), params, p, lora=lora)
+            else:  # its text once its ids are known to be in the vocabulary (for echo)
+                request = served.request(list(p), params, lora=lora)
+                request = dataclasses.replace(request, prompt=served.tokenizer.decode(request.prompt_token_ids))
+            processed.append(request)
     request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
     model, n_logprobs, echo = body.model, body.logprobs, body.echo  # the base model's name or an adapter's
     # max_tokens=0 (with echo) scores the prompt: the engine's one token is left out.
     scoring = body.max_tokens == 0
     # `n` > 1: each prompt's n samples run as n requests; choice index = prompt index * n + j.
     n = params.n
-    prompts = [p for p in prompts for _ in range(n)]
-    per_prompt = [c for p in per_prompt for c in child_params(p)]
+    requests = [sample for r in processed for sample in samples(r)]
     if echo and n_logprobs is not None:
         # Every choice echoes its prompt with logprobs, not only the first sample's.
-        per_prompt = [dataclasses.replace(c, prompt_logprobs=params.prompt_logprobs) for c in per_prompt]
+        requests = [dataclasses.replace(r, sampling_params=dataclasses.replace(
+            r.sampling_params, prompt_logprobs=params.prompt_logprobs)) for r in requests]
 
     def logprobs(i, out: RequestOutput, ids: list[int], positions, offset: int, with_prompt: bool):
         """The choice's logprobs object over (the echoed prompt and) `ids`."""
         if n_logprobs is None:
             return None
         if not with_prompt:
-            return fmt.completion_logprobs(front.text_of, ids, positions or [], n_logprobs, offset)
-        prompt_ids = prompts[i]["prompt_token_ids"]
+            return fmt.completion_logprobs(served.text_of, ids, positions or [], n_logprobs, offset)
+        prompt_ids = requests[i].prompt_token_ids
         prompt_pos = fmt.plain_positions(out.prompt_logprobs or [None] * len(prompt_ids))
-        lp = fmt.completion_logprobs(front.text_of, prompt_ids, prompt_pos, n_logprobs, 0)
-        rest = fmt.completion_logprobs(front.text_of, ids, positions or [], n_logprobs, offset)
+        lp = fmt.completion_logprobs(served.text_of, prompt_ids, prompt_pos, n_logprobs, 0)
+        rest = fmt.completion_logprobs(served.text_of, ids, positions or [], n_logprobs, offset)
         return {k: lp[k] + rest[k] for k in lp}
 
     def choice(i, out: RequestOutput, text: str, lp, finish, with_prompt_logprobs: bool = True) -> dict:
@@ -63,7 +61,7 @@ def completion_job(front: FrontEnd, body: CompletionRequest) -> Job:
         for i, out in enumerate(finals):
             c = out.outputs[0]
             ids, positions, text = ([], [], "") if scoring else (c.token_ids, c.logprobs, c.text)
-            prefix = prompts[i]["prompt"] if echo else ""
+            prefix = requests[i].prompt if echo else ""
             lp = logprobs(i, out, ids, positions, len(prefix), echo)
             choices.append(choice(i, out, prefix + text, lp, c.finish_reason))
             n_prompt += len(out.prompt_token_ids) if i % n == 0 else 0  # once per prompt, as OpenAI
@@ -71,23 +69,23 @@ def completion_job(front: FrontEnd, body: CompletionRequest) -> Job:
         return fmt.response_object("text_completion", request_id, model, choices, fmt.usage(n_prompt, n_gen))
 
     def echo_chunk(i, out: RequestOutput | None) -> dict:
-        text = prompts[i]["prompt"]
+        text = requests[i].prompt
         lp = None if out is None else logprobs(i, out, [], [], len(text), True)
         return fmt.response_object("text_completion", request_id, model, [
             {"index": i, "text": text, "logprobs": lp, "finish_reason": None}], None, True)
 
     async def chunks(merged):
-        offsets = [0] * len(prompts)
-        counts = [[len(p["prompt_token_ids"]), 0] for p in prompts]
+        offsets = [0] * len(requests)
+        counts = [[len(r.prompt_token_ids), 0] for r in requests]
         # The prompt's logprobs come with its first output: an echo that carries them waits for it.
         echo_first = echo and n_logprobs is not None
-        echoed = [not echo_first] * len(prompts)
+        echoed = [not echo_first] * len(requests)
         if echo:
-            for i, p in enumerate(prompts):
-                offsets[i] = len(p["prompt"])
+            for i, r in enumerate(requests):
+                offsets[i] = len(r.prompt)
                 if not echo_first:
                     yield echo_chunk(i, None)
-        first = [True] * len(prompts)  # vLLM's prompt_logprobs go in a choice's first chunk only
+        first = [True] * len(requests)  # vLLM's prompt_logprobs go in a choice's first chunk only
         async for i, out in merged:
             if not echoed[i]:
                 echoed[i] = True
@@ -112,4 +110,4 @@ def completion_job(front: FrontEnd, body: CompletionRequest) -> Job:
             yield fmt.response_object("text_completion", request_id, model, [], fmt.usage(
                 sum(c[0] for c in counts[::n]), sum(c[1] for c in counts)), True)
 
-    return Job(prompts, per_prompt, request_id, body.stream, chunks, whole, n)
+    return Job(requests, request_id, body.stream, chunks, whole, n)

@@ -13,8 +13,8 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.http import openai_format as fmt
-from engine.errors import ParameterError
-from kvstore.pd import PDRequestError
+from cluster.replica.errors import ReplicaError
+from engine.errors import EngineDeadError, ParameterError
 
 RETRY_AFTER_S = 1
 
@@ -57,7 +57,7 @@ def replica_error(e: Exception) -> OpenAIError:
     """What the client gets when running a validated request failed."""
     if isinstance(e, BackPressureError):
         return queue_full(f"engine replicas are at their queue limit; retry later ({e})")
-    if isinstance(e, PDRequestError):
+    if isinstance(e, (ReplicaError, EngineDeadError)):  # not the request's fault: it may be retried
         return overloaded(f"request failed on a replica: {e}")
     return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error")
 

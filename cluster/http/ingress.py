@@ -3,7 +3,7 @@
 A route turns its body into a Job (cluster/http/chat.py, cluster/http/completions.py: tokenized,
 chat template included, and validated exactly as the engine will, so bad input is a 400 before
 any engine sees it); the ingress admits the job, runs each of its requests
-(cluster/http/pd_serve.py: on its own engine with direct streaming, else on the engine
+(cluster/pd/: on its own engine with direct streaming, else on the engine
 replicas, prefill then decode in P/D) and streams or returns the answer. Leaving a request
 early (client disconnect, error) cancels it on the engines, which frees its KV blocks and its
 transfer. Errors: cluster/http/errors.py. The path of one request:
@@ -13,6 +13,7 @@ docs/architecture.md#the-path-of-one-request.
 # No `from __future__ import annotations`: FastAPI must see the body models as real types
 # (Serve's class-based ingress re-wraps the methods, and string annotations are not resolved).
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -31,6 +32,7 @@ from cluster.http.auth import ApiKeyCheck, install_api_key_check
 from cluster.http.body_limits import BodyLimits, install_body_limits
 from cluster.http.chat import chat_job
 from cluster.http.completions import completion_job
+from cluster.http.control_answers import scale_response, status_response
 from cluster.http.errors import (
     OpenAIError,
     install_error_handlers,
@@ -39,33 +41,28 @@ from cluster.http.errors import (
     rejecting,
     replica_error,
 )
-from cluster.http.front_end import DATA_LINES, FrontEnd, Job, SSEFormat
 from cluster.http.lora import (
     LoadLoRAAdapterRequest,
     LoRAFollower,
     UnloadLoRAAdapterRequest,
-    counted,
     lora_registry,
 )
 from cluster.http.metrics import AppMetrics
-from cluster.http.pd_serve import (
-    EngineStreams,
-    PrefillPlacement,
-    RoleCounts,
-    serve_pd_generate,
-    serve_plain_generate,
-)
 from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.http.responses import ResponsesRequest, responses_job
+from cluster.http.runner import RequestRunner
+from cluster.http.served_model import DATA_LINES, Job, ServedModel, SSEFormat
 from cluster.http.settings import IngressSettings
-from cluster.http.streams import merge, timed
+from cluster.http.streams import merged
 from cluster.http.tool_parsers import get_tool_parser
-from cluster.replica.direct import DirectEngine
-from cluster.replica.front_streams import ReplicaStreams
+from cluster.pd.placement import PrefillPlacement, RoleCounts
+from cluster.pd.serve_peers import serve_pd_generate
+from cluster.replica.replica_streams import ReplicaStreams
+from cluster.replica.server import EngineServer
 from cluster.tasks import detached_task
-from engine.llm_engine import front_end
+from engine.engine_client import EngineClient
+from engine.llm_engine import load_processor
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 from kvstore.store_actor import app_store
 
 logger = logging.getLogger(__name__)
@@ -110,8 +107,8 @@ class Ingress:
         prefill, decode, coordinator = (_own_handle(h) for h in (prefill, decode, coordinator))
         self.prefill, self.decode, self.coordinator = prefill, decode, coordinator
         engine_args = settings.engine_args
-        tokenizer, processor = front_end(engine_args.create_engine_config())
-        self.front = FrontEnd(settings.served_model_name, engine_args.model, tokenizer, processor,
+        tokenizer, processor = load_processor(engine_args.create_engine_config())
+        self.served = ServedModel(settings.served_model_name, engine_args.model, tokenizer, processor,
                               fmt.TokenText(tokenizer), engine_args.allowed_local_media_path,
                               tool_parser=(None if settings.tool_call_parser is None
                                            else get_tool_parser(settings.tool_call_parser)),
@@ -119,26 +116,31 @@ class Ingress:
                               loras=lora_registry(settings.served_model_name, settings.lora_modules, processor,
                                                   engine_args.enable_lora, settings.lora_runtime_updates))
         self.max_pending = settings.max_pending_requests
-        loras = self.front.loras  # run-time adapter changes of other ingress replicas, followed
+        loras = self.served.loras  # run-time adapter changes of other ingress replicas, followed
         self.lora_follower = (LoRAFollower(loras, lambda: self._ask_coordinator("lora_table", timeout_s=2.0))
                               if loras is not None and loras.runtime_updates else None)
-        self.load_failure_policy = settings.load_failure_policy
-        self.store = app_store(settings.app_name) if self.mode == "pd" else None
         self.ingress_id = f"ingress-{serve.get_replica_context().replica_id.unique_id}"
-        # --direct-streaming: this replica's own engine (cluster.replica.direct) runs the
-        # colocated (or decode) half of every request, called in process. Otherwise those
+        # --direct-streaming: this replica's own engine (an EngineServer in this process) runs
+        # the colocated (or decode) half of every request, called in process. Otherwise those
         # run on engine replicas, whose outputs come as one message per engine step.
         direct = settings.direct
-        self.direct = DirectEngine(direct.server_kwargs, direct.report_period_s) if direct is not None else None
-        self.engines: EngineStreams = (self.direct.server if self.direct is not None else
-                                       ReplicaStreams(decode if self.mode == "pd" else prefill, self.ingress_id))
-        # P/D with this replica's own decode engine: prompt KV comes back in the prefill's reply.
-        self.kv_inbox = self.direct.kv_inbox() if self.direct is not None and self.mode == "pd" else None
-        self.metrics = AppMetrics(self.front.model_name, self.mode)
+        self.direct = EngineServer(**direct.server_kwargs) if direct is not None else None
+        self.report_period_s = direct.report_period_s if direct is not None else None
+        engines: EngineClient = (self.direct if self.direct is not None else
+                                 ReplicaStreams(decode if self.mode == "pd" else prefill, self.ingress_id))
+        self.metrics = AppMetrics(self.served.model_name, self.mode)
         self._pusher: asyncio.Task | None = None  # sends self.metrics to the Coordinator on change
-        counts = RoleCounts(coordinator)
-        self.placement = (PrefillPlacement(settings.local_prefill, counts, settings.prefill_fallback, counts.live)
-                          if self.mode == "pd" else None)
+        self.runner = RequestRunner(engines, self.metrics, self.served.loras)
+        if self.mode == "pd":
+            counts = RoleCounts(coordinator)
+            # With this replica's own decode engine, prompt KV comes back in the prefill's reply.
+            inbox = self.direct.worker.kv_inbox() if self.direct is not None else None
+            store, policy = app_store(settings.app_name), settings.load_failure_policy
+            self.runner = RequestRunner(
+                engines, self.metrics, self.served.loras,
+                PrefillPlacement(settings.local_prefill, counts, settings.prefill_fallback, counts.live),
+                lambda request, timeout_s: serve_pd_generate(prefill, engines, store, request, policy, inbox,
+                                                             timeout_s))
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
         self.created = settings.created or int(time.time())
         if self.direct is not None:
@@ -149,11 +151,12 @@ class Ingress:
                 # loop): Serve's first health check, right after construction, starts them.
                 pass
             else:
-                self.direct.start_reporting()
+                self.direct.start_reporting(self.report_period_s)
 
     # ---- this replica's own engine (--direct-streaming), called by Serve ------------------
     async def check_health(self) -> None:
         if self.direct is not None:
+            self.direct.start_reporting(self.report_period_s)
             await self.direct.check_health()  # raises once the engine (or its core) died
 
     def inter_deployment_calls(self) -> str:
@@ -165,7 +168,7 @@ class Ingress:
         """This replica's pid and its engine core processes' (none without --direct-streaming),
         for operators and tests."""
         if self.direct is not None:
-            return self.direct.server.processes()
+            return self.direct.processes()
         return {"replica": os.getpid(), "engine_cores": []}
 
     async def __del__(self) -> None:
@@ -179,28 +182,27 @@ class Ingress:
     async def respond(self, job: Job) -> Response:
         """Admit the job, run every request; stream `job.chunks(merged outputs)` as SSE or
         return `job.whole(finals)`."""
-        prompts, n = job.prompts, job.n
-        if len(prompts) > self.max_pending:
-            what = f"{len(prompts) // n} prompts x n={n}" if n > 1 else f"{len(prompts)} prompts"
-            raise OpenAIError(400, f"the request holds {what} = {len(prompts)} sequences; at most "
+        requests, n = job.requests, job.n
+        if len(requests) > self.max_pending:
+            what = f"{len(requests) // n} prompts x n={n}" if n > 1 else f"{len(requests)} prompts"
+            raise OpenAIError(400, f"the request holds {what} = {len(requests)} sequences; at most "
                               f"{self.max_pending} per request", param="n" if n > 1 else "prompt")
-        token = self._admit(len(prompts))
+        token = self._admit(len(requests))
         if self._pusher is None:
             self._pusher = detached_task(self._push_metrics())
         # Engine ids are unique even when a client reuses its request_id (it stays the response id).
         suffix = uuid.uuid4().hex[:8]
-        gens = [timed(counted(self.front.loras, p, self._run(p, pp, f"{job.request_id}-{i}-{suffix}")), self.metrics,
-                      len(p["prompt_token_ids"]))
-                for i, (p, pp) in enumerate(zip(prompts, job.params))]
+        outputs = merged([self.runner.stream(i, dataclasses.replace(r, request_id=f"{job.request_id}-{i}-{suffix}"))
+                          for i, r in enumerate(requests)])
         if job.stream:
-            body = self._sse(gens, job.chunks, token, job.sse)
+            body = self._sse(outputs, job.chunks, token, job.sse)
             # A client gone before the body starts leaves the generator unstarted (its finally
             # never runs); its admission is then returned when the generator is collected.
             weakref.finalize(body, self._release, token)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
-            finals: list[RequestOutput | None] = [None] * len(prompts)
-            async for i, out in merge(gens):
+            finals: list[RequestOutput | None] = [None] * len(requests)
+            async for i, out in outputs:
                 finals[i] = out
             return JSONResponse(job.whole(finals))
         except Exception as e:
@@ -224,20 +226,9 @@ class Ingress:
     def _release(self, token: object) -> None:
         self._pending.pop(token, None)  # idempotent: stream end and finalizer may both call it
 
-    def _run(self, prompt: dict, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
-        if self.mode != "pd":
-            return serve_plain_generate(self.engines, prompt, params, request_id)
-        return self.placement.run(
-            len(prompt["prompt_token_ids"]),
-            lambda prefill_timeout_s: serve_pd_generate(self.prefill, self.engines, self.store, prompt, params,
-                                                        request_id, self.load_failure_policy, self.kv_inbox,
-                                                        prefill_timeout_s),
-            lambda: serve_plain_generate(self.engines, prompt, params, request_id),
-            self.metrics.local_prefill, self.metrics.pd_fallback)
-
-    async def _sse(self, gens, chunks, token, wire: SSEFormat = DATA_LINES) -> AsyncIterator[str]:
+    async def _sse(self, outputs, chunks, token, wire: SSEFormat = DATA_LINES) -> AsyncIterator[str]:
         try:
-            async for piece in chunks(merge(gens)):
+            async for piece in chunks(outputs):
                 yield wire.piece(piece)
         except Exception as e:
             yield wire.piece(wire.failure(replica_error(e)))
@@ -272,17 +263,17 @@ class Ingress:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest) -> Response:
         await self._follow_loras(body.model)
-        return await self.respond(completion_job(self.front, body))
+        return await self.respond(completion_job(self.served, body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         await self._follow_loras(body.model)
-        return await self.respond(chat_job(self.front, body))
+        return await self.respond(chat_job(self.served, body))
 
     @app.post("/v1/responses")
     async def responses(self, body: ResponsesRequest) -> Response:
         await self._follow_loras(body.model)
-        return await self.respond(responses_job(self.front, body))
+        return await self.respond(responses_job(self.served, body))
 
     async def _follow_loras(self, model) -> None:
         if self.lora_follower is not None:
@@ -291,15 +282,15 @@ class Ingress:
     # vLLM's tokenizer routes: the ingress's tokenizer answers, no engine is asked.
     @app.post("/tokenize")
     async def tokenize(self, body: tokenizer_routes.TokenizeRequest) -> dict:
-        return tokenizer_routes.tokenize(self.front, body)
+        return tokenizer_routes.tokenize(self.served, body)
 
     @app.post("/detokenize")
     async def detokenize(self, body: tokenizer_routes.DetokenizeRequest) -> dict:
-        return tokenizer_routes.detokenize(self.front, body)
+        return tokenizer_routes.detokenize(self.served, body)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(self) -> dict:
-        return tokenizer_routes.tokenizer_info(self.front)
+        return tokenizer_routes.tokenizer_info(self.served)
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -312,11 +303,11 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self) -> dict:
-        front = self.front
-        adapters = [] if front.loras is None else front.loras.models(self.created, front.processor.max_model_len)
+        served = self.served
+        adapters = [] if served.loras is None else served.loras.models(self.created, served.processor.max_model_len)
         return {"object": "list", "data": [{
-            "id": front.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
-            "root": front.model_dir, "parent": None, "max_model_len": front.processor.max_model_len,
+            "id": served.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
+            "root": served.model_dir, "parent": None, "max_model_len": served.processor.max_model_len,
         }, *adapters]}
 
     # vLLM's run-time LoRA routes (docs/lora.md#serving): on with --enable-lora-runtime-updating or
@@ -340,7 +331,7 @@ class Ingress:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     def _runtime_loras(self):
-        loras = self.front.loras
+        loras = self.served.loras
         if loras is None or not loras.runtime_updates:
             raise OpenAIError(404, "run-time LoRA updates are off: start the server with --enable-lora and "
                               "--enable-lora-runtime-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
@@ -353,8 +344,8 @@ class Ingress:
         return Response(self.metrics.render(replicas, requests), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/status")
-    async def status(self) -> dict:
-        return await self._ask_coordinator("status")
+    async def status(self) -> JSONResponse:
+        return status_response(await self._ask_coordinator("status"))
 
     @app.post("/scale")
     async def scale(self, request: Request) -> JSONResponse:
@@ -363,5 +354,4 @@ class Ingress:
             body = await request.json()
         except ValueError as e:
             raise OpenAIError(400, f"malformed JSON body: {e}") from e
-        code, payload = await self._ask_coordinator("scale", body, timeout_s=_SCALE_CALL_S)
-        return JSONResponse(payload, status_code=code)
+        return scale_response(await self._ask_coordinator("scale", body, timeout_s=_SCALE_CALL_S))

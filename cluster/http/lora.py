@@ -3,8 +3,8 @@ unloaded at run time through vLLM's routes (`/v1/load_lora_adapter`,
 `/v1/unload_lora_adapter`) when `--enable-lora-runtime-updating` (or vLLM's
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=true) allows it.
 
-A request's `model` picks an adapter; the ingress resolves it here to a LoRARequest that rides
-in the prompt dict to every engine (engine.processor.LORA_FIELD). Each name gets its own
+A request's `model` picks an adapter; the ingress resolves it here to a LoRARequest, which its
+EngineRequest carries to every engine (`lora_request`). Each name gets its own
 lora_int_id; loading a name again after an unload gives a new id, so no engine can confuse
 the new adapter's weights with the old one's (the old copy ages out of its caches, LRU).
 """
@@ -17,8 +17,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, contextmanager
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -26,7 +26,6 @@ from pydantic import BaseModel
 from cluster.http.errors import OpenAIError
 from engine.errors import ParameterError
 from engine.lora.request import LoRARequest
-from engine.processor import LORA_FIELD
 
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 # How stale an ingress replica's view of other replicas' run-time changes may get before a
@@ -199,21 +198,6 @@ def lora_registry(base_name: str, modules: tuple[LoRAModule, ...], processor, en
     for module in modules:
         registry.add(module.name, module.path)
     return registry
-
-
-def counted(registry: LoRARegistry | None, prompt: dict, outputs: AsyncIterator) -> AsyncIterator:
-    """`outputs` of a request, counted as a user of its adapter while they run (an unload waits)."""
-    lora = prompt.get(LORA_FIELD)
-    if registry is None or lora is None:
-        return outputs
-    return _counted(registry, lora, outputs)
-
-
-async def _counted(registry: LoRARegistry, lora: LoRARequest, outputs: AsyncIterator) -> AsyncIterator:
-    with registry.using(lora):
-        async with aclosing(outputs) as running:
-            async for out in running:
-                yield out
 
 
 class LoRAFollower:

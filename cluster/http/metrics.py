@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from actors.report import ReplicaReport
 from cluster.control.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
-from cluster.http.pd_serve import FALLBACK_REASONS
+from cluster.pd.placement import FALLBACK_REASONS
 from engine.metrics import names
 from engine.metrics.names import MetricDef
 from kvstore.kv_io import REFUSAL_REASONS, refusal_key

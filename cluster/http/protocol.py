@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from engine.errors import ParameterError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from engine.structured_output import StructuredOutputsParams
 
 # vLLM's legacy guided-decoding fields and the StructuredOutputsParams field each maps to.
@@ -167,7 +167,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

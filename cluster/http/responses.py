@@ -16,9 +16,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from cluster.http.chat import chat_job
 from cluster.http.errors import OpenAIError
-from cluster.http.front_end import FrontEnd, Job
 from cluster.http.protocol import ChatCompletionRequest
 from cluster.http.responses_answer import Shell, adapt
+from cluster.http.served_model import Job, ServedModel
 
 # A chat `param` and the Responses field it came from (one starting "messages" is `input`).
 _PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
@@ -211,13 +211,13 @@ class ResponsesRequest(_Body):
                 "truncation": "disabled", "reasoning": None}
 
 
-def responses_job(front: FrontEnd, body: ResponsesRequest) -> Job:
+def responses_job(served: ServedModel, body: ResponsesRequest) -> Job:
     """The chat route's Job for this request, answering in the Responses API's shapes."""
     body.check_supported()
     response_id = f"resp_{uuid.uuid4().hex}"
     chat_request = ChatCompletionRequest.model_validate(body.chat_body(response_id))
     try:
-        chat = chat_job(front, chat_request)
+        chat = chat_job(served, chat_request)
     except OpenAIError as e:  # chat's `param` is a chat field: name the one this request sent
         param = "input" if (e.param or "").startswith("messages") else _PARAMS.get(e.param, e.param)
         raise OpenAIError(e.status, e.message, e.type, param, e.code, e.headers) from e

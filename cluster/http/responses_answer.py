@@ -10,7 +10,7 @@ from contextlib import aclosing
 
 from cluster.http import openai_format as fmt
 from cluster.http.errors import OpenAIError
-from cluster.http.front_end import Job, SSEFormat
+from cluster.http.served_model import Job, SSEFormat
 
 
 @dataclasses.dataclass(frozen=True)

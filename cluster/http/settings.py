@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 
 from cluster.http.body_limits import BodyLimits
 from cluster.http.lora import LoRAModule
-from cluster.http.pd_serve import LocalPrefillRule, PrefillFallback
+from cluster.pd.placement import LocalPrefillRule, PrefillFallback
 from engine.args import EngineArgs
 
 
 @dataclass(frozen=True)
 class DirectSettings:
-    """Direct streaming: the engine this ingress replica runs itself (cluster.replica.direct)."""
+    """Direct streaming: the engine this ingress replica runs itself (cluster.replica.server)."""
 
     server_kwargs: dict  # cluster.replica.server.EngineServer's keyword arguments
     report_period_s: float  # how often it reports its figures to the Coordinator

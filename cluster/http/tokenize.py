@@ -13,8 +13,8 @@ from tokenizers import AddedToken
 
 from cluster.http.chat import render, template_kwargs
 from cluster.http.errors import OpenAIError
-from cluster.http.front_end import FrontEnd
 from cluster.http.protocol import ChatMessage
+from cluster.http.served_model import ServedModel
 
 # init_kwargs that are file paths on the server, not configuration.
 _PATH_KEYS = ("vocab_file", "merges_file", "tokenizer_file")
@@ -47,9 +47,9 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def _check_model(front: FrontEnd, model: str | None) -> None:
+def _check_model(served: ServedModel, model: str | None) -> None:
     if model:  # optional here, as in vLLM
-        front.check_model(model)
+        served.check_model(model)
 
 
 def _chat_ids(tokenizer, body: TokenizeRequest) -> list[int]:
@@ -60,10 +60,10 @@ def _chat_ids(tokenizer, body: TokenizeRequest) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=True) if body.add_special_tokens else ids
 
 
-def tokenize(front: FrontEnd, body: TokenizeRequest) -> dict:
+def tokenize(served: ServedModel, body: TokenizeRequest) -> dict:
     """`{count, max_model_len, tokens, token_strs}` of a prompt or a conversation."""
-    _check_model(front, body.model)
-    tokenizer = front.tokenizer
+    _check_model(served, body.model)
+    tokenizer = served.tokenizer
     if body.messages is not None and body.prompt is not None:
         raise OpenAIError(400, "give either 'prompt' or 'messages', not both", param="messages")
     if body.messages is not None:
@@ -74,20 +74,20 @@ def tokenize(front: FrontEnd, body: TokenizeRequest) -> dict:
     else:
         raise OpenAIError(400, "missing required field 'prompt' (or 'messages' for a conversation)",
                           param="prompt")
-    return {"count": len(ids), "max_model_len": front.processor.max_model_len, "tokens": ids,
+    return {"count": len(ids), "max_model_len": served.processor.max_model_len, "tokens": ids,
             "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
 
 
-def detokenize(front: FrontEnd, body: DetokenizeRequest) -> dict:
+def detokenize(served: ServedModel, body: DetokenizeRequest) -> dict:
     """`{prompt}`: the text of the ids, special tokens included (as vLLM decodes them)."""
-    _check_model(front, body.model)
-    vocab = len(front.tokenizer)
+    _check_model(served, body.model)
+    vocab = len(served.tokenizer)
     # The model's embedding may be padded past the tokenizer; those ids have no text, and the
     # tokenizer would silently drop them.
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         raise OpenAIError(400, f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
-    return {"prompt": front.tokenizer.decode(body.tokens)}
+    return {"prompt": served.tokenizer.decode(body.tokens)}
 
 
 def _jsonable(value):
@@ -102,17 +102,17 @@ def _jsonable(value):
     return str(value)
 
 
-def tokenizer_info(front: FrontEnd) -> dict:
+def tokenizer_info(served: ServedModel) -> dict:
     """The tokenizer's configuration (its tokenizer_config.json as loaded, as vLLM answers),
     with the special tokens and chat template it actually uses, and the engine's
     `max_model_len` (the tokenizer's own `model_max_length` is often a placeholder)."""
-    tok = front.tokenizer
+    tok = served.tokenizer
     info = {k: v for k, v in (getattr(tok, "init_kwargs", None) or {}).items() if k not in _PATH_KEYS}
     info.update(
         tokenizer_class=type(tok).__name__,
         bos_token=tok.bos_token, eos_token=tok.eos_token, pad_token=tok.pad_token, unk_token=tok.unk_token,
         chat_template=getattr(tok, "chat_template", None),
         model_max_length=tok.model_max_length,
-        max_model_len=front.processor.max_model_len,
+        max_model_len=served.processor.max_model_len,
     )
     return _jsonable(info)

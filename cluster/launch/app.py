@@ -21,9 +21,9 @@ from cluster.control.capacity import node_cpus
 from cluster.control.coordinator import DEPLOYMENTS, Coordinator
 from cluster.http.auth import digest, keys_from
 from cluster.http.ingress import Ingress
-from cluster.http.pd_serve import LocalPrefillRule
 from cluster.http.settings import DirectSettings, IngressSettings
 from cluster.launch.app_config import AppConfig
+from cluster.pd.placement import LocalPrefillRule
 from cluster.replica.router import LeastLoadRouter
 from cluster.replica.server import EngineServer
 from engine.models.default_model import default_model
@@ -88,7 +88,7 @@ def build_app(cfg: AppConfig):
     ingress_options = dict(num_replicas=cfg.api_server_count, ray_actor_options={"num_cpus": 0})
     if cfg.direct:
         # Each ingress replica is an engine replica: it reserves what one needs, and Serve
-        # replaces it when its engine dies (cluster.replica.direct).
+        # replaces it when its engine dies (cluster.replica.server).
         role = cfg.direct_role
         direct = DirectSettings(server_kwargs(role), cfg.routing_stats_period_s)
         ingress_options = dict(num_replicas=cfg.targets()[role], ray_actor_options=cfg.engine_actor_options(role),

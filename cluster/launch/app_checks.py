@@ -1,6 +1,6 @@
 """AppConfig rules about where an engine core runs: in a child process of its replica
 (`engine_core_process`), and that replica being the ingress itself (`direct_streaming`,
-cluster.replica.direct: the colocated engines, or in P/D the decode engines). Each refusal names its
+cluster.replica.server: the colocated engines, or in P/D the decode engines). Each refusal names its
 field, before Ray starts. AppConfig (cluster.launch.app) calls these with its resolved values."""
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ from cluster.control.capacity import auto_replica_cpus
 from cluster.control.coordinator import SCALE_TIMEOUT_S
 from cluster.http.body_limits import MAX_REQUEST_BODY_BYTES, REQUEST_BODY_TIMEOUT_S, BodyLimits
 from cluster.http.lora import LoRAModule
-from cluster.http.pd_serve import MAX_PREFILL_QUEUE_SIZE, PREFILL_TIMEOUT_S, PrefillFallback
 from cluster.launch.app_checks import (
     check_core_process,
     check_direct,
@@ -27,6 +26,7 @@ from cluster.launch.app_checks import (
     direct_by_default,
     direct_role,
 )
+from cluster.pd.placement import MAX_PREFILL_QUEUE_SIZE, PREFILL_TIMEOUT_S, PrefillFallback
 from engine.args import EngineArgs
 from engine.errors import ParameterError, check_choice, check_int
 from engine.kv_connector import LOAD_FAILURE_POLICIES
@@ -80,13 +80,13 @@ class AppConfig:
     # ingress reads its own engine so, and routed engine replicas send their per-step messages so.
     stream_interval_ms: float = STREAM_INTERVAL_MS
     prefix_affinity: bool = False
-    # Conditional disaggregation (cluster.http.pd_serve): once the prefill replicas hold this
+    # Conditional disaggregation (cluster.pd.placement): once the prefill replicas hold this
     # many of an ingress's prompts each, its next prompt may prefill on its decode replica
     # (the shorter queue); 0: always on a prefill replica.
     local_prefill_queue: int = LOCAL_PREFILL_QUEUE
     # P/D prompts of at most this many tokens prefill on their decode replica (0: none).
     max_local_prefill_length: int = 0
-    # Decode-only fallback (cluster.http.pd_serve.PrefillFallback, docs/pd.md#decode-only-fallback):
+    # Decode-only fallback (cluster.pd.placement.PrefillFallback, docs/pd.md#decode-only-fallback):
     # a prompt no prefill replica can take soon prefills on its decode replica, or with
     # enforce_disagg (Dynamo's name) is refused with a 503.
     enforce_disagg: bool = False
@@ -125,7 +125,7 @@ class AppConfig:
     # Serve LLM's direct streaming; vLLM's API server + engine core): the colocated engine, or
     # in P/D the decode engine (prefills still go to the Prefill deployment). The proxy
     # spreads requests over the replicas; `colocated_replicas` or `decode_replicas` counts
-    # them (cluster.replica.direct). None: on unless something needs an engine deployment behind the
+    # them (cluster.replica.server). None: on unless something needs an engine deployment behind the
     # ingress (api_server_count > 1, prefix_affinity in colocated mode, tensor or data
     # parallel of that role); True insists
     # (and refuses those), False keeps the engine deployment.
@@ -221,7 +221,7 @@ class AppConfig:
 
     @property
     def direct(self) -> bool:
-        """Whether the ingress replicas run the engines of `direct_role` themselves (cluster.replica.direct)."""
+        """Whether the ingress replicas run the engines of `direct_role` themselves (cluster.replica.server)."""
         if self.direct_streaming is not None:
             return self.direct_streaming
         return direct_by_default(self.mode, self.api_server_count, self.prefix_affinity,

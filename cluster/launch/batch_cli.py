@@ -21,7 +21,7 @@ def add_batch_parser(sub) -> None:
                    help="rows per map_batches call (an engine drains at the end of each batch)")
     p.add_argument("--cpus-per-actor", type=float, default=None)
     p.add_argument("--gpus-per-actor", type=float, default=None)
-    add_sampling_args(p, max_tokens=64)
+    add_sampling_args(p)
     EngineArgs.add_cli_args(p)  # --model (default: SmolLM2-135M-Instruct) and every engine flag
     p.set_defaults(fn=run_batch_cli)
 

@@ -54,7 +54,7 @@ def _cmd_demo(args) -> int:
 
 def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p)
-    add_sampling_args(p, max_tokens=32)
+    add_sampling_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 
 
-def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling arguments")
-    group.add_argument("--max-tokens", type=int, default=max_tokens)
+    group.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                       help=f"tokens to generate per prompt (default {DEFAULT_MAX_TOKENS}, as the offline API)")
     group.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--top-k", type=int, default=0, help="0: off")

@@ -214,13 +214,13 @@ def warm_tokenizer_cache(model: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> NoReturn:
-    from cluster.http.front import configure_http_front
+    from cluster.launch.http_proxy import configure_http_proxy
     from cluster.launch.serve_env import configure_serve_env
 
     # Before Ray is imported: Serve reads these switches from the environment at import/start.
-    front = "as the cluster was started"
+    proxy = "as the cluster was started"
     if not os.environ.get("RAY_ADDRESS"):
-        front = configure_http_front(host=args.host)
+        proxy = configure_http_proxy(host=args.host)
         configure_serve_env()
     import ray
     from ray import serve
@@ -300,7 +300,7 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
         if cfg.replica_num_threads is not None:
             sizing += f", {cfg.replica_num_threads} torch threads"
         mode = f"{cfg.mode}, direct streaming" if cfg.direct else cfg.mode
-        print(f"\npdserve is up ({mode}, model '{cfg.model_name}', HTTP front: {front}, {sizing}) at {url}\n"
+        print(f"\npdserve is up ({mode}, model '{cfg.model_name}', HTTP proxy: {proxy}, {sizing}) at {url}\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"       -d '{chat}'\n"
               f"Ctrl-C stops it.", flush=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from cluster.http.front import MIN_DRAINING, MIN_DRAINING_S
+from cluster.launch.http_proxy import MIN_DRAINING, MIN_DRAINING_S
 from kvstore.handoff import GRPC_MAX_MESSAGE
 
 CONTROL_LOOP = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
@@ -47,7 +47,7 @@ GRPC_MAX_MESSAGE_BYTES = str(128 * 1024 * 1024)
 PROXY_READY = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
 PROXY_READY_S = "30"
 # And it makes every HTTP replica a direct-ingress one, HAProxy or not, whose drain keeps it
-# reachable for Ray's default 30 s: cluster.http.front's 2 s then holds whatever the front.
+# reachable for Ray's default 30 s: cluster.launch.http_proxy's 2 s then holds whatever the front.
 
 
 def configure_serve_env(environ: dict | None = None) -> None:

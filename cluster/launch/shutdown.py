@@ -10,7 +10,7 @@ The stop paths and what they reach:
   again only the driver acts on it. Before that, the raylet unregistered its node at once and
   exited, taking Serve's workers and their streams with it, at its own pace.
 - SIGTERM to every process of the cgroup (systemd's default KillMode=control-group): as the
-  group, except for HAProxy, the HTTP front, which sets its own signal mask and stops at once
+  group, except for HAProxy, the HTTP proxy, which sets its own signal mask and stops at once
   on SIGTERM, ending open connections. docs/operations.md#systemd: use KillMode=mixed.
 
 Still the driver does not trust anything it waits on. The graceful part (delete the app: Serve

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from engine.processor import LORA_FIELD
+from engine.engine_request import EngineRequest
 
 WAITING_WEIGHT = 4
 
@@ -117,12 +117,11 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
             # takes the call and refuses it, so the caller learns at once (never waits).
             return [[by_key[target]]] if target in by_key else [candidate_replicas[:1]]
         affinity = lora = None
-        prompt = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        if isinstance(prompt, dict):
-            lora_request = prompt.get(LORA_FIELD)
-            lora = lora_request.lora_name if lora_request is not None else None
+        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if isinstance(request, EngineRequest):  # a submit or a prefill
+            lora = request.lora_request.lora_name if request.lora_request is not None else None
             if self._prefix_affinity:
-                affinity = affinity_key(prompt.get("prompt_token_ids"), self._affinity_prefix_tokens)
+                affinity = affinity_key(request.prompt_token_ids, self._affinity_prefix_tokens)
         order = rank([self._candidate(r) for r in candidate_replicas], affinity, self._affinity_slack, self._rng,
                      lora)
         # One replica per rank: Serve tries them in this order, skipping full ones.

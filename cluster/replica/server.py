@@ -1,7 +1,12 @@
-"""The body of the Prefill, Decode and Colocated Serve deployments.
+"""The engine host: the body of the Prefill, Decode and Colocated Serve deployments, and of
+an ingress replica's own engine with direct streaming.
 
 Each replica runs one engine in its own process (an `actors.EngineWorker` with the KV
-connector of its role). Serve calls `record_routing_stats` periodically: its figures feed
+connector of its role). With direct streaming (the default) the ingress builds one in its
+process and calls it there (`generate`: no routed call, no per-step Ray message), as vLLM's
+API server calls its EngineCoreProc and as Ray Serve LLM's direct streaming skips its ingress
+hop; the HTTP proxy (HAProxy) spreads requests over the ingress replicas, so one ingress
+replica is one engine replica and the two scale together. Figures: docs/pd.md#direct-streaming. Serve calls `record_routing_stats` periodically: its figures feed
 the request router (least load) and are forwarded to the Coordinator, which keeps the
 cluster-wide board behind `/metrics` and `/status`. Serve's `check_health` fails the
 replica when its engine thread died, so Serve replaces it.
@@ -13,8 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable
 
 from ray import serve
 
@@ -23,11 +27,10 @@ from actors.roles import Role
 from actors.worker import EngineWorker
 from cluster.replica.latency import LatencyWindow
 from cluster.replica.step_channel import StepHub
+from cluster.tasks import detached_task
 from engine.args import EngineArgs
-from engine.kv_transfer_params import KVTransferParams
+from engine.engine_request import EngineRequest
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from kvstore.pd import PDRequestError
 from kvstore.store_actor import app_store
 
 logger = logging.getLogger(__name__)
@@ -35,6 +38,9 @@ logger = logging.getLogger(__name__)
 # How long a draining prefill replica waits for decode replicas to fetch its exports (they
 # live in its process's object store and go with it).
 _EXPORT_DRAIN_S = 30.0
+# Bound on one figures report of an ingress's own engine (Serve's routing-stats timeout for
+# engine deployments is 5 s).
+_REPORT_TIMEOUT_S = 5.0
 # Unchanged figures still reach the coordinator this often (it forgets a replica silent for
 # cluster.control.coordinator.STALE_AFTER_S = 10 s).
 _HEARTBEAT_S = 3.0
@@ -46,6 +52,7 @@ class ReplicaGone(RuntimeError):
 
 class EngineServer:
     _stopping = False  # once stopping, off the Coordinator's board: ingresses count it gone
+    _reporter: asyncio.Task | None = None  # start_reporting's loop (direct streaming)
 
     def __init__(self, engine_args: EngineArgs, role: Role | str, app_name: str = "pdserve",
                  load_failure_policy: str = "fail", coordinator: str | None = "Coordinator",
@@ -71,60 +78,53 @@ class EngineServer:
         # of a prefill (queue + compute) and gaps between streamed tokens.
         self.ttft = LatencyWindow(latency_window_s)
         self.itl = LatencyWindow(latency_window_s)
-        self._timing: dict[str, tuple[float, float | None]] = {}  # request id -> (start, last token)
+        # Routed requests' latency observers (`_latency_observer`), by request id.
+        self._observers: dict[str, Callable[[RequestOutput], None]] = {}
         # Least time between two streamed outputs of a request, in process (generate) as over
         # the per-step channel (the hub): a chunk then carries several tokens.
         self.stream_interval_s = stream_interval_ms / 1000.0
         self.hub = StepHub(self.stream_interval_s, on_output=self._observe)
 
     # ---- requests (called through DeploymentHandles) -------------------------------------
-    async def prefill(self, prompt: dict, params: SamplingParams, request_id: str, transfer_id: str | None = None):
+    async def prefill(self, request: EngineRequest) -> RequestOutput:
+        """Run a prefill request (cluster.pd.split.prefill_request) to its end; its output
+        carries the first token and the export's kv_transfer_params (the KV is in the store)."""
         start = time.monotonic()
-        out = await self.worker.prefill(prompt, params, request_id, transfer_id)
+        out = await self.worker.prefill(request)
         self.ttft.add(time.monotonic() - start)
         return out
 
-    async def prefill_handoff(self, prompt: dict, params: SamplingParams, request_id: str, transfer_id: str,
-                              max_kv_bytes: int | None = None):
+    async def prefill_handoff(self, request: EngineRequest, max_kv_bytes: int | None = None):
         """`prefill` with the prompt KV in the reply (kvstore.handoff): for a direct-streaming
         ingress, whose own decode engine loads it, and whose channel takes up to
         `max_kv_bytes` of KV."""
         start = time.monotonic()
-        handoff = await self.worker.prefill_handoff(prompt, params, request_id, transfer_id, max_kv_bytes)
+        handoff = await self.worker.prefill_handoff(request, max_kv_bytes)
         self.ttft.add(time.monotonic() - start)
         return handoff
 
-    async def generate(self, prompt: dict, params: SamplingParams, request_id: str,
-                       kv_transfer_params: KVTransferParams | None = None) -> AsyncIterator[RequestOutput]:
-        """One request's outputs, for a caller in this process (a direct-streaming ingress), at
-        most one per stream interval but the first and the last: closing the iterator early
-        aborts the request in the engine (and frees its KV blocks) before the close returns. A dead or failing engine is PDRequestError(replica_died=True)
-        (the ingress validated the request: a 503 with Retry-After, not a 500). The latency
-        windows see each engine step's output, as for a routed request (`_observe`)."""
-        self._timing[request_id] = (time.monotonic(), None)
-        try:
-            async with aclosing(self.worker.generate(prompt, params, request_id, kv_transfer_params,
-                                                     observe=self._observe,
-                                                     stream_interval_s=self.stream_interval_s)) as outputs:
-                async for out in outputs:
-                    yield out
-        except Exception as e:
-            raise PDRequestError(f"engine unavailable: {e}", replica_died=True) from e
-        finally:
-            self._timing.pop(request_id, None)
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """One request's outputs, for a caller in this process (a direct-streaming ingress): the
+        engine's own stream (AsyncLLM.generate), at most one output per stream interval but the
+        first and the last; closing it early aborts the request in the engine (and frees its
+        KV blocks) before the close returns. A dead engine raises EngineDeadError (a 503 with
+        Retry-After: the ingress validated the request). The latency windows see each engine
+        step's output, as for a routed request."""
+        return self.worker.engine.generate(request, observe=self._latency_observer(),
+                                           stream_interval_s=self.stream_interval_s)
 
     # ---- per-step messages (cluster.replica.step_channel) ----------------------------------------
-    async def submit(self, prompt: dict, params: SamplingParams, request_id: str, ingress_id: str,
-                     kv_transfer_params: KVTransferParams | None = None) -> str:
+    async def submit(self, request: EngineRequest, ingress_id: str) -> str:
         """Queue a request whose outputs go to `ingress_id`'s subscription; returns this
         replica's id, which the ingress names in `subscribe` and `abort`."""
+        request_id = request.request_id
         sink = self.hub.sink(ingress_id, request_id)
-        self._timing[request_id] = (time.monotonic(), None)
+        self._observers[request_id] = self._latency_observer()
         try:
-            await self.worker.submit(prompt, params, request_id, sink, kv_transfer_params)
+            await self.worker.submit(request, sink)
         except BaseException:
             self.hub.forget(request_id)
-            self._timing.pop(request_id, None)
+            self._observers.pop(request_id, None)
             raise
         return self.unique_id
 
@@ -134,21 +134,32 @@ class EngineServer:
         async for batch in self.hub.subscribe(ingress_id, self.worker.abort):
             yield batch
 
-    def _observe(self, out) -> None:
-        start, last = self._timing.get(out.request_id, (None, None))
-        if start is None:
-            return
-        if out.delta_token_ids:
+    def _latency_observer(self) -> Callable[[RequestOutput], None]:
+        """What one request's engine steps tell the latency windows: the gaps between its
+        tokens, and (colocated: its prompt ran here) the time to its first."""
+        start, last = time.monotonic(), None
+
+        def observe(out: RequestOutput) -> None:
+            nonlocal last
+            if not out.delta_token_ids:
+                return
             now = time.monotonic()
             if last is not None:
                 self.itl.add(now - last)
             elif self.role == Role.COLOCATED:
                 self.ttft.add(now - start)
             last = now
+
+        return observe
+
+    def _observe(self, out: RequestOutput) -> None:
+        """The per-step channel's outputs, to their request's observer."""
+        observe = self._observers.get(out.request_id)
+        if observe is None:
+            return
+        observe(out)
         if out.finished:
-            self._timing.pop(out.request_id, None)
-        else:
-            self._timing[out.request_id] = (start, last)
+            del self._observers[out.request_id]
 
     def _check_target(self, replica: str | None) -> None:
         # The router sends a call naming a replica there; if that replica is gone it lands
@@ -159,7 +170,7 @@ class EngineServer:
     async def abort(self, request_id: str, replica: str | None = None) -> None:
         self._check_target(replica)
         self.hub.forget(request_id)
-        self._timing.pop(request_id, None)
+        self._observers.pop(request_id, None)
         await self.worker.abort(request_id)
 
     # ---- health, load and metrics -------------------------------------------------------
@@ -211,11 +222,40 @@ class EngineServer:
             self._coordinator.report.remote(report)
         return report.routing_stats()
 
-    async def __del__(self) -> None:
-        # Serve has let in-flight requests finish (graceful_shutdown_timeout_s). A prefill
-        # replica also keeps its process until the decode side fetched what it exported; it
-        # leaves the board first, so ingresses stop counting on it (decode-only fallback).
+    # ---- in an ingress's process (direct streaming) -------------------------------------
+    def start_reporting(self, period_s: float) -> None:
+        """Report this replica's figures to the Coordinator every `period_s` (once started).
+        Serve asks an engine deployment's replicas for their figures through its router;
+        nobody routes to an ingress replica through Serve, so one that runs its own engine
+        (direct streaming: the ingress builds this server in its process) reports itself."""
+        if self._reporter is None:
+            self._reporter = detached_task(self._report_forever(period_s))
+
+    async def _report_forever(self, period_s: float) -> None:
+        failing = False
+        while True:
+            try:
+                # Forwards to the Coordinator when the figures changed, or as a heartbeat.
+                # Bounded as Serve bounds a routing-stats round.
+                await asyncio.wait_for(self.record_routing_stats(), _REPORT_TIMEOUT_S)
+                if failing:
+                    logger.warning("engine figures reported again")
+                failing = False
+            except Exception as e:  # a dead engine: check_health fails and Serve replaces us
+                if not failing:  # the Coordinator drops a replica silent for 10 s: say why
+                    logger.warning("engine figures not reported: %r", e)
+                failing = True
+            await asyncio.sleep(period_s)  # a period, not a wait on an event
+
+    async def shutdown(self) -> None:
+        """Stop this replica: off the Coordinator's board first (ingresses count it gone); a
+        prefill replica keeps its process until the decode side fetched what it exported
+        (bounded); then the engine stops. Serve has let in-flight requests finish
+        (graceful_shutdown_timeout_s) before it calls this (through `__del__`)."""
         self._stopping = True
+        if self._reporter is not None:
+            self._reporter.cancel()
+            await asyncio.wait([self._reporter], timeout=_REPORT_TIMEOUT_S)
         if self._coordinator is not None:
             self._coordinator.forget.remote(self.replica_id)
         if self.role == Role.PREFILL and self.store is not None:
@@ -229,3 +269,7 @@ class EngineServer:
                     break
                 await asyncio.sleep(0.2)  # polling the store while draining, bounded
         self.worker.stop()
+
+    async def __del__(self) -> None:
+        # Serve's shutdown hook of a deployment replica.
+        await self.shutdown()

@@ -9,15 +9,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from cluster.pd.split import decode_request, needs_decode, prefill_request
 from engine.sampling_params import SamplingParams
-from kvstore.pd import (
-    decode_kv_params,
-    decode_params,
-    decode_prompt,
-    needs_decode,
-    prefill_kv_params,
-    prefill_params,
-)
 
 
 @dataclass
@@ -98,26 +91,27 @@ def run_closed_loop(engine, prompts: list[str], max_tokens: int, concurrency: in
 
 def run_closed_loop_pd(prefill, decode, prompts: list[str], max_tokens: int, concurrency: int, tag: str) -> int:
     """run_closed_loop over a prefill and a decode engine (make_pd_engines), every request
-    disaggregated as the cluster does it (kvstore.pd): the prompt with max_tokens=1 on
+    disaggregated as the cluster does it (cluster.pd.split): the prompt with max_tokens=1 on
     `prefill`, exporting its KV, then the rest on `decode`, loading it. Each round steps both
     engines. Returns the output tokens."""
     params = _params(max_tokens)
     queue = deque(enumerate(prompts))
+    requests = {}  # request id -> its EngineRequest, processed once
     active = tokens = 0
     while queue or active:
         while queue and active < concurrency:
             i, prompt = queue.popleft()
-            prefill.add_request(f"{tag}-{i}", prompt, prefill_params(params),
-                                kv_transfer_params=prefill_kv_params(params))
+            request = requests[f"{tag}-{i}"] = prefill.process(prompt, params, f"{tag}-{i}")
+            prefill.add(prefill_request(request))
             active += 1
         for out in prefill.step() if prefill.has_work() else []:
             first = out.outputs[0]
             tokens += len(out.delta_token_ids)
             if not out.finished:
                 continue
-            if needs_decode(first.finish_reason, params):
-                decode.add_request(out.request_id, decode_prompt(out.prompt_token_ids, first.token_ids[0]),
-                                   decode_params(params), kv_transfer_params=decode_kv_params(out.kv_transfer_params))
+            request = requests.pop(out.request_id)
+            if needs_decode(first.finish_reason, request):
+                decode.add(decode_request(request, out))
             else:
                 active -= 1
         for out in decode.step() if decode.has_work() else []:

@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 from tests.engine.hf_reference import random_prompts
 
 ENGINE = {"max_model_len": 256, "num_kv_blocks": 64}
+
+
+@functools.cache
+def _input_processor(model: str, engine_items: tuple):
+    from engine import EngineArgs
+    from engine.llm_engine import load_processor
+
+    return load_processor(EngineArgs(model, **dict(engine_items)).create_engine_config())[1]
+
+
+def engine_request(model: str, prompt, params, request_id: str, engine_kwargs: dict | None = None, **kw):
+    """The EngineRequest a front end builds for `prompt` (an InputProcessor of `model` with the
+    workers' `engine_kwargs`, run here): what the workers and pd_generate take. `kw`: the
+    other arguments of InputProcessor.process (priority, lora_request, ...)."""
+    processor = _input_processor(model, tuple(sorted((engine_kwargs or ENGINE).items())))
+    return processor.process(prompt, params, request_id, **kw)
 
 
 async def collect(stream):
@@ -45,12 +62,12 @@ def assert_no_leaks(ray, store, *workers):
     assert sum(ray.get([w.outbox_size.remote() for w in workers])) == 0
 
 
-async def decode_half(decode, first, params, request_id):
-    """The decode half of pd_generate, run by hand after a separate prefill call."""
-    from kvstore.pd import decode_kv_params, decode_params, decode_prompt
+async def decode_half(decode, request, first):
+    """The decode half of pd_generate, run by hand after a separate prefill call (`request`:
+    the whole request, `first`: its prefill's output)."""
+    from cluster.pd.split import decode_request
 
-    gen = decode.generate.remote(decode_prompt(first.prompt_token_ids, first.outputs[0].token_ids[0]),
-                                 decode_params(params), request_id, decode_kv_params(first.kv_transfer_params))
+    gen = decode.generate.remote(decode_request(request, first))
     last = None
     async for ref in gen:
         last = await ref
@@ -60,12 +77,12 @@ async def decode_half(decode, first, params, request_id):
 def transfer_lost_peers(prefill, decode, store):
     """Peers whose prefill's transfer is gone from the store before the decode loads it (its
     lease ran out): the decode replica's load fails the way a real loss would."""
-    from actors.orchestrate import ActorPeers
+    from cluster.pd.actor_peers import ActorPeers
 
     class Losing(ActorPeers):
-        async def prefill(self, prompt, params, request_id, transfer_id):
-            out = await super().prefill(prompt, params, request_id, transfer_id)
-            await self.store.release.remote(transfer_id)
+        async def prefill(self, request):
+            out = await super().prefill(request)
+            await self.store.release.remote(request.kv_transfer_params.transfer_id)
             return out
 
     return Losing(prefill, decode, store)

@@ -12,10 +12,11 @@ import sys
 def main(model: str, prompt_ids: list[int]) -> dict:
     import ray
 
-    from actors import pd_generate
     from actors.worker import EngineWorker
     from cluster.launch.ray_connect import RayConnectError, connect
+    from cluster.pd.actor_peers import pd_generate
     from engine import EngineArgs, SamplingParams
+    from engine.llm_engine import load_processor
     from kvstore.store_actor import create_store
 
     try:
@@ -39,10 +40,12 @@ def main(model: str, prompt_ids: list[int]) -> dict:
     prefill, decode = worker("prefill", "node_a"), worker("decode", "node_b")
     ray.get([prefill.ping.remote(), decode.ping.remote()], timeout=240)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    _, processor = load_processor(args.create_engine_config())  # the input processing, here
+    request = processor.process({"prompt_token_ids": prompt_ids}, params, "mn-1")
 
     async def run():
         last = None
-        async for out in pd_generate(prefill, decode, store, {"prompt_token_ids": prompt_ids}, params, "mn-1"):
+        async for out in pd_generate(prefill, decode, store, request):
             last = out
         return last
 

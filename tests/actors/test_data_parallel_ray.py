@@ -11,10 +11,11 @@ import asyncio
 import pytest
 import ray as ray_module
 
-from actors import create_worker, pd_generate
+from actors import create_worker
+from cluster.pd.actor_peers import pd_generate
 from engine import EngineArgs, SamplingParams
 from kvstore.store_actor import create_store
-from tests.actors.helpers import assert_no_leaks, collect
+from tests.actors.helpers import assert_no_leaks, collect, engine_request
 from tests.engine.hf_reference import hf_greedy, random_prompts
 
 ENGINE = {"max_model_len": 256, "num_kv_blocks": 64, "max_num_batched_tokens": 64}
@@ -53,8 +54,8 @@ def test_pd_into_a_data_parallel_decode_equals_transformers_and_spreads_over_its
     params = SamplingParams(temperature=0, max_tokens=8)
 
     async def main():
-        return await asyncio.gather(*[collect(pd_generate(prefill, decode, store, {"prompt_token_ids": p},
-                                                          params, f"dp{i}")) for i, p in enumerate(prompts)])
+        return await asyncio.gather(*[collect(pd_generate(prefill, decode, store, engine_request(
+            moe_model, {"prompt_token_ids": p}, params, f"dp{i}", ENGINE))) for i, p in enumerate(prompts)])
 
     outs = asyncio.run(main())
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(moe_model, prompts, 8)
@@ -70,14 +71,15 @@ def test_pd_into_a_data_parallel_decode_equals_transformers_and_spreads_over_its
 
 
 # Last: it kills a core of the module's decode engine.
-def test_a_killed_core_fails_the_request_and_the_health_check_and_takes_its_group_down(dp_pd):
+def test_a_killed_core_fails_the_request_and_the_health_check_and_takes_its_group_down(dp_pd, moe_model):
     ray, store, prefill, decode = dp_pd
     cores = ray.get(decode.data_parallel_cores.remote())
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     groups = _live_placement_groups(ray)
+    request = engine_request(moe_model, {"prompt_token_ids": [5, 6, 7, 8]}, params, "dead", ENGINE)
 
     async def main():
-        stream = pd_generate(prefill, decode, store, {"prompt_token_ids": [5, 6, 7, 8]}, params, "dead")
+        stream = pd_generate(prefill, decode, store, request)
         async for out in stream:
             if len(out.outputs[0].token_ids) >= 3:  # decoding on one core, the other in its collectives
                 ray.kill(cores[1])

@@ -7,13 +7,15 @@ import asyncio
 
 import pytest
 
-from actors import create_worker, pd_generate
+from actors import create_worker
+from cluster.pd.actor_peers import pd_generate
 from engine import EngineArgs, SamplingParams
 from kvstore.store_actor import create_store
-from tests.actors.helpers import ENGINE, assert_no_leaks, collect
+from tests.actors.helpers import ENGINE, assert_no_leaks, collect, engine_request
 from tests.engine.mm_reference import hf_llava_greedy, image
 
 MAX_TOKENS = 6
+_ENGINE = {**ENGINE, "block_size": 8}
 TEXT = "Look at <image> and answer briefly"
 
 
@@ -21,9 +23,8 @@ TEXT = "Look at <image> and answer briefly"
 def cluster(ray_local, llava_model):
     ray = ray_local
     store = create_store()
-    engine = {**ENGINE, "block_size": 8}
-    prefill = create_worker(EngineArgs(llava_model, **engine), "prefill", store=store)
-    decode = create_worker(EngineArgs(llava_model, **engine), "decode", store=store)
+    prefill = create_worker(EngineArgs(llava_model, **_ENGINE), "prefill", store=store)
+    decode = create_worker(EngineArgs(llava_model, **_ENGINE), "decode", store=store)
     ray.get([prefill.ping.remote(), decode.ping.remote()])
     yield ray, store, prefill, decode
     for actor in (prefill, decode, store):
@@ -40,7 +41,8 @@ def test_pd_with_images_equals_hf_and_decode_never_encodes(cluster, llava_model)
 
     async def run(i, text, images):
         prompt = {"prompt": text, "multi_modal_data": {"image": images}}
-        return await collect(pd_generate(prefill, decode, store, prompt, params, f"mm{i}"))
+        request = engine_request(llava_model, prompt, params, f"mm{i}", _ENGINE)
+        return await collect(pd_generate(prefill, decode, store, request))
 
     outs = [asyncio.run(run(i, t, ims)) for i, (t, ims) in enumerate(cases)]
     for out, (text, images) in zip(outs, cases):

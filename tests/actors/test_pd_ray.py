@@ -7,10 +7,11 @@ import asyncio
 
 import pytest
 
-from actors import colocated_generate, create_worker, pd_generate
+from actors import create_worker
+from cluster.pd.actor_peers import colocated_generate, pd_generate
 from engine import EngineArgs, SamplingParams
 from kvstore.store_actor import create_store
-from tests.actors.helpers import ENGINE, assert_no_leaks
+from tests.actors.helpers import ENGINE, assert_no_leaks, engine_request
 from tests.engine.hf_reference import hf_greedy, random_prompts
 
 
@@ -43,9 +44,11 @@ def test_pd_greedy_equals_colocated_and_transformers(cluster, tiny_model):
     params = SamplingParams(temperature=0, max_tokens=10)
 
     async def main():
-        pd = [_collect(pd_generate(prefill, decode, store, {"prompt_token_ids": p}, params, f"pd{i}"))
+        pd = [_collect(pd_generate(prefill, decode, store,
+                                   engine_request(tiny_model, {"prompt_token_ids": p}, params, f"pd{i}")))
               for i, p in enumerate(prompts)]
-        co = [_collect(colocated_generate(colocated, {"prompt_token_ids": p}, params, f"co{i}"))
+        co = [_collect(colocated_generate(colocated,
+                                          engine_request(tiny_model, {"prompt_token_ids": p}, params, f"co{i}")))
               for i, p in enumerate(prompts)]
         return await asyncio.gather(*pd), await asyncio.gather(*co)
 
@@ -58,13 +61,14 @@ def test_pd_greedy_equals_colocated_and_transformers(cluster, tiny_model):
     assert_no_leaks(ray, store, prefill, decode, colocated)
 
 
-def test_pd_stream_deltas_add_up(cluster):
+def test_pd_stream_deltas_add_up(cluster, tiny_model):
     ray, store, prefill, decode, _ = cluster
+    request = engine_request(tiny_model, "The river ran", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                             "s1")
 
     async def main():
         text, ids, last = "", [], None
-        async for out in pd_generate(prefill, decode, store, "The river ran",
-                                     SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), "s1"):
+        async for out in pd_generate(prefill, decode, store, request):
             text += out.delta_text
             ids += out.delta_token_ids
             last = out
@@ -76,10 +80,10 @@ def test_pd_stream_deltas_add_up(cluster):
     assert_no_leaks(ray, store, prefill, decode)
 
 
-def test_one_token_request_is_served_by_prefill_alone(cluster):
+def test_one_token_request_is_served_by_prefill_alone(cluster, tiny_model):
     ray, store, prefill, decode, _ = cluster
-    out = asyncio.run(_collect(pd_generate(prefill, decode, store, "hello",
-                                           SamplingParams(temperature=0, max_tokens=1), "one")))
+    request = engine_request(tiny_model, "hello", SamplingParams(temperature=0, max_tokens=1), "one")
+    out = asyncio.run(_collect(pd_generate(prefill, decode, store, request)))
     assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
     assert_no_leaks(ray, store, prefill, decode)
 

@@ -13,9 +13,9 @@ import pytest
 import ray as ray_module
 
 from actors import create_worker
-from actors.orchestrate import colocated_generate
+from cluster.pd.actor_peers import colocated_generate
 from engine import EngineArgs, SamplingParams
-from tests.actors.helpers import collect
+from tests.actors.helpers import collect, engine_request
 from tests.engine.hf_reference import hf_greedy, random_prompts
 
 ENGINE = {"max_model_len": 256, "num_kv_blocks": 64, "tensor_parallel_size": 2, "max_num_batched_tokens": 128}
@@ -43,8 +43,8 @@ def test_tp2_ranks_answer_like_transformers_and_free_every_block(tp_worker, tiny
     params = SamplingParams(temperature=0, max_tokens=8)
 
     async def main():
-        return await asyncio.gather(*[collect(colocated_generate(worker, {"prompt_token_ids": p}, params, f"tp{i}"))
-                                      for i, p in enumerate(prompts)])
+        return await asyncio.gather(*[collect(colocated_generate(worker, engine_request(
+            tiny_model, {"prompt_token_ids": p}, params, f"tp{i}", ENGINE))) for i, p in enumerate(prompts)])
 
     outs = asyncio.run(main())
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_model, prompts, 8)
@@ -53,14 +53,15 @@ def test_tp2_ranks_answer_like_transformers_and_free_every_block(tp_worker, tiny
 
 
 # Last: it kills a rank of the module's engine.
-def test_a_killed_rank_fails_the_request_and_the_health_check_and_removes_the_group(tp_worker):
+def test_a_killed_rank_fails_the_request_and_the_health_check_and_removes_the_group(tp_worker, tiny_model):
     ray, worker = tp_worker
     ranks = ray.get(worker.tensor_parallel_ranks.remote())
     groups = _live_placement_groups(ray)
-    ray.kill(ranks[1])
     params = SamplingParams(temperature=0, max_tokens=8)
+    request = engine_request(tiny_model, {"prompt_token_ids": [5, 6, 7, 8]}, params, "dead", ENGINE)
+    ray.kill(ranks[1])
     with pytest.raises(Exception, match="tensor-parallel rank 1"):
-        asyncio.run(collect(colocated_generate(worker, {"prompt_token_ids": [5, 6, 7, 8]}, params, "dead")))
+        asyncio.run(collect(colocated_generate(worker, request)))
     with pytest.raises(ray_module.exceptions.RayTaskError, match="rank 1"):
         ray.get(worker.check_health.remote())
     # The survivor is killed with it and the engine's placement group removed.

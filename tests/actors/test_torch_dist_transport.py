@@ -6,14 +6,17 @@ import asyncio
 
 import pytest
 
-from actors import PDRequestError, pd_generate
+from cluster.pd.actor_peers import pd_generate
+from cluster.pd.flow import pd_flow
+from cluster.pd.split import prefill_request
+from cluster.replica.errors import ReplicaError
 from engine import SamplingParams
-from kvstore.pd import pd_flow
 from tests.actors.helpers import (
     ENGINE,
     assert_no_leaks,
     collect,
     decode_half,
+    engine_request,
     make_prompt,
     transfer_lost_peers,
 )
@@ -48,7 +51,8 @@ def test_one_pair_group_serves_many_transfers(pd, shared, tiny_model):
     prompts = [make_prompt(seed=s) for s in (61, 62, 63)]
 
     async def main():
-        return await asyncio.gather(*(collect(pd_generate(prefill, decode, store, p, PARAMS, f"t{i}"))
+        return await asyncio.gather(*(collect(pd_generate(prefill, decode, store,
+                                                          engine_request(tiny_model, p, PARAMS, f"t{i}")))
                                       for i, p in enumerate(prompts)))
 
     outs = asyncio.run(main())
@@ -64,10 +68,11 @@ def test_producer_death_before_send_is_a_load_failure(pd, shared, tiny_model, po
     prefill = make("prefill", store, **TD)  # killed below
     decode = shared_decode if policy == "fail" else make("decode", store, load_failure_policy=policy, **TD)
     prompt = make_prompt(seed=64)
-    first = ray.get(prefill.prefill.remote(prompt, PARAMS, "d1"))
+    request = engine_request(tiny_model, prompt, PARAMS, "d1")
+    first = ray.get(prefill.prefill.remote(prefill_request(request)))
     ray.kill(prefill)  # the bytes lived only in the producer's outbox
 
-    out = asyncio.run(decode_half(decode, first, PARAMS, "d1"))
+    out = asyncio.run(decode_half(decode, request, first))
     if policy == "fail":
         assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
     else:
@@ -77,21 +82,22 @@ def test_producer_death_before_send_is_a_load_failure(pd, shared, tiny_model, po
     assert_no_leaks(ray, store, decode)
 
 
-def test_released_or_expired_transfer_is_dropped_by_its_producer(pd, shared):
+def test_released_or_expired_transfer_is_dropped_by_its_producer(pd, shared, tiny_model):
     ray = pd[0]
     store, prefill, _ = shared
-    a = ray.get(prefill.prefill.remote(make_prompt(seed=65), PARAMS, "x1"))
-    ray.get(prefill.prefill.remote(make_prompt(seed=66), PARAMS, "x2"))
+    a = ray.get(prefill.prefill.remote(prefill_request(engine_request(tiny_model, make_prompt(seed=65), PARAMS, "x1"))))
+    ray.get(prefill.prefill.remote(prefill_request(engine_request(tiny_model, make_prompt(seed=66), PARAMS, "x2"))))
     assert ray.get(prefill.outbox_size.remote()) == 2
     ray.get(store.release.remote(a.kv_transfer_params.transfer_id))
     ray.get(store.sweep.remote(advance_s=1000.0))
     assert_no_leaks(ray, store, prefill)
 
 
-def test_orchestrated_failure_with_fail_policy_is_an_error(pd, shared):
+def test_orchestrated_failure_with_fail_policy_is_an_error(pd, shared, tiny_model):
     ray = pd[0]
     store, prefill, decode = shared
+    request = engine_request(tiny_model, make_prompt(seed=67), PARAMS, "w")
     # The transfer is gone from the store before the decode replica loads it: the load fails.
-    with pytest.raises(PDRequestError, match="KV load failed"):
-        asyncio.run(collect(pd_flow(transfer_lost_peers(prefill, decode, store), make_prompt(seed=67), PARAMS, "w")))
+    with pytest.raises(ReplicaError, match="KV load failed"):
+        asyncio.run(collect(pd_flow(transfer_lost_peers(prefill, decode, store), request)))
     assert_no_leaks(ray, store, prefill, decode)

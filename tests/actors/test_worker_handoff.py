@@ -14,6 +14,8 @@ import torch
 
 import actors.worker as worker_module
 from actors.worker import EngineWorker
+from cluster.pd.split import prefill_request
+from engine.engine_request import EngineRequest
 from engine.kv_transfer_params import KVTransferParams
 from engine.sampling_params import SamplingParams
 from kvstore.transports.object_store import ObjectStoreTransport
@@ -30,14 +32,14 @@ class _Engine:
         self.export, self.hold = export, hold
         self.entered = asyncio.Event()
 
-    async def generate(self, prompt, params, request_id, kv_transfer_params=None):
-        assert params.max_tokens == 1 and kv_transfer_params.do_remote_decode
+    async def generate(self, request):
+        assert request.sampling_params.max_tokens == 1 and request.kv_transfer_params.do_remote_decode
         self.entered.set()
         if self.hold is not None:
             await self.hold.wait()
-        tid = kv_transfer_params.transfer_id
+        tid = request.kv_transfer_params.transfer_id
         self.export(tid)
-        yield SimpleNamespace(request_id=request_id, kv_transfer_params=KVTransferParams(transfer_id=tid))
+        yield SimpleNamespace(request_id=request.request_id, kv_transfer_params=KVTransferParams(transfer_id=tid))
 
 
 def _worker(export, hold=None, transport=True) -> tuple[EngineWorker, RecordingStore]:
@@ -52,9 +54,13 @@ def _worker(export, hold=None, transport=True) -> tuple[EngineWorker, RecordingS
     return worker, store
 
 
+def _prefill_half(request_id: str, ids: list[int], tid: str) -> EngineRequest:
+    """The prefill half (exported as `tid`) of a request as an ingress builds it."""
+    return prefill_request(EngineRequest(request_id, ids, SamplingParams(max_tokens=8)), tid)
+
+
 def _handoff(worker, tid: str, max_kv_bytes=None):
-    return asyncio.run(worker.prefill_handoff({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=8),
-                                              f"req-{tid}", tid, max_kv_bytes))
+    return asyncio.run(worker.prefill_handoff(_prefill_half(f"req-{tid}", [1, 2, 3], tid), max_kv_bytes))
 
 
 def test_the_kv_exported_in_process_comes_back_in_the_reply_and_never_reaches_the_store():
@@ -118,8 +124,7 @@ def test_a_cancelled_prefill_leaves_no_expectation_and_its_export_goes_to_the_st
     worker, store = _worker(lambda tid: worker.transport.publish(tid, KV, 3), hold=hold)
 
     async def main():
-        task = asyncio.create_task(worker.prefill_handoff({"prompt_token_ids": [1]}, SamplingParams(max_tokens=8),
-                                                          "req-t7", "t7"))
+        task = asyncio.create_task(worker.prefill_handoff(_prefill_half("req-t7", [1], "t7")))
         await asyncio.wait_for(worker.engine.entered.wait(), 10.0)  # expecting its export by now
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -381,3 +381,12 @@ def kill_core_then_answers_again(url: str, deployment: str, app_name: str, model
     assert failed.value.status_code >= 500
     wait_for(answers_exactly(client, model, prompt, expected), "a replaced replica to answer", 180, 2.0)
     assert deployment_processes(deployment, app_name)["replica"] != old["replica"]
+
+
+def engine_request(request_id: str = "r", ids=(1, 2), params=None, **fields):
+    """An EngineRequest as an ingress builds it (max_tokens resolved), for tests whose engines
+    are stand-ins; `fields`: any other EngineRequest field."""
+    from engine.engine_request import EngineRequest
+    from engine.sampling_params import SamplingParams
+
+    return EngineRequest(request_id, list(ids), params or SamplingParams(max_tokens=4), **fields)

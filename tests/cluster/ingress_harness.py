@@ -16,13 +16,14 @@ from tests.cluster.helpers import free_port, wait_for
 
 
 class EchoEngines:
-    """EngineStreams that answer any request at once: `max_tokens` (at most 3) tokens taken
+    """An EngineClient that answers any request at once: `max_tokens` (at most 3) tokens taken
     from the prompt, with logprobs and prompt logprobs shaped as the engine's when asked."""
 
-    async def generate(self, prompt: dict, params, request_id: str):
+    async def generate(self, request):
         from engine.outputs import CompletionOutput, Logprob, RequestOutput
 
-        ids = prompt["prompt_token_ids"] or [0]
+        params, request_id = request.sampling_params, request.request_id
+        ids = request.prompt_token_ids or [0]
         n = max(1, min(params.max_tokens or 1, 3))
         prompt_lps = None
         if params.prompt_logprobs is not None:
@@ -32,7 +33,7 @@ class EchoEngines:
             lps = None if params.logprobs is None else [{tid: -0.5}]
             so_far = [ids[j % len(ids)] for j in range(k + 1)]
             yield RequestOutput(
-                request_id, prompt.get("prompt"), ids,
+                request_id, request.prompt, ids,
                 [CompletionOutput(0, "x" * (k + 1), so_far, finish_reason="length" if last else None,
                                   logprobs=None if lps is None else lps * (k + 1))],
                 finished=last, delta_text="x", delta_token_ids=[tid], delta_logprobs=lps,
@@ -82,19 +83,21 @@ def make_ingress(model_dir: str, *, max_pending_requests: int = 64, name: str = 
     `body_limits` (a BodyLimits, default its defaults) are put in force as a replica's are."""
     from cluster.http import ingress as ingress_module
     from cluster.http import openai_format as fmt
-    from cluster.http.front_end import FrontEnd
     from cluster.http.ingress import Ingress
     from cluster.http.metrics import AppMetrics
+    from cluster.http.runner import RequestRunner
+    from cluster.http.served_model import ServedModel
     from engine.args import EngineArgs
-    from engine.llm_engine import front_end
+    from engine.llm_engine import load_processor
 
     engine_args = EngineArgs(model=model_dir, max_model_len=256)
-    tokenizer, processor = front_end(engine_args.create_engine_config())
+    tokenizer, processor = load_processor(engine_args.create_engine_config())
     ing = object.__new__(Ingress)
     ing.mode, ing.max_pending, ing._pending, ing._pusher = "colocated", max_pending_requests, {}, object()
-    ing.front = FrontEnd(name, model_dir, tokenizer, processor, fmt.TokenText(tokenizer))
-    ing.engines, ing.metrics, ing.coordinator = EchoEngines(), AppMetrics(name, "colocated"), FakeCoordinator()
-    ing.created, ing.ingress_id, ing.direct, ing.placement = 0, "ingress-test", None, None
+    ing.served = ServedModel(name, model_dir, tokenizer, processor, fmt.TokenText(tokenizer))
+    ing.metrics, ing.coordinator = AppMetrics(name, "colocated"), FakeCoordinator()
+    ing.runner = RequestRunner(EchoEngines(), ing.metrics)
+    ing.created, ing.ingress_id, ing.direct = 0, "ingress-test", None
     ing.coordinator_call_s = 5.0
     ing.lora_follower = None  # no LoRA adapters (cluster.http.lora)
     ingress_module._body_limits = body_limits

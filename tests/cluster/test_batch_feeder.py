@@ -5,10 +5,12 @@ that fails fails every waiting row and every later call, within a bound (nothing
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.cluster.helpers import in_thread
+from tests.cluster.helpers import engine_request, in_thread
 
 ENGINE = {"max_model_len": 128, "num_kv_blocks": 96}
 WORDS = "river engineer village quietly measures before once upon time small sea help there".split()
@@ -27,10 +29,12 @@ def test_concurrent_callers_get_the_offline_engines_outputs_in_order(tiny_model)
     params = [SamplingParams(max_tokens=16 + i % 7, temperature=0.0) for i in range(48)]
     ref = LLM(tiny_model, **ENGINE).generate(prompts, params, use_tqdm=False)
 
-    feeder = EngineFeeder(LLM(tiny_model, **ENGINE).engine)
+    engine = LLM(tiny_model, **ENGINE).engine
+    feeder = EngineFeeder(engine)
+    requests = [engine.process(p, sp, feeder.next_id()) for p, sp in zip(prompts, params)]
     slices = [range(k, k + 12) for k in range(0, 48, 12)]
     # Every caller's rows are handed over before any is awaited, as Ray Data's async batches are.
-    futures = [feeder.submit([prompts[i] for i in s], [params[i] for i in s]) for s in slices]
+    futures = [feeder.submit([requests[i] for i in s]) for s in slices]
 
     def wait(k: int) -> list:
         return [f.result(timeout=WAIT_S) for f in futures[k]]
@@ -49,18 +53,21 @@ def test_concurrent_callers_get_the_offline_engines_outputs_in_order(tiny_model)
 
 
 @pytest.mark.timeout(300)
-def test_a_bad_row_fails_alone(tiny_model):
+def test_a_row_over_the_engines_limits_fails_alone(tiny_model):
     from cluster.batch.feeder import EngineFeeder
 
-    feeder = EngineFeeder(LLM(tiny_model, **ENGINE).engine)
-    good, bad, long = feeder.submit(["once upon", "", "word " * 400], [SamplingParams(max_tokens=4)] * 3)
-    assert good.result(timeout=WAIT_S).outputs[0].finish_reason in ("length", "stop")
-    with pytest.raises(ValueError, match="prompt"):
-        bad.result(timeout=WAIT_S)
+    engine = LLM(tiny_model, **ENGINE).engine
+    feeder = EngineFeeder(engine)
+    good = engine.process("once upon", SamplingParams(max_tokens=4), feeder.next_id())
+    # Built for a longer context than this engine's: its check refuses it, the others go on.
+    over = dataclasses.replace(engine.process("small sea", SamplingParams(max_tokens=4), feeder.next_id()),
+                               prompt_token_ids=[5] * 400)
+    good_f, over_f = feeder.submit([good, over])
+    assert good_f.result(timeout=WAIT_S).outputs[0].finish_reason in ("length", "stop")
     with pytest.raises(ValueError, match="max_model_len"):
-        long.result(timeout=WAIT_S)
-    assert len(feeder.generate(["small sea"], [SamplingParams(max_tokens=3, ignore_eos=True)])[0]
-               .outputs[0].token_ids) == 3
+        over_f.result(timeout=WAIT_S)
+    last = engine.process("small sea", SamplingParams(max_tokens=3, ignore_eos=True), feeder.next_id())
+    assert len(feeder.generate([last])[0].outputs[0].token_ids) == 3
     feeder.close(timeout=WAIT_S)
 
 
@@ -70,8 +77,8 @@ class _FailingEngine:
     def __init__(self) -> None:
         self.steps = 0
 
-    def add_request(self, request_id, prompt, params):
-        return request_id
+    def add(self, request):
+        return request.request_id
 
     def step(self):
         self.steps += 1
@@ -85,11 +92,11 @@ def test_a_failing_engine_fails_every_waiting_row_and_later_calls():
     from cluster.batch.feeder import EngineFeeder
 
     feeder = EngineFeeder(_FailingEngine())
-    futures = feeder.submit(["a", "b", "c"], [None] * 3)
+    futures = feeder.submit([engine_request(r) for r in "abc"])
     for f in futures:
         with pytest.raises(RuntimeError, match="device lost"):
             f.result(timeout=30)
     with pytest.raises(RuntimeError, match="device lost"):
-        feeder.submit(["d"], [None])
+        feeder.submit([engine_request("d")])
     feeder.close(timeout=30)
     assert not feeder._thread.is_alive()

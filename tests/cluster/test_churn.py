@@ -35,7 +35,7 @@ def test_two_kills_under_load_leave_no_wrong_answer_no_unexplained_failure_no_le
     assert report["rss"] and all(r["ok"] for r in report["rss"]), report["rss"]
     assert report["requests"] == report["first_try"] + report["retried_ok"] + report["failed"] > 0
     assert report["ok"]
-    from cluster.http.pd_serve import FALLBACK_REASONS
+    from cluster.pd.placement import FALLBACK_REASONS
 
     assert set(report["pd_fallbacks"]) == set(FALLBACK_REASONS)  # counted by reason, each shown
     # The oracle itself: the healthy server's greedy text is transformers' (one prompt checked).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -10,6 +11,7 @@ from actors.report import ReplicaReport
 from actors.roles import Role
 from cluster.control.autoscale import AutoscaleConfig
 from cluster.control.coordinator import Coordinator, ScaleRequestError, parse_scale_request
+from cluster.http.control_answers import scale_response, status_response
 from engine.load import EngineLoad
 
 
@@ -45,6 +47,17 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def _scale(coord: Coordinator, body) -> tuple[int, dict]:
+    """`POST /scale` as the ingress answers it: (status code, JSON body)."""
+    response = scale_response(run(coord.scale(body)))
+    return response.status_code, json.loads(response.body)
+
+
+def _status(coord: Coordinator) -> dict:
+    """`GET /status`'s body."""
+    return json.loads(status_response(run(coord.status())).body)
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prefill": -1}, "prefill"), ({"prefill": 0}, "prefill"), ({"decode": 2.5}, "decode"),
     ({"decode": "2"}, "decode"), ({"prefill": True}, "prefill"), ({"prefill": 9}, "prefill"),
@@ -63,18 +76,18 @@ def test_partial_scale_keeps_the_other_role():
 def test_scale_is_202_then_409_until_serve_settles():
     control = FakeControl()
     coord = Coordinator("pd", "app", {"prefill": 1, "decode": 1}, {"prefill": 4, "decode": 4}, control=control)
-    code, body = run(coord.scale({"prefill": 2, "decode": 2}))
+    code, body = _scale(coord, {"prefill": 2, "decode": 2})
     assert code == 202 and body == {"target": {"prefill": 2, "decode": 2}, "scaling": True}
     assert sorted(control.calls) == [("Decode", 2), ("Prefill", 2)]
-    code, body = run(coord.scale({"prefill": 1}))
+    code, body = _scale(coord, {"prefill": 1})
     assert code == 409 and body["error"]["code"] == 409
-    assert run(coord.status())["scaling"] is True
+    assert _status(coord)["scaling"] is True
     control.settle()
-    status = run(coord.status())
+    status = _status(coord)
     assert status["scaling"] is False and status["target"] == {"prefill": 2, "decode": 2}
-    code, _ = run(coord.scale({"prefill": 1}))
+    code, _ = _scale(coord, {"prefill": 1})
     assert code == 202 and control.calls[-1] == ("Prefill", 1)
-    code, body = run(coord.scale({"decode": 5}))
+    code, body = _scale(coord, {"decode": 5})
     assert code == 400 and body["error"]["param"] == "decode"  # above the configured maximum
 
 
@@ -82,10 +95,10 @@ def test_direct_streaming_scales_the_ingress_deployment():
     control = FakeControl()
     coord = Coordinator("colocated", "app", {"colocated": 1}, {"colocated": 4}, control=control,
                         deployments={"colocated": "Ingress"})
-    code, _ = run(coord.scale({"colocated": 3}))
+    code, _ = _scale(coord, {"colocated": 3})
     assert code == 202 and control.calls == [("Ingress", 3)]
     control.settle()
-    assert run(coord.status())["scaling"] is False  # settled on the Ingress deployment's count
+    assert _status(coord)["scaling"] is False  # settled on the Ingress deployment's count
 
 
 def test_status_groups_replicas_by_role_with_load_fields():
@@ -94,14 +107,14 @@ def test_status_groups_replicas_by_role_with_load_fields():
     run(coord.report(_fig("p-1", "prefill", waiting=2)))
     run(coord.report(_fig("d-1", "decode", running=5, free_blocks=4)))
     run(coord.report(_fig("d-2", "decode")))
-    s = run(coord.status())
+    s = _status(coord)
     assert [r["replica"] for r in s["prefill"]] == ["p-1"] and s["prefill"][0]["waiting"] == 2
     assert [r["replica"] for r in s["decode"]] == ["d-1", "d-2"]
     assert {"replica", "running", "waiting", "free_blocks", "total_blocks"} <= set(s["decode"][0])
     assert s["store"] == {"live_transfers": 3, "bytes": 99}
     assert s["scaling"] is False and s["target"] == {"prefill": 1, "decode": 1}
     run(coord.forget("d-2"))
-    assert [r["replica"] for r in run(coord.status())["decode"]] == ["d-1"]
+    assert [r["replica"] for r in _status(coord)["decode"]] == ["d-1"]
 
 
 async def _const(value):
@@ -110,7 +123,7 @@ async def _const(value):
 
 def test_manual_scale_is_409_when_autoscaling_owns_the_counts():
     coord = Coordinator("pd", "app", autoscale={"enabled": True}, control=FakeControl())
-    assert run(coord.scale({"prefill": 2}))[0] == 409
+    assert _scale(coord, {"prefill": 2})[0] == 409
 
 
 def test_autoscale_tick_applies_the_policy_through_serve_and_waits_for_it():
@@ -133,7 +146,7 @@ def test_a_change_serve_refuses_is_503_and_keeps_the_old_target():
             raise RuntimeError("external scaling is disabled for this application")
 
     coord = Coordinator("pd", "app", control=Refusing())
-    code, body = run(coord.scale({"prefill": 2}))
+    code, body = _scale(coord, {"prefill": 2})
     assert code == 503 and "external scaling is disabled" in body["error"]["message"]
     assert coord.targets == {"prefill": 1, "decode": 1}
 
@@ -141,11 +154,11 @@ def test_a_change_serve_refuses_is_503_and_keeps_the_old_target():
 def test_a_target_serve_never_reaches_stops_blocking_after_the_timeout():
     control = FakeControl()
     coord = Coordinator("pd", "app", control=control, scale_timeout_s=0.0)
-    assert run(coord.scale({"prefill": 3}))[0] == 202
+    assert _scale(coord, {"prefill": 3})[0] == 202
     # Never settles (e.g. no room for a third replica): reported as stuck, new targets accepted.
-    s = run(coord.status())
+    s = _status(coord)
     assert s["scaling"] is False and "not reached" in s["stuck"]
-    assert run(coord.scale({"prefill": 2}))[0] == 202
+    assert _scale(coord, {"prefill": 2})[0] == 202
 
 
 def test_partial_autoscale_ceiling_keeps_the_manual_one_for_other_roles():
@@ -158,7 +171,7 @@ def test_a_restarted_coordinator_adopts_the_counts_serve_runs():
     control = FakeControl()
     control.counts = {"Prefill": 3, "Decode": 2}  # set by an earlier coordinator's /scale
     coord = Coordinator("pd", "app", {"prefill": 1, "decode": 1}, {"prefill": 4, "decode": 4}, control=control)
-    assert run(coord.status())["target"] == {"prefill": 3, "decode": 2}
+    assert _status(coord)["target"] == {"prefill": 3, "decode": 2}
 
 
 class CountingControl(FakeControl):
@@ -189,7 +202,7 @@ def test_the_first_report_syncs_the_counts_before_any_status_asks(first):
         await coord._sync_task
         assert coord.targets == {"prefill": 2, "decode": 3}
         await coord.report(_fig("d-1", "decode"))
-        return await coord.status()
+        return (await coord.status()).as_json()
 
     assert run(go())["target"] == {"prefill": 2, "decode": 3} and control.reads == 1
 
@@ -208,22 +221,22 @@ def test_a_background_sync_cut_short_is_done_by_the_next_status():
     coord._store_stats = lambda: _const({"live_transfers": 0, "bytes": 0})
     run(coord.report(_fig("p-1", "prefill")))  # the loop ends with the sync task waiting: cancelled
     assert control.reads == 1 and coord.targets == {"prefill": 1, "decode": 1}
-    assert run(coord.status())["target"] == {"prefill": 2, "decode": 1} and control.reads == 2
+    assert _status(coord)["target"] == {"prefill": 2, "decode": 1} and control.reads == 2
 
 
 def test_a_target_beyond_free_resources_is_409_with_the_numbers_and_changes_nothing():
     control = FakeControl()
     coord = Coordinator("pd", "app", {"prefill": 1, "decode": 1}, {"prefill": 4, "decode": 4}, control=control,
                         replica_resources={"CPU": 2.0, "GPU": 1.0}, resources=lambda: {"CPU": 3.0, "GPU": 1.0})
-    code, body = run(coord.scale({"prefill": 2, "decode": 2}))  # 4 CPUs and 2 GPUs more
+    code, body = _scale(coord, {"prefill": 2, "decode": 2})  # 4 CPUs and 2 GPUs more
     assert code == 409 and control.calls == [] and coord.targets == {"prefill": 1, "decode": 1}
     err = body["error"]
     assert err["needed"] == {"CPU": 4.0, "GPU": 2.0} and err["free"] == {"CPU": 3.0, "GPU": 1.0}
     assert "CPU 4" in err["message"] and "free CPU 3" in err["message"]
-    code, _ = run(coord.scale({"decode": 2}))  # one more replica fits
+    code, _ = _scale(coord, {"decode": 2})  # one more replica fits
     assert code == 202 and control.calls == [("Decode", 2)]
     control.settle()
-    assert run(coord.scale({"decode": 1}))[0] == 202  # scaling down never needs resources
+    assert _scale(coord, {"decode": 1})[0] == 202  # scaling down never needs resources
 
 
 def test_with_a_cluster_autoscaler_the_target_is_accepted_and_status_says_what_it_waits_for():
@@ -232,10 +245,10 @@ def test_with_a_cluster_autoscaler_the_target_is_accepted_and_status_says_what_i
                         replica_resources={"CPU": 1.0, "GPU": 0.0}, cluster_autoscaling=True,
                         resources=lambda: {"CPU": 0.5, "GPU": 0.0})
     control.counts = {"Colocated": 1}
-    assert run(coord.scale({"colocated": 3}))[0] == 202
-    pending = run(coord.status())["pending"]
+    assert _scale(coord, {"colocated": 3})[0] == 202
+    pending = _status(coord)["pending"]
     assert pending["replicas"] == {"colocated": 2} and pending["short"] == {"CPU": 1.5}
     assert "autoscaler" in pending["reason"] and "needs CPU 2" in pending["reason"]
     control.settle()
-    status = run(coord.status())
+    status = _status(coord)
     assert status["scaling"] is False and status["pending"] is None

@@ -11,17 +11,19 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.http.errors import OpenAIError, rejecting
-from cluster.http.front_end import Job
 from cluster.http.ingress import Ingress
 from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.http.runner import RequestRunner
+from cluster.http.served_model import Job
 from engine.errors import ParameterError
+from tests.cluster.helpers import engine_request
 
 
 def _ingress(limit: int) -> Ingress:
     ing = object.__new__(Ingress)
     ing._pending, ing.max_pending = {}, limit
     ing._pusher = None
-    ing.front = SimpleNamespace(loras=None)  # no LoRA adapters (cluster.http.lora)
+    ing.served = SimpleNamespace(loras=None)  # no LoRA adapters (cluster.http.lora)
     return ing
 
 
@@ -101,14 +103,13 @@ def test_other_errors_pass_through_rejecting():
         raise KeyError("not a validation error")
 
 
-def test_timed_closes_the_request_it_times_when_it_is_closed():
+def test_a_request_stream_closes_its_request_when_it_is_closed_and_counts_it_cancelled():
     from cluster.http.metrics import AppMetrics
-    from cluster.http.streams import timed
     from engine.outputs import CompletionOutput, RequestOutput
 
     closed = []
 
-    async def request():
+    async def generate(request):
         try:
             for t in range(3):
                 yield RequestOutput("r", None, [1], [CompletionOutput(0, "", [t])], finished=False,
@@ -118,7 +119,7 @@ def test_timed_closes_the_request_it_times_when_it_is_closed():
 
     async def run():
         metrics = AppMetrics("m", "pd")
-        stream = timed(request(), metrics, 1)
+        stream = RequestRunner(SimpleNamespace(generate=generate), metrics).stream(0, engine_request())
         await stream.__anext__()
         await stream.aclose()  # the client goes away mid-stream
         assert closed == [True]  # at once, not when the request's generator is collected
@@ -138,7 +139,8 @@ def test_a_colocated_engine_failure_is_a_503_never_a_200_with_a_partial_answer(s
     from engine.outputs import CompletionOutput, RequestOutput
 
     class Streams:
-        async def generate(self, prompt, params, request_id):
+        async def generate(self, request):
+            request_id = request.request_id
             yield RequestOutput(request_id, None, [1], [CompletionOutput(0, "a", [5])], finished=False,
                                 delta_token_ids=[5])
             yield RequestOutput(request_id, None, [1], [CompletionOutput(0, "a", [5], finish_reason="error",
@@ -146,14 +148,15 @@ def test_a_colocated_engine_failure_is_a_503_never_a_200_with_a_partial_answer(s
                                 finished=True)
 
     ing = _ingress(4)
-    ing.mode, ing.engines, ing.metrics = "colocated", Streams(), AppMetrics("m", "colocated")
+    ing.mode, ing.metrics = "colocated", AppMetrics("m", "colocated")
+    ing.runner = RequestRunner(Streams(), ing.metrics)
 
     async def chunks(merged):
         async for _, out in merged:
             yield {"text": out.outputs[0].text}
 
     async def run():
-        response = await ing.respond(Job([{"prompt_token_ids": [1]}], [None], "r", stream, chunks, lambda finals: {}))
+        response = await ing.respond(Job([engine_request("r", [1])], "r", stream, chunks, lambda finals: {}))
         events = [e async for e in response.body_iterator]
         return events
 

@@ -43,7 +43,7 @@ def test_ray_up_config_installs_pdserve_and_deploys_the_serve_config(name):
     assert cfg["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
     starts = cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
     assert all("RAY_AUTH_MODE=token" in c for c in starts if "ray start" in c or "deploy" in c)
-    # HAProxy in front of the ingress replicas, on every node (cluster/http/front.py).
+    # HAProxy in front of the ingress replicas, on every node (cluster/launch/http_proxy.py).
     assert all("RAY_SERVE_ENABLE_HA_PROXY=1" in c for c in starts if "ray start" in c)
     # The Serve controller's loop at pdserve's pace (cluster/launch/serve_env.py).
     assert all("RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5" in c for c in starts if "ray start" in c)

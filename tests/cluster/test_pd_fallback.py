@@ -1,4 +1,4 @@
-"""Decode-only fallback (cluster.http.pd_serve, docs/pd.md#decode-only-fallback), and the engine
+"""Decode-only fallback (cluster.pd.placement, cluster.http.runner, docs/pd.md#decode-only-fallback), and the engine
 hang watchdog behind Serve (docs/operations.md#engine-hang-watchdog).
 
 Without Serve: the decision (no prefill replica on the board, their queue over its bound, a
@@ -26,22 +26,25 @@ import pytest
 import ray
 
 from cluster.http.errors import replica_error
-from cluster.http.pd_serve import (
+from cluster.http.metrics import AppMetrics
+from cluster.http.runner import RequestRunner
+from cluster.pd.placement import (
+    FALLBACK_REASONS,
     PREFILL_TIMEOUT_COLD,
     PREFILL_TIMEOUT_SLACK,
     LocalPrefillRule,
     PrefillFallback,
     PrefillPlacement,
     PrefillUnavailable,
-    serve_pd_generate,
 )
+from cluster.pd.serve_peers import serve_pd_generate
+from cluster.replica.errors import ReplicaError
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from kvstore.pd import PDRequestError
 from tests.cluster.helpers import DIRECT_APP as APP
 from tests.cluster.helpers import DIRECT_NAME as NAME
 from tests.cluster.helpers import DIRECT_STEP_TIMEOUT_S as STEP_TIMEOUT_S
-from tests.cluster.helpers import RecordingStore
+from tests.cluster.helpers import RecordingStore, engine_request
 
 # ---- the decision, without Serve ------------------------------------------------------------
 
@@ -71,8 +74,8 @@ class _Prefill:
         self.response, self.calls = response, []
         self.prefill = self
 
-    def remote(self, prompt, params, request_id, transfer_id):
-        self.calls.append(transfer_id)
+    def remote(self, request):
+        self.calls.append(request.kv_transfer_params.transfer_id)
         return self.response
 
 
@@ -82,40 +85,45 @@ def _output(tokens: list[int], finish_reason: str | None = None) -> RequestOutpu
 
 
 class _DecodeEngine:
-    """The decode engine (EngineStreams): a whole request, as the local path runs it."""
+    """The decode engine (an EngineClient): a whole request, as the local path runs it."""
 
     def __init__(self) -> None:
         self.requests: list[tuple] = []
 
-    async def generate(self, prompt, params, request_id, kv_transfer_params=None):
-        self.requests.append((request_id, kv_transfer_params))
+    async def generate(self, request):
+        self.requests.append((request.request_id, request.kv_transfer_params))
         yield _output([7])
         yield _output([7, 8], "length")
 
 
 class _Case:
-    """One request through PrefillPlacement over the real P/D flow and the stand-ins."""
+    """One request through the ingress's runner (PrefillPlacement) over the real P/D flow and
+    the stand-ins."""
 
     def __init__(self, response: _Response, fallback: PrefillFallback | None = None,
                  live_prefill: int | None = 1, queue: int = 0) -> None:
         self.prefill, self.store, self.decode = _Prefill(response), RecordingStore(), _DecodeEngine()
         self.placement = PrefillPlacement(LocalPrefillRule(queue, 0), lambda role: 1, fallback or PrefillFallback(),
                                           lambda role: live_prefill)
-        self.fallbacks: list[str] = []
+        self.metrics = AppMetrics("m", "pd")
+        self.runner = RequestRunner(
+            self.decode, self.metrics, None, self.placement,
+            lambda request, timeout_s: serve_pd_generate(self.prefill, self.decode, self.store, request, "recompute",
+                                                         None, timeout_s))
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """The fallbacks counted, by reason (pdserve:pd_fallback_total)."""
+        value = self.metrics.registry.get_sample_value
+        return [r for r in FALLBACK_REASONS
+                for _ in range(int(value("pdserve:pd_fallback_total", {"model_name": "m", "mode": "pd", "reason": r})))]
 
     def run(self, prompt_len: int = 3):
-        params = SamplingParams(max_tokens=2)
-        prompt = {"prompt_token_ids": [1, 2, 3][:prompt_len]}
-        return self.placement.run(
-            prompt_len,
-            lambda timeout_s: serve_pd_generate(self.prefill, self.decode, self.store, prompt, params, "r",
-                                                "recompute", None, timeout_s),
-            lambda: self.decode.generate(prompt, params, "r"),
-            on_fallback=self.fallbacks.append)
+        return self.runner.stream(0, engine_request("r", [1, 2, 3][:prompt_len], SamplingParams(max_tokens=2)))
 
     def outputs(self) -> list[list[int]]:
         async def collect():
-            return [list(o.outputs[0].token_ids) async for o in self.run()]
+            return [list(o.outputs[0].token_ids) async for _, o in self.run()]
         return asyncio.run(asyncio.wait_for(collect(), 30))  # a stalled prefill must not stall it
 
 
@@ -141,7 +149,7 @@ def test_a_prefill_replica_that_dies_during_the_call_falls_back_but_a_failing_en
     task_error = ray.exceptions.RayTaskError("prefill_handoff", "RuntimeError: engine failed", RuntimeError())
     for error in (task_error, RuntimeError("engine failed: EngineDeadError('core exited with code -9')")):
         failed = _Case(_Response(error=error))
-        with pytest.raises(PDRequestError, match="prefill") as e:
+        with pytest.raises(ReplicaError, match="prefill") as e:
             failed.outputs()
         assert not isinstance(e.value, PrefillUnavailable) and failed.fallbacks == [] and failed.decode.requests == []
         answer = replica_error(e.value)
@@ -166,7 +174,7 @@ def test_a_prefill_queue_at_its_bound_sends_the_next_prompt_to_its_decode_engine
         await asyncio.sleep(0)  # both start and wait on their prefill (no bound: 0)
         assert case.placement.in_flight["remote"] == 2
         async def third_request():
-            return [list(o.outputs[0].token_ids) async for o in case.run()]
+            return [list(o.outputs[0].token_ids) async for _, o in case.run()]
         third = await asyncio.wait_for(third_request(), 30)  # never waits behind the queue
         assert third == [[7], [7, 8]] and case.fallbacks == ["queue"] and len(case.prefill.calls) == 2
         for f, g in zip(firsts, waiting):
@@ -246,7 +254,6 @@ def app(shared_direct_app):
 
 
 def _fallbacks(url: str) -> dict[str, float]:
-    from cluster.http.pd_serve import FALLBACK_REASONS
     from tests.cluster.helpers import metric_value
 
     return {r: metric_value(url, "pdserve:pd_fallback_total", reason=r) for r in FALLBACK_REASONS}

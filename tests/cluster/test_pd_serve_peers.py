@@ -1,4 +1,4 @@
-"""ServePeers with a direct-streaming ingress's inbox (cluster.http.pd_serve, kvstore.handoff), with
+"""ServePeers with a direct-streaming ingress's inbox (cluster.pd.serve_peers, kvstore.handoff), with
 stand-in handles: what the prefill call asks for, where a handed-back KV goes, what a failed
 call becomes, and what cleanup releases. No Ray is started."""
 
@@ -10,11 +10,12 @@ import grpc
 import pytest
 import torch
 
-from cluster.http.pd_serve import ServePeers
+from cluster.pd.serve_peers import ServePeers
+from cluster.pd.split import prefill_request
+from cluster.replica.errors import ReplicaError
 from engine.sampling_params import SamplingParams
 from kvstore.handoff import Inbox, KVHandoff, max_reply_kv_bytes
-from kvstore.pd import PDRequestError
-from tests.cluster.helpers import RecordingStore
+from tests.cluster.helpers import RecordingStore, engine_request
 
 
 class _Response:
@@ -52,10 +53,11 @@ def test_the_kv_in_the_reply_goes_to_the_inbox_and_cleanup_forgets_it_without_th
     kv = torch.randn(2, 3)
     peers, prefill, store, inbox = _peers(_Response(KVHandoff("first-output", kv=kv)))
     params = SamplingParams(max_tokens=4)
-    out = asyncio.run(peers.prefill({"prompt_token_ids": [1, 2]}, params, "r1", "t1"))
+    request = prefill_request(engine_request("r1", [1, 2], params), "t1")
+    out = asyncio.run(peers.prefill(request))
     assert out == "first-output"
     # The caller's own reply bound travels with the call.
-    assert prefill.calls == [({"prompt_token_ids": [1, 2]}, params, "r1", "t1", max_reply_kv_bytes())]
+    assert prefill.calls == [(request, max_reply_kv_bytes())]
     assert torch.equal(inbox.claim("t1"), kv)
     asyncio.run(peers.cleanup("r1", "t1", unfinished=False))
     assert len(inbox) == 0 and store.released == []
@@ -63,7 +65,7 @@ def test_the_kv_in_the_reply_goes_to_the_inbox_and_cleanup_forgets_it_without_th
 
 def test_a_reply_without_the_kv_leaves_the_transfer_to_the_store():
     peers, _prefill, store, inbox = _peers(_Response(KVHandoff("first-output")))
-    asyncio.run(peers.prefill({"prompt_token_ids": [1]}, SamplingParams(), "r2", "t2"))
+    asyncio.run(peers.prefill(prefill_request(engine_request("r2", [1]), "t2")))
     assert inbox.claim("t2") is None  # not handed off: the store has it
     asyncio.run(peers.cleanup("r2", "t2", unfinished=False))
     assert store.released == ["t2"]
@@ -77,8 +79,8 @@ def test_a_grpc_failure_of_the_prefill_call_is_a_retryable_pd_error():
     # Serve maps only UNAVAILABLE to a replica error; other statuses came through raw (a 500).
     response = _Response(error=_grpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
     peers, _prefill, store, inbox = _peers(response)
-    with pytest.raises(PDRequestError, match="DEADLINE_EXCEEDED: Deadline Exceeded") as e:
-        asyncio.run(peers.prefill({"prompt_token_ids": [1]}, SamplingParams(), "r3", "t3"))
+    with pytest.raises(ReplicaError, match="DEADLINE_EXCEEDED: Deadline Exceeded") as e:
+        asyncio.run(peers.prefill(prefill_request(engine_request("r3", [1]), "t3")))
     assert not e.value.replica_died
     asyncio.run(peers.cleanup("r3", "t3", unfinished=True))
     assert response.cancelled and store.released == ["t3"] and len(inbox) == 0
@@ -90,7 +92,7 @@ def test_a_reply_over_the_grpc_limit_names_the_setting_and_is_not_retryable():
     error = _grpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (11799825 vs. 4194304)")
     peers, _prefill, store, _inbox = _peers(_Response(error=error))
     with pytest.raises(RuntimeError, match="over the gRPC message limit .*; raise RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH") as e:
-        asyncio.run(peers.prefill({"prompt_token_ids": [1]}, SamplingParams(), "r4", "t4"))
-    assert not isinstance(e.value, PDRequestError)
+        asyncio.run(peers.prefill(prefill_request(engine_request("r4", [1]), "t4")))
+    assert not isinstance(e.value, ReplicaError)
     asyncio.run(peers.cleanup("r4", "t4", unfinished=True))
     assert store.released == ["t4"]

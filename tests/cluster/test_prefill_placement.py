@@ -1,17 +1,23 @@
-"""Conditional disaggregation (cluster.http.pd_serve), without Serve: the rule, a burst
+"""Conditional disaggregation (cluster.pd.placement, through the ingress's cluster.http.runner), without Serve: the rule, a burst
 split between the two queues, the in-flight counts on every way a request can end, and the
 replica counts read from the Coordinator without ever waiting for it."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from actors.report import ReplicaReport
 from actors.roles import Role
-from cluster.http.pd_serve import LocalPrefillRule, PrefillPlacement, RoleCounts
+from cluster.http.metrics import AppMetrics
+from cluster.http.runner import RequestRunner
+from cluster.pd.placement import LocalPrefillRule, PrefillPlacement, RoleCounts
+from cluster.replica.errors import ReplicaError
 from engine.load import EngineLoad
+from engine.outputs import CompletionOutput, RequestOutput
+from tests.cluster.helpers import engine_request
 
 
 @pytest.mark.parametrize("rule,prompt_len,remote_each,local_each,local", [
@@ -28,49 +34,69 @@ def test_rule(rule, prompt_len, remote_each, local_each, local):
     assert rule.local(prompt_len, remote_each, local_each) is local
 
 
+def _out(tag: str, token: int, finish: str | None = None, stop_reason=None) -> RequestOutput:
+    return RequestOutput(tag, None, [1, 2], [CompletionOutput(0, "", [token], finish, stop_reason)],
+                         finished=finish is not None, delta_token_ids=[token])
+
+
 class _Gate:
-    """Fake request halves: each waits for `release` before its first output."""
+    """Fake request halves: each waits for `release` before its first output (outputs named
+    by their side: "remote" or "local")."""
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
         self.started: list[str] = []
         self.closed = 0  # halves whose cleanup ran (where a real one aborts its request)
+        self.fail: set[str] = set()
 
-    def half(self, side: str, fail: bool = False):
-        async def gen(*_timeout_s):  # the remote half is given its prefill bound
-            self.started.append(side)
-            try:
-                await self.release.wait()
-                if fail:
-                    raise RuntimeError(f"{side} failed")
-                yield f"{side}-first"
-                yield f"{side}-last"
-            finally:
-                self.closed += 1
-        return gen
+    async def half(self, side: str):
+        self.started.append(side)
+        try:
+            await self.release.wait()
+            if side in self.fail:
+                raise RuntimeError(f"{side} failed")
+            yield _out(side, 1)
+            yield _out(side, 2, "length")
+        finally:
+            self.closed += 1
 
 
-def _placement(queue: int, prefill: int = 1, decode: int = 1, max_len: int = 0) -> PrefillPlacement:
+def _runner(queue: int, prefill: int = 1, decode: int = 1, max_len: int = 0) -> tuple[RequestRunner, _Gate]:
+    """The ingress's runner in P/D over the gate's halves: "local" is the decode engine,
+    "remote" the disaggregated flow."""
     counts = {"prefill": prefill, "decode": decode}
-    return PrefillPlacement(LocalPrefillRule(queue, max_len), counts.__getitem__)
+    gate = _Gate()
+    placement = PrefillPlacement(LocalPrefillRule(queue, max_len), counts.__getitem__)
+    engines = SimpleNamespace(generate=lambda request: gate.half("local"))
+    return RequestRunner(engines, AppMetrics("m", "pd"), None, placement,
+                         lambda request, timeout_s: gate.half("remote")), gate
+
+
+def _stream(runner: RequestRunner, prompt_len: int = 100):
+    return runner.stream(0, engine_request("r", range(prompt_len)))
+
+
+def _sides(outs) -> list[str]:
+    return [out.request_id for _, out in outs]
 
 
 def test_a_burst_is_shared_between_the_two_queues_and_counts_return_to_zero():
     async def run():
-        p, gate = _placement(2), _Gate()
-        locals_seen = []
-        gens = [p.run(100, gate.half("remote"), gate.half("local"), lambda: locals_seen.append(1))
-                for _ in range(8)]
+        runner, gate = _runner(2)
+        p = runner.placement
+        gens = [_stream(runner) for _ in range(8)]
         firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
-        await asyncio.sleep(0)  # every request starts and waits at its gate
+        await _until(lambda: len(gate.started) == 8)  # every request starts and waits at its gate
         # Two on the prefill replica, then the shorter queue each time: 4 and 4.
         assert gate.started == ["remote", "remote", "local", "local", "remote", "local", "remote", "local"]
-        assert p.in_flight == {"remote": 4, "local": 4} and len(locals_seen) == 4
+        assert p.in_flight == {"remote": 4, "local": 4}
+        assert runner.metrics.registry.get_sample_value(
+            "pdserve:local_prefills_total", {"model_name": "m", "mode": "pd"}) == 4
         gate.release.set()
-        assert sorted(await asyncio.gather(*firsts)) == ["local-first"] * 4 + ["remote-first"] * 4
+        assert sorted(_sides(await asyncio.gather(*firsts))) == ["local"] * 4 + ["remote"] * 4
         assert p.in_flight == {"remote": 0, "local": 0}  # first token back: no longer in flight
         for g in gens:
-            assert [x async for x in g] in (["local-last"], ["remote-last"])
+            assert len([x async for x in g]) == 1
         assert p.in_flight == {"remote": 0, "local": 0}
 
     asyncio.run(run())
@@ -79,10 +105,10 @@ def test_a_burst_is_shared_between_the_two_queues_and_counts_return_to_zero():
 def test_queues_are_compared_per_replica():
     async def run():
         # Two prefill replicas: four prompts (two each) before the first local one.
-        p, gate = _placement(2, prefill=2, decode=1), _Gate()
-        gens = [p.run(100, gate.half("remote"), gate.half("local")) for _ in range(6)]
+        runner, gate = _runner(2, prefill=2, decode=1)
+        gens = [_stream(runner) for _ in range(6)]
         firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
-        await asyncio.sleep(0)
+        await _until(lambda: len(gate.started) == 6)
         assert gate.started == ["remote"] * 4 + ["local", "local"]
         gate.release.set()
         await asyncio.gather(*firsts)
@@ -94,29 +120,31 @@ def test_queues_are_compared_per_replica():
 
 def test_a_request_leaving_or_failing_before_its_first_token_is_no_longer_counted():
     async def run():
-        p, gate = _placement(1), _Gate()
-        left = p.run(100, gate.half("remote"), gate.half("local"))
+        runner, gate = _runner(1)
+        p = runner.placement
+        left = _stream(runner)
         first = asyncio.ensure_future(left.__anext__())
-        await asyncio.sleep(0)
-        assert p.in_flight["remote"] == 1
+        await _until(lambda: p.in_flight["remote"] == 1)
         first.cancel()  # the client goes away while its prompt is being prefilled
         with pytest.raises(asyncio.CancelledError):
             await first
         await left.aclose()
         assert p.in_flight["remote"] == 0 and gate.closed == 1  # its request closed with it, at once
 
-        failing = p.run(100, gate.half("remote", fail=True), gate.half("local", fail=True))
+        gate.fail = {"remote", "local"}
+        failing = _stream(runner)
         gate.release.set()
         with pytest.raises(RuntimeError, match="remote failed"):
             await failing.__anext__()
         assert p.in_flight == {"remote": 0, "local": 0}
+        gate.fail = set()
 
-        reading = p.run(100, gate.half("remote"), gate.half("local"))
-        assert await reading.__anext__() == "remote-first"
+        reading = _stream(runner)
+        assert _sides([await reading.__anext__()]) == ["remote"]
         await reading.aclose()  # the client goes away mid-stream
         assert gate.closed == 3  # its request closed at once, not when collected
 
-        never_started = p.run(100, gate.half("remote"), gate.half("local"))
+        never_started = _stream(runner)
         assert p.in_flight["remote"] == 0  # decided and counted only when it starts
         await never_started.aclose()
         assert gate.started == ["remote", "remote", "remote"]
@@ -126,12 +154,21 @@ def test_a_request_leaving_or_failing_before_its_first_token_is_no_longer_counte
 
 def test_a_short_prompt_prefills_locally_with_the_prefill_replicas_idle():
     async def run():
-        p, gate = _placement(0, max_len=16), _Gate()
+        runner, gate = _runner(0, max_len=16)
         gate.release.set()
-        assert [x async for x in p.run(16, gate.half("remote"), gate.half("local"))] == ["local-first", "local-last"]
-        assert [x async for x in p.run(17, gate.half("remote"), gate.half("local"))] == ["remote-first", "remote-last"]
+        assert _sides([x async for x in _stream(runner, 16)]) == ["local", "local"]
+        assert _sides([x async for x in _stream(runner, 17)]) == ["remote", "remote"]
 
     asyncio.run(run())
+
+
+async def _until(condition, bound_s: float = 10.0) -> None:
+    """Let the loop run until `condition()` holds (bounded): the requests started."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound_s
+    while not condition():
+        assert loop.time() < deadline, "the requests did not start"
+        await asyncio.sleep(0.001)
 
 
 class _Coordinator:
@@ -174,7 +211,7 @@ def test_role_counts_refresh_in_the_background_and_survive_a_coordinator_failure
 
 
 def test_a_coordinator_that_never_answers_is_given_up_and_asked_again(monkeypatch):
-    import cluster.http.pd_serve as placement
+    import cluster.pd.placement as placement
 
     monkeypatch.setattr(placement, "COUNTS_TIMEOUT_S", 0.01)
 
@@ -199,43 +236,34 @@ def test_a_coordinator_that_never_answers_is_given_up_and_asked_again(monkeypatc
     asyncio.run(run())
 
 
-def _out(token: int, finish: str | None = None, stop_reason=None):
-    from engine.outputs import CompletionOutput, RequestOutput
-
-    return RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", [token], finish, stop_reason)],
-                         finished=finish is not None, delta_token_ids=[token])
-
-
-class _Streams:
-    """A decode deployment's ReplicaStreams that replays `outs`, noting when it is closed."""
-
-    def __init__(self, outs) -> None:
-        self.outs, self.closed = outs, False
-
-    async def generate(self, prompt, params, request_id):
-        try:
-            for out in self.outs:
-                yield out
-        finally:
-            self.closed = True
-
-
 def test_an_engine_failure_on_a_plain_request_is_an_error_as_on_the_disaggregated_path():
-    from cluster.http.pd_serve import serve_plain_generate
-    from kvstore.pd import PDRequestError
-
     async def run():
-        ok = _Streams([_out(5), _out(6, "length")])
-        assert [o.delta_token_ids for o in [x async for x in serve_plain_generate(ok, {}, None, "r")]] == [[5], [6]]
-        failing = _Streams([_out(5), _out(0, "error", "grammar failed to compile")])
-        with pytest.raises(PDRequestError, match="grammar failed"):
-            async for _ in serve_plain_generate(failing, {}, None, "r"):
+        outs = [_out("r", 5), _out("r", 6, "length")]
+        ok, _ = _plain(outs)
+        assert [o.delta_token_ids for _, o in [x async for x in ok.stream(0, engine_request())]] == [[5], [6]]
+        failing, closed = _plain([_out("r", 5), _out("r", 0, "error", "grammar failed to compile")])
+        with pytest.raises(ReplicaError, match="grammar failed"):
+            async for _ in failing.stream(0, engine_request()):
                 pass
-        assert failing.closed
-        left = _Streams([_out(5), _out(6), _out(7, "length")])
-        gen = serve_plain_generate(left, {}, None, "r")
+        assert closed == [True]
+        left, closed = _plain([_out("r", 5), _out("r", 6), _out("r", 7, "length")])
+        gen = left.stream(0, engine_request())
         await gen.__anext__()
         await gen.aclose()
-        assert left.closed  # closed with it, at once
+        assert closed == [True]  # closed with it, at once
 
     asyncio.run(run())
+
+
+def _plain(outs) -> tuple[RequestRunner, list]:
+    """A colocated runner whose engine replays `outs`; the list notes its stream's close."""
+    closed = []
+
+    async def generate(request):
+        try:
+            for out in outs:
+                yield out
+        finally:
+            closed.append(True)
+
+    return RequestRunner(SimpleNamespace(generate=generate), AppMetrics("m", "colocated")), closed

@@ -12,6 +12,7 @@ from actors.worker import EngineWorker
 from cluster.replica.latency import LatencyWindow
 from cluster.replica.server import EngineServer
 from engine.load import EngineLoad
+from tests.cluster.helpers import engine_request
 
 
 class _Engine:
@@ -56,7 +57,7 @@ def _server(errored=None, coordinator=None) -> EngineServer:
     server._coordinator, server._seq = coordinator, 0
     server._forwarded, server._forwarded_at = None, 0.0
     server.ttft, server.itl = LatencyWindow(), LatencyWindow()
-    server._timing, server.stream_interval_s = {}, 0.0
+    server._observers, server.stream_interval_s = {}, 0.0
     return server
 
 
@@ -98,32 +99,34 @@ def test_routing_stats_carry_load_and_a_fresh_sequence_number_and_reach_the_coor
     assert first.kv_transfer == {}  # no connector on this stand-in
 
 
-def test_an_engine_that_fails_under_an_in_process_caller_is_a_replica_failure():
+def test_an_engine_that_fails_under_an_in_process_caller_is_a_503_with_retry_after():
     """A direct-streaming ingress calls its EngineServer in process: an engine failure there
-    must reach the client as a 503 (PDRequestError, replica died), as a routed replica's does,
-    never as a 500 or a partial 200."""
-    from kvstore.pd import PDRequestError
+    (EngineDeadError from AsyncLLM) must reach the client as a 503, as a routed replica's
+    does, never as a 500 or a partial 200."""
+    from cluster.http.errors import replica_error
+    from engine.errors import EngineDeadError
 
     FIRST = SimpleNamespace(delta_token_ids=[7])
 
-    class _DeadWorker:
-        async def generate(self, prompt, params, request_id, kv_transfer_params=None, observe=None,
-                           stream_interval_s=0.0):
+    class _DeadEngine:
+        async def generate(self, request, observe=None, stream_interval_s=0.0):
             yield FIRST
-            raise RuntimeError("engine failed: EngineDeadError('the engine core process exited')")
+            raise EngineDeadError("engine failed: EngineDeadError('the engine core process exited')")
 
     server = _server()
-    server.worker = _DeadWorker()
+    server.worker.engine = _DeadEngine()
 
     async def run():
         got = []
-        with pytest.raises(PDRequestError) as e:
-            async for out in server.generate({"prompt_token_ids": [1]}, None, "r"):
+        with pytest.raises(EngineDeadError) as e:
+            async for out in server.generate(engine_request()):
                 got.append(out)
         return got, e.value
 
     got, error = asyncio.run(run())
-    assert got == [FIRST] and error.replica_died and "exited" in str(error)
+    assert got == [FIRST] and "exited" in str(error)
+    answer = replica_error(error)
+    assert answer.status == 503 and answer.headers["Retry-After"]
 
 
 def test_an_in_process_caller_feeds_the_latency_windows_per_engine_step_not_per_output_it_reads():
@@ -132,18 +135,17 @@ def test_an_in_process_caller_feeds_the_latency_windows_per_engine_step_not_per_
     per step, as a routed replica's per-step channel does."""
     steps = [SimpleNamespace(request_id="r", delta_token_ids=[t], finished=t == 3) for t in (1, 2, 3)]
 
-    class _Worker:
-        async def generate(self, prompt, params, request_id, kv_transfer_params=None, observe=None,
-                           stream_interval_s=0.0):
+    class _Engine:
+        async def generate(self, request, observe=None, stream_interval_s=0.0):
             for out in steps:  # three engine steps arrive while the caller is busy ...
                 observe(out)
             yield steps[-1]  # ... and it reads them as one output
 
     server = _server()
-    server.worker = _Worker()
+    server.worker.engine = _Engine()
 
     async def run():
-        return [out async for out in server.generate({"prompt_token_ids": [1]}, None, "r")]
+        return [out async for out in server.generate(engine_request())]
 
     assert asyncio.run(run()) == [steps[-1]]
-    assert len(server.itl._samples) == 2 and server._timing == {}  # gaps 1-2 and 2-3; nothing left behind
+    assert len(server.itl._samples) == 2 and server._observers == {}  # gaps 1-2 and 2-3; nothing left behind

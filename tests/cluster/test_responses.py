@@ -21,10 +21,11 @@ import requests
 
 from cluster.http import openai_format as fmt
 from cluster.http.errors import OpenAIError
-from cluster.http.front_end import FrontEnd, Job
 from cluster.http.responses import ResponsesRequest, responses_job
 from cluster.http.responses_answer import Shell, adapt
-from tests.cluster.helpers import SHARED_NAME, assert_no_leaks, openai_client
+from cluster.http.runner import RequestRunner
+from cluster.http.served_model import Job, ServedModel
+from tests.cluster.helpers import SHARED_NAME, assert_no_leaks, engine_request, openai_client
 
 NAME = SHARED_NAME
 # A schema the grammar nearly fixes, so greedy decoding ends it (finish "stop") on a random model.
@@ -131,24 +132,27 @@ def test_an_input_item_of_another_type_is_refused_by_the_model():
     assert e.value.errors()[0]["loc"][0] == "input"
 
 
-# ---- through the chat route's own checks (a FrontEnd on the tiny model) -----------------------
+# ---- through the chat route's own checks (a ServedModel on the tiny model) -----------------------
 @pytest.fixture(scope="module")
-def front(tiny_model) -> FrontEnd:
+def served(tiny_model) -> ServedModel:
     from engine import EngineArgs
-    from engine.llm_engine import front_end
+    from engine.llm_engine import load_processor
 
-    tokenizer, processor = front_end(EngineArgs(tiny_model, max_model_len=64).create_engine_config())
-    return FrontEnd(NAME, tiny_model, tokenizer, processor, fmt.TokenText(tokenizer))
+    tokenizer, processor = load_processor(EngineArgs(tiny_model, max_model_len=64).create_engine_config())
+    return ServedModel(NAME, tiny_model, tokenizer, processor, fmt.TokenText(tokenizer))
 
 
-def test_the_job_runs_the_prompt_chat_renders_for_the_same_messages(front):
+def test_the_job_runs_the_prompt_chat_renders_for_the_same_messages(served):
     from cluster.http.chat import chat_job
     from cluster.http.protocol import ChatCompletionRequest
 
-    job = responses_job(front, _request(input="Name a river.", instructions="Be terse.", max_output_tokens=5))
-    chat = chat_job(front, ChatCompletionRequest.model_validate({"model": NAME, "max_tokens": 5, "messages": [
+    job = responses_job(served, _request(input="Name a river.", instructions="Be terse.", max_output_tokens=5))
+    chat = chat_job(served, ChatCompletionRequest.model_validate({"model": NAME, "max_tokens": 5, "messages": [
         {"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a river."}]}))
-    assert job.prompts == chat.prompts and job.params == chat.params
+    def run(j):
+        return [(r.prompt_token_ids, r.prompt, r.sampling_params) for r in j.requests]
+
+    assert run(job) == run(chat)
     assert job.request_id.startswith("resp_") and job.sse.done is False and chat.sse.done is True
 
 
@@ -159,9 +163,9 @@ def test_the_job_runs_the_prompt_chat_renders_for_the_same_messages(front):
     ({"temperature": -1}, "temperature"),
     ({"model": "gpt-4o"}, "model"),
 ])
-def test_chat_route_errors_name_the_responses_field(front, fields, param):
+def test_chat_route_errors_name_the_responses_field(served, fields, param):
     with pytest.raises(OpenAIError) as e:
-        responses_job(front, _request(**fields))
+        responses_job(served, _request(**fields))
     assert e.value.param == param and e.value.status == (404 if param == "model" else 400)
 
 
@@ -184,7 +188,7 @@ def _fake_chat(chunks: list[dict], message: dict, finish: str, usage: dict) -> J
 
     answer = {"id": "resp_t", "object": "chat.completion", "created": 0, "model": NAME, "usage": usage,
               "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}]}
-    return Job([], [], "resp_t", True, chat_chunks, lambda finals: answer)
+    return Job([], "resp_t", True, chat_chunks, lambda finals: answer)
 
 
 def _events(job: Job) -> list[dict]:
@@ -328,7 +332,8 @@ def test_a_failed_stream_ends_with_an_error_event_and_no_done():
     from engine.outputs import CompletionOutput, RequestOutput
 
     class Streams:
-        async def generate(self, prompt, params, request_id):
+        async def generate(self, request):
+            request_id = request.request_id
             yield RequestOutput(request_id, None, [1], [CompletionOutput(0, "a", [5])], finished=False,
                                 delta_token_ids=[5], delta_text="a")
             yield RequestOutput(request_id, None, [1], [CompletionOutput(0, "a", [5], finish_reason="error",
@@ -337,14 +342,15 @@ def test_a_failed_stream_ends_with_an_error_event_and_no_done():
 
     ing = object.__new__(Ingress)
     ing._pending, ing.max_pending, ing._pusher = {}, 4, None
-    ing.mode, ing.engines, ing.metrics = "colocated", Streams(), AppMetrics("m", "colocated")
-    ing.front = SimpleNamespace(loras=None)  # no LoRA adapters (cluster.http.lora)
+    ing.mode, ing.metrics = "colocated", AppMetrics("m", "colocated")
+    ing.runner = RequestRunner(Streams(), ing.metrics)
+    ing.served = SimpleNamespace(loras=None)  # no LoRA adapters (cluster.http.lora)
 
     async def chat_chunks(merged):
         async for _, out in merged:
             yield _chunk({"content": out.delta_text})
 
-    chat = Job([{"prompt_token_ids": [1]}], [None], "resp_t", True, chat_chunks, lambda finals: {})
+    chat = Job([engine_request("r", [1])], "resp_t", True, chat_chunks, lambda finals: {})
 
     async def run():
         response = await ing.respond(adapt(chat, _shell()))

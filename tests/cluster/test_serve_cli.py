@@ -15,8 +15,8 @@ from engine.args import EngineArgs
 
 @pytest.fixture(autouse=True)
 def _environment_restored():
-    """`main(["serve", ...])` chooses the HTTP front for a Ray it is about to start by setting
-    Serve's switches in os.environ (cluster.http.front) before it checks the flags; here it then
+    """`main(["serve", ...])` chooses the HTTP proxy for a Ray it is about to start by setting
+    Serve's switches in os.environ (cluster.launch.http_proxy) before it checks the flags; here it then
     exits, and those switches must not reach a Serve started later in this test session."""
     saved = dict(os.environ)
     yield

@@ -2,7 +2,7 @@
 
 - Clients that leave mid-stream stall nobody else's stream (the ingress's per-replica
   subscription must not belong to the request that opened it: Serve cancels a leaving client's
-  calls, cluster/replica/front_streams.py).
+  calls, cluster/replica/replica_streams.py).
 - Stopped with a streamed request in flight, by SIGTERM to the main process (docker,
   Kubernetes) or to the whole process group (`kill -- -PGID`): the stream finishes, then every
   process that was below the server is gone within --shutdown-timeout-s and nothing listens on
@@ -144,7 +144,7 @@ def test_leaving_clients_stall_no_stream_and_the_stop_path_drains_then_ends_ever
     assert len(replicas) == (3 if mode == "pd" else 2), [cmdline(p) for p in srv.tree]
     [ingress] = [pid for pid in replicas if "Ingress" in cmdline(pid)]
     assert any(int(proc_stat(pid)[1]) == ingress for pid in srv.tree if proc_stat(pid)), "no engine core"
-    # The HTTP port is HAProxy's (cluster/http/front.py): the streams reached us through it. Serve
+    # The HTTP port is HAProxy's (cluster/launch/http_proxy.py): the streams reached us through it. Serve
     # reloads HAProxy when its targets change (a new process takes the socket over, `-sf OLD`), so
     # one look can fall between the two owners: look again, bounded.
     deadline = time.monotonic() + 10

@@ -36,7 +36,7 @@ async def _through_hub(engine, prompts, params, interval_s=0.0):
     for i, ids in enumerate(prompts):
         rid = f"r{i}-{interval_s}-{len(ids)}"
         accs[rid] = DeltaAccumulator(rid, None, ids, params.logprobs is not None)
-        await engine.submit({"prompt_token_ids": ids}, params, rid, hub.sink("ingress-a", rid))
+        await engine.submit(engine.process({"prompt_token_ids": ids}, params, rid), hub.sink("ingress-a", rid))
     async for batch in hub.subscribe("ingress-a", engine.abort):
         messages.append(batch)
         for d in batch:
@@ -132,7 +132,7 @@ def test_first_and_last_deltas_are_not_held_by_the_interval(engine, offline):
         for i, (ids, sp) in enumerate(zip(prompts, params)):
             rid = f"urgent-{i}"
             accs[rid] = DeltaAccumulator(rid, None, ids, False)
-            await engine.submit({"prompt_token_ids": ids}, sp, rid, hub.sink("ingress-u", rid))
+            await engine.submit(engine.process({"prompt_token_ids": ids}, sp, rid), hub.sink("ingress-u", rid))
 
         async def consume():
             async for batch in hub.subscribe("ingress-u", engine.abort):
@@ -171,7 +171,8 @@ def test_a_front_end_that_goes_away_leaves_nothing_running(engine):
         hub = StepHub(0.0, linger_s=0.2)
         params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
         for i, ids in enumerate(random_prompts([30, 40], 1000, seed=9)):
-            await engine.submit({"prompt_token_ids": ids}, params, f"gone-{i}", hub.sink("ingress-b", f"gone-{i}"))
+            await engine.submit(engine.process({"prompt_token_ids": ids}, params, f"gone-{i}"),
+                                hub.sink("ingress-b", f"gone-{i}"))
         stream = hub.subscribe("ingress-b", engine.abort)
         assert await stream.__anext__()
         await stream.aclose()  # the ingress is gone

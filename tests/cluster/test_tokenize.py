@@ -15,7 +15,7 @@ import pytest
 from cluster.http import openai_format as fmt
 from cluster.http.auth import guarded
 from cluster.http.errors import OpenAIError
-from cluster.http.front_end import FrontEnd
+from cluster.http.served_model import ServedModel
 from cluster.http.tokenize import (
     DetokenizeRequest,
     TokenizeRequest,
@@ -24,26 +24,26 @@ from cluster.http.tokenize import (
     tokenizer_info,
 )
 from engine import EngineArgs
-from engine.llm_engine import front_end
+from engine.llm_engine import load_processor
 
 TEXT = "The river ran past the old mill."
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 
 
 @pytest.fixture(scope="module")
-def front(tiny_model) -> FrontEnd:
-    tokenizer, processor = front_end(EngineArgs(tiny_model, max_model_len=64).create_engine_config())
-    return FrontEnd("tiny", tiny_model, tokenizer, processor, fmt.TokenText(tokenizer))
+def served(tiny_model) -> ServedModel:
+    tokenizer, processor = load_processor(EngineArgs(tiny_model, max_model_len=64).create_engine_config())
+    return ServedModel("tiny", tiny_model, tokenizer, processor, fmt.TokenText(tokenizer))
 
 
-def _with_tokenizer(front: FrontEnd, edit) -> FrontEnd:
-    tokenizer = copy.deepcopy(front.tokenizer)
+def _with_tokenizer(served: ServedModel, edit) -> ServedModel:
+    tokenizer = copy.deepcopy(served.tokenizer)
     edit(tokenizer)
-    return dataclasses.replace(front, tokenizer=tokenizer)
+    return dataclasses.replace(served, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")
-def bos_front(front) -> FrontEnd:
+def bos_front(served) -> ServedModel:
     """The tiny tokenizer made to add a BOS (`<|endoftext|>`), as Llama's does."""
     from tokenizers.processors import TemplateProcessing
 
@@ -51,7 +51,7 @@ def bos_front(front) -> FrontEnd:
         bos = tok.convert_tokens_to_ids("<|endoftext|>")
         tok.backend_tokenizer.post_processor = TemplateProcessing(
             single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
-    return _with_tokenizer(front, add_bos)
+    return _with_tokenizer(served, add_bos)
 
 
 def _rejected(fn, *args) -> OpenAIError:
@@ -85,10 +85,10 @@ def test_messages_get_the_chat_templates_ids_without_added_special_tokens(bos_fr
     assert with_bos["tokens"] == tok(text)["input_ids"] and len(with_bos["tokens"]) == len(expected) + 1
 
 
-def test_chat_template_kwargs_reach_the_template_but_not_its_own_parameters(front):
+def test_chat_template_kwargs_reach_the_template_but_not_its_own_parameters(served):
     def thinking_switch(tok):
         tok.chat_template += "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
-    thinking = _with_tokenizer(front, thinking_switch)
+    thinking = _with_tokenizer(served, thinking_switch)
     tok = thinking.tokenizer
     got = tokenize(thinking, TokenizeRequest(messages=CONVERSATION, chat_template_kwargs={"enable_thinking": False}))
     assert got["tokens"] == tok.apply_chat_template(CONVERSATION, add_generation_prompt=True,
@@ -106,39 +106,39 @@ def test_chat_template_kwargs_reach_the_template_but_not_its_own_parameters(fron
         {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "file:///x.png"}}]}]},
      "messages[0].content[1]"),
 ])
-def test_a_body_without_exactly_one_text_input_is_a_400_naming_the_field(front, body, param):
-    e = _rejected(tokenize, front, TokenizeRequest(**body))
+def test_a_body_without_exactly_one_text_input_is_a_400_naming_the_field(served, body, param):
+    e = _rejected(tokenize, served, TokenizeRequest(**body))
     assert e.status == 400 and e.param == param
 
 
-def test_model_is_optional_but_if_given_must_be_the_served_one(front):
-    assert tokenize(front, TokenizeRequest(model="tiny", prompt=TEXT))["count"] > 0
-    e = _rejected(tokenize, front, TokenizeRequest(model="gpt-4", prompt=TEXT))
+def test_model_is_optional_but_if_given_must_be_the_served_one(served):
+    assert tokenize(served, TokenizeRequest(model="tiny", prompt=TEXT))["count"] > 0
+    e = _rejected(tokenize, served, TokenizeRequest(model="gpt-4", prompt=TEXT))
     assert e.status == 404 and e.param == "model"
-    e = _rejected(detokenize, front, DetokenizeRequest(model="gpt-4", tokens=[1]))
+    e = _rejected(detokenize, served, DetokenizeRequest(model="gpt-4", tokens=[1]))
     assert e.status == 404
 
 
-def test_detokenize_gives_the_tokenizers_text_and_refuses_ids_outside_its_vocabulary(front):
-    tok = front.tokenizer
+def test_detokenize_gives_the_tokenizers_text_and_refuses_ids_outside_its_vocabulary(served):
+    tok = served.tokenizer
     ids = tok(TEXT)["input_ids"] + [tok.eos_token_id]
-    assert detokenize(front, DetokenizeRequest(tokens=ids)) == {"prompt": tok.decode(ids)}
-    assert detokenize(front, DetokenizeRequest(tokens=ids))["prompt"] == TEXT + tok.eos_token
+    assert detokenize(served, DetokenizeRequest(tokens=ids)) == {"prompt": tok.decode(ids)}
+    assert detokenize(served, DetokenizeRequest(tokens=ids))["prompt"] == TEXT + tok.eos_token
     for bad in (len(tok), -1):
-        e = _rejected(detokenize, front, DetokenizeRequest(tokens=[5, bad]))
+        e = _rejected(detokenize, served, DetokenizeRequest(tokens=[5, bad]))
         assert e.status == 400 and e.param == "tokens" and str(bad) in e.message
 
 
-def test_tokenizer_info_has_what_lm_evals_remote_tokenizer_reads(front):
-    tok = front.tokenizer
-    info = json.loads(json.dumps(tokenizer_info(front)))  # JSON as it is, no special objects
+def test_tokenizer_info_has_what_lm_evals_remote_tokenizer_reads(served):
+    tok = served.tokenizer
+    info = json.loads(json.dumps(tokenizer_info(served)))  # JSON as it is, no special objects
     assert info["tokenizer_class"] == type(tok).__name__
     assert (info["eos_token"], info["bos_token"], info["pad_token"]) == (tok.eos_token, tok.bos_token, tok.pad_token)
     assert info["chat_template"] == tok.chat_template
     assert info["max_model_len"] == 64 and info["model_max_length"] == tok.model_max_length
     assert not {"vocab_file", "merges_file", "tokenizer_file"} & set(info)
     # lm-eval's eos_token_id: the first id of /tokenize of the eos string, without specials.
-    eos = tokenize(front, TokenizeRequest(prompt=info["eos_token"], add_special_tokens=False))["tokens"]
+    eos = tokenize(served, TokenizeRequest(prompt=info["eos_token"], add_special_tokens=False))["tokens"]
     assert eos == [tok.eos_token_id]
 
 

@@ -28,7 +28,7 @@ def engine(tiny_model):
 
 async def _collect(engine, prompt, params=PARAMS):
     text, ids, last = "", [], None
-    async for out in engine.generate(prompt, params):
+    async for out in engine.generate(engine.process(prompt, params)):
         text += out.delta_text
         ids += out.delta_token_ids
         last = out
@@ -55,7 +55,7 @@ def test_leaving_a_stream_early_aborts_and_frees_blocks(engine):
     core = engine.engine.core
 
     async def main():
-        stream = engine.generate("The river ran", SamplingParams(max_tokens=100, ignore_eos=True))
+        stream = engine.generate(engine.process("The river ran", SamplingParams(max_tokens=100, ignore_eos=True)))
         async for out in stream:
             if len(out.outputs[0].token_ids) >= 3:
                 break
@@ -68,7 +68,7 @@ def test_leaving_a_stream_early_aborts_and_frees_blocks(engine):
 
 def test_invalid_request_raises_to_the_caller(engine):
     async def main():
-        async for _ in engine.generate("x", SamplingParams(max_tokens=10_000)):
+        async for _ in engine.generate(engine.process("x", SamplingParams(max_tokens=10_000))):
             pass
 
     with pytest.raises(ValueError, match="max_tokens"):
@@ -90,8 +90,8 @@ def _stream_then(engine, after_two) -> list:
     outs = []
 
     async def consume():
-        async for out in engine.generate("The river ran", SamplingParams(max_tokens=100, ignore_eos=True),
-                                         request_id="x"):
+        async for out in engine.generate(engine.process("The river ran", SamplingParams(max_tokens=100, ignore_eos=True),
+                                                        request_id="x")):
             outs.append(out)
             if len(outs) == 2:
                 await after_two()
@@ -181,7 +181,7 @@ def test_a_request_whose_submit_was_cancelled_is_never_added(engine, offline):
 
     async def main():
         release = _gate(engine)
-        submit = asyncio.ensure_future(engine.submit("The river ran", PARAMS, "gone", seen.append))
+        submit = asyncio.ensure_future(engine.submit(engine.process("The river ran", PARAMS, "gone"), seen.append))
         await asyncio.sleep(0)  # queued behind the gate
         submit.cancel()
         release.set()
@@ -214,7 +214,7 @@ def test_a_loop_running_behind_the_engine_still_gets_every_output_once(engine, o
             if out.finished:
                 done.set()
 
-        await engine.submit(PROMPTS[0], PARAMS, "a", sink)
+        await engine.submit(engine.process(PROMPTS[0], PARAMS, "a"), sink)
         await asyncio.wait_for(done.wait(), 60)
         return got
 
@@ -229,7 +229,7 @@ def test_outputs_that_queue_while_the_caller_is_busy_come_out_as_one(engine, off
     from costing one SSE chunk per engine step."""
 
     async def main():
-        stream = engine.generate(PROMPTS[0], PARAMS)
+        stream = engine.generate(engine.process(PROMPTS[0], PARAMS))
         first = await stream.__anext__()
         # Busy elsewhere until the engine finished the request: its outputs queue meanwhile.
         for _ in range(1000):  # bounded: the request has 11 more steps to run
@@ -251,7 +251,7 @@ def test_a_stream_interval_gathers_the_steps_after_the_first_output_until_the_la
     first one, and the request's end cuts the hold short (no wait for the interval's end)."""
 
     async def main():
-        return [out async for out in engine.generate(PROMPTS[1], PARAMS, stream_interval_s=30.0)]
+        return [out async for out in engine.generate(engine.process(PROMPTS[1], PARAMS), stream_interval_s=30.0)]
 
     outs = asyncio.run(main())
     want = offline[PROMPTS[1]]

@@ -120,7 +120,7 @@ def test_independent_cores_stream_through_async_llm_like_transformers(model_fact
 
     async def one(i: int, prompt: list[int]) -> list[int]:
         tokens: list[int] = []
-        async for out in engine.generate({"prompt_token_ids": prompt}, _greedy(), f"s{i}"):
+        async for out in engine.generate(engine.process({"prompt_token_ids": prompt}, _greedy(), f"s{i}")):
             tokens.extend(out.outputs[0].token_ids[len(tokens):])
         return tokens
 

@@ -49,7 +49,7 @@ def test_the_core_runs_in_a_child_process_streams_like_transformers_and_ends_wit
 
     async def one(i: int, prompt: list[int]) -> list[int]:
         tokens: list[int] = []
-        async for out in engine.generate({"prompt_token_ids": prompt}, _greedy(), f"p{i}"):
+        async for out in engine.generate(engine.process({"prompt_token_ids": prompt}, _greedy(), f"p{i}")):
             assert out.outputs[0].token_ids[:len(tokens)] == tokens  # cumulative, as in process
             tokens = list(out.outputs[0].token_ids)
         return tokens

@@ -3,6 +3,8 @@ prefill and prefix caching, the encoder cache, and input validation."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.llm import LLM
@@ -142,8 +144,12 @@ def test_an_image_to_a_text_only_model_is_rejected(tiny_model):
     assert info.value.field == "multi_modal_data"
 
 
-def test_outputs_carry_placeholders_and_hashes_without_pixels(llm):
-    from kvstore.pd import decode_prompt
+def _request(llm, text, images, params=GREEDY):
+    return llm.engine.process({"prompt": text, "multi_modal_data": {"image": images}}, params)
+
+
+def test_outputs_carry_placeholders_and_hashes_and_decode_gets_no_pixels(llm):
+    from cluster.pd.split import decode_request
 
     out = _run(llm, TWO, [image(14), image(15)])
     features = out.multi_modal_features
@@ -152,30 +158,33 @@ def test_outputs_carry_placeholders_and_hashes_without_pixels(llm):
         if t == hf_llava(llm.engine_args.model)[1].config.image_token_index
         and (i == 0 or out.prompt_token_ids[i - 1] != t)]
     assert features.items[0].mm_hash != features.items[1].mm_hash
-    prompt = decode_prompt(out.prompt_token_ids, out.outputs[0].token_ids[0], features)
-    assert all(item.pixel_values is None for item in prompt["multi_modal_features"].items)
+    request = _request(llm, TWO, [image(14), image(15)])
+    assert all(item.pixel_values is not None for item in request.mm_features.items)
+    decode = decode_request(request, out)
+    assert [item.mm_hash for item in decode.mm_features.items] == [item.mm_hash for item in features.items]
+    assert all(item.pixel_values is None for item in decode.mm_features.items)
 
 
-def test_precomputed_features_are_only_for_a_pd_decode_request(llm):
-    out = _run(llm, ONE, [image(16)])
-    prompt = {"prompt_token_ids": out.prompt_token_ids, "multi_modal_features": out.multi_modal_features}
+def test_features_without_pixels_are_only_for_a_pd_decode_request(llm):
+    request = _request(llm, ONE, [image(16)])
+    without = dataclasses.replace(request, mm_features=request.mm_features.without_pixels())
     with pytest.raises(ValueError, match="only for a P/D decode request") as info:
-        llm.generate(prompt, GREEDY, use_tqdm=False)
-    assert info.value.field == "multi_modal_features"
+        llm.engine.add(without)
+    assert info.value.field == "multi_modal_data"
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_a_decode_request_that_must_recompute_an_image_fails_and_frees_everything(llava_model):
     # A fresh engine with no connector and no prefix cache: the "decode" request must compute
     # its prompt, image placeholders included, and the image is in no encoder cache, but the
     # request has no pixels. It fails; it must not wait forever.
-    from engine.kv_transfer_params import KVTransferParams
-    from kvstore.pd import decode_prompt
+    from cluster.pd.split import decode_request
 
     prefill = _llm(llava_model)
     first = _run(prefill, ONE, [image(17)])
-    prompt = decode_prompt(first.prompt_token_ids, first.outputs[0].token_ids[0], first.multi_modal_features)
+    request = _request(prefill, ONE, [image(17)])
     engine = _llm(llava_model, enable_prefix_caching=False).engine
-    engine.add_request("decode-1", prompt, GREEDY, kv_transfer_params=KVTransferParams(num_prior_output_tokens=1))
+    engine.add(dataclasses.replace(decode_request(request, first), request_id="decode-1"))
     finals = []
     for _ in range(10):  # bounded: a stuck request would leave this loop with no output
         finals += [o for o in engine.step() if o.finished]

@@ -33,7 +33,7 @@ def _engine(model: str, **kwargs) -> AsyncLLM:
 async def _stop_mid_request(engine: AsyncLLM, pid: int) -> float:
     """Start a long request, SIGSTOP `pid` once it streams, and return how long after the stop
     the request ended with an error (bounded: a hang fails the test)."""
-    stream = engine.generate({"prompt_token_ids": list(range(10, 40))}, LONG, "long")
+    stream = engine.generate(engine.process({"prompt_token_ids": list(range(10, 40))}, LONG, "long"))
     await stream.__anext__()  # it runs
     os.kill(pid, signal.SIGSTOP)
     stopped = time.monotonic()
@@ -89,7 +89,7 @@ def test_an_idle_stopped_core_process_fails_the_health_check_and_the_next_reques
         wait_for(unhealthy, "the health check to fail", BOUND_S + SLACK_S)
 
         async def one():
-            await _drain(engine.generate({"prompt_token_ids": [5, 6, 7]}, LONG, "next"))
+            await _drain(engine.generate(engine.process({"prompt_token_ids": [5, 6, 7]}, LONG, "next")))
         with pytest.raises(EngineDeadError, match="silent"):
             asyncio.run(asyncio.wait_for(one(), 10))
     finally:

@@ -3,21 +3,16 @@ the prompt KV instead of recomputing it, tokens equal the colocated run, nothing
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from cluster.pd.split import decode_request, needs_decode, prefill_request
 from engine import EngineArgs, SamplingParams
 from engine.kv_connector import KVConnectorRole
 from engine.kv_transfer_params import KVTransferParams
 from engine.llm_engine import LLMEngine
 from kvstore.connector import PDConnector
-from kvstore.pd import (
-    decode_kv_params,
-    decode_params,
-    decode_prompt,
-    needs_decode,
-    prefill_kv_params,
-    prefill_params,
-)
 from kvstore.transports import LocalTransport, TransferError
 from tests.engine.hf_reference import hf_greedy, random_prompts
 
@@ -49,14 +44,13 @@ def _run(engine, rid):
 
 
 def _pd(prefill, decode, rid, prompt, params):
-    prefill.add_request(rid, {"prompt_token_ids": prompt}, prefill_params(params),
-                        kv_transfer_params=prefill_kv_params(params))
+    req = prefill.process({"prompt_token_ids": prompt}, params, rid)
+    prefill.add(prefill_request(req))
     first = _run(prefill, rid)
     tokens = list(first.outputs[0].token_ids)
-    if not needs_decode(first.outputs[0].finish_reason, params):
+    if not needs_decode(first.outputs[0].finish_reason, req):
         return tokens, first
-    decode.add_request(rid, decode_prompt(prompt, tokens[0]), decode_params(params),
-                       kv_transfer_params=decode_kv_params(first.kv_transfer_params))
+    decode.add(decode_request(req, first))
     last = _run(decode, rid)
     return tokens + list(last.outputs[0].token_ids), last
 
@@ -164,15 +158,15 @@ def test_a_decode_computed_locally_gives_the_colocated_tokens_and_text_and_relea
     prompt = random_prompts([21], 1000, seed=28)[0]
     for seed in (1, 2):
         params = SamplingParams(temperature=1.0, top_p=0.9, seed=seed, max_tokens=10, ignore_eos=True, logprobs=2)
-        p.add_request(f"p{seed}", {"prompt_token_ids": prompt}, prefill_params(params),
-                      kv_transfer_params=prefill_kv_params(params))
+        req = p.process({"prompt_token_ids": prompt}, params, f"p{seed}")
+        p.add(prefill_request(req))
         first = _run(p, f"p{seed}")
-        kv = decode_kv_params(first.kv_transfer_params)
-        rest = decode_prompt(prompt, first.outputs[0].token_ids[0])
-        d.add_request(f"local{seed}", rest, decode_params(params), kv_transfer_params=kv.computed_locally())
+        rest = decode_request(req, first)
+        kv = rest.kv_transfer_params
+        d.add(dataclasses.replace(rest, request_id=f"local{seed}", kv_transfer_params=kv.computed_locally()))
         local = _run(d, f"local{seed}").outputs[0]
         assert transport.live_transfers == 1 and _worker_side(d).stats["loads"] == seed - 1  # untouched
-        d.add_request(f"loaded{seed}", rest, decode_params(params), kv_transfer_params=kv)
+        d.add(dataclasses.replace(rest, request_id=f"loaded{seed}"))
         loaded = _run(d, f"loaded{seed}").outputs[0]
         assert _worker_side(d).stats["loads"] == seed and transport.live_transfers == 0
         assert (local.token_ids, local.text) == (loaded.token_ids, loaded.text)
@@ -202,11 +196,12 @@ def test_abort_while_waiting_for_kv_frees_blocks_and_transfer(tiny_model):
     p = _engine(tiny_model, ("producer", transport, "p0"))
     d = _engine(tiny_model, ("consumer", transport, "d0"))
     prompt = random_prompts([30], 1000, seed=25)[0]
-    p.add_request("r", {"prompt_token_ids": prompt}, prefill_params(SamplingParams(max_tokens=5)),
-                  kv_transfer_params=KVTransferParams(do_remote_decode=True))
+    req = p.process({"prompt_token_ids": prompt}, SamplingParams(max_tokens=5), "r")
+    p.add(dataclasses.replace(prefill_request(req), kv_transfer_params=KVTransferParams(do_remote_decode=True)))
     first = _run(p, "r")
-    d.add_request("r", decode_prompt(prompt, first.outputs[0].token_ids[0]), SamplingParams(max_tokens=4),
-                  kv_transfer_params=decode_kv_params(first.kv_transfer_params))
+    rest = decode_request(req, first)
+    assert rest.max_tokens == 4  # the decode half asks for the 4 tokens left, as before the port
+    d.add(rest)
     d.step()
     d.step()
     assert d.core.kv_cache_manager.get_num_free_blocks() < d.core.kv_cache_manager.num_blocks
@@ -236,15 +231,14 @@ def test_invalid_connector_settings_are_rejected():
 
 def _merged_text(prefill, decode, rid, prompt, params) -> tuple[str, str | None]:
     """The text a P/D client receives (prefill's emitted text + decode's deltas) and the
-    finish reason, as kvstore.pd.pd_flow merges them."""
-    prefill.add_request(rid, {"prompt_token_ids": prompt}, prefill_params(params),
-                        kv_transfer_params=prefill_kv_params(params))
+    finish reason, as cluster.pd.flow.pd_flow merges them."""
+    req = prefill.process({"prompt_token_ids": prompt}, params, rid)
+    prefill.add(prefill_request(req))
     first = _run(prefill, rid)
     text = first.delta_text
-    if not needs_decode(first.outputs[0].finish_reason, params):
+    if not needs_decode(first.outputs[0].finish_reason, req):
         return text, first.outputs[0].finish_reason
-    decode.add_request(rid, decode_prompt(prompt, first.outputs[0].token_ids[0]), decode_params(params),
-                       kv_transfer_params=decode_kv_params(first.kv_transfer_params))
+    decode.add(decode_request(req, first))
     while True:
         for out in decode.step():
             if out.request_id == rid:
@@ -285,8 +279,7 @@ def test_the_requester_can_name_the_transfer(pd_pair, tiny_model):
     p, d, transport = pd_pair
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt = random_prompts([12], 1000, seed=5)[0]
-    p.add_request("named", {"prompt_token_ids": prompt}, prefill_params(params),
-                  kv_transfer_params=prefill_kv_params(params, transfer_id="chosen-id"))
+    p.add(prefill_request(p.process({"prompt_token_ids": prompt}, params, "named"), transfer_id="chosen-id"))
     first = _run(p, "named")
     assert first.kv_transfer_params.transfer_id == "chosen-id"
     transport.release(first.kv_transfer_params)

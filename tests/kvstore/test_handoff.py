@@ -20,6 +20,7 @@ import pytest
 import ray
 import torch
 
+from cluster.pd.split import decode_request, prefill_request
 from engine import EngineArgs, SamplingParams
 from engine.kv_transfer_params import KVTransferParams
 from engine.llm_engine import LLMEngine
@@ -33,13 +34,6 @@ from kvstore.handoff import (
     max_reply_kv_bytes,
 )
 from kvstore.kv_io import MalformedKV
-from kvstore.pd import (
-    decode_kv_params,
-    decode_params,
-    decode_prompt,
-    prefill_kv_params,
-    prefill_params,
-)
 from kvstore.transports import TransferError
 from kvstore.transports.object_store import ObjectStoreTransport
 from kvstore.transports.relay import KVRelay, RelayConnectorFactory
@@ -326,20 +320,19 @@ def test_pd_across_core_processes_with_the_kv_in_the_reply_matches_transformers(
         greedy = SamplingParams(temperature=0.0, max_tokens=8)
         expected = hf_greedy(tiny_model, prompts, 8)
         rids = {f"r{i}" for i in range(len(prompts))}
-        for i, prompt in enumerate(prompts):
+        requests = [prefill.process({"prompt_token_ids": prompt}, greedy, f"r{i}") for i, prompt in enumerate(prompts)]
+        for i, req in enumerate(requests):
             producer.handbacks.expect(f"t{i}")
-            prefill.add_request(f"r{i}", {"prompt_token_ids": prompt}, prefill_params(greedy),
-                                kv_transfer_params=prefill_kv_params(greedy, f"t{i}"))
+            prefill.add(prefill_request(req, f"t{i}"))
         firsts = finish_all(prefill, rids)
-        for i, prompt in enumerate(prompts):
+        for i in range(len(prompts)):
             first = firsts[f"r{i}"]
             assert first.kv_transfer_params.transfer_id == f"t{i}"
             kv = producer.handbacks.take(f"t{i}", timeout_s=_WAIT_S)  # may still cross the relay
             assert isinstance(kv, torch.Tensor)
             # The last prompt's export "failed": its decode fails with the reason, never runs.
             consumer.inbox.deliver(f"t{i}", ExportFailed("KV export failed: test") if policy_fail and i == 4 else kv)
-            decode.add_request(f"r{i}", decode_prompt(prompt, first.outputs[0].token_ids[0]), decode_params(greedy),
-                               kv_transfer_params=decode_kv_params(first.kv_transfer_params))
+            decode.add(decode_request(requests[i], first))
         lasts = finish_all(decode, rids)
         for i in range(len(prompts)):
             first, last = firsts[f"r{i}"].outputs[0], lasts[f"r{i}"].outputs[0]

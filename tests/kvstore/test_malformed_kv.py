@@ -18,20 +18,14 @@ import torch
 
 import kvstore.connector as connector_module
 from cluster.http.errors import replica_error
+from cluster.pd.flow import pd_flow
+from cluster.pd.split import decode_request, prefill_request
+from cluster.replica.errors import ReplicaError
 from engine import EngineArgs, SamplingParams
 from engine.llm_engine import LLMEngine
 from kvstore.connector import PDConnector
 from kvstore.handoff import KVHandoff
 from kvstore.kv_io import REFUSAL_REASONS, refusal_key
-from kvstore.pd import (
-    PDRequestError,
-    decode_kv_params,
-    decode_params,
-    decode_prompt,
-    pd_flow,
-    prefill_kv_params,
-    prefill_params,
-)
 from kvstore.transports.object_store import ObjectStoreTransport
 from tests.engine.hf_reference import hf_greedy, random_prompts
 from tests.kvstore.helpers import RecordingStore
@@ -134,15 +128,14 @@ def test_malformed_kv_is_refused_counted_and_handled_by_the_policy(pair, prompts
     monkeypatch.setattr(connector_module, "scatter_kv", spy)
 
     producer.handbacks.expect(rid)
-    prefill.add_request(rid, {"prompt_token_ids": prompt}, prefill_params(PARAMS),
-                        kv_transfer_params=prefill_kv_params(PARAMS, rid))
+    req = prefill.process({"prompt_token_ids": prompt}, PARAMS, rid)
+    prefill.add(prefill_request(req, rid))
     first = _run(prefill, rid)
     kv = producer.handbacks.take(rid)
     assert isinstance(kv, torch.Tensor) and kv.shape[2] == PROMPT_LEN
     consumer.inbox.deliver(rid, MALFORMED[reason](kv))
     cache_before = [(k.clone(), v.clone()) for k, v in worker._kv_caches]
-    decode.add_request(rid, decode_prompt(prompt, first.outputs[0].token_ids[0]), decode_params(PARAMS),
-                       kv_transfer_params=decode_kv_params(first.kv_transfer_params))
+    decode.add(decode_request(req, first))
     with caplog.at_level(logging.WARNING, logger="kvstore.connector"):
         last = _run(decode, rid).outputs[0]
 
@@ -174,12 +167,11 @@ def test_well_formed_kv_through_the_same_path_is_loaded_not_recomputed(pair, tin
     worker = decode.core.executor.worker.kv_connector
     before = dict(worker.stats)
     producer.handbacks.expect(rid)
-    prefill.add_request(rid, {"prompt_token_ids": prompt}, prefill_params(PARAMS),
-                        kv_transfer_params=prefill_kv_params(PARAMS, rid))
+    req = prefill.process({"prompt_token_ids": prompt}, PARAMS, rid)
+    prefill.add(prefill_request(req, rid))
     first = _run(prefill, rid)
     consumer.inbox.deliver(rid, _reply(producer.handbacks.take(rid)))
-    decode.add_request(rid, decode_prompt(prompt, first.outputs[0].token_ids[0]), decode_params(PARAMS),
-                       kv_transfer_params=decode_kv_params(first.kv_transfer_params))
+    decode.add(decode_request(req, first))
     last = _run(decode, rid).outputs[0]
     assert [first.outputs[0].token_ids[0], *last.token_ids] == hf_greedy(tiny_model, [prompt], PARAMS.max_tokens)[0]
     assert worker.stats["loads"] == before["loads"] + 1
@@ -189,26 +181,26 @@ def test_well_formed_kv_through_the_same_path_is_loaded_not_recomputed(pair, tin
 
 
 class _InProcessPeers:
-    """kvstore.pd's peers over the two in-process engines, the KV handed back as a reply would
+    """cluster.pd.flow's peers over the two in-process engines, the KV handed back as a reply would
     be, `malform`ed on its way to the consumer's inbox."""
 
     def __init__(self, pair, malform) -> None:
         _, self.prefill_engine, self.decode_engine, self.producer, self.consumer, _ = pair
         self.malform = malform
 
-    async def prefill(self, prompt, params, request_id, transfer_id):
+    async def prefill(self, request):
+        transfer_id = request.kv_transfer_params.transfer_id
         self.producer.handbacks.expect(transfer_id)
-        self.prefill_engine.add_request(request_id, prompt, prefill_params(params),
-                                        kv_transfer_params=prefill_kv_params(params, transfer_id))
-        first = _run(self.prefill_engine, request_id)
+        self.prefill_engine.add(request)
+        first = _run(self.prefill_engine, request.request_id)
         self.consumer.inbox.deliver(transfer_id, self.malform(self.producer.handbacks.take(transfer_id)))
         return first
 
-    async def decode(self, prompt, params, request_id, kv_params):
-        self.decode_engine.add_request(request_id, prompt, params, kv_transfer_params=kv_params)
+    async def decode(self, request):
+        self.decode_engine.add(request)
         while True:
             for out in self.decode_engine.step():
-                if out.request_id == request_id:
+                if out.request_id == request.request_id:
                     yield out
                     if out.finished:
                         return
@@ -222,20 +214,20 @@ class _InProcessPeers:
 
 
 def test_the_pd_flow_fails_with_a_503_and_retry_after_or_recomputes(pair, tiny_model):
-    """The request's whole path (kvstore.pd.pd_flow): with "fail" its error is the ingress's
+    """The request's whole path (cluster.pd.flow.pd_flow): with "fail" its error is the ingress's
     503 with Retry-After (cluster.http.errors), never a 200; with "recompute" transformers' tokens."""
-    policy, _, decode, producer, consumer, _ = pair
+    policy, prefill, decode, producer, consumer, _ = pair
     prompt = random_prompts([PROMPT_LEN], 1000, seed=49)[0]
+    request = prefill.process({"prompt_token_ids": prompt}, PARAMS, f"flow-{policy}")
 
     async def run():
         last = None
-        async for out in pd_flow(_InProcessPeers(pair, MALFORMED["dtype"]), {"prompt_token_ids": prompt}, PARAMS,
-                                 f"flow-{policy}", load_failure_policy=policy):
+        async for out in pd_flow(_InProcessPeers(pair, MALFORMED["dtype"]), request, load_failure_policy=policy):
             last = out
         return last
 
     if policy == "fail":
-        with pytest.raises(PDRequestError, match=r"malformed KV \(dtype\)") as e:
+        with pytest.raises(ReplicaError, match=r"malformed KV \(dtype\)") as e:
             asyncio.run(run())
         error = replica_error(e.value)
         assert error.status == 503 and int(error.headers["Retry-After"]) > 0

@@ -4,17 +4,13 @@ equal PEFT's. A transfer made with another adapter is never loaded: decode recom
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from cluster.pd.split import decode_request, prefill_request
 from engine import SamplingParams
 from engine.lora import LoRARequest
-from kvstore.pd import (
-    decode_kv_params,
-    decode_params,
-    decode_prompt,
-    prefill_kv_params,
-    prefill_params,
-)
 from kvstore.transports import LocalTransport
 from tests.engine.hf_reference import random_prompts
 from tests.engine.lora_factory import make_peft_adapter, peft_greedy
@@ -41,9 +37,10 @@ def pd_pair(tiny_model):
 
 
 def _prefill(p, rid, prompt, params, lora):
-    p.add_request(rid, {"prompt_token_ids": prompt, "lora_request": lora}, prefill_params(params),
-                  kv_transfer_params=prefill_kv_params(params))
-    return _run(p, rid)
+    """(the request, the prefill's output) of `prompt` run with adapter `lora` (None: the base)."""
+    req = p.process({"prompt_token_ids": prompt}, params, rid, lora_request=lora)
+    p.add(prefill_request(req))
+    return req, _run(p, rid)
 
 
 def test_pd_runs_each_requests_adapter_on_both_sides_and_loads_its_kv(pd_pair, adapters, tiny_model):
@@ -52,11 +49,12 @@ def test_pd_runs_each_requests_adapter_on_both_sides_and_loads_its_kv(pd_pair, a
     prompts = random_prompts([9, 33, 20], 1000, seed=31)
     params = SamplingParams(temperature=0, max_tokens=N)
     for i, (prompt, lora) in enumerate(zip(prompts, (a1, a2, None))):
-        first = _prefill(p, f"r{i}", prompt, params, lora)
+        req, first = _prefill(p, f"r{i}", prompt, params, lora)
         assert first.kv_transfer_params.lora_name == (lora.lora_name if lora else None)
         token = first.outputs[0].token_ids[0]
-        d.add_request(f"r{i}", decode_prompt(prompt, token, lora_request=lora), decode_params(params),
-                      kv_transfer_params=decode_kv_params(first.kv_transfer_params))
+        rest = decode_request(req, first)
+        assert rest.lora_request == lora  # decode runs the adapter the prefill ran
+        d.add(rest)
         got = [token, *_run(d, f"r{i}").outputs[0].token_ids]
         assert got == peft_greedy(tiny_model, lora.lora_path if lora else None, [prompt], N)[0]
     assert _worker_side(d).stats["loads"] == 3  # every prompt's KV was loaded, none recomputed
@@ -68,11 +66,10 @@ def test_kv_made_with_another_adapter_is_recomputed_not_loaded(pd_pair, adapters
     a1, a2 = adapters
     prompt = random_prompts([40], 1000, seed=32)[0]
     params = SamplingParams(temperature=0, max_tokens=N)
-    first = _prefill(p, "r", prompt, params, a1)
+    req, first = _prefill(p, "r", prompt, params, a1)
     token = first.outputs[0].token_ids[0]
     # The decode request names a2: loading a1's KV would answer with neither adapter.
-    d.add_request("r", decode_prompt(prompt, token, lora_request=a2), decode_params(params),
-                  kv_transfer_params=decode_kv_params(first.kv_transfer_params))
+    d.add(dataclasses.replace(decode_request(req, first), lora_request=a2))
     rest = list(_run(d, "r").outputs[0].token_ids)
     assert rest == peft_greedy(tiny_model, a2.lora_path, [prompt + [token]], N - 1)[0]
     assert _worker_side(d).stats["loads"] == 0

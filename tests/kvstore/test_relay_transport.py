@@ -19,17 +19,11 @@ import pytest
 import torch
 
 import kvstore.transports.relay as relay_module
+from cluster.pd.split import decode_request, prefill_request
 from engine import EngineArgs, SamplingParams
 from engine.kv_transfer_params import KVTransferParams
 from engine.llm_engine import LLMEngine
 from kvstore.kv_io import MalformedKV
-from kvstore.pd import (
-    decode_kv_params,
-    decode_params,
-    decode_prompt,
-    prefill_kv_params,
-    prefill_params,
-)
 from kvstore.transports import LocalTransport, TransferError
 from kvstore.transports.relay import KVRelay, RelayConnectorFactory, RelayTransport
 from tests.engine.hf_reference import hf_greedy, random_prompts
@@ -235,15 +229,14 @@ def test_pd_across_two_core_processes_loads_the_prompt_kv_and_matches_transforme
         greedy = SamplingParams(temperature=0.0, max_tokens=12)
         expected = hf_greedy(tiny_model, prompts, 12)
         rids = {f"r{i}" for i in range(len(prompts))}
-        for i, prompt in enumerate(prompts):  # all at once: exports and loads cross together
-            prefill.add_request(f"r{i}", {"prompt_token_ids": prompt}, prefill_params(greedy),
-                                kv_transfer_params=prefill_kv_params(greedy))
+        requests = [prefill.process({"prompt_token_ids": prompt}, greedy, f"r{i}") for i, prompt in enumerate(prompts)]
+        for req in requests:  # all at once: exports and loads cross together
+            prefill.add(prefill_request(req))
         firsts = finish_all(prefill, rids)
-        for i, prompt in enumerate(prompts):
+        for i in range(len(prompts)):
             first = firsts[f"r{i}"]
             assert first.kv_transfer_params is not None and first.kv_transfer_params.transport == "local"
-            decode.add_request(f"r{i}", decode_prompt(prompt, first.outputs[0].token_ids[0]), decode_params(greedy),
-                               kv_transfer_params=decode_kv_params(first.kv_transfer_params))
+            decode.add(decode_request(requests[i], first))
         lasts = finish_all(decode, rids)
         for i in range(len(prompts)):
             first, last = firsts[f"r{i}"].outputs[0], lasts[f"r{i}"].outputs[0]

@@ -1,16 +1,4 @@
-"""How the ingress runs one request on engine replicas: whole on one engine (colocated, or a
-P/D prompt prefilled where it decodes), or split over a Prefill replica and a decode engine.
-
-The split is `kvstore.pd.pd_flow`; what differs from plain actors is how a request
-travels: the prefill is one routed call (cancelled if the request is left early, which Serve
-delivers to the replica running it), and the decode (or colocated) half runs on an
-`EngineStreams`: the ingress's own engine with direct streaming (cluster.replica.server, called
-in process; the prompt KV then comes back in the prefill's reply into that engine's inbox,
-kvstore.handoff, instead of through the store), or the per-step messages of routed engine
-replicas (cluster.replica.front_streams, whose abort is routed to the replica holding the
-request, freeing its KV blocks).
-
-Where a P/D prompt is prefilled (`PrefillPlacement`, conditional disaggregation after NVIDIA
+"""Where a P/D prompt is prefilled (`PrefillPlacement`, conditional disaggregation after NVIDIA
 Dynamo's disaggregated router): disaggregation keeps prompts off the decode engines, so their
 inter-token latency stays steady. In a burst it has a price: every prompt queues on the
 prefill replicas while the decode engines wait for work, so the last prompt's first token
@@ -46,133 +34,14 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
-
-import grpc
-import ray
 
 from actors.roles import Role
-from cluster.replica.front_streams import REPLICA_ERRORS
+from cluster.replica.errors import ReplicaError
 from engine.errors import ParameterError, check_int, check_number
-from engine.kv_transfer_params import KVTransferParams
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from kvstore.handoff import GRPC_MAX_MESSAGE, Inbox, max_reply_kv_bytes
-from kvstore.pd import PDRequestError, pd_flow
 
 logger = logging.getLogger(__name__)
-
-
-class EngineStreams(Protocol):
-    """Where a request runs whole, or its decode half: one request's cumulative outputs, the
-    request aborted on its engine when the iterator is closed early. An engine that fails
-    raises PDRequestError(replica_died=True)."""
-
-    def generate(self, prompt: dict, params: SamplingParams, request_id: str,
-                 kv_transfer_params: KVTransferParams | None = None) -> AsyncIterator[RequestOutput]: ...
-
-
-class ServePeers:
-    def __init__(self, prefill_handle, decode_streams: EngineStreams, store, inbox: Inbox | None = None,
-                 prefill_timeout_s: float | None = None) -> None:
-        self.prefill_handle = prefill_handle
-        self.prefill_timeout_s = prefill_timeout_s  # None: the prefill call is waited for as long as it takes
-        self.decode_streams = decode_streams
-        self.store = store
-        # The local decode engine's inbox (direct streaming), where a handed-back KV waits.
-        self.inbox = inbox
-        self._handed_off = False
-        self._open: list = []  # prefill responses that may still be running on a replica
-        self._decoding: AsyncIterator | None = None
-
-    async def prefill(self, prompt, params: SamplingParams, request_id: str, transfer_id: str) -> RequestOutput:
-        if self.inbox is None:
-            response = self.prefill_handle.prefill.remote(prompt, params, request_id, transfer_id)
-        else:
-            # The bound is this process's: its gRPC client is what refuses a reply too big.
-            response = self.prefill_handle.prefill_handoff.remote(prompt, params, request_id, transfer_id,
-                                                                  max_reply_kv_bytes())
-        self._open.append(response)
-        try:
-            out = await (response if self.prefill_timeout_s is None
-                         else asyncio.wait_for(response, self.prefill_timeout_s))
-        except TimeoutError as e:
-            # Still open: the cleanup cancels it on its replica (when that one runs again).
-            raise PrefillUnavailable("timeout", f"the prefill call did not answer within "
-                                                f"{self.prefill_timeout_s:.1f} s") from e
-        except ray.exceptions.RayActorError as e:  # died or unreachable (ActorUnavailableError)
-            raise PrefillUnavailable("replica_died", f"prefill replica unavailable: {e}") from e
-        except REPLICA_ERRORS as e:
-            raise PDRequestError(f"prefill replica unavailable: {e}") from e
-        except grpc.aio.AioRpcError as e:
-            # Serve turns only UNAVAILABLE into ActorUnavailableError. A reply over a channel's
-            # limit (RESOURCE_EXHAUSTED: the KV is bounded, so the output itself, e.g. a long
-            # prompt's prompt_logprobs) would fail again on a retry: a 500 naming the setting.
-            # Any other status fails this request with a retryable 503.
-            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise RuntimeError(f"the prefill's reply is over the gRPC message limit ({e.details()}); "
-                                   f"raise {GRPC_MAX_MESSAGE}") from e
-            raise PDRequestError(f"prefill call failed: {e.code().name}: {e.details()}") from e
-        except Exception as e:
-            # The prefill replica's own failure (its engine died), which Serve's gRPC path
-            # re-raises as itself, not as a RayTaskError: the request failed on a replica.
-            raise PDRequestError(f"prefill failed on its replica: {type(e).__name__}: {e}") from e
-        self._open.remove(response)
-        if self.inbox is None:
-            return out
-        if out.handed_off:
-            # Before the decode request exists, so its fetch finds it.
-            self.inbox.deliver(transfer_id, out.value)
-            self._handed_off = True
-        return out.output
-
-    async def decode(self, prompt, params: SamplingParams, request_id: str,
-                     kv_params: KVTransferParams) -> AsyncIterator[RequestOutput]:
-        # Over the decode replica's per-step messages; a broken subscription raises
-        # PDRequestError(replica_died=True), as a dead replica's stream did before.
-        self._decoding = self.decode_streams.generate(prompt, params, request_id, kv_params)
-        async for out in self._decoding:
-            yield out
-
-    async def cleanup(self, request_id: str, transfer_id: str | None, unfinished: bool) -> None:
-        if unfinished:
-            for response in self._open:
-                response.cancel()
-        self._open.clear()
-        if self._decoding is not None:
-            await self._decoding.aclose()  # aborts the request on its decode replica if unfinished
-        if transfer_id is None:
-            return
-        if self._handed_off:
-            self.inbox.forget(transfer_id)  # never in the store
-        else:
-            await asyncio.gather(self.store.release.remote(transfer_id), return_exceptions=True)
-
-
-def serve_pd_generate(prefill_handle, decode_streams: EngineStreams, store, prompt, params: SamplingParams,
-                      request_id: str, load_failure_policy: str = "fail", inbox: Inbox | None = None,
-                      prefill_timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
-    return pd_flow(ServePeers(prefill_handle, decode_streams, store, inbox, prefill_timeout_s), prompt, params,
-                   request_id, load_failure_policy)
-
-
-async def serve_plain_generate(streams: EngineStreams, prompt, params: SamplingParams, request_id: str
-                               ) -> AsyncIterator[RequestOutput]:
-    """A request run whole on one engine replica: every request in colocated mode, and a P/D
-    request prefilled on its decode replica (cluster.http.pd_serve). An engine-side failure
-    (finish_reason "error": a KV load, or a data-parallel core that could not take the request)
-    is an error, as pd_flow makes it on the disaggregated path, so the client gets a 503 in
-    OpenAI's error shape, never a 200 carrying a partial answer, whatever the mode and wherever
-    the prompt ran."""
-    async with aclosing(streams.generate(prompt, params, request_id)) as outputs:
-        async for out in outputs:
-            c = out.outputs[0]
-            if out.finished and c.finish_reason == "error":
-                raise PDRequestError(f"the engine failed the request: {c.stop_reason}")
-            yield out
 
 
 # Least time between two refreshes of the replica counts (a scale takes longer than this).
@@ -199,7 +68,7 @@ MAX_PREFILL_QUEUE_SIZE = 32
 FALLBACK_REASONS = ("no_replicas", "queue", "timeout", "replica_died")
 
 
-class PrefillUnavailable(PDRequestError):
+class PrefillUnavailable(ReplicaError):
     """No prefill replica can take the prompt soon (`reason`: one of FALLBACK_REASONS). Raised
     before the client got anything: the prompt can start again on its decode engine, or (with
     enforce_disagg) the client gets a 503 with Retry-After."""
@@ -341,57 +210,67 @@ class PrefillPlacement:
             return PREFILL_TIMEOUT_COLD * least
         return max(least, PREFILL_TIMEOUT_SLACK * expected)
 
-    async def run(self, prompt_len: int, remote: Callable[[float | None], AsyncIterator],
-                  local: Callable[[], AsyncIterator], on_local: Callable[[], None] = lambda: None,
-                  on_fallback: Callable[[str], None] = lambda reason: None) -> AsyncIterator:
-        """One request's outputs: decided when it starts (a request never started is never
-        counted), and counted in flight on its side until its first output or its end.
-        `remote(timeout_s)` runs it disaggregated with that bound on its prefill call."""
+    def route(self, prompt_len: int) -> Route:
+        """Where a prompt of `prompt_len` tokens prefills, decided as its request starts (a
+        request never started is never counted); it counts in flight on that side until its
+        first output or its end (`Route`). With no prefill replica able to take it soon it
+        prefills on its decode engine, or (enforce_disagg) PrefillUnavailable is raised."""
         why = self.unavailable()
-        if why is None and not self.choose_local(prompt_len):
-            sent = False
-            try:
-                async with aclosing(self._counted("remote", prompt_len, remote(self.timeout_s(prompt_len)))) as outs:
-                    async for out in outs:
-                        sent = True
-                        yield out
-                return
-            except PrefillUnavailable as e:
-                if sent:  # never so (pd_flow raises it from the prefill only): not a second start
-                    raise
-                why = e
-        elif why is None:
-            on_local()
-        if why is not None:
-            if self.fallback.enforce_disagg:
-                raise why
-            logger.info("prompt of %d tokens prefilled on its decode replica: %s", prompt_len, why)
-            on_fallback(why.reason)
-        async with aclosing(self._counted("local", prompt_len, local())) as outs:
-            async for out in outs:
-                yield out
+        if why is None:
+            return Route(self, prompt_len, remote=not self.choose_local(prompt_len))
+        self._give_up(why, prompt_len)
+        return Route(self, prompt_len, remote=False, fallback=why.reason)
 
-    async def _counted(self, side: str, prompt_len: int, outputs: AsyncIterator) -> AsyncIterator:
-        self.in_flight[side] += 1
-        remote = side == "remote"
-        self.remote_tokens += prompt_len if remote else 0
-        start = time.monotonic()
-        counted = True
-        try:
-            async for out in outputs:
-                if counted:
-                    counted = False
-                    self._uncount(side, prompt_len)
-                    if remote:
-                        self.pace.observe(prompt_len - getattr(out, "num_cached_tokens", 0), time.monotonic() - start)
-                yield out
-        finally:
-            if counted:
-                self._uncount(side, prompt_len)
-            # Closed now, not when collected: a request left early is aborted on its replicas
-            # before this returns.
-            await outputs.aclose()
+    def _give_up(self, why: PrefillUnavailable, prompt_len: int) -> None:
+        if self.fallback.enforce_disagg:
+            raise why
+        logger.info("prompt of %d tokens prefilled on its decode replica: %s", prompt_len, why)
 
-    def _uncount(self, side: str, prompt_len: int) -> None:
-        self.in_flight[side] -= 1
-        self.remote_tokens -= prompt_len if side == "remote" else 0
+    def _count(self, side: str, prompt_len: int, sign: int) -> None:
+        self.in_flight[side] += sign
+        self.remote_tokens += sign * prompt_len if side == "remote" else 0
+
+
+class Route:
+    """Where one prompt is prefilled: `remote` (a prefill replica, its call bounded by
+    `timeout_s`) or on its decode engine, with the fallback `reason` that sent it there (None:
+    the rule did, or it is remote). Counted in flight on its side from its start until its
+    first output or its end, whichever comes first."""
+
+    def __init__(self, placement: PrefillPlacement, prompt_len: int, remote: bool, fallback: str | None = None):
+        self.placement, self.prompt_len = placement, prompt_len
+        self.remote, self.fallback = remote, fallback
+        self.timeout_s = placement.timeout_s(prompt_len) if remote else None
+        self._start = time.monotonic()
+        self._counted = True
+        placement._count(self.side, prompt_len, 1)
+
+    @property
+    def side(self) -> str:
+        return "remote" if self.remote else "local"
+
+    def first_output(self, out) -> None:
+        """The request's output came back (its first token): no longer in flight. A remote
+        prefill's time feeds the pace, less the tokens its replica had cached."""
+        if not self._counted:
+            return
+        self.end()
+        if self.remote:
+            self.placement.pace.observe(self.prompt_len - getattr(out, "num_cached_tokens", 0),
+                                        time.monotonic() - self._start)
+
+    def fall_back(self, why: PrefillUnavailable) -> None:
+        """The prefill replica could not take the prompt after all (PrefillUnavailable, raised
+        before the client got anything): it starts again on its decode engine, or
+        (enforce_disagg) `why` is raised."""
+        self.end()
+        self.placement._give_up(why, self.prompt_len)
+        self.remote, self.fallback, self.timeout_s = False, why.reason, None
+        self._start, self._counted = time.monotonic(), True
+        self.placement._count("local", self.prompt_len, 1)
+
+    def end(self) -> None:
+        """The request ended (or its first output came): uncounted, once."""
+        if self._counted:
+            self._counted = False
+            self.placement._count(self.side, self.prompt_len, -1)

