@@ -139,7 +139,7 @@ def test_tensor_parallel_ranks_keep_their_rows_and_block_columns_and_give_transf
     from tests.engine.tp_threads import ThreadExecutor
 
     prompts = random_prompts([5, 33], 900, seed=4)
-    monkeypatch.setitem(executor_registry._EXECUTORS, "mp", ThreadExecutor)
+    monkeypatch.setitem(executor_registry.EXECUTORS.factories, "mp", ThreadExecutor)
     two = LLM(files["mix"], tensor_parallel_size=2, max_model_len=128)
     try:
         for worker in two.engine.core.executor.workers:
