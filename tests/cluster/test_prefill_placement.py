@@ -12,6 +12,7 @@ from actors.report import ReplicaReport
 from actors.roles import Role
 from cluster.http.pd_serve import LocalPrefillRule, PrefillPlacement, RoleCounts
 from engine.load import EngineLoad
+from tests.cluster.helpers import until
 
 
 @pytest.mark.parametrize("rule,prompt_len,remote_each,local_each,local", [
@@ -62,7 +63,7 @@ def test_a_burst_is_shared_between_the_two_queues_and_counts_return_to_zero():
         gens = [p.run(100, gate.half("remote"), gate.half("local"), lambda: locals_seen.append(1))
                 for _ in range(8)]
         firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
-        await asyncio.sleep(0)  # every request starts and waits at its gate
+        await until(lambda: len(gate.started) == 8, "every request to start and wait at its gate")
         # Two on the prefill replica, then the shorter queue each time: 4 and 4.
         assert gate.started == ["remote", "remote", "local", "local", "remote", "local", "remote", "local"]
         assert p.in_flight == {"remote": 4, "local": 4} and len(locals_seen) == 4
@@ -82,7 +83,7 @@ def test_queues_are_compared_per_replica():
         p, gate = _placement(2, prefill=2, decode=1), _Gate()
         gens = [p.run(100, gate.half("remote"), gate.half("local")) for _ in range(6)]
         firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
-        await asyncio.sleep(0)
+        await until(lambda: len(gate.started) == 6, "every request to start and wait at its gate")
         assert gate.started == ["remote"] * 4 + ["local", "local"]
         gate.release.set()
         await asyncio.gather(*firsts)
@@ -97,7 +98,7 @@ def test_a_request_leaving_or_failing_before_its_first_token_is_no_longer_counte
         p, gate = _placement(1), _Gate()
         left = p.run(100, gate.half("remote"), gate.half("local"))
         first = asyncio.ensure_future(left.__anext__())
-        await asyncio.sleep(0)
+        await until(lambda: gate.started == ["remote"], "the request to wait at its gate")
         assert p.in_flight["remote"] == 1
         first.cancel()  # the client goes away while its prompt is being prefilled
         with pytest.raises(asyncio.CancelledError):
