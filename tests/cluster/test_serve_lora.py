@@ -26,16 +26,6 @@ def adapters(lora_adapters) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def mode(shared_app) -> str:
-    return shared_app.mode
-
-
-@pytest.fixture(scope="module")
-def app(shared_app) -> str:
-    return shared_app.url()
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     from transformers import AutoTokenizer
 
