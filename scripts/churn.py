@@ -1,7 +1,7 @@
 """Churn: SIGKILL a random engine replica or engine core process every --every-s seconds while
 client threads keep a P/D app busy, then check what the issue asks (docs/operations.md#churn):
 
-- no wrong 200: every answer equals the greedy oracle the healthy server gave before the churn;
+- no wrong 200: every answer equals the greedy oracle (the healthy server's, or run_churn's);
 - every failure is a 5xx with Retry-After, or a retry (of the same request) that succeeded; no
   4xx, no client timeout (a request the server held for --request-timeout-s: a hang);
 - no leak afterwards: every replica reports all its KV blocks free, nothing running, no prompt
@@ -250,13 +250,16 @@ def leaks(url: str, since: float) -> str | None:
 
 def run_churn(url: str, app_name: str, model: str, duration_s: float, every_s: float, clients: int = 4,
               max_tokens: int = 16, warm_s: float = 10.0, seed: int = 0, root_pid: int | None = None,
-              timeout_s: float = 120.0, retry_s: float = 240.0, log=print) -> dict:
-    """Measure, churn and check; the report as a dict (see the module's docstring)."""
+              timeout_s: float = 120.0, retry_s: float = 240.0, log=print, oracle: list[str] | None = None) -> dict:
+    """Measure, churn and check; the report as a dict (see the module's docstring). `oracle`:
+    each of PROMPTS' right text for `max_tokens` (default: the healthy server's answers)."""
     import requests
 
     root = os.getpid() if root_pid is None else root_pid
     healthy = openai_client(url, timeout_s)
-    oracle = [ask(healthy, model, p, max_tokens, False) for p in PROMPTS]  # the healthy server's greedy answers
+    oracle = oracle or [ask(healthy, model, p, max_tokens, False) for p in PROMPTS]  # the healthy server's greedy answers
+    if len(oracle) != len(PROMPTS):
+        raise ValueError(f"oracle: one text per prompt ({len(PROMPTS)}), got {len(oracle)}")
     rng, kills = random.Random(seed), []
     with Clients(url, model, oracle, clients, max_tokens, timeout_s, retry_s) as load:
         time.sleep(warm_s)  # steady load before the first measure: the duration of the warm-up

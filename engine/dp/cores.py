@@ -8,8 +8,8 @@ import queue
 from abc import ABC, abstractmethod
 
 from engine.config import EngineConfig
-from engine.errors import ParameterError
 from engine.kv_connector import KVConnectorFactory
+from engine.plugins import Registry
 
 
 class DPCores(ABC):
@@ -44,18 +44,14 @@ class DPCores(ABC):
         return []
 
 
-_BACKENDS: dict[str, type[DPCores]] = {}
+BACKENDS: Registry[type[DPCores]] = Registry(
+    "data_parallel_backend", "the 'ray' backend is registered by importing actors.dp_cores")
 
 
 def register_dp_backend(name: str, cls: type[DPCores]) -> None:
-    _BACKENDS[name] = cls
+    """Make `data_parallel_backend=name` build `cls`."""
+    BACKENDS.register(name, cls)
 
 
 def dp_backend(name: str) -> type[DPCores]:
-    if name not in _BACKENDS:
-        raise ParameterError(
-            "data_parallel_backend",
-            f"data_parallel_backend={name!r} is not available in this process (available: {sorted(_BACKENDS)}); "
-            "the 'ray' backend is registered by importing actors.dp_cores",
-        )
-    return _BACKENDS[name]
+    return BACKENDS.get(name)

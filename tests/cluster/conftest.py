@@ -185,6 +185,27 @@ def shared_app(request, deploy, tiny_model, lora_adapters):
     _SHARED.discard(app.name)
 
 
+# How the modules of the `shared_app` group (tests/conftest.py SHARED_APP_GROUPS) ask it, per
+# module: its mode, its base URL (url() settles it or deploys it again first) and an openai
+# client. A module with an app of its own defines its own `app` (and `client`), which take
+# precedence; one that asked these without being in the group is refused at collection.
+@pytest.fixture(scope="module")
+def mode(shared_app) -> str:
+    return shared_app.mode
+
+
+@pytest.fixture(scope="module")
+def app(shared_app) -> str:
+    return shared_app.url()
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    from tests.cluster.helpers import openai_client
+
+    return openai_client(app)
+
+
 @pytest.fixture(scope="session")
 def shared_direct_app(deploy, tiny_model):
     """The P/D app with direct streaming and every engine core in a child process, shared by the

@@ -3,6 +3,7 @@ leak checks, free ports, processes and listeners read from /proc."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -27,6 +28,18 @@ def wait_for(fn, what: str, timeout_s: float = 60.0, interval_s: float = 0.05):
             return last
         time.sleep(interval_s)
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+async def until(fn, what: str, timeout_s: float = 30.0, interval_s: float = 0.001):
+    """wait_for on an event loop: poll `fn` (bounded), letting the loop's other tasks run
+    between tries. For a state that tasks reach by themselves, not by the loop's turn order."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not (last := fn()):
+        if loop.time() >= deadline:
+            raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+        await asyncio.sleep(interval_s)
+    return last
 
 
 class LoadThreads:

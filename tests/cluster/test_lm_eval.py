@@ -31,16 +31,6 @@ def hf_results(tiny_model):
     return evaluate("hf", hf_model_args(tiny_model))
 
 
-@pytest.fixture(scope="module")
-def mode(shared_app) -> str:
-    return shared_app.mode
-
-
-@pytest.fixture(scope="module")
-def app(shared_app) -> str:
-    return shared_app.url()
-
-
 def test_local_completions_loglikelihoods_and_generations_equal_the_hf_backend(app, mode, hf_results, shared_app):
     served = evaluate("local-completions", served_model_args(app, served_model(app), num_concurrent=2),
                       batch_size=4)

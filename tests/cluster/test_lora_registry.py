@@ -59,17 +59,20 @@ def test_unload_waits_for_the_adapters_requests_then_removes_it():
     async def main():
         reg = _registry(unload_wait_s=5)
         a = reg.add("a", "/p/a")
-        release = asyncio.Event()
+        running, release = asyncio.Event(), asyncio.Event()
 
         async def request():
             with reg.using(a):
+                running.set()
                 await release.wait()
 
         task = asyncio.create_task(request())
-        await asyncio.sleep(0)  # the request is running
+        await asyncio.wait_for(running.wait(), 5)  # the request runs, counted as a user of `a`
         unload = asyncio.create_task(reg.unload("a"))
-        await asyncio.sleep(0)
-        assert not unload.done()
+        # Its first step takes `a` off the table, then it can only wait for the request, which
+        # waits for `release`: still pending after any number of loop turns.
+        done, _ = await asyncio.wait({unload}, timeout=0.2)
+        assert not done and not reg.knows("a")
         with pytest.raises(OpenAIError):  # new requests are refused while it drains
             reg.resolve("a")
         release.set()

@@ -44,7 +44,7 @@ from engine.sampling_params import SamplingParams
 from tests.cluster.helpers import DIRECT_APP as APP
 from tests.cluster.helpers import DIRECT_NAME as NAME
 from tests.cluster.helpers import DIRECT_STEP_TIMEOUT_S as STEP_TIMEOUT_S
-from tests.cluster.helpers import RecordingStore, engine_request
+from tests.cluster.helpers import RecordingStore, engine_request, until
 
 # ---- the decision, without Serve ------------------------------------------------------------
 
@@ -55,11 +55,13 @@ class _Response:
 
     def __init__(self, result=None, error: BaseException | None = None) -> None:
         self.result, self.error, self.cancelled = result, error, False
+        self.waiting = 0  # callers awaiting an answer that never comes
 
     def __await__(self):
         if self.error is not None:
             raise self.error
         if self.result is None:
+            self.waiting += 1
             yield from asyncio.get_running_loop().create_future().__await__()  # never set
         return self.result
 
@@ -171,7 +173,8 @@ def test_a_prefill_queue_at_its_bound_sends_the_next_prompt_to_its_decode_engine
         case = _Case(_Response(), PrefillFallback(prefill_timeout_s=0, max_prefill_queue_size=2))
         waiting = [case.run() for _ in range(2)]
         firsts = [asyncio.ensure_future(g.__anext__()) for g in waiting]
-        await asyncio.sleep(0)  # both start and wait on their prefill (no bound: 0)
+        # Both start and wait on their prefill (no bound: 0).
+        await until(lambda: case.prefill.response.waiting == 2, "both requests to wait on their prefill")
         assert case.placement.in_flight["remote"] == 2
         async def third_request():
             return [list(o.outputs[0].token_ids) async for _, o in case.run()]

@@ -17,7 +17,7 @@ from cluster.pd.placement import LocalPrefillRule, PrefillPlacement, RoleCounts
 from cluster.replica.errors import ReplicaError
 from engine.load import EngineLoad
 from engine.outputs import CompletionOutput, RequestOutput
-from tests.cluster.helpers import engine_request
+from tests.cluster.helpers import engine_request, until
 
 
 @pytest.mark.parametrize("rule,prompt_len,remote_each,local_each,local", [
@@ -86,7 +86,7 @@ def test_a_burst_is_shared_between_the_two_queues_and_counts_return_to_zero():
         p = runner.placement
         gens = [_stream(runner) for _ in range(8)]
         firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
-        await _until(lambda: len(gate.started) == 8)  # every request starts and waits at its gate
+        await until(lambda: len(gate.started) == 8, "every request to start and wait at its gate")
         # Two on the prefill replica, then the shorter queue each time: 4 and 4.
         assert gate.started == ["remote", "remote", "local", "local", "remote", "local", "remote", "local"]
         assert p.in_flight == {"remote": 4, "local": 4}
@@ -108,7 +108,7 @@ def test_queues_are_compared_per_replica():
         runner, gate = _runner(2, prefill=2, decode=1)
         gens = [_stream(runner) for _ in range(6)]
         firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
-        await _until(lambda: len(gate.started) == 6)
+        await until(lambda: len(gate.started) == 6, "every request to start and wait at its gate")
         assert gate.started == ["remote"] * 4 + ["local", "local"]
         gate.release.set()
         await asyncio.gather(*firsts)
@@ -124,7 +124,8 @@ def test_a_request_leaving_or_failing_before_its_first_token_is_no_longer_counte
         p = runner.placement
         left = _stream(runner)
         first = asyncio.ensure_future(left.__anext__())
-        await _until(lambda: p.in_flight["remote"] == 1)
+        await until(lambda: gate.started == ["remote"], "the request to wait at its gate")
+        assert p.in_flight["remote"] == 1
         first.cancel()  # the client goes away while its prompt is being prefilled
         with pytest.raises(asyncio.CancelledError):
             await first
@@ -160,15 +161,6 @@ def test_a_short_prompt_prefills_locally_with_the_prefill_replicas_idle():
         assert _sides([x async for x in _stream(runner, 17)]) == ["remote", "remote"]
 
     asyncio.run(run())
-
-
-async def _until(condition, bound_s: float = 10.0) -> None:
-    """Let the loop run until `condition()` holds (bounded): the requests started."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + bound_s
-    while not condition():
-        assert loop.time() < deadline, "the requests did not start"
-        await asyncio.sleep(0.001)
 
 
 class _Coordinator:

@@ -25,7 +25,7 @@ from cluster.http.responses import ResponsesRequest, responses_job
 from cluster.http.responses_answer import Shell, adapt
 from cluster.http.runner import RequestRunner
 from cluster.http.served_model import Job, ServedModel
-from tests.cluster.helpers import SHARED_NAME, assert_no_leaks, engine_request, openai_client
+from tests.cluster.helpers import SHARED_NAME, assert_no_leaks, engine_request
 
 NAME = SHARED_NAME
 # A schema the grammar nearly fixes, so greedy decoding ends it (finish "stop") on a random model.
@@ -373,21 +373,6 @@ def test_a_failed_stream_ends_with_an_error_event_and_no_done():
 INSTRUCTIONS, QUESTION = "Be terse.", "Name a river."
 CHAT_MESSAGES = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
 CHAT_JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def mode(shared_app) -> str:
-    return shared_app.mode
-
-
-@pytest.fixture(scope="module")
-def app(shared_app) -> str:
-    return shared_app.url()
-
-
-@pytest.fixture(scope="module")
-def client(app):
-    return openai_client(app)
 
 
 def test_text_equals_the_chat_routes_greedy_answer(client):

@@ -26,16 +26,6 @@ def adapters(lora_adapters) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def mode(shared_app) -> str:
-    return shared_app.mode
-
-
-@pytest.fixture(scope="module")
-def app(shared_app) -> str:
-    return shared_app.url()
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     from transformers import AutoTokenizer
 
@@ -55,9 +45,27 @@ def _complete(client, model, prompt):
     return r.choices[0].text
 
 
-def test_models_list_the_adapters_with_their_parent(app):
+def _models(app) -> dict[str, dict]:
+    """/v1/models by id (the ids unique). Other modules share the app and may load adapters of
+    their own: a test checks the entries it knows of, not the whole list."""
     data = requests.get(f"{app}/v1/models", timeout=30).json()["data"]
-    assert [(m["id"], m["parent"]) for m in data] == [(NAME, None), ("a1", NAME)]
+    models = {m["id"]: m for m in data}
+    assert len(models) == len(data), data
+    assert data[0]["id"] == NAME  # the base model first, as vLLM lists it
+    return models
+
+
+def _adapter_entry(models, name, path):
+    m = models[name]
+    assert (m["object"], m["parent"], m["root"], m["max_model_len"]) == ("model", NAME, path, 1024), m
+
+
+def test_models_list_the_adapters_with_their_parent(app, adapters, tiny_model):
+    models = _models(app)
+    base = models[NAME]
+    assert (base["object"], base["parent"], base["root"], base["max_model_len"]) == ("model", None, tiny_model, 1024)
+    _adapter_entry(models, "a1", adapters["a1"])  # served from the start
+    assert all(m["parent"] == NAME for i, m in models.items() if i != NAME)
     metrics = requests.get(f"{app}/metrics", timeout=30).text
     info = [line for line in metrics.splitlines() if line.startswith("vllm:lora_requests_info{")]
     assert info and all('max_lora="2"' in line for line in info), metrics[-2000:]
@@ -67,6 +75,7 @@ def test_concurrent_requests_of_an_adapter_loaded_at_run_time_one_served_from_th
         app, adapters, tiny_model, tokenizer, mode, shared_app):
     r = requests.post(f"{app}/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": adapters["a2"]}, timeout=60)
     assert r.status_code == 200, r.text
+    _adapter_entry(_models(app), "a2", adapters["a2"])
     client = openai_client(app)
     models = ["a1", "a2", NAME, "a2", "a1", NAME]
     dirs = {"a1": adapters["a1"], "a2": adapters["a2"], NAME: None}
@@ -80,6 +89,7 @@ def test_concurrent_requests_of_an_adapter_loaded_at_run_time_one_served_from_th
     assert_no_leaks(app, shared_app.name, shared_app.roles)
     r = requests.post(f"{app}/v1/unload_lora_adapter", json={"lora_name": "a2"}, timeout=60)
     assert r.status_code == 200, r.text
+    assert "a2" not in _models(app)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="a2", prompt=PROMPTS[0], max_tokens=2)
 

@@ -12,25 +12,10 @@ import pytest
 import requests
 import torch
 
-from tests.cluster.helpers import SHARED_NAME, assert_no_leaks, openai_client, sse_events
+from tests.cluster.helpers import SHARED_NAME, assert_no_leaks, sse_events
 from tests.engine.hf_reference import _hf_model, random_prompts
 
 NAME = SHARED_NAME
-
-
-@pytest.fixture(scope="module")
-def mode(shared_app) -> str:
-    return shared_app.mode
-
-
-@pytest.fixture(scope="module")
-def app(shared_app) -> str:
-    return shared_app.url()
-
-
-@pytest.fixture(scope="module")
-def client(app):
-    return openai_client(app)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 import requests
 
-from tests.cluster.helpers import SHARED_NAME, assert_no_leaks, openai_client
+from tests.cluster.helpers import SHARED_NAME, assert_no_leaks
 
 NAME = SHARED_NAME
 WEATHER = {"type": "function", "function": {
@@ -30,21 +30,6 @@ TIME = {"type": "function", "function": {
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris for two days?"}]
-
-
-@pytest.fixture(scope="module")
-def mode(shared_app) -> str:
-    return shared_app.mode
-
-
-@pytest.fixture(scope="module")
-def app(shared_app) -> str:
-    return shared_app.url()
-
-
-@pytest.fixture(scope="module")
-def client(app):
-    return openai_client(app)
 
 
 def _check_calls(calls):

@@ -13,6 +13,7 @@ import pytest
 from cluster.replica.step_channel import StepHub
 from engine import LLM, AsyncLLM, EngineArgs, SamplingParams
 from engine.outputs import DeltaAccumulator
+from tests.cluster.helpers import until
 from tests.engine.hf_reference import random_prompts
 
 ENGINE = {"max_model_len": 512, "num_kv_blocks": 128}
@@ -207,7 +208,7 @@ def test_an_engine_failure_ends_a_held_subscription_at_once():
         first = await asyncio.wait_for(stream.__anext__(), 30)  # the first token: not held
         put(out([1, 2]))  # held for the interval
         nxt = asyncio.ensure_future(stream.__anext__())
-        await asyncio.sleep(0)  # the subscription is now holding
+        await until(lambda: hub.channels["ingress-f"]._urgent_waiter is not None, "the subscription to hold")
         put(RuntimeError("boom"))
         with pytest.raises(EngineFailed, match="boom"):
             await asyncio.wait_for(nxt, 30)

@@ -151,6 +151,20 @@ def _gate(engine):
     return release
 
 
+async def _until_queued(engine, fn, timeout_s: float = 60) -> None:
+    """Wait (polled, bounded) until a call of `fn` waits in the engine thread's queue."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+
+    def queued() -> bool:
+        with engine._inputs.mutex:
+            return any(isinstance(item, tuple) and item[0] == fn for item in engine._inputs.queue)
+
+    while not queued():
+        assert loop.time() < deadline, f"{fn} was never queued"
+        await asyncio.sleep(0.001)
+
+
 def test_a_cancelled_abort_still_aborts_and_the_engine_thread_lives(engine, offline):
     """Serve cancels a call whose caller left (`CALL abort CANCELLED`). That cancellation once
     reached the engine thread's future, which then raised InvalidStateError and killed the
@@ -160,7 +174,7 @@ def test_a_cancelled_abort_still_aborts_and_the_engine_thread_lives(engine, offl
     async def cancelled_abort():
         release = _gate(engine)
         abort = asyncio.ensure_future(engine.abort("x"))
-        await asyncio.sleep(0)  # the abort is queued behind the gate
+        await _until_queued(engine, engine.engine.abort_request)  # behind the gate
         abort.cancel()  # its caller goes away first
         release.set()
         with pytest.raises(asyncio.CancelledError):
@@ -182,7 +196,7 @@ def test_a_request_whose_submit_was_cancelled_is_never_added(engine, offline):
     async def main():
         release = _gate(engine)
         submit = asyncio.ensure_future(engine.submit(engine.process("The river ran", PARAMS, "gone"), seen.append))
-        await asyncio.sleep(0)  # queued behind the gate
+        await _until_queued(engine, engine.engine.add)  # behind the gate
         submit.cancel()
         release.set()
         with pytest.raises(asyncio.CancelledError):

@@ -6,18 +6,20 @@ same checkpoint on prompts several windows long."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.models.arch import load_arch
-from tests.engine.hf_reference import hf_greedy, random_prompts
+from tests.engine.hf_reference import _hf_model, hf_greedy, random_prompts
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 # make-model's Gemma: window 16 on every other layer (the first included).
 VARIANTS = {
     "gemma2": ("gemma2", {}),
-    # Caps low enough that the tanh bends most scores and logits: a missing or misplaced cap
-    # changes the argmax.
+    # Caps low enough that the tanh bends most scores and logits. A missing attention cap
+    # changes the tokens; a missing final cap cannot (tanh keeps the logits' order), but it
+    # changes every logprob, which the test checks too.
     "gemma2-tight-caps": ("gemma2", dict(attn_logit_softcapping=1.5, final_logit_softcapping=2.0)),
     "gemma3": ("gemma3", {}),
     "gemma3-window-not-a-block-multiple": ("gemma3", dict(sliding_window=11)),
@@ -29,13 +31,39 @@ def _generate(llm, prompts):
     return [o.outputs[0].token_ids for o in outs]
 
 
+# fp32 on both sides: only the summation order differs (measured within 2e-6 on CPU).
+LOGPROB_TOL = 1e-4
+TOP = 5
+
+
+def _assert_logprobs_match_transformers(model: str, prompts: list[list[int]], outs) -> None:
+    """Each generated position's logprobs (the token's and the top TOP) equal transformers'
+    log-softmax of its logits, the prompt and the tokens before read in one pass."""
+    for p, out in zip(prompts, outs):
+        got = out.outputs[0]
+        ids = p + list(got.token_ids)
+        with torch.no_grad():
+            ref = torch.log_softmax(_hf_model(model)(torch.tensor([ids])).logits[0, len(p) - 1:-1].float(), -1)
+        assert len(got.logprobs) == len(got.token_ids) == ref.shape[0]
+        for step, (token, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+            top = ref[step].topk(TOP)
+            # The token and the top TOP (near-ties at the TOP-th place may swap).
+            assert len(entry) == len({token, *top.indices.tolist()}) and token in entry, (step, sorted(entry))
+            assert all(float(ref[step, t]) >= float(top.values[-1]) - LOGPROB_TOL for t in entry if t != token)
+            for t, lp in entry.items():
+                assert abs(lp - float(ref[step, t])) <= LOGPROB_TOL, (step, t, lp, float(ref[step, t]))
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_greedy_matches_transformers(model_factory, variant):
+def test_greedy_tokens_and_their_logprobs_match_transformers(model_factory, variant):
     family, overrides = VARIANTS[variant]
     model = model_factory(family, **overrides)
     llm = LLM(model, max_model_len=256)
     prompts = random_prompts([3, 17, 40, 90, 5], 1000)
-    assert _generate(llm, prompts) == hf_greedy(model, prompts, MAX_NEW)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=TOP), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, prompts, MAX_NEW)
+    _assert_logprobs_match_transformers(model, prompts, outs)
 
 
 def test_the_model_is_what_the_variants_claim(model_factory):

@@ -16,8 +16,9 @@ from tests.engine.gguf_factory import write_gguf
 from tests.engine.hf_reference import hf_greedy, random_prompts
 
 # The dequantized path: these tests hold the file's reading and decoding to transformers,
-# exactly. The default for a GGUF file keeps the blocks and multiplies with int8 activations,
-# judged with a near-tie margin (tests/engine/test_quantized_gguf.py, test_gguf_llama_cpp.py).
+# exactly. The default for a GGUF file keeps the blocks and multiplies them in fp32, held to
+# this path's tokens and logprobs; int8 activations are judged with a near-tie margin
+# (tests/engine/test_quantized_gguf.py, test_gguf_llama_cpp.py).
 SMALL = dict(max_model_len=256, num_kv_blocks=64, quantization="none")
 
 

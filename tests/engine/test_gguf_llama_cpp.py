@@ -1,7 +1,9 @@
 """llama.cpp's own quantizer makes the K-quant and IQ4 mixes: an F32 GGUF written by the
 tests (gguf's writer) goes through `llama_model_quantize` (llama-cpp-python, what
 `llama-quantize` runs), which picks every tensor's type as for a real model. Greedy tokens,
-with chunked prefill and prefix-cache hits, equal transformers reading the same file.
+with chunked prefill and prefix-cache hits, equal transformers reading the same file, on the
+dequantized path and on the default one that keeps the blocks a kernel multiplies; the kept
+path's logprobs equal the dequantized path's.
 
 The test models' intermediate size, 288, is a multiple of 32 but not of 256: every ffn_down
 (rows of 288 values) is one llama.cpp has to fall back on a 32-value block type for, as it
@@ -11,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from tests.engine.gguf_factory import llama_cpp_quantize, tensor_types, write_gguf
-from tests.engine.hf_reference import hf_mismatches, random_prompts
+from tests.engine.hf_reference import hf_greedy, random_prompts
 from tests.engine.test_gguf import assert_greedy_parity_chunked_and_cached
-from tests.engine.test_quantized_gguf import INT8_MARGIN
+from tests.engine.test_quantized_gguf import assert_kept_equals_dequantized
 
 SHAPE = dict(hidden_size=256, intermediate_size=288)
 # Each mix: (family, model overrides, types the file must hold). The types are what
@@ -59,7 +61,7 @@ def llama_cpp_mix(model_factory, tmp_path_factory):
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_llama_cpp_mix_greedy_equals_transformers_chunked_and_prefix_cached(llama_cpp_mix, mix):
+def test_llama_cpp_mix_dequantized_and_kept_greedy_equal_transformers_chunked_and_prefix_cached(llama_cpp_mix, mix):
     model = llama_cpp_mix(mix)
     types = tensor_types(f"{model}/model.gguf")
     matrices = {name: t for name, t in types.items() if not name.endswith("norm.weight") and ".bias" not in name}
@@ -69,12 +71,13 @@ def test_llama_cpp_mix_greedy_equals_transformers_chunked_and_prefix_cached(llam
     assert not FLOAT_TYPES & set(matrices.values()), matrices
     assert_greedy_parity_chunked_and_cached(model)
     # The default path keeps the blocks a kernel multiplies (Q4_0/1, Q5_0/1, Q8_0, Q4_K-Q6_K),
-    # dequantizing the rest: near-ties apart, transformers' tokens.
-    llm = LLM(model, max_model_len=256, long_prefill_token_threshold=8, max_num_batched_tokens=24)
+    # dequantizing the rest, and multiplies them in fp32: the dequantized path's tokens and
+    # logprobs (within test_quantized_gguf.KEPT_LOGPROB_TOL), which are transformers' tokens.
+    engine_args = dict(max_model_len=256, long_prefill_token_threshold=8, max_num_batched_tokens=24)
+    llm = LLM(model, **engine_args)
     prompts = random_prompts([5, 23, 40], 1000, seed=6)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10),
-                        use_tqdm=False)
-    assert hf_mismatches(model, prompts, [o.outputs[0].token_ids for o in outs], INT8_MARGIN) == 0
+    dense = LLM(model, quantization="none", **engine_args)
+    assert assert_kept_equals_dequantized(llm, dense, prompts, 10) == hf_greedy(model, prompts, 10)
     kept = {s.qtype for m in llm.engine.core.executor.worker.runner.model.modules()
             if getattr(m, "quant", None) is not None for s in m.quant.segments}
     assert kept or not {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"} & set(matrices.values())

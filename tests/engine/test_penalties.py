@@ -132,11 +132,17 @@ def test_greedy_with_logit_bias_and_bad_words_equals_transformers(llm, tiny_mode
     want = [_hf_generate(tiny_model, p, 16, sequence_bias={(favoured,): 4.0, (banned,): -100.0}) for p in PROMPTS]
     assert got == want and got != plain
 
-    word = llm.get_tokenizer().decode([plain[2][0]])
+    # A word the tokenizer writes as one token that the plain run chose, so banning it must
+    # change that row, and the token must then appear in no output.
+    tokenizer, processor = llm.get_tokenizer(), llm.engine.processor
+    whole = [t for t in plain[2] if (t,) in processor._bad_words_ids([tokenizer.decode([t])])]
+    assert whole, f"no token of {plain[2]} decodes to a word that encodes back to it alone"
+    token = whole[0]
+    word = tokenizer.decode([token])
     got = _ours(llm, PROMPTS, bad_words=[word])
-    seqs = [list(s) for s in llm.engine.processor._bad_words_ids([word])]
+    seqs = [list(s) for s in processor._bad_words_ids([word])]
     assert got == [_hf_generate(tiny_model, p, 16, bad_words_ids=seqs) for p in PROMPTS]
-    assert all(plain[2][0] not in g for g in got if [plain[2][0]] in seqs)
+    assert all(token not in g for g in got) and got[2] != plain[2], (word, token, got)
 
 
 def test_allowed_token_ids_limit_every_token(llm):

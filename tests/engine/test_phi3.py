@@ -109,7 +109,7 @@ def test_tp2_reads_each_ranks_rows_of_the_fused_tensors(model_factory, monkeypat
     model = model_factory("phi3", partial_rotary_factor=0.75, num_key_value_heads=kv_heads)
     prompts = random_prompts([3, 21, 40], 900, seed=7)
     expected = hf_greedy(model, prompts, MAX_NEW)
-    monkeypatch.setitem(executor_registry._EXECUTORS, "mp", ThreadExecutor)
+    monkeypatch.setitem(executor_registry.EXECUTORS.factories, "mp", ThreadExecutor)
     two = LLM(model, tensor_parallel_size=2, max_model_len=256, long_prefill_token_threshold=16)
     try:
         assert _generate(two, prompts) == expected

@@ -84,7 +84,7 @@ def test_tensor_parallel_ranks_share_the_hybrid_groups(model_factory, monkeypatc
     model = model_factory("gemma2", attn_logit_softcapping=3.0)
     prompts = random_prompts([3, 70, 41], 1000, seed=8)
     expected = hf_greedy(model, prompts, MAX_NEW)
-    monkeypatch.setitem(executor_registry._EXECUTORS, "mp", ThreadExecutor)
+    monkeypatch.setitem(executor_registry.EXECUTORS.factories, "mp", ThreadExecutor)
     two = LLM(model, tensor_parallel_size=2, max_model_len=256, long_prefill_token_threshold=16)
     try:
         assert two.engine.core.kv_cache_manager.window_group is not None

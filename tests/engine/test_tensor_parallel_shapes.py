@@ -36,7 +36,7 @@ def test_tp2_greedy_equals_transformers(model_factory, monkeypatch, variant):
     model = model_factory(family, **overrides)
     prompts = random_prompts([3, 21, 40], 900, seed=7)
     expected = hf_greedy(model, prompts, GREEDY.max_tokens)
-    monkeypatch.setitem(executor_registry._EXECUTORS, "mp", ThreadExecutor)
+    monkeypatch.setitem(executor_registry.EXECUTORS.factories, "mp", ThreadExecutor)
     two = LLM(model, tensor_parallel_size=2, **ENGINE)
     assert isinstance(two.engine.core.executor, ThreadExecutor)
     try:

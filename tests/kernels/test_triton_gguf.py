@@ -18,11 +18,11 @@ from engine.models import quant_linear
 from engine.models.gguf_quants import dequantize
 from engine.models.quant_linear import QuantWeight
 from kernels.triton_kernels import gguf, gguf_words
-from tests.kernels.test_quant_cpu import random_qweight
+from tests.kernels.test_quant_cpu import random_qweight, stable_seed
 
 
 def _case(qtype: str, N: int, K: int, device: str):
-    qw = random_qweight(qtype, N, K, seed=hash((qtype, N, K)) % 2**32)
+    qw = random_qweight(qtype, N, K, seed=stable_seed(qtype, N, K))
     W = dequantize(qw.reshape(-1), qtype, (N, K))
     return qw.to(device), W.to(device)
 
