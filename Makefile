@@ -32,9 +32,8 @@ $(TEST_STAMP): $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/pdserve serve
 
-# Two pytest-xdist workers, each with its own Ray, taking whole modules (tests/conftest.py):
-# 715 s at 395b19d (local), against 1495 s in one process at a02deda, on 2 cores
-# (docs/benchmarks.md#the-test-suite).
+# Two pytest-xdist workers, each with its own Ray, taking whole modules (tests/conftest.py);
+# its wall time on 2 cores, and against one process: docs/benchmarks.md#the-test-suite.
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q -n 2 tests
 

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# The GPU checks in one call, for a lent GPU machine whose Python has torch, triton and
-# transformers but not this project's other packages: wheels in .whl/ are installed to
-# /tmp/site (docs/development.md#the-gpu-machine-workflow). Each stage has its own time limit and log, so one
-# failing stage does not hide the others; a summary line per stage comes last.
+# The GPU checks in one command, on a machine with a CUDA GPU
+# (docs/development.md#running-the-gpu-checks). PY names the Python (default python3); wheels in
+# .whl/, if any, are installed to /tmp/site for a machine without network access. Each stage
+# has its own time limit and log, so one failing stage does not hide the others; a summary line
+# per stage comes last.
 #
 #   bash scripts/gpu_session.sh [stage ...]   # stages: gpu_tests env parity_small throughput kernels
 #                                              #         parity_1b parity_smollm2 gguf_tests kernels_quant
 #                                              #         attention1 gguf_gpu profile (default: the first five)
-#                                              #         stash_ray, then serve_cpu in the next call
+#                                              #         stash_ray, then serve_cpu in a later run
 #                                              #         stash_smol, then parity_smollm2 likewise
-# Logs go to $OUT (the device tool's folder) or /tmp/gpu_out.
+# Logs go to /tmp/gpu_out, or to the folder in the OUT environment variable.
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
-install() {  # wheels into /tmp/site, first on the path (docs/development.md#the-gpu-machine-workflow)
+install() {  # wheels into /tmp/site, first on the path (docs/development.md#running-the-gpu-checks)
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@" || exit 1
 }
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
@@ -66,8 +67,8 @@ for s in "${stages[@]}"; do
         parity_1b) stage parity_1b 150 $PY scripts/gpu_parity.py --preset 1b ;;
         stash_ray) mkdir -p /tmp/wa && cp .gpu/wa/* /tmp/wa/ && ls /tmp/wa | wc -l ;;
         serve_cpu)
-            # Ray and Serve, which that machine lacks, in two halves over two calls (each call
-            # carries at most 64 MiB): stash_ray kept the first half, this call brings the rest.
+            # Ray and Serve from two parts when the machine lacks them: stash_ray kept the
+            # first part in an earlier run, this run brings the rest.
             if [ -f /tmp/wa/ray.part0 ] && [ -f .gpu/wb/ray.part1 ]; then
                 cat /tmp/wa/ray.part0 .gpu/wb/ray.part1 > /tmp/wa/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
                 install /tmp/wa/*.whl .gpu/wb/*.whl
@@ -75,7 +76,7 @@ for s in "${stages[@]}"; do
             stage serve_cpu 400 $PY scripts/bench_server_cpu.py --preset small --modes colocated \
                 --concurrency 8,64 --requests 96,512 --repeats 1 --intervals "" --skip-bytes --idle-s 0 \
                 --quiet-wait-s 0 --gpu-memory-utilization 0.4 --json "$OUT/serve_cpu.json" ;;
-        stash_smol) cp .gpu/smol.00 /tmp/smol.00 ;;  # SmolLM2's first half; parity_smollm2 next call
+        stash_smol) cp .gpu/smol.00 /tmp/smol.00 ;;  # SmolLM2's first part; parity_smollm2 in a later run
         parity_smollm2)
             if [ ! -f "$SMOL" ]; then  # never a truncated file under the final name
                 cat /tmp/smol.00 .gpu/smol.01 > "$SMOL.part" && mv "$SMOL.part" "$SMOL" || exit 1
