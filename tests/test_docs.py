@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # Word boundaries keep ordinary words out: "silent" and "talent" are not "lent", and
-# "gpu_session.sh" (a file name, "_" being a word character) is not "session".
+# "pre_session" (in a name, "_" being a word character) is not "session".
 FORBIDDEN = {
     "session": re.compile(r"\bsession", re.IGNORECASE),
     "issue number": re.compile(r"\bissues?\s*(#|\d)", re.IGNORECASE),
@@ -64,7 +64,7 @@ def test_each_pattern_finds_what_it_is_for(text, name):
         "a silent failure",
         "talent and excellent",
         "lentil",
-        "bash scripts/gpu_session.sh env",
+        "the pre_session hook",
         "an issue with the tokenizer",
         "OUTPUT tokens and $OUTPUT",
         "the output folder OUT=/tmp/x",

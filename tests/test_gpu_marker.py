@@ -52,7 +52,7 @@ def test_a_run_that_asks_selects_only_gpu_tests(given, expected):
     assert gpu_markexpr(given) == expected
 
 
-def test_a_gpu_session_sizes_each_engines_kv_cache_from_its_small_share():
+def test_a_gpu_run_sizes_each_engines_kv_cache_from_its_small_share():
     import engine.core  # noqa: F401 - first: engine.worker.worker imported on its own is an import cycle
     from engine.worker.worker import kv_budget_bytes
 

@@ -5,7 +5,7 @@
 # has its own time limit and log, so one failing stage does not hide the others; a summary line
 # per stage comes last.
 #
-#   bash scripts/gpu_session.sh [stage ...]   # stages: gpu_tests env parity_small throughput kernels
+#   bash scripts/gpu_checks.sh [stage ...]    # stages: gpu_tests env parity_small throughput kernels
 #                                              #         parity_1b parity_smollm2 gguf_tests kernels_quant
 #                                              #         attention1 gguf_gpu profile (default: the first five)
 #                                              #         stash_ray, then serve_cpu in a later run
