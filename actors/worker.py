@@ -178,7 +178,7 @@ class EngineWorker:
 
     async def submit(self, request: EngineRequest, sink) -> None:
         """Add a request whose outputs go to `sink` (see AsyncLLM.submit): how a serving
-        replica gathers one message per step for its front end."""
+        replica gathers one message per step for its ingress."""
         await self.engine.submit(request, sink)
 
     async def prefill(self, request: EngineRequest) -> RequestOutput:

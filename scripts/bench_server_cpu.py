@@ -14,7 +14,7 @@ processes used the least CPU is kept: on a shared machine others only ever add C
 Also measured: the colocated server at each --intervals (`--stream-interval-ms`), to choose
 its default; and the bytes of the per-step messages an engine replica sends its ingress for
 prompts of 256 and 8k tokens (built from a real engine's step outputs by the replica's own
-FrontEndChannel, pickled as Ray ships them; the 8k model is --preset with a longer context).
+IngressChannel, pickled as Ray ships them; the 8k model is --preset with a longer context).
 The issue's goals are printed as PASS/FAIL lines.
 
     python scripts/bench_server_cpu.py                      # small preset, made on first use

@@ -1,6 +1,6 @@
 """Replica side of the per-step messages (docs/architecture.md#engine-to-front-end).
 
-An engine replica keeps one `FrontEndChannel` per ingress replica that sent it requests. The
+An engine replica keeps one `IngressChannel` per ingress replica that sent it requests. The
 engine hands over each step's outputs in one event-loop callback (AsyncLLM.submit); the
 channel turns them into RequestDeltas and wakes the ingress's subscription, which sends
 everything gathered since its last message as one list. So a step that advanced 30 requests
@@ -37,7 +37,7 @@ class EngineFailed(RuntimeError):
     """The replica's engine died: every request it held is lost (the ingress fails them)."""
 
 
-class FrontEndChannel:
+class IngressChannel:
     def __init__(self) -> None:
         self.active: set[str] = set()
         self.fresh: set[str] = set()  # active requests that have had no delta yet
@@ -113,20 +113,20 @@ class FrontEndChannel:
 
 
 class StepHub:
-    """All front-end channels of one engine replica."""
+    """All ingress channels of one engine replica."""
 
     def __init__(self, stream_interval_s: float = 0.0, linger_s: float = LINGER_S,
                  on_output: Callable[[RequestOutput], None] | None = None) -> None:
         self.stream_interval_s = stream_interval_s
         self.linger_s = linger_s
         self.on_output = on_output  # per-request figures (TTFT, ITL) of the replica
-        self.channels: dict[str, FrontEndChannel] = {}
+        self.channels: dict[str, IngressChannel] = {}
         self.owner: dict[str, str] = {}  # request id -> ingress id
 
-    def _channel(self, ingress_id: str) -> FrontEndChannel:
+    def _channel(self, ingress_id: str) -> IngressChannel:
         ch = self.channels.get(ingress_id)
         if ch is None:
-            ch = self.channels[ingress_id] = FrontEndChannel()
+            ch = self.channels[ingress_id] = IngressChannel()
         return ch
 
     def sink(self, ingress_id: str, request_id: str) -> Callable[[object], None]:

@@ -182,12 +182,12 @@ class MessageSizes:
 
 def measure_message_sizes(engine, prompts: list[str], prompt_tokens: int, max_tokens: int) -> MessageSizes:
     """Run the prompts together and build, from each step's outputs, the message an engine
-    replica sends one ingress (cluster.replica.step_channel.FrontEndChannel: RequestDelta.of per
+    replica sends one ingress (cluster.replica.step_channel.IngressChannel: RequestDelta.of per
     output, one list per step); size it as Ray would ship it (pickle protocol 5).
     Each RequestOutput (the old per-token unit) is pickled beside it, for contrast."""
-    from cluster.replica.step_channel import FrontEndChannel
+    from cluster.replica.step_channel import IngressChannel
 
-    channel = FrontEndChannel()
+    channel = IngressChannel()
     sizes = MessageSizes(prompt_tokens, len(prompts), [], [])
 
     def on_step(outputs) -> None:

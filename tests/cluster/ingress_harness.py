@@ -46,10 +46,13 @@ class FakeCoordinator:
 
     def __getattr__(self, method):
         from actors.roles import Role
+        from cluster.control.results import ScaleResult, Status
 
         async def call(*args):
             live = [SimpleNamespace(role=Role.COLOCATED)]
-            return {"replicas": live, "scrape": ([], {}), "status": {}, "scale": (202, {})}.get(method, {})
+            status = Status("colocated", {"colocated": []}, {}, False, {"colocated": 1}, False, None, None)
+            return {"replicas": live, "scrape": ([], {}), "status": status,
+                    "scale": ScaleResult.accept({"colocated": 1})}.get(method, {})
 
         class Method:
             def remote(self, *args):

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.replica.router import Candidate, LeastLoadRouter, affinity_key, rank
+from tests.cluster.helpers import engine_request
 
 REPLICAS = [f"replica-{i}" for i in range(5)]
 
@@ -261,7 +262,7 @@ def _names(ranks):
 
 
 def _pending(token_ids):
-    return SimpleNamespace(args=[{"prompt_token_ids": token_ids}], kwargs={})
+    return SimpleNamespace(args=[engine_request("r", token_ids)], kwargs={})
 
 
 def test_choose_replicas_one_per_rank_in_least_load_order():
@@ -375,8 +376,8 @@ def test_equal_loads_are_shared_in_random_order():
 def _lora_pending(name: str, token_ids=(1, 2, 3)):
     from engine.lora import LoRARequest
 
-    return SimpleNamespace(args=[{"prompt_token_ids": list(token_ids),
-                                  "lora_request": LoRARequest(name, 1, f"/adapters/{name}")}], kwargs={})
+    return SimpleNamespace(args=[engine_request("r", list(token_ids),
+                                                lora_request=LoRARequest(name, 1, f"/adapters/{name}"))], kwargs={})
 
 
 def test_router_sends_an_adapter_to_a_replica_that_holds_it_within_slack():
