@@ -56,7 +56,7 @@ from cluster.http.settings import IngressSettings
 from cluster.http.streams import merged
 from cluster.http.tool_parsers import get_tool_parser
 from cluster.pd.placement import PrefillPlacement, RoleCounts
-from cluster.pd.serve_peers import serve_pd_generate
+from cluster.pd.serve_peers import ServePD
 from cluster.replica.replica_streams import ReplicaStreams
 from cluster.replica.server import EngineServer
 from cluster.tasks import detached_task
@@ -135,12 +135,10 @@ class Ingress:
             counts = RoleCounts(coordinator)
             # With this replica's own decode engine, prompt KV comes back in the prefill's reply.
             inbox = self.direct.worker.kv_inbox() if self.direct is not None else None
-            store, policy = app_store(settings.app_name), settings.load_failure_policy
             self.runner = RequestRunner(
                 engines, self.metrics, self.served.loras,
                 PrefillPlacement(settings.local_prefill, counts, settings.prefill_fallback, counts.live),
-                lambda request, timeout_s: serve_pd_generate(prefill, engines, store, request, policy, inbox,
-                                                             timeout_s))
+                ServePD(prefill, engines, app_store(settings.app_name), settings.load_failure_policy, inbox))
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
         self.created = settings.created or int(time.time())
         if self.direct is not None:

@@ -13,30 +13,29 @@ its transfer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import nullcontext
 
 from cluster.http.lora import LoRARegistry
 from cluster.http.metrics import AppMetrics
 from cluster.http.streams import RequestClock
 from cluster.pd.placement import PrefillPlacement, PrefillUnavailable, Route
+from cluster.pd.serve_peers import ServePD
 from cluster.replica.errors import ReplicaError
 from engine.engine_client import EngineClient
 from engine.engine_request import EngineRequest
 from engine.outputs import RequestOutput
 
-# A P/D request's disaggregated outputs, given its prefill call's bound (cluster.pd.serve_peers).
-Disaggregated = Callable[[EngineRequest, float | None], AsyncIterator[RequestOutput]]
-
 
 class RequestRunner:
     def __init__(self, engines: EngineClient, metrics: AppMetrics, loras: LoRARegistry | None = None,
-                 placement: PrefillPlacement | None = None, disaggregated: Disaggregated | None = None) -> None:
+                 placement: PrefillPlacement | None = None, pd: ServePD | None = None) -> None:
         """`engines`: where a request runs whole (this ingress's own engine, or routed engine
-        replicas). P/D: `placement` decides where each prompt prefills and `disaggregated`
-        runs the ones it sends to a prefill replica."""
+        replicas). P/D: `placement` decides where each prompt prefills and `pd` runs the
+        ones it sends to a prefill replica (cluster.pd.serve_peers.ServePD, or any object
+        with its `generate(request, prefill_timeout_s)`)."""
         self.engines, self.metrics, self.loras = engines, metrics, loras
-        self.placement, self.disaggregated = placement, disaggregated
+        self.placement, self.pd = placement, pd
 
     async def stream(self, index: int, request: EngineRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) for each of the request's cumulative outputs. An engine-side failure
@@ -92,5 +91,5 @@ class RequestRunner:
 
     def _outputs(self, request: EngineRequest, route: Route | None) -> AsyncIterator[RequestOutput]:
         if route is not None and route.remote:
-            return self.disaggregated(request, route.timeout_s)
+            return self.pd.generate(request, route.timeout_s)
         return self.engines.generate(request)

@@ -103,8 +103,25 @@ class ServePeers:
             await asyncio.gather(self.store.release.remote(transfer_id), return_exceptions=True)
 
 
-def serve_pd_generate(prefill_handle, decode_streams: EngineClient, store, request: EngineRequest,
-                      load_failure_policy: str = "fail", inbox: Inbox | None = None,
-                      prefill_timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
-    return pd_flow(ServePeers(prefill_handle, decode_streams, store, inbox, prefill_timeout_s), request,
-                   load_failure_policy)
+class ServePD:
+    """The P/D flow behind Serve as one engine (an EngineClient): each request's prefill half
+    on a Prefill replica (`prefill_handle`, a routed call), its decode half on `decode` (the
+    ingress's own engine, or routed decode replicas). `inbox`: where the decode engine takes
+    prompt KV handed back in a prefill's reply (direct streaming), None: the KV goes through
+    `store`. `load_failure_policy` decides a prefill that exported no KV."""
+
+    def __init__(self, prefill_handle, decode: EngineClient, store, load_failure_policy: str = "fail",
+                 inbox: Inbox | None = None) -> None:
+        self.prefill_handle, self.decode, self.store = prefill_handle, decode, store
+        self.load_failure_policy, self.inbox = load_failure_policy, inbox
+
+    def generate(self, request: EngineRequest, prefill_timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs across both halves (pd_flow); its prefill call bounded by
+        `prefill_timeout_s` (None: as long as it takes; past it, PrefillUnavailable)."""
+        peers = ServePeers(self.prefill_handle, self.decode, self.store, self.inbox, prefill_timeout_s)
+        return pd_flow(peers, request, self.load_failure_policy)
+
+    async def abort(self, request_id: str) -> None:
+        """On the decode engine. A prefill call still running is cancelled when the request's
+        stream is closed, as every caller of `generate` does."""
+        await self.decode.abort(request_id)

@@ -37,7 +37,7 @@ from cluster.pd.placement import (
     PrefillPlacement,
     PrefillUnavailable,
 )
-from cluster.pd.serve_peers import serve_pd_generate
+from cluster.pd.serve_peers import ServePD
 from cluster.replica.errors import ReplicaError
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -110,8 +110,7 @@ class _Case:
         self.metrics = AppMetrics("m", "pd")
         self.runner = RequestRunner(
             self.decode, self.metrics, None, self.placement,
-            lambda request, timeout_s: serve_pd_generate(self.prefill, self.decode, self.store, request, "recompute",
-                                                         None, timeout_s))
+            ServePD(self.prefill, self.decode, self.store, "recompute"))
 
     @property
     def fallbacks(self) -> list[str]:

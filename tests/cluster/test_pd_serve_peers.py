@@ -13,6 +13,7 @@ import torch
 from cluster.pd.serve_peers import ServePeers
 from cluster.pd.split import prefill_request
 from cluster.replica.errors import ReplicaError
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvstore.handoff import Inbox, KVHandoff, max_reply_kv_bytes
 from tests.cluster.helpers import RecordingStore, engine_request
@@ -37,7 +38,7 @@ class _Response:
 class _Prefill:
     def __init__(self, response: _Response) -> None:
         self.response, self.calls = response, []
-        self.prefill_handoff = self
+        self.prefill = self.prefill_handoff = self  # the reply with the KV, or (no inbox) without
 
     def remote(self, *args):
         self.calls.append(args)
@@ -96,3 +97,36 @@ def test_a_reply_over_the_grpc_limit_names_the_setting_and_is_not_retryable():
     assert not isinstance(e.value, ReplicaError)
     asyncio.run(peers.cleanup("r4", "t4", unfinished=True))
     assert store.released == ["t4"]
+
+
+def test_the_pd_engine_runs_the_flow_over_its_peers_and_aborts_on_its_decode_engine():
+    from cluster.pd.serve_peers import ServePD
+
+    class _Decode:
+        def __init__(self) -> None:
+            self.aborted, self.requests = [], []
+
+        async def generate(self, request):
+            self.requests.append(request)
+            yield RequestOutput(request.request_id, None, request.prompt_token_ids,
+                                [CompletionOutput(0, "b", [8], "length")], finished=True, delta_text="b",
+                                delta_token_ids=[8])
+
+        async def abort(self, request_id):
+            self.aborted.append(request_id)
+
+    first = RequestOutput("r5", None, [1, 2], [CompletionOutput(0, "a", [7], "length")], finished=True,
+                          delta_text="a", delta_token_ids=[7])
+    decode, store = _Decode(), RecordingStore()
+    pd = ServePD(_Prefill(_Response(first)), decode, store, "recompute")
+
+    async def run():
+        outs = [o async for o in pd.generate(engine_request("r5", [1, 2], SamplingParams(max_tokens=2)))]
+        await pd.abort("r5")
+        return outs
+
+    outs = asyncio.run(run())
+    assert [o.outputs[0].token_ids for o in outs][-1] == [7, 8] and outs[-1].finished
+    [half] = decode.requests  # the decode half: prompt + the first token, one token left
+    assert half.prompt_token_ids == [1, 2, 7] and half.max_tokens == 1
+    assert decode.aborted == ["r5"]

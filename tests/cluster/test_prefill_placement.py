@@ -68,8 +68,8 @@ def _runner(queue: int, prefill: int = 1, decode: int = 1, max_len: int = 0) -> 
     gate = _Gate()
     placement = PrefillPlacement(LocalPrefillRule(queue, max_len), counts.__getitem__)
     engines = SimpleNamespace(generate=lambda request: gate.half("local"))
-    return RequestRunner(engines, AppMetrics("m", "pd"), None, placement,
-                         lambda request, timeout_s: gate.half("remote")), gate
+    pd = SimpleNamespace(generate=lambda request, prefill_timeout_s: gate.half("remote"))
+    return RequestRunner(engines, AppMetrics("m", "pd"), None, placement, pd), gate
 
 
 def _stream(runner: RequestRunner, prompt_len: int = 100):

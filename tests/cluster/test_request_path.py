@@ -24,7 +24,7 @@ from cluster.http.runner import RequestRunner
 from cluster.http.served_model import ServedModel
 from cluster.pd.flow import pd_flow
 from cluster.pd.placement import LocalPrefillRule, PrefillPlacement
-from cluster.pd.serve_peers import serve_pd_generate
+from cluster.pd.serve_peers import ServePD
 from engine import AsyncLLM, EngineArgs
 from engine.llm_engine import load_processor
 from engine.outputs import CompletionOutput, RequestOutput
@@ -90,8 +90,8 @@ def test_each_streamed_token_climbs_at_most_five_async_generator_frames_in_the_i
     runner = RequestRunner(engine, ing.metrics)
     if mode == "pd":  # the default: every prompt of more than a few tokens to a prefill replica
         placement = PrefillPlacement(LocalPrefillRule(), lambda role: 1)
-        runner = RequestRunner(engine, ing.metrics, None, placement, lambda request, timeout_s: serve_pd_generate(
-            _Prefill(), engine, RecordingStore(), request, "recompute", None, timeout_s))
+        runner = RequestRunner(engine, ing.metrics, None, placement,
+                               ServePD(_Prefill(), engine, RecordingStore(), "recompute"))
     ing.runner = runner
 
     async def run():
@@ -174,7 +174,7 @@ def _pd_runner(prefill: AsyncLLM, decode: AsyncLLM) -> RequestRunner:
     peers = _LocalPeers(prefill, decode)
     return RequestRunner(SimpleNamespace(generate=None), AppMetrics("m", "pd"), None,
                          PrefillPlacement(LocalPrefillRule(), lambda role: 1),
-                         lambda request, timeout_s: pd_flow(peers, request, "recompute"))
+                         SimpleNamespace(generate=lambda request, prefill_timeout_s: pd_flow(peers, request, "recompute")))
 
 
 async def _answer(job, runner) -> list[int]:
