@@ -5,7 +5,7 @@ alternating, and the script prints each figure's range and the ratios:
   - batch-1 decode: tokens/s of one greedy request, 128 tokens after a chat prompt (the
     prefill excluded: llama.cpp's eval of the prompt, our engine's first step);
   - batch 8 and 32 (pdserve): output tokens/s of that many greedy requests at once (llama.cpp's
-    Python binding runs one sequence: the issue compares these with its batch-1 figure);
+    Python binding runs one sequence: docs/benchmarks.md compares these with its batch-1 figure);
   - prefill of a 512-token prompt: seconds to the first token;
   - resident memory the model adds: after loading and one warm-up request, less what the
     process held before loading (imports); on our side the KV cache's size is subtracted too.

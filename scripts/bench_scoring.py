@@ -1,4 +1,4 @@
-"""What scoring and penalties cost (issue 41's targets), each pair side by side in one process,
+"""What scoring and penalties cost, each pair side by side in one process,
 alternating which side goes first, since these machines are noisy:
 
 1. prefill: one 512-token prompt, max_tokens=1, with prompt_logprobs=1 against without

@@ -15,7 +15,7 @@ Also measured: the colocated server at each --intervals (`--stream-interval-ms`)
 its default; and the bytes of the per-step messages an engine replica sends its ingress for
 prompts of 256 and 8k tokens (built from a real engine's step outputs by the replica's own
 IngressChannel, pickled as Ray ships them; the 8k model is --preset with a longer context).
-The issue's goals are printed as PASS/FAIL lines.
+The CPU goals are printed as PASS/FAIL lines.
 
     python scripts/bench_server_cpu.py                      # small preset, made on first use
     python scripts/bench_server_cpu.py --model PATH         # any model `pdserve serve` takes

@@ -1,4 +1,4 @@
-"""Offline throughput with and without a JSON-schema constraint (issue 14's goal: constrained
+"""Offline throughput with and without a JSON-schema constraint (the goal: constrained
 >= 0.8x unconstrained at batch 8), measured side by side in one process on each model, plus
 what the constraint costs per step: filling the batch's bitmask (scheduler side) and applying
 it to the logits (sampler side).

@@ -1,4 +1,4 @@
-"""Tokens per second of grammar-constrained tool calls against plain chat (issue 42), side by
+"""Tokens per second of grammar-constrained tool calls against plain chat, side by
 side in one process on the offline engine, alternating which goes first (noisy machines).
 
 Both sides run the same 8 chat requests, greedy. The plain side answers in text (`ignore_eos`,

@@ -1,5 +1,5 @@
 """Churn: SIGKILL a random engine replica or engine core process every --every-s seconds while
-client threads keep a P/D app busy, then check what the issue asks (docs/operations.md#churn):
+client threads keep a P/D app busy, then check what churn must not break (docs/operations.md#churn):
 
 - no wrong 200: every answer equals the greedy oracle (the healthy server's, or run_churn's);
 - every failure is a 5xx with Retry-After, or a retry (of the same request) that succeeded; no

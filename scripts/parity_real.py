@@ -1,4 +1,4 @@
-"""Greedy parity with transformers at real size (issue 49): the default model, SmolLM2-135M-
+"""Greedy parity with transformers at real size (docs/benchmarks.md#real-size-parity): the default model, SmolLM2-135M-
 Instruct (Q4_1 GGUF), 256 tokens on 16 chat prompts, and the `bench` preset, 128 tokens on
 random prompts. Too long for the test suite (minutes); tests/test_scripts.py runs its logic on
 the tiny model.

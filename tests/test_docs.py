@@ -78,3 +78,17 @@ def test_no_pattern_finds_ordinary_words(text):
 def test_the_document_speaks_of_the_project_alone(path):
     found = hits(path)
     assert not found, "\n".join(["words about work sessions, issues or tools:", *found])
+
+
+def script_files() -> list[Path]:
+    return sorted(p for p in (ROOT / "scripts").rglob("*") if p.suffix in (".py", ".sh"))
+
+
+@pytest.mark.parametrize("path", script_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_script_cites_no_issue_number(path):
+    """Scripts name what they measure, not the tracker entry that asked for it (their own
+    variables, such as an output folder or a Unix session, are theirs to name)."""
+    pattern = FORBIDDEN["issue number"]
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1) if pattern.search(line)]
+    assert not found, "\n".join(found)

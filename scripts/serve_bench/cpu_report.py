@@ -1,5 +1,5 @@
 """bench_server_cpu.py's figures: CPU per output token by role next to the offline engine's,
-per-hop costs, the stream-interval sweep, message sizes, and the issue's goals as PASS/FAIL
+per-hop costs, the stream-interval sweep, message sizes, and the CPU goals as PASS/FAIL
 lines. Tables are Markdown, so they paste into docs/benchmarks.md as printed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from scripts.serve_bench.offline import MessageSizes, OfflineRun
 from scripts.serve_bench.proc_cpu import ROLE_GROUPS, group_seconds
 
-# Goals of issue 23 on the small model.
+# The serving layer's CPU goals on the small model (docs/benchmarks.md#server-cpu-per-output-token).
 WHOLE_OVER_OFFLINE = {"colocated": 1.25, "pd": 1.4}
 OUTSIDE_ENGINE_MS = {8: 0.5, 64: 0.2}
 SAME_SIZE_TOLERANCE = 0.10  # bytes/message "independent of prompt length": within 10%

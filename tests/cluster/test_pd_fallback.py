@@ -9,7 +9,7 @@ answers 503 with Retry-After instead.
 
 Behind Serve, on the P/D app with direct streaming that this module shares with test_churn
 and test_serve_pd_direct (`shared_direct_app`; each replacement takes tens of seconds here):
-the issue's stalled prefill (the Prefill replica's process stopped with SIGSTOP: alive, silent)
+a stalled prefill (the Prefill replica's process stopped with SIGSTOP: alive, silent)
 under 4 requests, each answered 200 with the healthy server's text (greedy and seeded) within
 the stated bound; then a decode engine core stopped mid-request: a 503 with Retry-After within
 engine_step_timeout_s, a failed health check, and a replaced replica.
