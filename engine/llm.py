@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -13,7 +12,7 @@ from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.metrics import Metric
 from engine.outputs import RequestOutput
-from engine.parallel_sampling import child_params, child_request_id, merge_children
+from engine.parallel_sampling import child_request_id, child_requests, merge_children
 from engine.processor import PromptType
 from engine.sampling_params import SamplingParams
 
@@ -82,8 +81,8 @@ class LLM:
                 # Processed once; its n samples differ only in their params (seeds).
                 request = self.engine.process(prompt, p, rid, priority=priority[i] if priority else 0,
                                               lora_request=loras[i])
-                for cid, cp in zip(children, child_params(request.sampling_params)):
-                    queued.append(self.engine.add(dataclasses.replace(request, request_id=cid, sampling_params=cp)))
+                for child in child_requests(request, children):
+                    queued.append(self.engine.add(child))
         except ValueError:
             self.engine.abort_request(queued)  # nothing of a rejected batch stays queued
             raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from engine.engine_request import EngineRequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -25,6 +26,18 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
     return [dataclasses.replace(params, n=1, seed=None if params.seed is None else _wrap_seed(params.seed + j),
                                 prompt_logprobs=params.prompt_logprobs if j == 0 else None)
             for j in range(params.n)]
+
+
+def child_requests(request: EngineRequest, request_ids: list[str] | None = None) -> list[EngineRequest]:
+    """A processed request with `n` > 1 as its n children: the same prompt (processed once),
+    only their params differ (child_params); `request_ids`: theirs (default: the parent's).
+    An n=1 request is its own only child."""
+    params = request.sampling_params
+    ids = request_ids or [request.request_id] * params.n
+    if params.n == 1 and ids[0] == request.request_id:
+        return [request]
+    return [dataclasses.replace(request, request_id=rid, sampling_params=child)
+            for rid, child in zip(ids, child_params(params))]
 
 
 def child_request_id(parent_id: str, index: int) -> str:

@@ -76,7 +76,7 @@ class InputProcessor:
             lora_request=lora_request, mm_features=mm_features, kv_transfer_params=kv_transfer_params,
             priority=priority, cache_salt=cache_salt,
         )
-        self.check(request)
+        self._check_built(request)  # the prompt was checked above
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)  # a bad spec fails here, not in a step
         return request
@@ -87,10 +87,14 @@ class InputProcessor:
         the field)."""
         if not isinstance(request, EngineRequest):
             raise ParameterError("request", f"request must be an EngineRequest, got {type(request).__name__}")
+        self._check_ids(request.prompt_token_ids)
+        self._check_prompt(request.prompt_token_ids)
+        self._check_built(request)
+
+    def _check_built(self, request: EngineRequest) -> None:
+        """`check` past its prompt's ids and length (which the caller checked)."""
         params, ids = request.sampling_params, request.prompt_token_ids
-        self._check_ids(ids)
-        room = self._check_prompt(ids)
-        n = len(ids)
+        n, room = len(ids), self.max_model_len - len(ids)
         if params.max_tokens is None:
             raise ParameterError("max_tokens", "max_tokens must be resolved by the input processor (it was None)")
         if params.max_tokens > room:

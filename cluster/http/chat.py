@@ -10,10 +10,11 @@ import uuid
 from cluster.http import openai_format as fmt
 from cluster.http.errors import OpenAIError, rejecting
 from cluster.http.protocol import ChatCompletionRequest
-from cluster.http.served_model import Job, ServedModel, samples
+from cluster.http.served_model import Job, ServedModel
 from cluster.http.tools import ToolPlan, message_tool_calls, plain_conversation, supports_tools
 from engine.errors import ParameterError
 from engine.multimodal.media import load_image
+from engine.parallel_sampling import child_requests
 from engine.sampling_params import SamplingParams
 
 
@@ -154,7 +155,7 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest) -> Job:
     # `n` > 1: n requests of the same prompt (engine.parallel_sampling); choice j is sample j.
     n = params.n
     streamers = [plan.streamer() for _ in range(n)] if plan is not None else []
-    return Job(samples(request), request_id, body.stream, chunks, whole, n)
+    return Job(child_requests(request), request_id, body.stream, chunks, whole, n)
 
 
 def _with_tools(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:

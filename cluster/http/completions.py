@@ -9,8 +9,9 @@ import uuid
 from cluster.http import openai_format as fmt
 from cluster.http.errors import rejecting
 from cluster.http.protocol import CompletionRequest
-from cluster.http.served_model import Job, ServedModel, samples
+from cluster.http.served_model import Job, ServedModel
 from engine.outputs import RequestOutput
+from engine.parallel_sampling import child_requests
 
 
 def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
@@ -31,7 +32,7 @@ def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
     scoring = body.max_tokens == 0
     # `n` > 1: each prompt's n samples run as n requests; choice index = prompt index * n + j.
     n = params.n
-    requests = [sample for r in processed for sample in samples(r)]
+    requests = [sample for r in processed for sample in child_requests(r)]
     if echo and n_logprobs is not None:
         # Every choice echoes its prompt with logprobs, not only the first sample's.
         requests = [dataclasses.replace(r, sampling_params=dataclasses.replace(

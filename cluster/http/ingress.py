@@ -130,15 +130,14 @@ class Ingress:
                                  ReplicaStreams(decode if self.mode == "pd" else prefill, self.ingress_id))
         self.metrics = AppMetrics(self.served.model_name, self.mode)
         self._pusher: asyncio.Task | None = None  # sends self.metrics to the Coordinator on change
-        self.runner = RequestRunner(engines, self.metrics, self.served.loras)
+        placement = pd = None
         if self.mode == "pd":
             counts = RoleCounts(coordinator)
+            placement = PrefillPlacement(settings.local_prefill, counts, settings.prefill_fallback, counts.live)
             # With this replica's own decode engine, prompt KV comes back in the prefill's reply.
             inbox = self.direct.worker.kv_inbox() if self.direct is not None else None
-            self.runner = RequestRunner(
-                engines, self.metrics, self.served.loras,
-                PrefillPlacement(settings.local_prefill, counts, settings.prefill_fallback, counts.live),
-                ServePD(prefill, engines, app_store(settings.app_name), settings.load_failure_policy, inbox))
+            pd = ServePD(prefill, engines, app_store(settings.app_name), settings.load_failure_policy, inbox)
+        self.runner = RequestRunner(engines, self.metrics, self.served.loras, placement, pd)
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
         self.created = settings.created or int(time.time())
         if self.direct is not None:

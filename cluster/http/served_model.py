@@ -8,7 +8,6 @@ it; the ingress admits and runs the job and answers with its `whole` or `chunks`
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -18,7 +17,6 @@ from cluster.http.lora import LoRARegistry
 from engine.engine_request import EngineRequest
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
-from engine.parallel_sampling import child_params
 from engine.processor import InputProcessor
 from engine.sampling_params import SamplingParams
 
@@ -54,15 +52,6 @@ class ServedModel:
         if images:
             prompt["multi_modal_data"] = {"image": images}
         return self.processor.process(prompt, params, lora_request=lora)
-
-
-def samples(request: EngineRequest) -> list[EngineRequest]:
-    """A request with `n` > 1 as its n parallel samples (engine.parallel_sampling): n=1
-    requests of the same prompt, only their seeds differ. The prompt was processed once."""
-    params = request.sampling_params
-    if params.n == 1:
-        return [request]
-    return [dataclasses.replace(request, sampling_params=child) for child in child_params(params)]
 
 
 def _error_body(err: OpenAIError) -> dict:
