@@ -25,7 +25,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
-from actors.roles import Role
 from cluster.http import openai_format as fmt
 from cluster.http import tokenize as tokenizer_routes
 from cluster.http.auth import ApiKeyCheck, install_api_key_check
@@ -59,6 +58,7 @@ from cluster.pd.placement import PrefillPlacement, RoleCounts
 from cluster.pd.serve_peers import ServePD
 from cluster.replica.replica_streams import ReplicaStreams
 from cluster.replica.server import EngineServer
+from cluster.roles import Role
 from cluster.tasks import detached_task
 from engine.engine_client import EngineClient
 from engine.llm_engine import load_processor
@@ -126,8 +126,9 @@ class Ingress:
         direct = settings.direct
         self.direct = EngineServer(**direct.server_kwargs) if direct is not None else None
         self.report_period_s = direct.report_period_s if direct is not None else None
-        engines: EngineClient = (self.direct if self.direct is not None else
-                                 ReplicaStreams(decode if self.mode == "pd" else prefill, self.ingress_id))
+        self.engines: EngineClient = (self.direct if self.direct is not None else
+                                      ReplicaStreams(decode if self.mode == "pd" else prefill, self.ingress_id))
+        engines = self.engines
         self.metrics = AppMetrics(self.served.model_name, self.mode)
         self._pusher: asyncio.Task | None = None  # sends self.metrics to the Coordinator on change
         placement = pd = None
@@ -135,7 +136,7 @@ class Ingress:
             counts = RoleCounts(coordinator)
             placement = PrefillPlacement(settings.local_prefill, counts, settings.prefill_fallback, counts.live)
             # With this replica's own decode engine, prompt KV comes back in the prefill's reply.
-            inbox = self.direct.worker.kv_inbox() if self.direct is not None else None
+            inbox = self.direct.kv_inbox() if self.direct is not None else None
             pd = ServePD(prefill, engines, app_store(settings.app_name), settings.load_failure_policy, inbox)
         self.runner = RequestRunner(engines, self.metrics, self.served.loras, placement, pd)
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
@@ -154,7 +155,9 @@ class Ingress:
     async def check_health(self) -> None:
         if self.direct is not None:
             self.direct.start_reporting(self.report_period_s)
-            await self.direct.check_health()  # raises once the engine (or its core) died
+        # This replica's own engine raises once it (or its core) died; routed replicas are
+        # Serve's to check.
+        await self.engines.check_health()
 
     def inter_deployment_calls(self) -> str:
         """"grpc" or "actor": how this replica's calls to other deployments travel."""

@@ -15,7 +15,6 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from actors.ray_executor import PLACEMENT_STRATEGY
-from actors.roles import Role
 from cluster.control.autoscale import build_config
 from cluster.control.capacity import node_cpus
 from cluster.control.coordinator import DEPLOYMENTS, Coordinator
@@ -26,6 +25,7 @@ from cluster.launch.app_config import AppConfig
 from cluster.pd.placement import LocalPrefillRule
 from cluster.replica.router import LeastLoadRouter
 from cluster.replica.server import EngineServer
+from cluster.roles import Role
 from engine.models.default_model import default_model
 
 # Serve writes one access line per call into a replica's log, twice (its file and stderr,

@@ -12,8 +12,6 @@ import os
 from dataclasses import dataclass, field
 
 from actors.ray_executor import replica_bundles
-from actors.roles import Role
-from actors.worker import cluster_engine_args
 from cluster.control.autoscale import build_config
 from cluster.control.capacity import auto_replica_cpus
 from cluster.control.coordinator import SCALE_TIMEOUT_S
@@ -27,6 +25,8 @@ from cluster.launch.app_checks import (
     direct_role,
 )
 from cluster.pd.placement import MAX_PREFILL_QUEUE_SIZE, PREFILL_TIMEOUT_S, PrefillFallback
+from cluster.replica.host import cluster_engine_args
+from cluster.roles import Role
 from engine.args import EngineArgs
 from engine.errors import ParameterError, check_choice, check_int
 from engine.kv_connector import LOAD_FAILURE_POLICIES

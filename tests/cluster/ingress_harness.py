@@ -45,8 +45,8 @@ class FakeCoordinator:
     """The Coordinator calls the ingress's routes make, answered at once."""
 
     def __getattr__(self, method):
-        from actors.roles import Role
         from cluster.control.results import ScaleResult, Status
+        from cluster.roles import Role
 
         async def call(*args):
             live = [SimpleNamespace(role=Role.COLOCATED)]
