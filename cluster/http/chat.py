@@ -80,6 +80,7 @@ def render(tokenizer, body, template_kwargs: dict | None = None, plan: ToolPlan 
 def chat_job(served: ServedModel, body: ChatCompletionRequest) -> Job:
     lora = served.check_model(body.model)
     with rejecting(body):
+        served.check_limits(body)
         params = body.sampling_params()
         body.check_tool_messages()
         plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, served.tool_parser,

@@ -18,6 +18,7 @@ def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
     lora = served.check_model(body.model)
     processed = []
     with rejecting(body):
+        served.check_limits(body)
         params = body.sampling_params()
         for p in body.prompts():
             if isinstance(p, str):

@@ -3,6 +3,8 @@ turn it (and FastAPI's own schema errors) into `{"error": {message, type, param,
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,6 +19,7 @@ from cluster.replica.errors import ReplicaError
 from engine.errors import EngineDeadError, ParameterError
 
 RETRY_AFTER_S = 1
+logger = logging.getLogger(__name__)
 
 
 class OpenAIError(Exception):
@@ -59,7 +62,17 @@ def replica_error(e: Exception) -> OpenAIError:
         return queue_full(f"engine replicas are at their queue limit; retry later ({e})")
     if isinstance(e, (ReplicaError, EngineDeadError)):  # not the request's fault: it may be retried
         return overloaded(f"request failed on a replica: {e}")
-    return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error")
+    return internal_error(e)
+
+
+def internal_error(e: BaseException) -> OpenAIError:
+    """500: a fault of the server. The body says so with an id to quote; what failed goes to
+    the log under that id, not to the client (exception text can hold paths, addresses or
+    another request's data)."""
+    error_id = f"err-{uuid.uuid4().hex[:12]}"
+    logger.error("internal error %s", error_id, exc_info=(type(e), e, e.__traceback__))
+    return OpenAIError(500, f"internal error (id {error_id}: the server's log has its cause)",
+                       "internal_server_error")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -86,7 +99,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         """Anything unforeseen is still an OpenAI-shaped 500, never a bare text page."""
-        return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error").response()
+        return internal_error(exc).response()
 
     @app.exception_handler(RecursionError)
     async def _too_deep(request: Request, exc: RecursionError) -> JSONResponse:

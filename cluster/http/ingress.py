@@ -29,6 +29,7 @@ from cluster.http import openai_format as fmt
 from cluster.http import tokenize as tokenizer_routes
 from cluster.http.auth import ApiKeyCheck, install_api_key_check
 from cluster.http.body_limits import BodyLimits, install_body_limits
+from cluster.http.cached_call import CachedCall
 from cluster.http.chat import chat_job
 from cluster.http.completions import completion_job
 from cluster.http.control_answers import scale_response, status_response
@@ -77,6 +78,8 @@ _METRICS_PUSH_S = 2.0
 # runs. Past it: a 503 with Retry-After. /scale may wait on Serve's controller: a longer bound.
 _COORDINATOR_CALL_S = 10.0
 _SCALE_CALL_S = 30.0
+# How old an answer /health may give (cluster.http.cached_call).
+_HEALTH_MAX_AGE_S = 1.0
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 install_error_handlers(app)
@@ -97,7 +100,7 @@ class Ingress:
     coordinator_call_s = _COORDINATOR_CALL_S  # an attribute: Serve's wrapper copies the module's globals
     def __init__(self, prefill, decode, coordinator, settings: IngressSettings) -> None:
         global _api_keys, _body_limits
-        _api_keys = ApiKeyCheck(settings.api_key_digests)
+        _api_keys = ApiKeyCheck(settings.api_key_digests, settings.metrics_without_key)
         _body_limits = settings.body_limits
         self.mode = settings.mode
         # Handles made in this replica, not the ones built with the app: Serve picks gRPC or
@@ -114,8 +117,18 @@ class Ingress:
                                            else get_tool_parser(settings.tool_call_parser)),
                               enable_auto_tool_choice=settings.enable_auto_tool_choice,
                               loras=lora_registry(settings.served_model_name, settings.lora_modules, processor,
-                                                  engine_args.enable_lora, settings.lora_runtime_updates))
+                                                  engine_args.enable_lora, settings.lora_runtime_updates),
+                              limits=settings.request_limits, max_prompts=settings.max_pending_requests)
         self.max_pending = settings.max_pending_requests
+        CompletionRequest.max_prompts = self.max_pending  # this process's bound, counted while parsing
+        # /health is open to anyone (load balancers): however often it is asked, the Coordinator
+        # hears of it from this replica at most once a second. /metrics shares one call among
+        # the scrapes that come while it runs (a flood makes one call at a time), but a scrape
+        # never answers older figures than one before it did: Prometheus takes a counter that
+        # goes down for a reset.
+        self._replicas = CachedCall(lambda: self._ask_coordinator("replicas"), _HEALTH_MAX_AGE_S)
+        self._scrape = CachedCall(lambda: self._ask_coordinator("scrape", self.ingress_id, self.metrics.snapshot()),
+                                  0.0)
         loras = self.served.loras  # run-time adapter changes of other ingress replicas, followed
         self.lora_follower = (LoRAFollower(loras, lambda: self._ask_coordinator("lora_table", timeout_s=2.0))
                               if loras is not None and loras.runtime_updates else None)
@@ -294,7 +307,7 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        replicas = await self._ask_coordinator("replicas")  # a 503 while it restarts: not healthy yet
+        replicas = await self._replicas.get()  # a 503 while it restarts: not healthy yet
         roles = {r.role for r in replicas}
         needed = {Role.PREFILL, Role.DECODE} if self.mode == "pd" else {Role.COLOCATED}
         if not needed <= roles:
@@ -340,7 +353,7 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics_text(self) -> Response:
-        replicas, requests = await self._ask_coordinator("scrape", self.ingress_id, self.metrics.snapshot())
+        replicas, requests = await self._scrape.get()
         return Response(self.metrics.render(replicas, requests), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/status")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from cluster.http import openai_format as fmt
 from cluster.http.errors import OpenAIError
 from cluster.http.lora import LoRARegistry
+from cluster.http.request_limits import RequestLimits
 from engine.engine_request import EngineRequest
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
@@ -32,6 +33,8 @@ class ServedModel:
     tool_parser: type | None = None  # the tool-call parser class (cluster.http.tool_parsers)
     enable_auto_tool_choice: bool = False
     loras: LoRARegistry | None = None  # the served LoRA adapters (enable_lora), by name
+    limits: RequestLimits = RequestLimits()  # the lists and sizes a body may carry
+    max_prompts: int = 1024  # sequences per request (--max-pending-requests)
 
     def check_model(self, model: str) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 for any other name."""
@@ -41,6 +44,11 @@ class ServedModel:
             raise OpenAIError(404, f"The model `{model}` does not exist. Available: `{self.model_name}`.",
                               "not_found_error", param="model", code="model_not_found")
         return None
+
+    def check_limits(self, body) -> None:
+        """A ParameterError naming the first list or size of `body` past its bound, before any
+        per-item work (cluster.http.request_limits)."""
+        self.limits.check(body, self.processor.vocab_size, self.max_prompts)
 
     def request(self, ids: list[int], params: SamplingParams, text: str | None = None, images: list | None = None,
                 lora: LoRARequest | None = None) -> EngineRequest:
