@@ -48,8 +48,18 @@ from cluster.http.lora import (
     lora_registry,
 )
 from cluster.http.metrics import AppMetrics
+from cluster.http.openai_models import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    TokenizerInfoResponse,
+)
 from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.http.responses import ResponsesRequest, responses_job
+from cluster.http.responses_models import Response as ResponsesResponse
 from cluster.http.runner import RequestRunner
 from cluster.http.served_model import DATA_LINES, Job, ServedModel, SSEFormat
 from cluster.http.settings import IngressSettings
@@ -201,7 +211,7 @@ class Ingress:
             finals: list[RequestOutput | None] = [None] * len(requests)
             async for i, out in outputs:
                 finals[i] = out
-            return JSONResponse(job.whole(finals))
+            return fmt.json_response(job.whole(finals))
         except Exception as e:
             raise replica_error(e) from e
         finally:
@@ -257,17 +267,20 @@ class Ingress:
             raise overloaded(f"coordinator unavailable: {type(e).__name__}") from e
 
     # ---- routes -------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    # A route's `response_model` documents its JSON answer in /openapi.json; the route returns
+    # a Response it built (the JSON, or an SSE stream with "stream": true), which FastAPI sends
+    # as it is.
+    @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(self, body: CompletionRequest) -> Response:
         await self._follow_loras(body.model)
         return await self.respond(completion_job(self.served, body))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         await self._follow_loras(body.model)
         return await self.respond(chat_job(self.served, body))
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", response_model=ResponsesResponse)
     async def responses(self, body: ResponsesRequest) -> Response:
         await self._follow_loras(body.model)
         return await self.respond(responses_job(self.served, body))
@@ -278,15 +291,15 @@ class Ingress:
 
     # vLLM's tokenizer routes: the ingress's tokenizer answers, no engine is asked.
     @app.post("/tokenize")
-    async def tokenize(self, body: tokenizer_routes.TokenizeRequest) -> dict:
+    async def tokenize(self, body: tokenizer_routes.TokenizeRequest) -> TokenizeResponse:
         return tokenizer_routes.tokenize(self.served, body)
 
     @app.post("/detokenize")
-    async def detokenize(self, body: tokenizer_routes.DetokenizeRequest) -> dict:
+    async def detokenize(self, body: tokenizer_routes.DetokenizeRequest) -> DetokenizeResponse:
         return tokenizer_routes.detokenize(self.served, body)
 
     @app.get("/tokenizer_info")
-    async def tokenizer_info(self) -> dict:
+    async def tokenizer_info(self) -> TokenizerInfoResponse:
         return tokenizer_routes.tokenizer_info(self.served)
 
     @app.get("/health")
@@ -299,13 +312,12 @@ class Ingress:
         return Response(status_code=200)
 
     @app.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self) -> ModelList:
         served = self.served
         adapters = [] if served.loras is None else served.loras.models(self.created, served.processor.max_model_len)
-        return {"object": "list", "data": [{
-            "id": served.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
-            "root": served.model_dir, "parent": None, "max_model_len": served.processor.max_model_len,
-        }, *adapters]}
+        base = ModelCard(id=served.model_name, created=self.created, root=served.model_dir, parent=None,
+                         max_model_len=served.processor.max_model_len)
+        return ModelList(data=[base, *adapters])
 
     # vLLM's run-time LoRA routes (docs/lora.md#serving): on with --enable-lora-runtime-updating or
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; they change this ingress replica's adapters.
