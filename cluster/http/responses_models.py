@@ -89,104 +89,94 @@ class Response(BaseModel):
     reasoning: None = None
 
 
-# ---- the stream's events: each has the next sequence_number ---------------------------------------
-class ResponseCreated(BaseModel):
+# ---- the stream's events: each has the next sequence_number; an added and a done event (or
+# the four that carry the Response) differ only in their `type` -------------------------------
+class _Event(BaseModel):
+    type: str
+    sequence_number: int
+
+
+class _ResponseEvent(_Event):
+    response: Response
+
+
+class ResponseCreated(_ResponseEvent):
     type: Literal["response.created"] = "response.created"
-    sequence_number: int
-    response: Response
 
 
-class ResponseInProgress(BaseModel):
+class ResponseInProgress(_ResponseEvent):
     type: Literal["response.in_progress"] = "response.in_progress"
-    sequence_number: int
-    response: Response
 
 
-class ResponseCompleted(BaseModel):
+class ResponseCompleted(_ResponseEvent):
     type: Literal["response.completed"] = "response.completed"
-    sequence_number: int
-    response: Response
 
 
-class ResponseIncomplete(BaseModel):
+class ResponseIncomplete(_ResponseEvent):
     type: Literal["response.incomplete"] = "response.incomplete"
-    sequence_number: int
-    response: Response
 
 
-class OutputItemAdded(BaseModel):
+class _ItemEvent(_Event):
+    output_index: int
+    item: OutputItem
+
+
+class OutputItemAdded(_ItemEvent):
     type: Literal["response.output_item.added"] = "response.output_item.added"
-    sequence_number: int
-    output_index: int
-    item: OutputItem
 
 
-class OutputItemDone(BaseModel):
+class OutputItemDone(_ItemEvent):
     type: Literal["response.output_item.done"] = "response.output_item.done"
-    sequence_number: int
+
+
+class _InItemEvent(_Event):
+    """An event about the content of the item at `output_index`."""
+
+    item_id: str
     output_index: int
-    item: OutputItem
 
 
-class ContentPartAdded(BaseModel):
+class _PartEvent(_InItemEvent):
+    content_index: int
+    part: OutputText
+
+
+class ContentPartAdded(_PartEvent):
     type: Literal["response.content_part.added"] = "response.content_part.added"
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int
-    part: OutputText
 
 
-class ContentPartDone(BaseModel):
+class ContentPartDone(_PartEvent):
     type: Literal["response.content_part.done"] = "response.content_part.done"
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int
-    part: OutputText
 
 
-class OutputTextDelta(BaseModel):
+class OutputTextDelta(_InItemEvent):
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
-    sequence_number: int
-    item_id: str
-    output_index: int
     content_index: int
     delta: str
     logprobs: list = []
 
 
-class OutputTextDone(BaseModel):
+class OutputTextDone(_InItemEvent):
     type: Literal["response.output_text.done"] = "response.output_text.done"
-    sequence_number: int
-    item_id: str
-    output_index: int
     content_index: int
     text: str
     logprobs: list = []
 
 
-class FunctionCallArgumentsDelta(BaseModel):
+class FunctionCallArgumentsDelta(_InItemEvent):
     type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
-    sequence_number: int
-    item_id: str
-    output_index: int
     delta: str
 
 
-class FunctionCallArgumentsDone(BaseModel):
+class FunctionCallArgumentsDone(_InItemEvent):
     type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
-    sequence_number: int
-    item_id: str
-    output_index: int
     arguments: str
 
 
-class ErrorEvent(BaseModel):
+class ErrorEvent(_Event):
     """What ends a stream whose request failed (no `data: [DONE]` follows)."""
 
     type: Literal["error"] = "error"
-    sequence_number: int
     code: str | int | None
     message: str
     param: str | None = None
