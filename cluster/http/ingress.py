@@ -357,7 +357,7 @@ class Ingress:
         return status_response(await self._ask_coordinator("status"))
 
     @app.post("/scale")
-    async def scale(self, request: Request) -> JSONResponse:
+    async def scale(self, request: Request) -> Response:
         """`{"prefill": N, "decode": M}` -> 202 with the target (the Coordinator decides)."""
         try:
             body = await request.json()
