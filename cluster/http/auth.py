@@ -18,9 +18,9 @@ import os
 from collections.abc import Callable, Iterable
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 
 from cluster.http import openai_format as fmt
+from cluster.http.openai_models import ErrorResponse
 
 ENV_VAR = "PDSERVE_API_KEY"
 OPEN_PATHS = ("/health",)
@@ -77,9 +77,9 @@ class _ApiKeyMiddleware:
         if check is not None and check.enabled and route_path(scope) not in check.open_paths:
             header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
             if not check.allows(header):
-                body = fmt.error_body("Incorrect or missing API key: send `Authorization: Bearer <key>`.",
-                                      "invalid_request_error", None, "invalid_api_key")
-                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                body = ErrorResponse.of("Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                                        "invalid_request_error", None, "invalid_api_key")
+                response = fmt.json_response(body, 401, {"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

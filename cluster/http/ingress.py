@@ -48,8 +48,18 @@ from cluster.http.lora import (
     lora_registry,
 )
 from cluster.http.metrics import AppMetrics
+from cluster.http.openai_models import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    TokenizerInfoResponse,
+)
 from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.http.responses import ResponsesRequest, responses_job
+from cluster.http.responses_models import Response as ResponsesResponse
 from cluster.http.runner import RequestRunner
 from cluster.http.served_model import DATA_LINES, Job, ServedModel, SSEFormat
 from cluster.http.settings import IngressSettings
@@ -121,14 +131,7 @@ class Ingress:
                               limits=settings.request_limits, max_prompts=settings.max_pending_requests)
         self.max_pending = settings.max_pending_requests
         CompletionRequest.max_prompts = self.max_pending  # this process's bound, counted while parsing
-        # /health is open to anyone (load balancers): however often it is asked, the Coordinator
-        # hears of it from this replica at most once a second. /metrics shares one call among
-        # the scrapes that come while it runs (a flood makes one call at a time), but a scrape
-        # never answers older figures than one before it did: Prometheus takes a counter that
-        # goes down for a reset.
-        self._replicas = CachedCall(lambda: self._ask_coordinator("replicas"), _HEALTH_MAX_AGE_S)
-        self._scrape = CachedCall(lambda: self._ask_coordinator("scrape", self.ingress_id, self.metrics.snapshot()),
-                                  0.0)
+        self._share_coordinator_calls()
         loras = self.served.loras  # run-time adapter changes of other ingress replicas, followed
         self.lora_follower = (LoRAFollower(loras, lambda: self._ask_coordinator("lora_table", timeout_s=2.0))
                               if loras is not None and loras.runtime_updates else None)
@@ -163,6 +166,16 @@ class Ingress:
                 pass
             else:
                 self.direct.start_reporting(self.report_period_s)
+
+    def _share_coordinator_calls(self) -> None:
+        """/health is open to anyone (load balancers): however often it is asked, the
+        Coordinator hears of it from this replica at most once a second. /metrics shares one
+        call among the scrapes that come while it runs (a flood makes one call at a time), but
+        a scrape never answers older figures than one before it did: Prometheus takes a
+        counter that goes down for a reset."""
+        self._replicas = CachedCall(lambda: self._ask_coordinator("replicas"), _HEALTH_MAX_AGE_S)
+        self._scrape = CachedCall(lambda: self._ask_coordinator("scrape", self.ingress_id, self.metrics.snapshot()),
+                                  0.0)
 
     # ---- this replica's own engine (--direct-streaming), called by Serve ------------------
     async def check_health(self) -> None:
@@ -217,7 +230,7 @@ class Ingress:
             finals: list[RequestOutput | None] = [None] * len(requests)
             async for i, out in outputs:
                 finals[i] = out
-            return JSONResponse(job.whole(finals))
+            return fmt.json_response(job.whole(finals))
         except Exception as e:
             raise replica_error(e) from e
         finally:
@@ -273,17 +286,20 @@ class Ingress:
             raise overloaded(f"coordinator unavailable: {type(e).__name__}") from e
 
     # ---- routes -------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    # A route's `response_model` documents its JSON answer in /openapi.json; the route returns
+    # a Response it built (the JSON, or an SSE stream with "stream": true), which FastAPI sends
+    # as it is.
+    @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(self, body: CompletionRequest) -> Response:
         await self._follow_loras(body.model)
         return await self.respond(completion_job(self.served, body))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         await self._follow_loras(body.model)
         return await self.respond(chat_job(self.served, body))
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", response_model=ResponsesResponse)
     async def responses(self, body: ResponsesRequest) -> Response:
         await self._follow_loras(body.model)
         return await self.respond(responses_job(self.served, body))
@@ -294,15 +310,15 @@ class Ingress:
 
     # vLLM's tokenizer routes: the ingress's tokenizer answers, no engine is asked.
     @app.post("/tokenize")
-    async def tokenize(self, body: tokenizer_routes.TokenizeRequest) -> dict:
+    async def tokenize(self, body: tokenizer_routes.TokenizeRequest) -> TokenizeResponse:
         return tokenizer_routes.tokenize(self.served, body)
 
     @app.post("/detokenize")
-    async def detokenize(self, body: tokenizer_routes.DetokenizeRequest) -> dict:
+    async def detokenize(self, body: tokenizer_routes.DetokenizeRequest) -> DetokenizeResponse:
         return tokenizer_routes.detokenize(self.served, body)
 
     @app.get("/tokenizer_info")
-    async def tokenizer_info(self) -> dict:
+    async def tokenizer_info(self) -> TokenizerInfoResponse:
         return tokenizer_routes.tokenizer_info(self.served)
 
     @app.get("/health")
@@ -315,13 +331,12 @@ class Ingress:
         return Response(status_code=200)
 
     @app.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self) -> ModelList:
         served = self.served
         adapters = [] if served.loras is None else served.loras.models(self.created, served.processor.max_model_len)
-        return {"object": "list", "data": [{
-            "id": served.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
-            "root": served.model_dir, "parent": None, "max_model_len": served.processor.max_model_len,
-        }, *adapters]}
+        base = ModelCard(id=served.model_name, created=self.created, root=served.model_dir, parent=None,
+                         max_model_len=served.processor.max_model_len)
+        return ModelList(data=[base, *adapters])
 
     # vLLM's run-time LoRA routes (docs/lora.md#serving): on with --enable-lora-runtime-updating or
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; they change this ingress replica's adapters.
@@ -361,7 +376,7 @@ class Ingress:
         return status_response(await self._ask_coordinator("status"))
 
     @app.post("/scale")
-    async def scale(self, request: Request) -> JSONResponse:
+    async def scale(self, request: Request) -> Response:
         """`{"prefill": N, "decode": M}` -> 202 with the target (the Coordinator decides)."""
         try:
             body = await request.json()

@@ -21,6 +21,8 @@ import functools
 import json
 from dataclasses import dataclass
 
+from cluster.http.openai_models import DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall
+from cluster.http.openai_models import ToolCall as MessageToolCall
 from cluster.http.tool_parsers import ContentDelta, ToolCall, ToolCallDelta, ToolParser
 from cluster.http.tool_parsers.base import openai_call_id
 from engine.errors import ParameterError
@@ -187,8 +189,8 @@ def _required_calls(text: str) -> list[ToolCall] | None:
 
 
 class ToolStreamer:
-    """One choice's text deltas as chat `delta` dicts: content, or OpenAI `tool_calls` chunks
-    (index, id and type with the name first, then `arguments` fragments)."""
+    """One choice's text deltas as chat deltas: content, or OpenAI `tool_calls` chunks (index,
+    id and type with the name first, then `arguments` fragments)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
@@ -197,7 +199,7 @@ class ToolStreamer:
         self.named_id: str | None = None
         self.calls = 0
 
-    def feed(self, delta_text: str) -> list[dict]:
+    def feed(self, delta_text: str) -> list[DeltaMessage]:
         if self.stream is not None:
             return self._deltas(self.stream.feed(delta_text))
         if self.plan.mode == "named":
@@ -211,15 +213,15 @@ class ToolStreamer:
         if self.plan.mode == "required":
             self.text += delta_text
             return []
-        return [{"content": delta_text}] if delta_text else []
+        return [DeltaMessage(content=delta_text)] if delta_text else []
 
-    def finish(self) -> list[dict]:
+    def finish(self) -> list[DeltaMessage]:
         if self.stream is not None:
             return self._deltas(self.stream.finish())
         if self.plan.mode == "required":
             calls = _required_calls(self.text)
             if calls is None:
-                return [{"content": self.text}] if self.text else []
+                return [DeltaMessage(content=self.text)] if self.text else []
             self.calls = len(calls)
             return [d for i, c in enumerate(calls) for d in (_call_delta(i, c.id, c.name, ""),
                                                             _call_delta(i, None, None, c.arguments))]
@@ -227,29 +229,21 @@ class ToolStreamer:
             return self.feed("")
         return []
 
-    def _deltas(self, items) -> list[dict]:
+    def _deltas(self, items) -> list[DeltaMessage]:
         out = []
         for d in items:
             if isinstance(d, ContentDelta):
-                out.append({"content": d.text})
+                out.append(DeltaMessage(content=d.text))
             elif isinstance(d, ToolCallDelta):
                 self.calls = max(self.calls, d.index + 1)
                 out.append(_call_delta(d.index, d.id, d.name, d.arguments))
         return out
 
 
-def _call_delta(index: int, call_id: str | None, name: str | None, arguments: str | None) -> dict:
-    call: dict = {"index": index}
-    if call_id is not None:
-        call.update(id=call_id, type="function")
-    fn = {}
-    if name is not None:
-        fn["name"] = name
-    if arguments is not None:
-        fn["arguments"] = arguments
-    if fn:
-        call["function"] = fn
-    return {"tool_calls": [call]}
+def _call_delta(index: int, call_id: str | None, name: str | None, arguments: str | None) -> DeltaMessage:
+    fn = DeltaFunctionCall(name=name, arguments=arguments) if name is not None or arguments is not None else None
+    call = DeltaToolCall(index=index, id=call_id, type=None if call_id is None else "function", function=fn)
+    return DeltaMessage(tool_calls=[call])
 
 
 def supports_tools(tokenizer) -> bool:
@@ -281,5 +275,5 @@ def plain_conversation(conv: list[dict], plan: ToolPlan | None) -> list[dict]:
     return out
 
 
-def message_tool_calls(calls: list[ToolCall]) -> list[dict]:
-    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+def message_tool_calls(calls: list[ToolCall]) -> list[MessageToolCall]:
+    return [MessageToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
