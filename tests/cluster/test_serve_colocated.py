@@ -146,7 +146,9 @@ CHAT_BAD = [
     ({"messages": [{"role": "user", "content": "word " * 600}]}, "messages"),  # over the context
     ({"n": 0}, "n"),
     ({"n": 3}, "n"),  # 3 sequences > this app's max_pending_requests of 2
-    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools"),  # no name
+    # no name (tool_choice "none": this app refuses "auto" first, before any tool is parsed)
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}], "tool_choice": "none"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto: this app has no parser
     ({"temperature": -1}, "temperature"),
 ]
