@@ -1,4 +1,4 @@
-/* 8-float vectors (GCC vector extensions: AVX with -march=native on x86, pairs of 128-bit
+/* 8-float vectors (GCC vector extensions: AVX at the avx2 and avx512 levels, pairs of 128-bit
  * registers elsewhere) and the helpers the kernels share. */
 #ifndef PDSERVE_VEC_H
 #define PDSERVE_VEC_H
