@@ -1,30 +1,8 @@
-"""Ray actors wrapping one engine each: prefill, decode, or both (colocated).
+"""The Ray actors an engine spreads over: tensor-parallel ranks (`tp_rank.py`, placed by the
+"ray" executor, `ray_executor.py`) and data-parallel cores (`dp_core.py`, placed by the "ray"
+data-parallel backend, `dp_cores.py`). Importing those two backends registers them with the
+engine's plugin registry (engine/plugins.py). The engine host that owns such an engine is
+cluster/replica/host.py."""
 
-The names below load on first use, so importing a light module of this package (roles,
-report) does not import the engine with them."""
-
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING
-
-_EXPORTS = {
-    "EngineWorker": "actors.worker",
-    "create_worker": "actors.worker",
-}
-__all__ = [
-    "EngineWorker",
-    "create_worker",
-]
-
-if TYPE_CHECKING:
-    from actors.worker import EngineWorker, create_worker
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'actors' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+import actors.dp_cores  # noqa: F401  (registers data_parallel_backend="ray")
+import actors.ray_executor  # noqa: F401  (registers distributed_executor_backend="ray")

@@ -262,7 +262,7 @@ class AsyncLLM:
         finally:
             self._post(request_id, _ABORTED)
 
-    # ---- what a serving replica asks of its engine (actors.worker) ----------------------
+    # ---- what a serving replica asks of its engine (cluster.replica.host) ----------------------
     async def load(self) -> EngineLoad:
         core = self.engine.core
         if core.runs_apart:
@@ -290,12 +290,13 @@ class AsyncLLM:
         """Handles of the engine's tensor-parallel rank actors ("ray" executor)."""
         return self.engine.core.rank_actors()
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         """Raise if the engine thread died, or a worker is gone (a tensor-parallel rank that
         died, even while idle)."""
         if self._errored is not None:
             raise RuntimeError(f"the engine thread failed: {self._errored!r}")
-        self.engine.core.check_health()
+        # Off the event loop: with rank actors or a core process this asks them (bounded).
+        await asyncio.to_thread(self.engine.core.check_health)
 
     def shutdown(self) -> None:
         self._clock.stop()

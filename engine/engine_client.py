@@ -25,3 +25,8 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None:
         """End a request from outside its stream (a no-op for one that ended)."""
+
+    async def check_health(self) -> None:
+        """Raise when this client cannot serve any more (its engine thread or core process
+        died, a tensor-parallel rank is gone); bounded. What a client reaches through a router
+        (Serve's replicas) is health-checked by that router, not here."""

@@ -1,7 +1,7 @@
 """A KV-connector factory that can travel to another process (a tensor-parallel rank actor, or
 a data-parallel core actor, which builds both sides).
 
-With one rank and one core the EngineWorker builds its connector sides in its own process;
+With one rank and one core the EngineHost builds its connector sides in its own process;
 otherwise they are built in other actors, which therefore need the recipe rather than a
 closure over the replica's objects. Rank r moves shard r of every transfer
 (kvstore.shards), so the factory is specialised per rank (`for_rank`) before it is used.

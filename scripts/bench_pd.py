@@ -50,7 +50,7 @@ async def _one_pd(handles, processor, n, rid, params, rng, vocab):
 
 
 def bench_transfer(ray, engine_args, processor, lengths, vocab):
-    from actors import create_worker
+    from cluster.replica.host import start_host_actor
     from engine import SamplingParams
     from kvstore.store_actor import create_store
 
@@ -61,7 +61,7 @@ def bench_transfer(ray, engine_args, processor, lengths, vocab):
     for transport in ("object_store", "torch_dist"):
         store = create_store()
         kw = dict(store=store, transport=transport)
-        prefill, decode = create_worker(engine_args, "prefill", **kw), create_worker(engine_args, "decode", **kw)
+        prefill, decode = start_host_actor(engine_args, "prefill", **kw), start_host_actor(engine_args, "decode", **kw)
         ray.get([prefill.ping.remote(), decode.ping.remote()])
 
         handles = (prefill, decode, store)
@@ -80,8 +80,8 @@ def bench_transfer(ray, engine_args, processor, lengths, vocab):
 
 
 def bench_latency(ray, engine_args, processor, n_requests, rate, vocab, seed):
-    from actors import create_worker
     from cluster.pd.actor_peers import colocated_generate, pd_generate
+    from cluster.replica.host import start_host_actor
     from engine import SamplingParams
     from kvstore.store_actor import create_store
 
@@ -107,9 +107,9 @@ def bench_latency(ray, engine_args, processor, n_requests, rate, vocab, seed):
         return results, time.perf_counter() - start
 
     store = create_store()
-    prefill = create_worker(engine_args, "prefill", store=store)
-    decode = create_worker(engine_args, "decode", store=store)
-    colocated = create_worker(engine_args, "colocated")
+    prefill = start_host_actor(engine_args, "prefill", store=store)
+    decode = start_host_actor(engine_args, "decode", store=store)
+    colocated = start_host_actor(engine_args, "colocated")
     ray.get([prefill.ping.remote(), decode.ping.remote(), colocated.ping.remote()])
     modes = {
         "colocated": lambda request: colocated_generate(colocated, request),

@@ -66,6 +66,7 @@ SHARED_APP_GROUPS = {
     "shared_app": frozenset({
         "tests/cluster/test_lm_eval.py",
         "tests/cluster/test_responses.py",
+        "tests/cluster/test_serve_limits.py",
         "tests/cluster/test_serve_lora.py",
         "tests/cluster/test_serve_scoring.py",
         "tests/cluster/test_serve_tools.py",

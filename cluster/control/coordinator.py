@@ -16,12 +16,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from actors.report import ReplicaReport
-from actors.roles import Role
 from cluster.control.autoscale import PolicyState, RoleSignal, build_config, decide
 from cluster.control.capacity import describe, free_resources, needed_for, shortfall
 from cluster.control.metrics_merge import Snapshot, add
 from cluster.control.results import ReplicaStatus, ScaleResult, Status
+from cluster.report import ReplicaReport
+from cluster.roles import Role
 
 logger = logging.getLogger(__name__)
 

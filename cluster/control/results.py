@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from actors.report import ReplicaReport
+from cluster.report import ReplicaReport
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
-"""API keys: `Authorization: Bearer KEY` on /v1/*, the tokenizer routes, /scale and /status (as
-vLLM's --api-key guards /v1; the tokenizer routes serve the same model, so they need the same
-key); /health and /metrics stay open for load balancers and Prometheus.
+"""API keys: `Authorization: Bearer KEY` on every route but /health (load balancers probe it
+without one), and /metrics too unless --metrics-without-key. Deny by default: a route added
+later, the OpenAPI pages and a path that matches no route all need the key, so no route is
+open by being forgotten. The path checked is the one the app routes on: under a Serve
+`route_prefix` other than `/` the request's path starts with the prefix (Starlette routes on
+the path less `root_path`), and it is taken off before the check.
 
 Keys are configured with `--api-key` (repeatable) or PDSERVE_API_KEY (comma-separated). The
 ingress only ever holds their SHA-256 digests — the plaintext is not in the Serve config, its
@@ -15,12 +18,12 @@ import os
 from collections.abc import Callable, Iterable
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 
 from cluster.http import openai_format as fmt
+from cluster.http.openai_models import ErrorResponse
 
 ENV_VAR = "PDSERVE_API_KEY"
-GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/scale", "/status")
+OPEN_PATHS = ("/health",)
 
 
 def keys_from(flags: Iterable[str] | None, environ: dict | None = None) -> tuple[str, ...]:
@@ -35,8 +38,9 @@ def digest(key: str) -> str:
 
 
 class ApiKeyCheck:
-    def __init__(self, digests: Iterable[str]) -> None:
+    def __init__(self, digests: Iterable[str], metrics_without_key: bool = False) -> None:
         self.digests = tuple(digests)
+        self.open_paths = OPEN_PATHS + (("/metrics",) if metrics_without_key else ())
 
     @property
     def enabled(self) -> bool:
@@ -53,8 +57,12 @@ class ApiKeyCheck:
         return sum(hmac.compare_digest(presented, d) for d in self.digests) > 0
 
 
-def guarded(path: str) -> bool:
-    return path.startswith(GUARDED_PREFIXES)
+def route_path(scope) -> str:
+    """The path the app routes on: the request's, less the Serve route prefix (`root_path`)."""
+    path, root = scope["path"], scope.get("root_path") or ""
+    if root and root != "/" and path.startswith(root):
+        path = path[len(root):] or "/"
+    return path
 
 
 class _ApiKeyMiddleware:
@@ -65,13 +73,13 @@ class _ApiKeyMiddleware:
         self.app, self.current = app, current
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and guarded(scope["path"]):
-            check = self.current()
+        check = self.current() if scope["type"] == "http" else None
+        if check is not None and check.enabled and route_path(scope) not in check.open_paths:
             header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-            if check is not None and not check.allows(header):
-                body = fmt.error_body("Incorrect or missing API key: send `Authorization: Bearer <key>`.",
-                                      "invalid_request_error", None, "invalid_api_key")
-                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            if not check.allows(header):
+                body = ErrorResponse.of("Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                                        "invalid_request_error", None, "invalid_api_key")
+                response = fmt.json_response(body, 401, {"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

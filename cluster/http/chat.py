@@ -5,10 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 import uuid
 
 from cluster.http import openai_format as fmt
 from cluster.http.errors import OpenAIError, rejecting
+from cluster.http.openai_models import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    DeltaMessage,
+    Usage,
+    builder,
+)
 from cluster.http.protocol import ChatCompletionRequest
 from cluster.http.served_model import Job, ServedModel
 from cluster.http.tools import ToolPlan, message_tool_calls, plain_conversation, supports_tools
@@ -16,6 +27,8 @@ from engine.errors import ParameterError
 from engine.multimodal.media import load_image
 from engine.parallel_sampling import child_requests
 from engine.sampling_params import SamplingParams
+
+make_chunk = builder(ChatCompletionChunk)
 
 
 def load_images(allowed_local_media_path: str | None, image_limit: int | None, body: ChatCompletionRequest) -> list:
@@ -80,6 +93,7 @@ def render(tokenizer, body, template_kwargs: dict | None = None, plan: ToolPlan 
 def chat_job(served: ServedModel, body: ChatCompletionRequest) -> Job:
     lora = served.check_model(body.model)
     with rejecting(body):
+        served.check_limits(body)
         params = body.sampling_params()
         body.check_tool_messages()
         plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, served.tool_parser,
@@ -94,30 +108,30 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest) -> Job:
     request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     model, n_logprobs = body.model, body.num_logprobs  # the base model's name or an adapter's
 
-    def logprobs(token_ids, positions):
+    def logprobs(token_ids, positions) -> ChatLogprobs | None:
         if n_logprobs is None:
             return None
         return fmt.chat_logprobs(served.text_of, token_ids, positions or [], n_logprobs)
 
-    def choice(j, out) -> dict:
+    def choice(j, out) -> ChatChoice:
         c = out.outputs[0]
         content, calls = plan.parse(c.text) if plan is not None else (c.text, [])
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = message_tool_calls(calls)
+        message = ChatCompletionMessage(content=content, tool_calls=message_tool_calls(calls) if calls else None)
         finish = plan.finish_reason(calls, c.finish_reason) if plan is not None else c.finish_reason
-        return {"index": j, "message": message, "logprobs": logprobs(c.token_ids, c.logprobs),
-                "finish_reason": finish, "stop_reason": c.stop_reason}
+        return ChatChoice(index=j, message=message, logprobs=logprobs(c.token_ids, c.logprobs),
+                          finish_reason=finish, stop_reason=c.stop_reason)
 
-    def whole(finals):
-        obj = fmt.response_object("chat.completion", request_id, model, [choice(j, out) for j, out in enumerate(finals)],
-                                  fmt.usage(len(ids), sum(len(out.outputs[0].token_ids) for out in finals)))
-        if body.prompt_logprobs is not None:  # vLLM's extra field, beside the choices
-            obj["prompt_logprobs"] = fmt.vllm_prompt_logprobs(finals[0].prompt_logprobs)
-        return obj
+    def whole(finals) -> ChatCompletionResponse:
+        return ChatCompletionResponse(
+            id=request_id, created=int(time.time()), model=model,
+            choices=[choice(j, out) for j, out in enumerate(finals)],
+            usage=Usage.of(len(ids), sum(len(out.outputs[0].token_ids) for out in finals)),
+            prompt_logprobs=(fmt.vllm_prompt_logprobs(finals[0].prompt_logprobs)
+                             if body.prompt_logprobs is not None else None))
 
-    def deltas(j, out, finish) -> tuple[list[dict], str | None]:
-        """This output's delta dicts (text, or tool-call pieces) and its finish reason."""
+    def deltas(j, out, finish) -> tuple[list[DeltaMessage | dict], str | None]:
+        """This output's deltas (text, or tool-call pieces) and its finish reason. Text is a
+        DeltaMessage's fields, made one by make_chunk's call."""
         if plan is None:
             return ([{"content": out.delta_text}] if out.delta_text or finish is None else [{}]), finish
         streamer = streamers[j]
@@ -127,11 +141,15 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest) -> Job:
             finish = plan.finish_reason([None] * streamer.calls, finish)
         return parts or ([{}] if finish is not None else []), finish
 
+    def chunk(choices: list[dict], usage: Usage | None = None) -> ChatCompletionChunk:
+        """A chunk whose choices are ChatChunkChoice's fields (a chunk goes out per token)."""
+        return make_chunk({"id": request_id, "created": int(time.time()), "model": model, "choices": choices,
+                           "usage": usage})
+
     async def chunks(merged):
         n_gen = [0] * n
-        yield fmt.response_object("chat.completion", request_id, model, [
-            {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-             "finish_reason": None} for j in range(n)], None, True)
+        yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for j in range(n)])
         async for j, out in merged:
             c = out.outputs[0]
             n_gen[j] = len(c.token_ids)
@@ -145,12 +163,11 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest) -> Job:
             parts = parts or [{}]
             for k, delta in enumerate(parts):
                 last = k == len(parts) - 1
-                u = fmt.usage(len(ids), n_gen[j]) if body.continuous_usage and last else None
-                yield fmt.response_object("chat.completion", request_id, model, [
-                    {"index": j, "delta": delta, "logprobs": lp if k == 0 else None,
-                     "finish_reason": finish if last else None}], u, True)
+                yield chunk([{"index": j, "delta": delta, "logprobs": lp if k == 0 else None,
+                              "finish_reason": finish if last else None}],
+                            Usage.of(len(ids), n_gen[j]) if body.continuous_usage and last else None)
         if body.include_usage:
-            yield fmt.response_object("chat.completion", request_id, model, [], fmt.usage(len(ids), sum(n_gen)), True)
+            yield chunk([], Usage.of(len(ids), sum(n_gen)))
 
     # `n` > 1: n requests of the same prompt (engine.parallel_sampling); choice j is sample j.
     n = params.n

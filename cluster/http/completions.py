@@ -4,20 +4,31 @@ answer is the legacy completions response (or its SSE chunks)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 
 from cluster.http import openai_format as fmt
 from cluster.http.errors import rejecting
+from cluster.http.openai_models import (
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    Usage,
+    builder,
+)
 from cluster.http.protocol import CompletionRequest
 from cluster.http.served_model import Job, ServedModel
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import child_requests
+
+make_chunk = builder(CompletionChunk)
 
 
 def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
     lora = served.check_model(body.model)
     processed = []
     with rejecting(body):
+        served.check_limits(body)
         params = body.sampling_params()
         for p in body.prompts():
             if isinstance(p, str):
@@ -38,26 +49,26 @@ def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
         requests = [dataclasses.replace(r, sampling_params=dataclasses.replace(
             r.sampling_params, prompt_logprobs=params.prompt_logprobs)) for r in requests]
 
-    def logprobs(i, out: RequestOutput, ids: list[int], positions, offset: int, with_prompt: bool):
+    def logprobs(i, out: RequestOutput, ids: list[int], positions, offset: int,
+                 with_prompt: bool) -> CompletionLogprobs | None:
         """The choice's logprobs object over (the echoed prompt and) `ids`."""
         if n_logprobs is None:
             return None
+        rest = fmt.completion_logprobs(served.text_of, ids, positions or [], n_logprobs, offset)
         if not with_prompt:
-            return fmt.completion_logprobs(served.text_of, ids, positions or [], n_logprobs, offset)
+            return rest
         prompt_ids = requests[i].prompt_token_ids
         prompt_pos = fmt.plain_positions(out.prompt_logprobs or [None] * len(prompt_ids))
-        lp = fmt.completion_logprobs(served.text_of, prompt_ids, prompt_pos, n_logprobs, 0)
-        rest = fmt.completion_logprobs(served.text_of, ids, positions or [], n_logprobs, offset)
-        return {k: lp[k] + rest[k] for k in lp}
+        return fmt.joined(fmt.completion_logprobs(served.text_of, prompt_ids, prompt_pos, n_logprobs, 0), rest)
 
     def choice(i, out: RequestOutput, text: str, lp, finish, with_prompt_logprobs: bool = True) -> dict:
-        c = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish,
-             "stop_reason": out.outputs[0].stop_reason if finish else None}
-        if body.prompt_logprobs is not None and with_prompt_logprobs:
-            c["prompt_logprobs"] = fmt.vllm_prompt_logprobs(out.prompt_logprobs)
-        return c
+        """A CompletionChoice's fields, made into one with the body (make_chunk, or the whole)."""
+        plp = body.prompt_logprobs is not None and with_prompt_logprobs
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish,
+                "stop_reason": out.outputs[0].stop_reason if finish else None,
+                "prompt_logprobs": fmt.vllm_prompt_logprobs(out.prompt_logprobs) if plp else None}
 
-    def whole(finals):
+    def whole(finals) -> CompletionResponse:
         choices, n_prompt, n_gen = [], 0, 0
         for i, out in enumerate(finals):
             c = out.outputs[0]
@@ -67,13 +78,18 @@ def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
             choices.append(choice(i, out, prefix + text, lp, c.finish_reason))
             n_prompt += len(out.prompt_token_ids) if i % n == 0 else 0  # once per prompt, as OpenAI
             n_gen += len(ids)
-        return fmt.response_object("text_completion", request_id, model, choices, fmt.usage(n_prompt, n_gen))
+        return CompletionResponse(id=request_id, created=int(time.time()), model=model, choices=choices,
+                                  usage=Usage.of(n_prompt, n_gen))
 
-    def echo_chunk(i, out: RequestOutput | None) -> dict:
+    def chunk(choices: list[dict], usage: Usage | None = None) -> CompletionChunk:
+        """A chunk of these choices (a chunk goes out per token)."""
+        return make_chunk({"id": request_id, "created": int(time.time()), "model": model, "choices": choices,
+                           "usage": usage})
+
+    def echo_chunk(i, out: RequestOutput | None) -> CompletionChunk:
         text = requests[i].prompt
         lp = None if out is None else logprobs(i, out, [], [], len(text), True)
-        return fmt.response_object("text_completion", request_id, model, [
-            {"index": i, "text": text, "logprobs": lp, "finish_reason": None}], None, True)
+        return chunk([{"index": i, "text": text, "logprobs": lp, "finish_reason": None}])
 
     async def chunks(merged):
         offsets = [0] * len(requests)
@@ -96,8 +112,7 @@ def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
             finish = c.finish_reason if out.finished else None
             if scoring:
                 if finish is not None:
-                    yield fmt.response_object("text_completion", request_id, model,
-                                              [choice(i, out, "", None, finish, plp)], None, True)
+                    yield chunk([choice(i, out, "", None, finish, plp)])
                 continue
             counts[i][1] = len(c.token_ids)
             if not out.delta_text and not out.delta_token_ids and finish is None:
@@ -105,10 +120,8 @@ def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
             lp = logprobs(i, out, out.delta_token_ids, out.delta_logprobs, offsets[i], False)
             ch = choice(i, out, out.delta_text, lp, finish, plp)
             offsets[i] += len(out.delta_text)
-            u = fmt.usage(*counts[i]) if body.continuous_usage else None
-            yield fmt.response_object("text_completion", request_id, model, [ch], u, True)
+            yield chunk([ch], Usage.of(*counts[i]) if body.continuous_usage else None)
         if body.include_usage:
-            yield fmt.response_object("text_completion", request_id, model, [], fmt.usage(
-                sum(c[0] for c in counts[::n]), sum(c[1] for c in counts)), True)
+            yield chunk([], Usage.of(sum(c[0] for c in counts[::n]), sum(c[1] for c in counts)))
 
     return Job(requests, request_id, body.stream, chunks, whole, n)

@@ -3,20 +3,24 @@ turn it (and FastAPI's own schema errors) into `{"error": {message, type, param,
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.http import openai_format as fmt
+from cluster.http.openai_models import ErrorResponse
 from cluster.replica.errors import ReplicaError
 from engine.errors import EngineDeadError, ParameterError
 
 RETRY_AFTER_S = 1
+logger = logging.getLogger(__name__)
 
 
 class OpenAIError(Exception):
@@ -26,9 +30,9 @@ class OpenAIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(fmt.error_body(self.message, self.type, self.param, self.code or self.status),
-                            status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        return fmt.json_response(ErrorResponse.of(self.message, self.type, self.param, self.code or self.status),
+                                 self.status, self.headers)
 
 
 def overloaded(message: str) -> OpenAIError:
@@ -59,16 +63,26 @@ def replica_error(e: Exception) -> OpenAIError:
         return queue_full(f"engine replicas are at their queue limit; retry later ({e})")
     if isinstance(e, (ReplicaError, EngineDeadError)):  # not the request's fault: it may be retried
         return overloaded(f"request failed on a replica: {e}")
-    return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error")
+    return internal_error(e)
+
+
+def internal_error(e: BaseException) -> OpenAIError:
+    """500: a fault of the server. The body says so with an id to quote; what failed goes to
+    the log under that id, not to the client (exception text can hold paths, addresses or
+    another request's data)."""
+    error_id = f"err-{uuid.uuid4().hex[:12]}"
+    logger.error("internal error %s", error_id, exc_info=(type(e), e, e.__traceback__))
+    return OpenAIError(500, f"internal error (id {error_id}: the server's log has its cause)",
+                       "internal_server_error")
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+    async def _openai_error(request: Request, exc: OpenAIError) -> Response:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         """FastAPI's 422 becomes OpenAI's 400, naming the offending field."""
         err = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
@@ -84,19 +98,19 @@ def install_error_handlers(app: FastAPI) -> None:
         return OpenAIError(400, message, param=param).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         """Anything unforeseen is still an OpenAI-shaped 500, never a bare text page."""
-        return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error").response()
+        return internal_error(exc).response()
 
     @app.exception_handler(RecursionError)
-    async def _too_deep(request: Request, exc: RecursionError) -> JSONResponse:
+    async def _too_deep(request: Request, exc: RecursionError) -> Response:
         """Only a request's own nesting (JSON arrays and objects in arrays and objects, often
         ~1000 deep) takes the ingress this deep: the client's fault, not the server's."""
         return OpenAIError(400, "the request nests too deeply to process (JSON arrays or objects inside "
                            "each other)").response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = _unparsable_body(exc.__cause__) or str(exc.detail)
         return OpenAIError(exc.status_code, message, type_, headers=exc.headers).response()

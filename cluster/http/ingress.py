@@ -25,11 +25,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
-from actors.roles import Role
 from cluster.http import openai_format as fmt
 from cluster.http import tokenize as tokenizer_routes
 from cluster.http.auth import ApiKeyCheck, install_api_key_check
 from cluster.http.body_limits import BodyLimits, install_body_limits
+from cluster.http.cached_call import CachedCall
 from cluster.http.chat import chat_job
 from cluster.http.completions import completion_job
 from cluster.http.control_answers import scale_response, status_response
@@ -48,8 +48,18 @@ from cluster.http.lora import (
     lora_registry,
 )
 from cluster.http.metrics import AppMetrics
+from cluster.http.openai_models import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    TokenizerInfoResponse,
+)
 from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.http.responses import ResponsesRequest, responses_job
+from cluster.http.responses_models import Response as ResponsesResponse
 from cluster.http.runner import RequestRunner
 from cluster.http.served_model import DATA_LINES, Job, ServedModel, SSEFormat
 from cluster.http.settings import IngressSettings
@@ -59,6 +69,7 @@ from cluster.pd.placement import PrefillPlacement, RoleCounts
 from cluster.pd.serve_peers import ServePD
 from cluster.replica.replica_streams import ReplicaStreams
 from cluster.replica.server import EngineServer
+from cluster.roles import Role
 from cluster.tasks import detached_task
 from engine.engine_client import EngineClient
 from engine.llm_engine import load_processor
@@ -77,6 +88,8 @@ _METRICS_PUSH_S = 2.0
 # runs. Past it: a 503 with Retry-After. /scale may wait on Serve's controller: a longer bound.
 _COORDINATOR_CALL_S = 10.0
 _SCALE_CALL_S = 30.0
+# How old an answer /health may give (cluster.http.cached_call).
+_HEALTH_MAX_AGE_S = 1.0
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 install_error_handlers(app)
@@ -97,7 +110,7 @@ class Ingress:
     coordinator_call_s = _COORDINATOR_CALL_S  # an attribute: Serve's wrapper copies the module's globals
     def __init__(self, prefill, decode, coordinator, settings: IngressSettings) -> None:
         global _api_keys, _body_limits
-        _api_keys = ApiKeyCheck(settings.api_key_digests)
+        _api_keys = ApiKeyCheck(settings.api_key_digests, settings.metrics_without_key)
         _body_limits = settings.body_limits
         self.mode = settings.mode
         # Handles made in this replica, not the ones built with the app: Serve picks gRPC or
@@ -114,8 +127,11 @@ class Ingress:
                                            else get_tool_parser(settings.tool_call_parser)),
                               enable_auto_tool_choice=settings.enable_auto_tool_choice,
                               loras=lora_registry(settings.served_model_name, settings.lora_modules, processor,
-                                                  engine_args.enable_lora, settings.lora_runtime_updates))
+                                                  engine_args.enable_lora, settings.lora_runtime_updates),
+                              limits=settings.request_limits, max_prompts=settings.max_pending_requests)
         self.max_pending = settings.max_pending_requests
+        CompletionRequest.max_prompts = self.max_pending  # this process's bound, counted while parsing
+        self._share_coordinator_calls()
         loras = self.served.loras  # run-time adapter changes of other ingress replicas, followed
         self.lora_follower = (LoRAFollower(loras, lambda: self._ask_coordinator("lora_table", timeout_s=2.0))
                               if loras is not None and loras.runtime_updates else None)
@@ -126,8 +142,9 @@ class Ingress:
         direct = settings.direct
         self.direct = EngineServer(**direct.server_kwargs) if direct is not None else None
         self.report_period_s = direct.report_period_s if direct is not None else None
-        engines: EngineClient = (self.direct if self.direct is not None else
-                                 ReplicaStreams(decode if self.mode == "pd" else prefill, self.ingress_id))
+        self.engines: EngineClient = (self.direct if self.direct is not None else
+                                      ReplicaStreams(decode if self.mode == "pd" else prefill, self.ingress_id))
+        engines = self.engines
         self.metrics = AppMetrics(self.served.model_name, self.mode)
         self._pusher: asyncio.Task | None = None  # sends self.metrics to the Coordinator on change
         placement = pd = None
@@ -135,7 +152,7 @@ class Ingress:
             counts = RoleCounts(coordinator)
             placement = PrefillPlacement(settings.local_prefill, counts, settings.prefill_fallback, counts.live)
             # With this replica's own decode engine, prompt KV comes back in the prefill's reply.
-            inbox = self.direct.worker.kv_inbox() if self.direct is not None else None
+            inbox = self.direct.kv_inbox() if self.direct is not None else None
             pd = ServePD(prefill, engines, app_store(settings.app_name), settings.load_failure_policy, inbox)
         self.runner = RequestRunner(engines, self.metrics, self.served.loras, placement, pd)
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
@@ -150,11 +167,23 @@ class Ingress:
             else:
                 self.direct.start_reporting(self.report_period_s)
 
+    def _share_coordinator_calls(self) -> None:
+        """/health is open to anyone (load balancers): however often it is asked, the
+        Coordinator hears of it from this replica at most once a second. /metrics shares one
+        call among the scrapes that come while it runs (a flood makes one call at a time), but
+        a scrape never answers older figures than one before it did: Prometheus takes a
+        counter that goes down for a reset."""
+        self._replicas = CachedCall(lambda: self._ask_coordinator("replicas"), _HEALTH_MAX_AGE_S)
+        self._scrape = CachedCall(lambda: self._ask_coordinator("scrape", self.ingress_id, self.metrics.snapshot()),
+                                  0.0)
+
     # ---- this replica's own engine (--direct-streaming), called by Serve ------------------
     async def check_health(self) -> None:
         if self.direct is not None:
             self.direct.start_reporting(self.report_period_s)
-            await self.direct.check_health()  # raises once the engine (or its core) died
+        # This replica's own engine raises once it (or its core) died; routed replicas are
+        # Serve's to check.
+        await self.engines.check_health()
 
     def inter_deployment_calls(self) -> str:
         """"grpc" or "actor": how this replica's calls to other deployments travel."""
@@ -201,7 +230,7 @@ class Ingress:
             finals: list[RequestOutput | None] = [None] * len(requests)
             async for i, out in outputs:
                 finals[i] = out
-            return JSONResponse(job.whole(finals))
+            return fmt.json_response(job.whole(finals))
         except Exception as e:
             raise replica_error(e) from e
         finally:
@@ -257,17 +286,20 @@ class Ingress:
             raise overloaded(f"coordinator unavailable: {type(e).__name__}") from e
 
     # ---- routes -------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    # A route's `response_model` documents its JSON answer in /openapi.json; the route returns
+    # a Response it built (the JSON, or an SSE stream with "stream": true), which FastAPI sends
+    # as it is.
+    @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(self, body: CompletionRequest) -> Response:
         await self._follow_loras(body.model)
         return await self.respond(completion_job(self.served, body))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         await self._follow_loras(body.model)
         return await self.respond(chat_job(self.served, body))
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", response_model=ResponsesResponse)
     async def responses(self, body: ResponsesRequest) -> Response:
         await self._follow_loras(body.model)
         return await self.respond(responses_job(self.served, body))
@@ -278,20 +310,20 @@ class Ingress:
 
     # vLLM's tokenizer routes: the ingress's tokenizer answers, no engine is asked.
     @app.post("/tokenize")
-    async def tokenize(self, body: tokenizer_routes.TokenizeRequest) -> dict:
+    async def tokenize(self, body: tokenizer_routes.TokenizeRequest) -> TokenizeResponse:
         return tokenizer_routes.tokenize(self.served, body)
 
     @app.post("/detokenize")
-    async def detokenize(self, body: tokenizer_routes.DetokenizeRequest) -> dict:
+    async def detokenize(self, body: tokenizer_routes.DetokenizeRequest) -> DetokenizeResponse:
         return tokenizer_routes.detokenize(self.served, body)
 
     @app.get("/tokenizer_info")
-    async def tokenizer_info(self) -> dict:
+    async def tokenizer_info(self) -> TokenizerInfoResponse:
         return tokenizer_routes.tokenizer_info(self.served)
 
     @app.get("/health")
     async def health(self) -> Response:
-        replicas = await self._ask_coordinator("replicas")  # a 503 while it restarts: not healthy yet
+        replicas = await self._replicas.get()  # a 503 while it restarts: not healthy yet
         roles = {r.role for r in replicas}
         needed = {Role.PREFILL, Role.DECODE} if self.mode == "pd" else {Role.COLOCATED}
         if not needed <= roles:
@@ -299,13 +331,12 @@ class Ingress:
         return Response(status_code=200)
 
     @app.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self) -> ModelList:
         served = self.served
         adapters = [] if served.loras is None else served.loras.models(self.created, served.processor.max_model_len)
-        return {"object": "list", "data": [{
-            "id": served.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
-            "root": served.model_dir, "parent": None, "max_model_len": served.processor.max_model_len,
-        }, *adapters]}
+        base = ModelCard(id=served.model_name, created=self.created, root=served.model_dir, parent=None,
+                         max_model_len=served.processor.max_model_len)
+        return ModelList(data=[base, *adapters])
 
     # vLLM's run-time LoRA routes (docs/lora.md#serving): on with --enable-lora-runtime-updating or
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; they change this ingress replica's adapters.
@@ -337,7 +368,7 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics_text(self) -> Response:
-        replicas, requests = await self._ask_coordinator("scrape", self.ingress_id, self.metrics.snapshot())
+        replicas, requests = await self._scrape.get()
         return Response(self.metrics.render(replicas, requests), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/status")
@@ -345,7 +376,7 @@ class Ingress:
         return status_response(await self._ask_coordinator("status"))
 
     @app.post("/scale")
-    async def scale(self, request: Request) -> JSONResponse:
+    async def scale(self, request: Request) -> Response:
         """`{"prefill": N, "decode": M}` -> 202 with the target (the Coordinator decides)."""
         try:
             body = await request.json()

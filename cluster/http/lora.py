@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from cluster.http.errors import OpenAIError
+from cluster.http.openai_models import ModelCard
 from engine.errors import ParameterError
 from engine.lora.request import LoRARequest
 
@@ -158,11 +159,10 @@ class LoRARegistry:
                 except ParameterError as e:  # checked where it was loaded; the files changed since
                     logger.warning("LoRA adapter %r from another ingress replica not loaded: %s", name, e)
 
-    def models(self, created: int, max_model_len: int | None) -> list[dict]:
+    def models(self, created: int, max_model_len: int | None) -> list[ModelCard]:
         """/v1/models entries of the adapters (vLLM's: `root` the path, `parent` the base)."""
-        return [{"id": r.lora_name, "object": "model", "created": created_at, "owned_by": "pdserve",
-                 "root": r.lora_path, "parent": self.base_name, "max_model_len": max_model_len}
-                for r, created_at in self._adapters.values()]
+        return [ModelCard(id=r.lora_name, created=created_at, root=r.lora_path, parent=self.base_name,
+                          max_model_len=max_model_len) for r, created_at in self._adapters.values()]
 
 
 class LoadLoRAAdapterRequest(BaseModel):

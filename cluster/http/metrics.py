@@ -20,9 +20,9 @@ from collections import Counter as Tally
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from actors.report import ReplicaReport
 from cluster.control.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
 from cluster.pd.placement import FALLBACK_REASONS
+from cluster.report import ReplicaReport
 from engine.metrics import names
 from engine.metrics.names import MetricDef
 from kvstore.kv_io import REFUSAL_REASONS, refusal_key

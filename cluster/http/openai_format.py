@@ -1,24 +1,36 @@
-"""OpenAI response objects built from engine outputs (completions and chat, plain and streamed)."""
+"""Engine outputs as the pieces of OpenAI's response bodies (cluster.http.openai_models):
+logprobs, vLLM's prompt logprobs, and a body on the wire (JSON, or one SSE event)."""
 
 from __future__ import annotations
 
-import json
-import time
+from fastapi.responses import Response
+from pydantic import BaseModel
 
-from engine.outputs import PositionLogprobs, PromptLogprobs
+from cluster.http.openai_models import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    builder,
+)
+from engine.outputs import PositionLogprobs
+from engine.outputs import PromptLogprobs as EnginePromptLogprobs
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def to_json(body: BaseModel) -> str:
+    """The body's JSON, compact, non-ASCII as UTF-8 (as Starlette's JSONResponse writes a dict).
+    The serializer is called itself: model_dump_json's Python wrapper costs a quarter of a
+    streamed chunk's serialization."""
+    return body.__pydantic_serializer__.to_json(body).decode()
 
 
-def sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+def sse(body: BaseModel | str) -> str:
+    """One `data:` event: a body's JSON, or a literal such as `[DONE]`."""
+    return f"data: {body if isinstance(body, str) else to_json(body)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def json_response(body: BaseModel, status_code: int = 200, headers: dict | None = None) -> Response:
+    return Response(to_json(body), status_code, headers, media_type="application/json")
 
 
 class TokenText:
@@ -39,22 +51,23 @@ def _top(position: PositionLogprobs, n: int) -> list[tuple[int, float]]:
     return sorted(position.items(), key=lambda kv: -kv[1])[:n]
 
 
-def plain_positions(prompt_logprobs: PromptLogprobs) -> list[PositionLogprobs | None]:
+def plain_positions(prompt_logprobs: EnginePromptLogprobs) -> list[PositionLogprobs | None]:
     """Prompt logprobs as the sampled tokens' {token_id: logprob} (None stays None)."""
     return [None if e is None else {t: lp.logprob for t, lp in e.items()} for e in prompt_logprobs]
 
 
-def vllm_prompt_logprobs(prompt_logprobs: PromptLogprobs | None) -> list[dict | None] | None:
+def vllm_prompt_logprobs(prompt_logprobs: EnginePromptLogprobs | None) -> PromptLogprobs | None:
     """vLLM's `prompt_logprobs` response field: per position None or {token id: {logprob,
     rank, decoded_token}} (token ids as JSON keys, strings)."""
     if prompt_logprobs is None:
         return None
-    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                                    for t, lp in e.items()} for e in prompt_logprobs]
+    return [None if e is None else {
+        str(t): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+        for t, lp in e.items()} for e in prompt_logprobs]
 
 
 def completion_logprobs(text_of: TokenText, token_ids: list[int], positions: list[PositionLogprobs | None],
-                        n: int, offset: int) -> dict:
+                        n: int, offset: int) -> CompletionLogprobs:
     """The legacy completions `logprobs` object for these tokens; `offset` is where the first
     token's text starts in the choice's text. A None position (an echoed prompt's first
     token) has null logprobs, as OpenAI's."""
@@ -74,29 +87,29 @@ def completion_logprobs(text_of: TokenText, token_ids: list[int], positions: lis
         if tid in pos:
             top.setdefault(s, pos[tid])
         top_logprobs.append(top or None)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": text_offset}
+    return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs,
+                              text_offset=text_offset)
 
 
-def chat_logprobs(text_of: TokenText, token_ids: list[int], positions: list[PositionLogprobs], n: int) -> dict:
-    content = []
-    for tid, pos in zip(token_ids, positions):
-        s = text_of(tid)
-        content.append({
-            "token": s, "logprob": pos.get(tid), "bytes": list(s.encode()),
-            "top_logprobs": [{"token": text_of(t), "logprob": lp, "bytes": list(text_of(t).encode())}
-                             for t, lp in _top(pos, n)],
-        })
-    return {"content": content}
+def joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    """One logprobs object over `first`'s tokens followed by `then`'s (an echoed prompt's and
+    the generated ones)."""
+    return CompletionLogprobs(tokens=first.tokens + then.tokens, token_logprobs=first.token_logprobs + then.token_logprobs,
+                              top_logprobs=first.top_logprobs + then.top_logprobs,
+                              text_offset=first.text_offset + then.text_offset)
 
 
-def response_object(kind: str, request_id: str, model: str, choices: list[dict], usage_: dict | None,
-                    chunk: bool = False) -> dict:
-    """A completions (`kind="text_completion"`) or chat (`kind="chat.completion"`) response,
-    or one streamed chunk of it (chat chunks are "chat.completion.chunk"; a chunk carries
-    `usage` only when it has one)."""
-    obj = {"id": request_id, "object": f"{kind}.chunk" if chunk and kind == "chat.completion" else kind,
-           "created": int(time.time()), "model": model, "choices": choices}
-    if usage_ is not None or not chunk:
-        obj["usage"] = usage_
-    return obj
+_make_chat_logprobs = builder(ChatLogprobs)
+
+
+def _entry(text_of: TokenText, token_id: int, logprob: float | None) -> dict:
+    s = text_of(token_id)
+    return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+
+
+def chat_logprobs(text_of: TokenText, token_ids: list[int], positions: list[PositionLogprobs], n: int) -> ChatLogprobs:
+    """Chat's `logprobs` of these tokens, each with its top n. Built in one call from plain
+    values, as a streamed chunk is (cluster.http.openai_models.builder): it is built per token."""
+    return _make_chat_logprobs({"content": [{**_entry(text_of, tid, pos.get(tid)),
+                                             "top_logprobs": [_entry(text_of, t, lp) for t, lp in _top(pos, n)]}
+                                            for tid, pos in zip(token_ids, positions)]})

@@ -10,9 +10,17 @@ field of this request that is, so the ingress answers a 400 with OpenAI's `param
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from engine.errors import ParameterError
@@ -165,13 +173,35 @@ class _Sampling(BaseModel):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+def _prompt_kind(value) -> str:
+    """The prompt's shape, from its first item: a plain union tries each shape in turn, and a
+    shape that fails fails on every item (seconds for a batch of a million prompts)."""
+    first = value[0] if isinstance(value, list) and value else None
+    return ("text" if isinstance(value, str) else "texts" if isinstance(first, str)
+            else "batch" if isinstance(first, list) else "ids")
+
+
+Prompt = Annotated[Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")] | Annotated[list[int], Tag("ids")]
+                   | Annotated[list[list[int]], Tag("batch")], Discriminator(_prompt_kind)]
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Prompts per request (--max-pending-requests, set by this process's ingress): counted first.
+    max_prompts: ClassVar[int] = 1024
+    prompt: Prompt
     max_tokens: int | None = DEFAULT_MAX_TOKENS  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _count_prompts(cls, value):
+        if _prompt_kind(value) in ("texts", "batch") and len(value) > cls.max_prompts:
+            raise ValueError(f"the request holds {len(value)} prompts; at most {cls.max_prompts} per request "
+                             "(--max-pending-requests)")
+        return value
 
     def check_supported(self) -> None:
         if self.suffix:

@@ -214,6 +214,9 @@ class ResponsesRequest(_Body):
 def responses_job(served: ServedModel, body: ResponsesRequest) -> Job:
     """The chat route's Job for this request, answering in the Responses API's shapes."""
     body.check_supported()
+    if body.tools is not None and len(body.tools) > served.limits.max_tools:  # before each is parsed
+        raise OpenAIError(400, f"tools has {len(body.tools)} entries; at most {served.limits.max_tools} are "
+                          "accepted (--max-tools)", param="tools")
     response_id = f"resp_{uuid.uuid4().hex}"
     chat_request = ChatCompletionRequest.model_validate(body.chat_body(response_id))
     try:

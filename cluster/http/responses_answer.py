@@ -10,6 +10,30 @@ from contextlib import aclosing
 
 from cluster.http import openai_format as fmt
 from cluster.http.errors import OpenAIError
+from cluster.http.openai_models import ChatCompletionChunk, DeltaToolCall, Usage
+from cluster.http.responses_models import (
+    ContentPartAdded,
+    ContentPartDone,
+    ErrorEvent,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    FunctionToolCall,
+    IncompleteDetails,
+    OutputItem,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputMessage,
+    OutputText,
+    OutputTextDelta,
+    OutputTextDone,
+    Response,
+    ResponseCompleted,
+    ResponseCreated,
+    ResponseEvent,
+    ResponseIncomplete,
+    ResponseInProgress,
+    ResponseUsage,
+)
 from cluster.http.served_model import Job, SSEFormat
 
 
@@ -22,28 +46,27 @@ class Shell:
     model: str
     echo: dict
 
-    def response(self, output: list[dict], status: str, usage: dict | None) -> dict:
-        return {"id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
-                "status": status, "output": output, "usage": usage, "error": None,
-                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                **self.echo}
+    def response(self, output: list[OutputItem], status: str, usage: ResponseUsage | None) -> Response:
+        return Response(id=self.id, created_at=self.created_at, model=self.model, status=status, output=output,
+                        usage=usage, incomplete_details=(IncompleteDetails(reason="max_output_tokens")
+                                                         if status == "incomplete" else None), **self.echo)
 
 
 def adapt(chat: Job, shell: Shell) -> Job:
     """`chat` answering as the Responses API: its response as a Response object, its chunks as
     the Responses stream's events."""
 
-    def whole(finals) -> dict:
+    def whole(finals) -> Response:
         answer = chat.whole(finals)
-        choice = answer["choices"][0]  # n is 1
-        status = _status(choice["finish_reason"])
-        content, calls = choice["message"].get("content"), choice["message"].get("tool_calls") or []
+        choice = answer.choices[0]  # n is 1
+        status = _status(choice.finish_reason)
+        content, calls = choice.message.content, choice.message.tool_calls or []
         output = [_Item(0, _new_id("msg"), text=content or "")] if content or not calls else []
-        output += [_Item(len(output) + i, _new_id("fc"), {"call_id": c["id"], "name": c["function"]["name"]},
-                         c["function"]["arguments"]) for i, c in enumerate(calls)]
+        output += [_Item(len(output) + i, _new_id("fc"), (c.id, c.function.name), c.function.arguments)
+                   for i, c in enumerate(calls)]
         # Every item but the last is whole; the last is what a length cut cut.
-        items = [item.as_dict("completed" if item is not output[-1] else status) for item in output]
-        return shell.response(items, status, _usage(answer["usage"]))
+        items = [item.as_model("completed" if item is not output[-1] else status) for item in output]
+        return shell.response(items, status, _usage(answer.usage))
 
     events = Events(shell)
 
@@ -61,9 +84,9 @@ def adapt(chat: Job, shell: Shell) -> Job:
                                sse=SSEFormat(piece=_event_sse, failure=events.failure, done=False))
 
 
-def _event_sse(event: dict) -> str:
+def _event_sse(event: ResponseEvent) -> str:
     """OpenAI's Responses stream names each event on an `event:` line."""
-    return f"event: {event['type']}\n{fmt.sse(event)}"
+    return f"event: {event.type}\n{fmt.sse(event)}"
 
 
 def _new_id(prefix: str) -> str:
@@ -74,14 +97,9 @@ def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def _usage(usage: dict) -> dict:
-    return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
-
-
-def _output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": []}
+def _usage(usage: Usage) -> ResponseUsage:
+    return ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+                         total_tokens=usage.total_tokens)
 
 
 @dataclasses.dataclass
@@ -91,16 +109,17 @@ class _Item:
 
     index: int  # in the response's `output`
     id: str
-    call: dict | None = None
+    call: tuple[str, str] | None = None
     text: str = ""
 
-    def as_dict(self, status: str) -> dict:
+    def as_model(self, status: str) -> OutputItem:
         """The item as the Response lists it; "in_progress" is how it is announced, still empty."""
         text = "" if status == "in_progress" else self.text
         if self.call is None:
-            return {"type": "message", "id": self.id, "status": status, "role": "assistant",
-                    "content": [] if status == "in_progress" else [_output_text(text)]}
-        return {"type": "function_call", "id": self.id, "status": status, **self.call, "arguments": text}
+            return OutputMessage(id=self.id, status=status,
+                               content=[] if status == "in_progress" else [OutputText(text=text)])
+        call_id, name = self.call
+        return FunctionToolCall(id=self.id, status=status, call_id=call_id, name=name, arguments=text)
 
 
 class Events:
@@ -116,91 +135,88 @@ class Events:
     def __init__(self, shell: Shell) -> None:
         self.shell = shell
         self.sequence = 0
-        self.output: list[dict] = []  # the closed items, as the final Response lists them
+        self.output: list[OutputItem] = []  # the closed items, as the final Response lists them
         self.open: _Item | None = None
         self.calls: dict[int, _Item] = {}  # chat's tool call index -> its item
         self.finish: str | None = None
-        self.usage: dict | None = None
+        self.usage: ResponseUsage | None = None
 
-    def event(self, type_: str, **fields) -> dict:
+    def event(self, kind: type[ResponseEvent], **fields) -> ResponseEvent:
         self.sequence += 1
-        return {"type": type_, "sequence_number": self.sequence - 1, **fields}
+        return kind(sequence_number=self.sequence - 1, **fields)
 
-    def start(self) -> list[dict]:
+    def start(self) -> list[ResponseEvent]:
         response = self.shell.response([], "in_progress", None)
-        return [self.event("response.created", response=response),
-                self.event("response.in_progress", response=response)]
+        return [self.event(ResponseCreated, response=response), self.event(ResponseInProgress, response=response)]
 
-    def feed(self, chunk: dict) -> list[dict]:
-        if chunk.get("usage") is not None:
-            self.usage = _usage(chunk["usage"])
+    def feed(self, chunk: ChatCompletionChunk) -> list[ResponseEvent]:
+        if chunk.usage is not None:
+            self.usage = _usage(chunk.usage)
         events = []
-        for choice in chunk["choices"]:  # one: n is 1
-            delta = choice["delta"]
-            if delta.get("content"):
-                events += self._text(delta["content"])
-            for call in delta.get("tool_calls") or ():
+        for choice in chunk.choices:  # one: n is 1
+            delta = choice.delta
+            if delta.content:
+                events += self._text(delta.content)
+            for call in delta.tool_calls or ():
                 events += self._call(call)
-            if choice["finish_reason"] is not None:
-                self.finish = choice["finish_reason"]
+            if choice.finish_reason is not None:
+                self.finish = choice.finish_reason
         return events
 
-    def end(self) -> list[dict]:
+    def end(self) -> list[ResponseEvent]:
         # An answer with neither text nor a call is one empty message, as the whole response's.
         events = self._open(_Item(0, _new_id("msg"))) if not self.output and self.open is None else []
         status = _status(self.finish)
         events += self._close(status)
-        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        kind = ResponseIncomplete if status == "incomplete" else ResponseCompleted
         return events + [self.event(kind, response=self.shell.response(self.output, status, self.usage))]
 
-    def failure(self, err: OpenAIError) -> dict:
+    def failure(self, err: OpenAIError) -> ErrorEvent:
         """The `error` event that ends a stream whose request failed."""
-        return self.event("error", code=err.code or err.type, message=err.message, param=None)
+        return self.event(ErrorEvent, code=err.code or err.type, message=err.message)
 
-    def _text(self, delta: str) -> list[dict]:
+    def _text(self, delta: str) -> list[ResponseEvent]:
         events = []
         if self.open is None or self.open.call is not None:
             events = self._close("completed")
             events += self._open(_Item(len(self.output), _new_id("msg")))
         item = self.open
         item.text += delta
-        return events + [self.event("response.output_text.delta", item_id=item.id, output_index=item.index,
-                                    content_index=0, delta=delta, logprobs=[])]
+        return events + [self.event(OutputTextDelta, item_id=item.id, output_index=item.index, content_index=0,
+                                    delta=delta)]
 
-    def _call(self, call: dict) -> list[dict]:
+    def _call(self, call: DeltaToolCall) -> list[ResponseEvent]:
         events = []
-        item = self.calls.get(call["index"])
+        item = self.calls.get(call.index)
         if item is None:
             events = self._close("completed")
-            item = _Item(len(self.output), _new_id("fc"), {"call_id": call["id"], "name": call["function"]["name"]})
+            item = _Item(len(self.output), _new_id("fc"), (call.id, call.function.name))
             events += self._open(item)
-            self.calls[call["index"]] = item
-        fragment = (call.get("function") or {}).get("arguments")
+            self.calls[call.index] = item
+        fragment = call.function.arguments if call.function is not None else None
         if fragment:
             item.text += fragment
-            events.append(self.event("response.function_call_arguments.delta", item_id=item.id,
-                                     output_index=item.index, delta=fragment))
+            events.append(self.event(FunctionCallArgumentsDelta, item_id=item.id, output_index=item.index,
+                                     delta=fragment))
         return events
 
-    def _open(self, item: _Item) -> list[dict]:
+    def _open(self, item: _Item) -> list[ResponseEvent]:
         self.open = item
-        events = [self.event("response.output_item.added", output_index=item.index, item=item.as_dict("in_progress"))]
+        events = [self.event(OutputItemAdded, output_index=item.index, item=item.as_model("in_progress"))]
         if item.call is None:
-            events.append(self.event("response.content_part.added", item_id=item.id, output_index=item.index,
-                                     content_index=0, part=_output_text("")))
+            events.append(self.event(ContentPartAdded, item_id=item.id, output_index=item.index, content_index=0,
+                                     part=OutputText(text="")))
         return events
 
-    def _close(self, status: str) -> list[dict]:
+    def _close(self, status: str) -> list[ResponseEvent]:
         item, self.open = self.open, None
         if item is None:
             return []
         where = {"item_id": item.id, "output_index": item.index}
         if item.call is None:
-            events = [self.event("response.output_text.done", **where, content_index=0, text=item.text, logprobs=[]),
-                      self.event("response.content_part.done", **where, content_index=0,
-                                 part=_output_text(item.text))]
+            events = [self.event(OutputTextDone, **where, content_index=0, text=item.text),
+                      self.event(ContentPartDone, **where, content_index=0, part=OutputText(text=item.text))]
         else:
-            events = [self.event("response.function_call_arguments.done", **where, arguments=item.text)]
-        self.output.append(item.as_dict(status))
-        return events + [self.event("response.output_item.done", output_index=item.index,
-                                    item=self.output[-1])]
+            events = [self.event(FunctionCallArgumentsDone, **where, arguments=item.text)]
+        self.output.append(item.as_model(status))
+        return events + [self.event(OutputItemDone, output_index=item.index, item=self.output[-1])]

@@ -11,9 +11,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from pydantic import BaseModel
+
 from cluster.http import openai_format as fmt
 from cluster.http.errors import OpenAIError
 from cluster.http.lora import LoRARegistry
+from cluster.http.openai_models import ErrorResponse
+from cluster.http.request_limits import RequestLimits
 from engine.engine_request import EngineRequest
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
@@ -32,6 +36,8 @@ class ServedModel:
     tool_parser: type | None = None  # the tool-call parser class (cluster.http.tool_parsers)
     enable_auto_tool_choice: bool = False
     loras: LoRARegistry | None = None  # the served LoRA adapters (enable_lora), by name
+    limits: RequestLimits = RequestLimits()  # the lists and sizes a body may carry
+    max_prompts: int = 1024  # sequences per request (--max-pending-requests)
 
     def check_model(self, model: str) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 for any other name."""
@@ -41,6 +47,11 @@ class ServedModel:
             raise OpenAIError(404, f"The model `{model}` does not exist. Available: `{self.model_name}`.",
                               "not_found_error", param="model", code="model_not_found")
         return None
+
+    def check_limits(self, body) -> None:
+        """A ParameterError naming the first list or size of `body` past its bound, before any
+        per-item work (cluster.http.request_limits)."""
+        self.limits.check(body, self.processor.vocab_size, self.max_prompts)
 
     def request(self, ids: list[int], params: SamplingParams, text: str | None = None, images: list | None = None,
                 lora: LoRARequest | None = None) -> EngineRequest:
@@ -54,8 +65,8 @@ class ServedModel:
         return self.processor.process(prompt, params, lora_request=lora)
 
 
-def _error_body(err: OpenAIError) -> dict:
-    return fmt.error_body(err.message, err.type, None, err.status)
+def _error_body(err: OpenAIError) -> ErrorResponse:
+    return ErrorResponse.of(err.message, err.type, None, err.status)
 
 
 @dataclass(frozen=True)
@@ -64,8 +75,8 @@ class SSEFormat:
     a failure mid-stream, as SSE text, and whether `data: [DONE]` ends it. The default is chat's
     and completions' (OpenAI's `data:` lines); the Responses route names each event instead."""
 
-    piece: Callable[[dict], str] = fmt.sse
-    failure: Callable[[OpenAIError], dict] = _error_body
+    piece: Callable[[BaseModel], str] = fmt.sse
+    failure: Callable[[OpenAIError], BaseModel] = _error_body
     done: bool = True
 
 
@@ -81,8 +92,9 @@ class Job:
     requests: list[EngineRequest]
     request_id: str  # the response's id
     stream: bool
-    # SSE: the response objects for the merged (index, output) stream of every request.
-    chunks: Callable[[AsyncIterator[tuple[int, RequestOutput]]], AsyncIterator[dict]]
-    whole: Callable[[list[RequestOutput]], dict]  # the response object from every final output
+    # SSE: the response objects (cluster.http.openai_models) for the merged (index, output)
+    # stream of every request.
+    chunks: Callable[[AsyncIterator[tuple[int, RequestOutput]]], AsyncIterator[BaseModel]]
+    whole: Callable[[list[RequestOutput]], BaseModel]  # the response object from every final output
     n: int = 1
     sse: SSEFormat = DATA_LINES

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from cluster.http.body_limits import BodyLimits
 from cluster.http.lora import LoRAModule
+from cluster.http.request_limits import RequestLimits
 from cluster.pd.placement import LocalPrefillRule, PrefillFallback
 from engine.args import EngineArgs
 
@@ -27,6 +28,7 @@ class IngressSettings:
     app_name: str
     max_pending_requests: int = 1024  # admitted at once; beyond it: 429 + Retry-After
     body_limits: BodyLimits = field(default_factory=BodyLimits)  # size and arrival time of a body
+    request_limits: RequestLimits = field(default_factory=RequestLimits)  # the lists a body carries
     load_failure_policy: str = "fail"
     # When the app was built: the same on every ingress replica (`/v1/models` answers alike).
     created: int = 0
@@ -34,6 +36,7 @@ class IngressSettings:
     prefill_fallback: PrefillFallback = field(default_factory=PrefillFallback)  # decode-only fallback
     # SHA-256 digests only: the keys themselves never enter the Serve config or its logs.
     api_key_digests: tuple[str, ...] = ()
+    metrics_without_key: bool = False  # /metrics open even with keys set
     direct: DirectSettings | None = None
     # Tool calling: "auto" tool choice allowed, and the parser that finds the calls.
     enable_auto_tool_choice: bool = False

@@ -13,6 +13,7 @@ from tokenizers import AddedToken
 
 from cluster.http.chat import render, template_kwargs
 from cluster.http.errors import OpenAIError
+from cluster.http.openai_models import DetokenizeResponse, TokenizeResponse, TokenizerInfoResponse
 from cluster.http.protocol import ChatMessage
 from cluster.http.served_model import ServedModel
 
@@ -60,7 +61,7 @@ def _chat_ids(tokenizer, body: TokenizeRequest) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=True) if body.add_special_tokens else ids
 
 
-def tokenize(served: ServedModel, body: TokenizeRequest) -> dict:
+def tokenize(served: ServedModel, body: TokenizeRequest) -> TokenizeResponse:
     """`{count, max_model_len, tokens, token_strs}` of a prompt or a conversation."""
     _check_model(served, body.model)
     tokenizer = served.tokenizer
@@ -74,11 +75,11 @@ def tokenize(served: ServedModel, body: TokenizeRequest) -> dict:
     else:
         raise OpenAIError(400, "missing required field 'prompt' (or 'messages' for a conversation)",
                           param="prompt")
-    return {"count": len(ids), "max_model_len": served.processor.max_model_len, "tokens": ids,
-            "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+    return TokenizeResponse(count=len(ids), max_model_len=served.processor.max_model_len, tokens=ids,
+                            token_strs=tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None)
 
 
-def detokenize(served: ServedModel, body: DetokenizeRequest) -> dict:
+def detokenize(served: ServedModel, body: DetokenizeRequest) -> DetokenizeResponse:
     """`{prompt}`: the text of the ids, special tokens included (as vLLM decodes them)."""
     _check_model(served, body.model)
     vocab = len(served.tokenizer)
@@ -87,7 +88,7 @@ def detokenize(served: ServedModel, body: DetokenizeRequest) -> dict:
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         raise OpenAIError(400, f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
-    return {"prompt": served.tokenizer.decode(body.tokens)}
+    return DetokenizeResponse(prompt=served.tokenizer.decode(body.tokens))
 
 
 def _jsonable(value):
@@ -102,7 +103,7 @@ def _jsonable(value):
     return str(value)
 
 
-def tokenizer_info(served: ServedModel) -> dict:
+def tokenizer_info(served: ServedModel) -> TokenizerInfoResponse:
     """The tokenizer's configuration (its tokenizer_config.json as loaded, as vLLM answers),
     with the special tokens and chat template it actually uses, and the engine's
     `max_model_len` (the tokenizer's own `model_max_length` is often a placeholder)."""
@@ -115,4 +116,4 @@ def tokenizer_info(served: ServedModel) -> dict:
         model_max_length=tok.model_max_length,
         max_model_len=served.processor.max_model_len,
     )
-    return _jsonable(info)
+    return TokenizerInfoResponse.model_validate(_jsonable(info))

@@ -17,9 +17,12 @@ written here, asking for hermes-style `<tool_call>{"name": ..., "arguments": ...
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
+from cluster.http.openai_models import DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall
+from cluster.http.openai_models import ToolCall as MessageToolCall
 from cluster.http.tool_parsers import ContentDelta, ToolCall, ToolCallDelta, ToolParser
 from cluster.http.tool_parsers.base import openai_call_id
 from engine.errors import ParameterError
@@ -42,11 +45,24 @@ class Tool:
         return {"type": "function", "function": fn}
 
 
-def parse_tools(raw: list) -> list[Tool]:
-    """The request's function tools; ParameterError("tools") for a malformed one."""
+@functools.lru_cache(maxsize=1024)
+def _schema_error(schema_json: str) -> str | None:
+    """Why a tool's parameters are not a JSON schema (None: they are). Checking one costs ~0.5 ms
+    of the event loop, and agents send the same tools with every turn: each distinct schema is
+    checked once (keyed by its canonical JSON)."""
     from jsonschema import SchemaError
     from jsonschema.validators import validator_for
 
+    schema = json.loads(schema_json)
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def parse_tools(raw: list) -> list[Tool]:
+    """The request's function tools; ParameterError("tools") for a malformed one."""
     tools = []
     for i, t in enumerate(raw):
         fn = t.get("function") if isinstance(t, dict) else None
@@ -57,16 +73,13 @@ def parse_tools(raw: list) -> list[Tool]:
             raise ParameterError("tools", f"tools[{i}].function.name must be a non-empty string")
         params = fn.get("parameters")
         params = _EMPTY_OBJECT if params is None else params
-        try:
-            if not isinstance(params, dict):
-                raise SchemaError(f"not an object: {params!r}")
-            validator_for(params).check_schema(params)
-        except SchemaError as e:
-            raise ParameterError("tools", f"tools[{i}].function.parameters must be a JSON schema: "
-                                 f"{str(e).splitlines()[0]}") from None
+        error = (f"not an object: {params!r}" if not isinstance(params, dict)
+                 else _schema_error(json.dumps(params, sort_keys=True)))
+        if error is not None:
+            raise ParameterError("tools", f"tools[{i}].function.parameters must be a JSON schema: {error}")
         tools.append(Tool(name, fn.get("description"), params))
-    names = [t.name for t in tools]
-    dup = sorted({n for n in names if names.count(n) > 1})
+    seen: set[str] = set()
+    dup = sorted({t.name for t in tools if t.name in seen or seen.add(t.name)})  # one pass
     if dup:
         raise ParameterError("tools", f"tool names must be unique, got {dup} more than once")
     return tools
@@ -88,8 +101,12 @@ class ToolPlan:
             if tool_choice not in (None, "none", "auto"):
                 raise ParameterError("tool_choice", "tool_choice requires tools")
             return None
-        tools = tuple(parse_tools(tools_raw))
         choice = "auto" if tool_choice is None else tool_choice
+        # The choice first: a request this server refuses costs no per-tool work.
+        if choice == "auto" and not (auto_enabled and parser_cls is not None):
+            raise ParameterError("tool_choice", '"auto" tool choice requires the server to run with '
+                                 "--enable-auto-tool-choice and --tool-call-parser")
+        tools = tuple(parse_tools(tools_raw))
         named = None
         if isinstance(choice, dict):
             named = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
@@ -103,9 +120,6 @@ class ToolPlan:
         elif choice not in ("none", "auto", "required"):
             raise ParameterError("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a named "
                                  f"function, got {choice!r}")
-        if choice == "auto" and not (auto_enabled and parser_cls is not None):
-            raise ParameterError("tool_choice", '"auto" tool choice requires the server to run with '
-                                 "--enable-auto-tool-choice and --tool-call-parser")
         return cls(tools, choice, named, parallel is not False, parser_cls() if choice == "auto" else None)
 
     # ---- what the model sees --------------------------------------------------------------
@@ -175,8 +189,8 @@ def _required_calls(text: str) -> list[ToolCall] | None:
 
 
 class ToolStreamer:
-    """One choice's text deltas as chat `delta` dicts: content, or OpenAI `tool_calls` chunks
-    (index, id and type with the name first, then `arguments` fragments)."""
+    """One choice's text deltas as chat deltas: content, or OpenAI `tool_calls` chunks (index,
+    id and type with the name first, then `arguments` fragments)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
@@ -185,7 +199,7 @@ class ToolStreamer:
         self.named_id: str | None = None
         self.calls = 0
 
-    def feed(self, delta_text: str) -> list[dict]:
+    def feed(self, delta_text: str) -> list[DeltaMessage]:
         if self.stream is not None:
             return self._deltas(self.stream.feed(delta_text))
         if self.plan.mode == "named":
@@ -199,15 +213,15 @@ class ToolStreamer:
         if self.plan.mode == "required":
             self.text += delta_text
             return []
-        return [{"content": delta_text}] if delta_text else []
+        return [DeltaMessage(content=delta_text)] if delta_text else []
 
-    def finish(self) -> list[dict]:
+    def finish(self) -> list[DeltaMessage]:
         if self.stream is not None:
             return self._deltas(self.stream.finish())
         if self.plan.mode == "required":
             calls = _required_calls(self.text)
             if calls is None:
-                return [{"content": self.text}] if self.text else []
+                return [DeltaMessage(content=self.text)] if self.text else []
             self.calls = len(calls)
             return [d for i, c in enumerate(calls) for d in (_call_delta(i, c.id, c.name, ""),
                                                             _call_delta(i, None, None, c.arguments))]
@@ -215,29 +229,21 @@ class ToolStreamer:
             return self.feed("")
         return []
 
-    def _deltas(self, items) -> list[dict]:
+    def _deltas(self, items) -> list[DeltaMessage]:
         out = []
         for d in items:
             if isinstance(d, ContentDelta):
-                out.append({"content": d.text})
+                out.append(DeltaMessage(content=d.text))
             elif isinstance(d, ToolCallDelta):
                 self.calls = max(self.calls, d.index + 1)
                 out.append(_call_delta(d.index, d.id, d.name, d.arguments))
         return out
 
 
-def _call_delta(index: int, call_id: str | None, name: str | None, arguments: str | None) -> dict:
-    call: dict = {"index": index}
-    if call_id is not None:
-        call.update(id=call_id, type="function")
-    fn = {}
-    if name is not None:
-        fn["name"] = name
-    if arguments is not None:
-        fn["arguments"] = arguments
-    if fn:
-        call["function"] = fn
-    return {"tool_calls": [call]}
+def _call_delta(index: int, call_id: str | None, name: str | None, arguments: str | None) -> DeltaMessage:
+    fn = DeltaFunctionCall(name=name, arguments=arguments) if name is not None or arguments is not None else None
+    call = DeltaToolCall(index=index, id=call_id, type=None if call_id is None else "function", function=fn)
+    return DeltaMessage(tool_calls=[call])
 
 
 def supports_tools(tokenizer) -> bool:
@@ -269,5 +275,5 @@ def plain_conversation(conv: list[dict], plan: ToolPlan | None) -> list[dict]:
     return out
 
 
-def message_tool_calls(calls: list[ToolCall]) -> list[dict]:
-    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+def message_tool_calls(calls: list[ToolCall]) -> list[MessageToolCall]:
+    return [MessageToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]

@@ -15,7 +15,6 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from actors.ray_executor import PLACEMENT_STRATEGY
-from actors.roles import Role
 from cluster.control.autoscale import build_config
 from cluster.control.capacity import node_cpus
 from cluster.control.coordinator import DEPLOYMENTS, Coordinator
@@ -26,6 +25,7 @@ from cluster.launch.app_config import AppConfig
 from cluster.pd.placement import LocalPrefillRule
 from cluster.replica.router import LeastLoadRouter
 from cluster.replica.server import EngineServer
+from cluster.roles import Role
 from engine.models.default_model import default_model
 
 # Serve writes one access line per call into a replica's log, twice (its file and stderr,
@@ -96,9 +96,10 @@ def build_app(cfg: AppConfig):
     settings = IngressSettings(
         mode=cfg.mode, engine_args=cfg.engine_args, served_model_name=cfg.model_name, app_name=cfg.app_name,
         max_pending_requests=cfg.max_pending_requests, load_failure_policy=cfg.load_failure_policy,
-        body_limits=cfg.body_limits(), prefill_fallback=cfg.prefill_fallback(),
+        body_limits=cfg.body_limits(), request_limits=cfg.request_limits(), prefill_fallback=cfg.prefill_fallback(),
         created=int(time.time()), local_prefill=LocalPrefillRule(cfg.local_prefill_queue, cfg.max_local_prefill_length),
-        api_key_digests=tuple(digest(k) for k in keys_from(cfg.api_keys)), direct=direct,
+        api_key_digests=tuple(digest(k) for k in keys_from(cfg.api_keys)), metrics_without_key=cfg.metrics_without_key,
+        direct=direct,
         enable_auto_tool_choice=cfg.enable_auto_tool_choice, tool_call_parser=cfg.tool_call_parser,
         lora_modules=cfg.lora_module_list(), lora_runtime_updates=cfg.enable_lora_runtime_updating)
     return serve.deployment(Ingress, name="Ingress", max_ongoing_requests=cfg.max_pending_requests * 2,

@@ -5,7 +5,7 @@ field, before Ray starts. AppConfig (cluster.launch.app) calls these with its re
 
 from __future__ import annotations
 
-from actors.roles import Role
+from cluster.roles import Role
 from engine.args import EngineArgs
 from engine.errors import ParameterError
 

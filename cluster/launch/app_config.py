@@ -12,13 +12,19 @@ import os
 from dataclasses import dataclass, field
 
 from actors.ray_executor import replica_bundles
-from actors.roles import Role
-from actors.worker import cluster_engine_args
 from cluster.control.autoscale import build_config
 from cluster.control.capacity import auto_replica_cpus
 from cluster.control.coordinator import SCALE_TIMEOUT_S
 from cluster.http.body_limits import MAX_REQUEST_BODY_BYTES, REQUEST_BODY_TIMEOUT_S, BodyLimits
 from cluster.http.lora import LoRAModule
+from cluster.http.request_limits import (
+    MAX_BAD_WORDS,
+    MAX_GUIDED_BYTES,
+    MAX_GUIDED_CHOICES,
+    MAX_STOP_STRINGS,
+    MAX_TOOLS,
+    RequestLimits,
+)
 from cluster.launch.app_checks import (
     check_core_process,
     check_direct,
@@ -27,6 +33,8 @@ from cluster.launch.app_checks import (
     direct_role,
 )
 from cluster.pd.placement import MAX_PREFILL_QUEUE_SIZE, PREFILL_TIMEOUT_S, PrefillFallback
+from cluster.replica.host import cluster_engine_args
+from cluster.roles import Role
 from engine.args import EngineArgs
 from engine.errors import ParameterError, check_choice, check_int
 from engine.kv_connector import LOAD_FAILURE_POLICIES
@@ -68,6 +76,15 @@ class AppConfig:
     max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES
     request_body_timeout_s: float = REQUEST_BODY_TIMEOUT_S
     max_ongoing_requests: int = 1024  # per engine replica (Serve's own cap)
+    # The lists and sizes one request body may carry (cluster.http.request_limits): past one, a
+    # 400 naming the field before any per-item work.
+    max_tools: int = MAX_TOOLS
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_bad_words: int = MAX_BAD_WORDS
+    max_guided_choices: int = MAX_GUIDED_CHOICES
+    max_guided_bytes: int = MAX_GUIDED_BYTES
+    # /metrics without the API key (for a Prometheus that cannot send one); /health always is.
+    metrics_without_key: bool = False
     graceful_shutdown_timeout_s: float = 60.0
     # How often a stopping replica looks whether its in-flight requests are done (Serve's
     # option of that name; it waits one period before its first look).
@@ -163,6 +180,7 @@ class AppConfig:
             raise ParameterError("lora_modules", "lora_modules needs enable_lora (--enable-lora)")
         self.lora_module_list()  # each entry parses
         self.body_limits()  # checks both bounds
+        self.request_limits()  # checks each bound
         self.prefill_fallback()  # checks its bounds
         if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
             raise ParameterError("api_keys", "api_keys must be a list of non-empty strings")
@@ -212,6 +230,10 @@ class AppConfig:
         if isinstance(self.lora_modules, str):
             raise ParameterError("lora_modules", "lora_modules must be a list of name=path entries")
         return tuple(LoRAModule.parse(m) for m in self.lora_modules)
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(self.max_tools, self.max_stop_strings, self.max_bad_words, self.max_guided_choices,
+                             self.max_guided_bytes)
 
     def body_limits(self) -> BodyLimits:
         return BodyLimits(self.max_request_body_bytes, self.request_body_timeout_s)

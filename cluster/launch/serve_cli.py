@@ -12,6 +12,13 @@ import sys
 import traceback
 from typing import NoReturn
 
+from cluster.http.request_limits import (
+    MAX_BAD_WORDS,
+    MAX_GUIDED_BYTES,
+    MAX_GUIDED_CHOICES,
+    MAX_STOP_STRINGS,
+    MAX_TOOLS,
+)
 from cluster.http.tool_parsers import TOOL_PARSERS
 from engine.args import EngineArgs
 from engine.kv_connector import LOAD_FAILURE_POLICIES
@@ -46,8 +53,19 @@ def add_serve_parser(sub) -> None:
                         "chunk carries the tokens of several engine steps (0: every step; default: "
                         "AppConfig.stream_interval_ms)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="require `Authorization: Bearer KEY` on /v1/*, /scale and /status "
+                   help="require `Authorization: Bearer KEY` on every route but /health "
                         "(repeatable; PDSERVE_API_KEY, comma-separated, adds more)")
+    p.add_argument("--metrics-without-key", action="store_true",
+                   help="with --api-key: leave /metrics open (for a Prometheus that sends no key)")
+    limits = p.add_argument_group("request limits", "the lists and sizes one request may carry; past one: "
+                                  "400 naming the field (docs/serving.md#limits)")
+    limits.add_argument("--max-tools", type=int, default=MAX_TOOLS, help="tools per request (OpenAI's 128)")
+    limits.add_argument("--max-stop-strings", type=int, default=MAX_STOP_STRINGS, help="stop strings per request")
+    limits.add_argument("--max-bad-words", type=int, default=MAX_BAD_WORDS, help="bad_words per request")
+    limits.add_argument("--max-guided-choices", type=int, default=MAX_GUIDED_CHOICES,
+                        help="guided_choice (structured_outputs.choice) entries per request")
+    limits.add_argument("--max-guided-bytes", type=int, default=MAX_GUIDED_BYTES,
+                        help="bytes of a guided JSON schema, regex or grammar")
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto": the model decides, --tool-call-parser finds its calls')
@@ -180,6 +198,9 @@ def _config(args: argparse.Namespace):
         mode=args.mode, prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
         colocated_replicas=args.replicas, served_model_name=args.served_model_name, app_name=args.app_name,
         max_pending_requests=args.max_pending_requests,
+        max_tools=args.max_tools, max_stop_strings=args.max_stop_strings, max_bad_words=args.max_bad_words,
+        max_guided_choices=args.max_guided_choices, max_guided_bytes=args.max_guided_bytes,
+        metrics_without_key=args.metrics_without_key,
         api_server_count=args.api_server_count,
         prefix_affinity=args.prefix_affinity, disable_access_log=args.disable_access_log,
         direct_streaming=args.direct_streaming,

@@ -1,4 +1,4 @@
-"""P/D and colocated generation over plain Ray actor handles (EngineWorker actors): the peers
+"""P/D and colocated generation over plain Ray actor handles (EngineHost actors): the peers
 of cluster.pd.flow.pd_flow as actors, and the colocated baseline."""
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from actors.roles import Role
 from cluster.replica.errors import ReplicaError
+from cluster.roles import Role
 from engine.errors import ParameterError, check_int, check_number
 
 logger = logging.getLogger(__name__)

@@ -125,3 +125,8 @@ class ServePD:
         """On the decode engine. A prefill call still running is cancelled when the request's
         stream is closed, as every caller of `generate` does."""
         await self.decode.abort(request_id)
+
+    async def check_health(self) -> None:
+        """The decode engine's: Prefill replicas are routed to (Serve checks them), and while
+        none is live or soon, a prompt prefills on the decode engine (docs/pd.md)."""
+        await self.decode.check_health()

@@ -135,6 +135,10 @@ class ReplicaStreams:
         if replica is not None:
             await self.handle.abort.remote(request_id, replica=replica)
 
+    async def check_health(self) -> None:
+        """Nothing of this client's own can fail: the replicas it routes to are Serve's to
+        health-check (an unhealthy one is replaced, and routed around until then)."""
+
     async def _submit(self, request: EngineRequest) -> str:
         return await self.handle.submit.remote(request, self.ingress_id)
 

@@ -1,8 +1,9 @@
-"""The engine host: the body of the Prefill, Decode and Colocated Serve deployments, and of
-an ingress replica's own engine with direct streaming.
+"""EngineServer: the body of the Prefill, Decode and Colocated Serve deployments, and of an
+ingress replica's own engine with direct streaming.
 
-Each replica runs one engine in its own process (an `actors.EngineWorker` with the KV
-connector of its role). With direct streaming (the default) the ingress builds one in its
+It is an EngineHost (cluster/replica/host.py: one engine with the KV connector of its role, in
+the replica's process) with Serve's side added: its replica id, the per-step channel to
+routed ingresses, latency windows, routing stats and reports to the Coordinator, draining. With direct streaming (the default) the ingress builds one in its
 process and calls it there (`generate`: no routed call, no per-step Ray message), as vLLM's
 API server calls its EngineCoreProc and as Ray Serve LLM's direct streaming skips its ingress
 hop; the HTTP proxy (HAProxy) spreads requests over the ingress replicas, so one ingress
@@ -22,11 +23,11 @@ from collections.abc import AsyncIterator, Callable
 
 from ray import serve
 
-from actors.report import ReplicaReport
-from actors.roles import Role
-from actors.worker import EngineWorker
+from cluster.replica.host import EngineHost
 from cluster.replica.latency import LatencyWindow
 from cluster.replica.step_channel import StepHub
+from cluster.report import ReplicaReport
+from cluster.roles import Role
 from cluster.tasks import detached_task
 from engine.args import EngineArgs
 from engine.engine_request import EngineRequest
@@ -50,7 +51,7 @@ class ReplicaGone(RuntimeError):
     """A call meant for a replica that no longer exists reached another one."""
 
 
-class EngineServer:
+class EngineServer(EngineHost):
     _stopping = False  # once stopping, off the Coordinator's board: ingresses count it gone
     _reporter: asyncio.Task | None = None  # start_reporting's loop (direct streaming)
 
@@ -65,10 +66,10 @@ class EngineServer:
         self.replica_id = f"{role}-{self.unique_id}"
         store = None if role == Role.COLOCATED else app_store(app_name, **(store_kwargs or {}))
         self.store = store
+        # Serve replicas are not plain actors: the store moves their exports (store_pulls=False).
         # Handed-back KV waits for its load as long as a store transfer's lease would.
-        self.worker = EngineWorker(engine_args, role, self.replica_id, store, "object_store",
-                                   load_failure_policy, store_pulls=False,
-                                   handoff_ttl_s=(store_kwargs or {}).get("lease_s"))
+        super().__init__(engine_args, role, self.replica_id, store, "object_store", load_failure_policy,
+                         store_pulls=False, handoff_ttl_s=(store_kwargs or {}).get("lease_s"))
         self._coordinator = (serve.get_deployment_handle(coordinator, app_name)
                              if coordinator else None)
         self._seq = 0
@@ -90,7 +91,7 @@ class EngineServer:
         """Run a prefill request (cluster.pd.split.prefill_request) to its end; its output
         carries the first token and the export's kv_transfer_params (the KV is in the store)."""
         start = time.monotonic()
-        out = await self.worker.prefill(request)
+        out = await super().prefill(request)
         self.ttft.add(time.monotonic() - start)
         return out
 
@@ -99,7 +100,7 @@ class EngineServer:
         ingress, whose own decode engine loads it, and whose channel takes up to
         `max_kv_bytes` of KV."""
         start = time.monotonic()
-        handoff = await self.worker.prefill_handoff(request, max_kv_bytes)
+        handoff = await super().prefill_handoff(request, max_kv_bytes)
         self.ttft.add(time.monotonic() - start)
         return handoff
 
@@ -110,8 +111,8 @@ class EngineServer:
         KV blocks) before the close returns. A dead engine raises EngineDeadError (a 503 with
         Retry-After: the ingress validated the request). The latency windows see each engine
         step's output, as for a routed request."""
-        return self.worker.engine.generate(request, observe=self._latency_observer(),
-                                           stream_interval_s=self.stream_interval_s)
+        return self.engine.generate(request, observe=self._latency_observer(),
+                                    stream_interval_s=self.stream_interval_s)
 
     # ---- per-step messages (cluster.replica.step_channel) ----------------------------------------
     async def submit(self, request: EngineRequest, ingress_id: str) -> str:
@@ -121,7 +122,7 @@ class EngineServer:
         sink = self.hub.sink(ingress_id, request_id)
         self._observers[request_id] = self._latency_observer()
         try:
-            await self.worker.submit(request, sink)
+            await self.engine.submit(request, sink)
         except BaseException:
             self.hub.forget(request_id)
             self._observers.pop(request_id, None)
@@ -131,7 +132,7 @@ class EngineServer:
     async def subscribe(self, ingress_id: str, replica: str):
         """Stream of lists of RequestDeltas for `ingress_id` (a Serve streaming method)."""
         self._check_target(replica)
-        async for batch in self.hub.subscribe(ingress_id, self.worker.abort):
+        async for batch in self.hub.subscribe(ingress_id, super().abort):
             yield batch
 
     def _latency_observer(self) -> Callable[[RequestOutput], None]:
@@ -171,38 +172,26 @@ class EngineServer:
         self._check_target(replica)
         self.hub.forget(request_id)
         self._observers.pop(request_id, None)
-        await self.worker.abort(request_id)
+        await super().abort(request_id)
 
-    # ---- health, load and metrics -------------------------------------------------------
-    def tensor_parallel_ranks(self) -> list:
-        """Handles of this replica's rank actors (empty with one rank), for operators and
-        tests that need a rank's own state or liveness."""
-        return self.worker.tensor_parallel_ranks()
-
+    # ---- health, load and metrics (check_health, load: EngineHost's) --------------------
     def placement_group_id(self) -> str | None:
         """The placement group of this replica (hex id; None without one)."""
         import ray
 
         return ray.get_runtime_context().get_placement_group_id() or None
 
-    def data_parallel_cores(self) -> list:
-        """Handles of this replica's data-parallel core actors (empty with one core)."""
-        return self.worker.data_parallel_cores()
-
     def processes(self) -> dict:
         """This replica's pid and its engine core processes' (--engine-core-process; none
         when the core runs in the replica's own process), for operators and tests."""
         import os
 
-        return {"replica": os.getpid(), "engine_cores": self.worker.engine_core_pids()}
-
-    async def check_health(self) -> None:
-        await self.worker.check_health()
+        return {"replica": os.getpid(), "engine_cores": self.engine_core_pids()}
 
     async def report(self) -> ReplicaReport:
         """This replica's figures now (unnumbered)."""
-        report = await self.worker.load()
-        return dataclasses.replace(report, kv_transfer=await self.worker.kv_transfer_stats(),
+        report = await self.load()
+        return dataclasses.replace(report, kv_transfer=await self.kv_transfer_stats(),
                                    ttft_p90_s=self.ttft.percentile(0.9), itl_p90_s=self.itl.percentile(0.9))
 
     async def record_routing_stats(self) -> dict:
@@ -268,7 +257,7 @@ class EngineServer:
                 if owned == 0:
                     break
                 await asyncio.sleep(0.2)  # polling the store while draining, bounded
-        self.worker.stop()
+        self.stop()
 
     async def __del__(self) -> None:
         # Serve's shutdown hook of a deployment replica.

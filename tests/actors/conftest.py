@@ -11,7 +11,7 @@ from tests.actors.helpers import ENGINE
 @pytest.fixture
 def pd(ray_local, tiny_model):
     """A fresh store and a factory of workers on it, per test (tests kill actors)."""
-    from actors import create_worker
+    from cluster.replica.host import start_host_actor
     from kvstore.store_actor import create_store
 
     ray = ray_local
@@ -19,7 +19,7 @@ def pd(ray_local, tiny_model):
 
     def make(role, store=None, **kw):
         args = EngineArgs(tiny_model, **kw.pop("engine_kwargs", ENGINE))
-        actor = create_worker(args, role, store=store, **kw)
+        actor = start_host_actor(args, role, store=store, **kw)
         ray.get(actor.ping.remote())
         created.append(actor)
         return actor

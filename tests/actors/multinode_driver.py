@@ -12,9 +12,9 @@ import sys
 def main(model: str, prompt_ids: list[int]) -> dict:
     import ray
 
-    from actors.worker import EngineWorker
     from cluster.launch.ray_connect import RayConnectError, connect
     from cluster.pd.actor_peers import pd_generate
+    from cluster.replica.host import EngineHost
     from engine import EngineArgs, SamplingParams
     from engine.llm_engine import load_processor
     from kvstore.store_actor import create_store
@@ -34,7 +34,7 @@ def main(model: str, prompt_ids: list[int]) -> dict:
     store = create_store()
 
     def worker(role, node):
-        return ray.remote(EngineWorker).options(num_cpus=0, max_concurrency=100, resources={node: 1}).remote(
+        return ray.remote(EngineHost).options(num_cpus=0, max_concurrency=100, resources={node: 1}).remote(
             args, role, store=store)
 
     prefill, decode = worker("prefill", "node_a"), worker("decode", "node_b")

@@ -11,8 +11,8 @@ import asyncio
 import pytest
 import ray as ray_module
 
-from actors import create_worker
 from cluster.pd.actor_peers import pd_generate
+from cluster.replica.host import start_host_actor
 from engine import EngineArgs, SamplingParams
 from kvstore.store_actor import create_store
 from tests.actors.helpers import assert_no_leaks, collect, engine_request
@@ -31,8 +31,8 @@ def dp_pd(ray_local, moe_model):
     ray = ray_local
     groups = _live_placement_groups(ray)
     store = create_store()
-    prefill = create_worker(EngineArgs(moe_model, **ENGINE), "prefill", store=store)
-    decode = create_worker(EngineArgs(moe_model, data_parallel_size=2, enable_expert_parallel=True, **ENGINE),
+    prefill = start_host_actor(EngineArgs(moe_model, **ENGINE), "prefill", store=store)
+    decode = start_host_actor(EngineArgs(moe_model, data_parallel_size=2, enable_expert_parallel=True, **ENGINE),
                            "decode", store=store)
     ray.get([prefill.ping.remote(), decode.ping.remote()])
     yield ray, store, prefill, decode

@@ -36,11 +36,11 @@ def shared(ray_local, tiny_model):
     other settings. Each worker start imports torch and loads an engine (seconds of CPU), so
     the module shares one pair; a test that kills a worker or changes one makes its own with
     `pd`'s factory, on this store. Every test checks the shared pair is left clean."""
-    from actors import create_worker
+    from cluster.replica.host import start_host_actor
 
     store = create_store()
     # The fail policy (not the default): the tests of it share the pair.
-    prefill, decode = (create_worker(EngineArgs(tiny_model, **ENGINE, kv_load_failure_policy="fail"), role,
+    prefill, decode = (start_host_actor(EngineArgs(tiny_model, **ENGINE, kv_load_failure_policy="fail"), role,
                                      store=store) for role in ("prefill", "decode"))
     ray_local.get([prefill.ping.remote(), decode.ping.remote()])
     yield store, prefill, decode
@@ -69,7 +69,7 @@ class HangingEngine:
     async def load(self):
         return EngineLoad(running=len(self.requests), free_blocks=1, total_blocks=1)
 
-    def check_health(self):
+    async def check_health(self):
         pass
 
     def shutdown(self):

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from actors import create_worker
 from cluster.pd.actor_peers import pd_generate
+from cluster.replica.host import start_host_actor
 from engine import EngineArgs, SamplingParams
 from kvstore.store_actor import create_store
 from tests.actors.helpers import ENGINE, assert_no_leaks, collect, engine_request
@@ -23,8 +23,8 @@ TEXT = "Look at <image> and answer briefly"
 def cluster(ray_local, llava_model):
     ray = ray_local
     store = create_store()
-    prefill = create_worker(EngineArgs(llava_model, **_ENGINE), "prefill", store=store)
-    decode = create_worker(EngineArgs(llava_model, **_ENGINE), "decode", store=store)
+    prefill = start_host_actor(EngineArgs(llava_model, **_ENGINE), "prefill", store=store)
+    decode = start_host_actor(EngineArgs(llava_model, **_ENGINE), "decode", store=store)
     ray.get([prefill.ping.remote(), decode.ping.remote()])
     yield ray, store, prefill, decode
     for actor in (prefill, decode, store):

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from actors import create_worker
 from cluster.pd.actor_peers import colocated_generate, pd_generate
+from cluster.replica.host import start_host_actor
 from engine import EngineArgs, SamplingParams
 from kvstore.store_actor import create_store
 from tests.actors.helpers import ENGINE, assert_no_leaks, engine_request
@@ -22,9 +22,9 @@ def cluster(ray_local, tiny_model):
     ray = ray_local
     store = create_store()
     kw = {"store": store, "transport": "object_store"}
-    prefill = create_worker(EngineArgs(tiny_model, **ENGINE), "prefill", **kw)
-    decode = create_worker(EngineArgs(tiny_model, **ENGINE), "decode", **kw)
-    colocated = create_worker(EngineArgs(tiny_model, **ENGINE), "colocated")
+    prefill = start_host_actor(EngineArgs(tiny_model, **ENGINE), "prefill", **kw)
+    decode = start_host_actor(EngineArgs(tiny_model, **ENGINE), "decode", **kw)
+    colocated = start_host_actor(EngineArgs(tiny_model, **ENGINE), "colocated")
     ray.get([prefill.ping.remote(), decode.ping.remote(), colocated.ping.remote()])
     yield ray, store, prefill, decode, colocated
     for actor in (prefill, decode, colocated, store):
@@ -98,11 +98,11 @@ def test_workers_report_health_and_load(cluster):
 
 
 def test_invalid_worker_settings_fail_clearly(ray_local, tiny_model):
-    from actors.worker import EngineWorker
+    from cluster.replica.host import EngineHost
 
     with pytest.raises(ValueError, match="role"):
-        EngineWorker(EngineArgs(tiny_model), role="router")
+        EngineHost(EngineArgs(tiny_model), role="router")
     with pytest.raises(ValueError, match="transport"):
-        EngineWorker(EngineArgs(tiny_model), role="decode", transport="carrier-pigeon")
+        EngineHost(EngineArgs(tiny_model), role="decode", transport="carrier-pigeon")
     with pytest.raises(ValueError, match="KV store"):
-        EngineWorker(EngineArgs(tiny_model), role="decode")
+        EngineHost(EngineArgs(tiny_model), role="decode")

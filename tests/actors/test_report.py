@@ -1,4 +1,4 @@
-"""actors.roles.Role and actors.report.ReplicaReport: plain values every layer above the engine
+"""cluster.roles.Role and cluster.report.ReplicaReport: plain values every layer above the engine
 can compare, key, print and ship."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pickle
 
 import pytest
 
-from actors.report import ReplicaReport
-from actors.roles import Role
+from cluster.report import ReplicaReport
+from cluster.roles import Role
 from engine.load import EngineLoad, LoRAFigures
 
 

@@ -12,8 +12,8 @@ import asyncio
 import pytest
 import ray as ray_module
 
-from actors import create_worker
 from cluster.pd.actor_peers import colocated_generate
+from cluster.replica.host import start_host_actor
 from engine import EngineArgs, SamplingParams
 from tests.actors.helpers import collect, engine_request
 from tests.engine.hf_reference import hf_greedy, random_prompts
@@ -25,7 +25,7 @@ ENGINE = {"max_model_len": 256, "num_kv_blocks": 64, "tensor_parallel_size": 2, 
 def tp_worker(ray_local, tiny_model):
     ray = ray_local
     groups = _live_placement_groups(ray)
-    worker = create_worker(EngineArgs(tiny_model, **ENGINE), "colocated")
+    worker = start_host_actor(EngineArgs(tiny_model, **ENGINE), "colocated")
     ray.get(worker.ping.remote())
     assert _live_placement_groups(ray) == groups + 1  # the executor's own group
     yield ray, worker

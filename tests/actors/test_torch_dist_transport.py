@@ -31,13 +31,13 @@ def shared(ray_local, tiny_model):
     """(store, prefill, decode) on the torch_dist transport, shared by the tests that neither
     kill nor reconfigure them (a worker start costs seconds of CPU); each test checks it
     leaves them clean."""
-    from actors import create_worker
+    from cluster.replica.host import start_host_actor
     from engine import EngineArgs
     from kvstore.store_actor import create_store
 
     store = create_store()
     # The fail policy (not the default): its test shares the pair.
-    prefill, decode = (create_worker(EngineArgs(tiny_model, **ENGINE, kv_load_failure_policy="fail"), role,
+    prefill, decode = (start_host_actor(EngineArgs(tiny_model, **ENGINE, kv_load_failure_policy="fail"), role,
                                      store=store, **TD) for role in ("prefill", "decode"))
     ray_local.get([prefill.ping.remote(), decode.ping.remote()])
     yield store, prefill, decode

@@ -1,4 +1,4 @@
-"""EngineWorker.prefill_handoff (kvstore.handoff) on a stand-in engine that exports the
+"""EngineHost.prefill_handoff (kvstore.handoff) on a stand-in engine that exports the
 prompt KV the way a real one does (in process before its output, or late through a core
 process's relay), with a transport whose store records every call: what the reply carries,
 what goes to the store instead, and that no expectation outlives the call."""
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import actors.worker as worker_module
-from actors.worker import EngineWorker
+import cluster.replica.host as worker_module
 from cluster.pd.split import prefill_request
+from cluster.replica.host import EngineHost
 from engine.engine_request import EngineRequest
 from engine.kv_transfer_params import KVTransferParams
 from engine.sampling_params import SamplingParams
@@ -42,9 +42,9 @@ class _Engine:
         yield SimpleNamespace(request_id=request.request_id, kv_transfer_params=KVTransferParams(transfer_id=tid))
 
 
-def _worker(export, hold=None, transport=True) -> tuple[EngineWorker, RecordingStore]:
+def _worker(export, hold=None, transport=True) -> tuple[EngineHost, RecordingStore]:
     store = RecordingStore()
-    worker = object.__new__(EngineWorker)
+    worker = object.__new__(EngineHost)
     worker.engine, worker.replica_id, worker.role = _Engine(export, hold), "prefill-x", "prefill"
     worker.relay = None
     worker.transport = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.worker import engine_config_for_role
+from cluster.replica.host import engine_config_for_role
 from engine.args import EngineArgs
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
@@ -28,9 +28,9 @@ def test_every_role_runs_with_the_serving_token_budget_unless_one_is_given():
 
 
 def test_a_worker_engine_steps_within_the_serving_budget(tiny_model):
-    from actors.worker import EngineWorker
+    from cluster.replica.host import EngineHost
 
-    worker = EngineWorker(EngineArgs(model=tiny_model, num_kv_blocks=64, max_model_len=1024), "colocated")
+    worker = EngineHost(EngineArgs(model=tiny_model, num_kv_blocks=64, max_model_len=1024), "colocated")
     try:
         assert worker.engine.engine.core.scheduler_config.max_num_batched_tokens == 512
     finally:

@@ -67,8 +67,9 @@ def deploy(serve_url):
 
     from cluster.launch.app import build_app
 
-    def run(cfg=None, *, app_name: str | None = None, application=None):
-        """Deploy an AppConfig, or an already built `application` under `app_name`."""
+    def run(cfg=None, *, app_name: str | None = None, application=None, route_prefix: str = "/"):
+        """Deploy an AppConfig, or an already built `application` under `app_name`; the URL
+        returned is the app's (Serve's, plus `route_prefix`)."""
         name = app_name if application is not None else cfg.app_name
         if cfg is not None:
             # Stopping replicas look for their last requests every 0.2 s instead of Serve's 2 s:
@@ -76,12 +77,13 @@ def deploy(serve_url):
             cfg = dataclasses.replace(cfg, graceful_shutdown_wait_loop_s=0.2)
         for other in [n for n in _DEPLOYED if n != name]:
             _delete(other)
-        serve.run(application if application is not None else build_app(cfg), name=name, route_prefix="/",
+        serve.run(application if application is not None else build_app(cfg), name=name, route_prefix=route_prefix,
                   blocking=False, external_scaler_enabled=True)
         if name not in _DEPLOYED:
             _DEPLOYED.append(name)
-        wait_http_ok(f"{serve_url}/health")
-        return serve_url
+        url = serve_url + route_prefix.rstrip("/")
+        wait_http_ok(f"{url}/health")
+        return url
 
     run.url = serve_url
     yield run

@@ -45,8 +45,8 @@ class FakeCoordinator:
     """The Coordinator calls the ingress's routes make, answered at once."""
 
     def __getattr__(self, method):
-        from actors.roles import Role
         from cluster.control.results import ScaleResult, Status
+        from cluster.roles import Role
 
         async def call(*args):
             live = [SimpleNamespace(role=Role.COLOCATED)]
@@ -103,6 +103,7 @@ def make_ingress(model_dir: str, *, max_pending_requests: int = 64, name: str = 
     ing.created, ing.ingress_id, ing.direct = 0, "ingress-test", None
     ing.coordinator_call_s = 5.0
     ing.lora_follower = None  # no LoRA adapters (cluster.http.lora)
+    ing._share_coordinator_calls()
     ingress_module._body_limits = body_limits
     return ing
 

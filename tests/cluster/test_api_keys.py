@@ -33,3 +33,46 @@ def test_app_config_never_shows_the_keys(tiny_model):
     assert "sk-first" not in repr(cfg)
     with pytest.raises(ParameterError, match="api_keys"):
         AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE), api_keys="sk-first")
+
+
+def _answer(path: str, root_path: str = "", authorization: str | None = None, metrics_without_key=False) -> int:
+    """The status the key check gives a GET of `path` (the app behind it answers 200)."""
+    import asyncio
+
+    from cluster.http.auth import _ApiKeyMiddleware
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    check = ApiKeyCheck((digest(k) for k in KEYS), metrics_without_key)
+    headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+    scope = {"type": "http", "method": "GET", "path": path, "root_path": root_path, "headers": headers,
+             "query_string": b""}
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(_ApiKeyMiddleware(app, lambda: check)(scope, receive, send))
+    return sent[0]["status"]
+
+
+@pytest.mark.parametrize("root_path", ["", "/pfx"])
+def test_every_route_but_health_needs_the_key_under_any_route_prefix(root_path):
+    for path in ("/v1/models", "/v1/chat/completions", "/tokenize", "/detokenize", "/tokenizer_info", "/scale",
+                 "/status", "/metrics", "/docs", "/openapi.json", "/v1/load_lora_adapter", "/no-such-route", "/"):
+        assert _answer(root_path + path, root_path) == 401, path
+        assert _answer(root_path + path, root_path, "Bearer sk-second") == 200, path
+    assert _answer(root_path + "/health", root_path) == 200
+
+
+def test_metrics_is_open_only_when_asked_and_a_prefix_is_no_way_around_the_key():
+    assert _answer("/metrics", metrics_without_key=True) == 200
+    assert _answer("/pfx/metrics", "/pfx", metrics_without_key=True) == 200
+    assert _answer("/scale", metrics_without_key=True) == 401
+    # A path under another prefix than the app's is not the app's /health.
+    assert _answer("/other/health", "/pfx") == 401

@@ -8,14 +8,8 @@ import os
 
 import pytest
 
-from cluster.http.openai_format import (
-    TokenText,
-    chat_logprobs,
-    completion_logprobs,
-    error_body,
-    sse,
-    usage,
-)
+from cluster.http.openai_format import TokenText, chat_logprobs, completion_logprobs, joined, sse
+from cluster.http.openai_models import ChatCompletionChunk, ErrorResponse, Usage
 from cluster.launch.app import build
 from cluster.launch.app_config import AppConfig
 from engine.args import EngineArgs
@@ -245,7 +239,7 @@ def test_completion_logprobs():
         {3: -1.0, 5: -0.5, 4: -2.0, 1: -0.75},
         {4: -0.05},
     ]
-    out = completion_logprobs(text_of, ids, positions, n=2, offset=10)
+    out = completion_logprobs(text_of, ids, positions, n=2, offset=10).model_dump()
     assert out["tokens"] == ["Hello", ",", " wörld", "!"]
     assert out["token_logprobs"] == [-0.1, -0.5, -1.0, -0.05]
     # offsets: each token starts where the previous one's text (in characters) ends
@@ -262,7 +256,7 @@ def test_completion_logprobs():
 
 def test_completion_logprobs_without_top_and_sampled_token_missing():
     text_of = TokenText(FakeTokenizer(VOCAB))
-    out = completion_logprobs(text_of, [5, 7, 6], [{5: -0.2}, {}, {1: -0.3}], n=0, offset=0)
+    out = completion_logprobs(text_of, [5, 7, 6], [{5: -0.2}, {}, {1: -0.3}], n=0, offset=0).model_dump()
     # logprobs=0: only the sampled token, when its logprob is known
     assert out["top_logprobs"] == [{text_of(5): -0.2}, None, None]
     assert out["token_logprobs"] == [-0.2, None, None]
@@ -271,13 +265,22 @@ def test_completion_logprobs_without_top_and_sampled_token_missing():
 
 def test_completion_logprobs_empty():
     out = completion_logprobs(TokenText(FakeTokenizer(VOCAB)), [], [], n=3, offset=4)
-    assert out == {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    assert out.model_dump() == {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def test_joined_completion_logprobs_are_the_first_tokens_then_the_others():
+    text_of = TokenText(FakeTokenizer(VOCAB))
+    prompt = completion_logprobs(text_of, [1, 2], [None, {2: -0.5}], n=1, offset=0)
+    rest = completion_logprobs(text_of, [3], [{3: -1.0}], n=1, offset=6)
+    assert joined(prompt, rest).model_dump() == {
+        "tokens": ["Hello", ",", " wörld"], "token_logprobs": [None, -0.5, -1.0],
+        "top_logprobs": [None, {",": -0.5}, {" wörld": -1.0}], "text_offset": [0, 5, 6]}
 
 
 def test_chat_logprobs():
     text_of = TokenText(FakeTokenizer(VOCAB))
     out = chat_logprobs(text_of, [3, 5], [{3: -0.5, 1: -1.5, 5: -0.25}, {5: -0.01, 4: -5.0}], n=2)
-    content = out["content"]
+    content = out.model_dump()["content"]
     assert len(content) == 2
     assert content[0]["token"] == " wörld"
     assert content[0]["logprob"] == -0.5
@@ -294,29 +297,30 @@ def test_chat_logprobs():
 
 def test_chat_logprobs_no_top():
     out = chat_logprobs(TokenText(FakeTokenizer(VOCAB)), [1], [{1: -0.3, 2: -0.1}], n=0)
-    assert out == {"content": [{"token": "Hello", "logprob": -0.3, "bytes": list(b"Hello"), "top_logprobs": []}]}
+    assert out.model_dump() == {"content": [{"token": "Hello", "logprob": -0.3, "bytes": list(b"Hello"), "top_logprobs": []}]}
 
 
 def test_sse_framing():
     assert sse("[DONE]") == "data: [DONE]\n\n"
-    obj = {"id": "x", "choices": [{"text": "a\nb", "index": 0}], "usage": None}
-    frame = sse(obj)
+    obj = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+           "choices": [{"index": 0, "delta": {"content": "a\nb"}, "logprobs": None, "finish_reason": None}]}
+    frame = sse(ChatCompletionChunk.model_validate(obj))
     assert frame.startswith("data: ")
     assert frame.endswith("\n\n")
     payload = frame[len("data: "):-2]
     assert "\n" not in payload  # one event per frame: the payload is a single line
-    assert json.loads(payload) == obj
+    assert json.loads(payload) == obj  # no `usage` key: a chunk without one leaves it out
 
 
 def test_usage_totals():
-    assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
-    assert usage(0, 0) == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    assert Usage.of(3, 4).model_dump() == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert Usage.of(0, 0).model_dump() == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
 
 
 def test_error_body():
-    assert error_body("bad", "invalid_request_error", "n", 400) == {
+    assert ErrorResponse.of("bad", "invalid_request_error", "n", 400).model_dump() == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": 400}}
-    assert error_body("oops", "server_error")["error"]["param"] is None
+    assert ErrorResponse.of("oops", "server_error").model_dump()["error"]["param"] is None
 
 
 @pytest.mark.parametrize("flat", [

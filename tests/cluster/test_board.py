@@ -3,10 +3,10 @@ per-role signals for the autoscaler."""
 
 from __future__ import annotations
 
-from actors.report import ReplicaReport
-from actors.roles import Role
 from cluster.control.autoscale import RoleSignal
 from cluster.control.coordinator import STALE_AFTER_S, Board
+from cluster.report import ReplicaReport
+from cluster.roles import Role
 from engine.load import EngineLoad
 
 

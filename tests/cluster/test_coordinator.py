@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from actors.report import ReplicaReport
-from actors.roles import Role
 from cluster.control.autoscale import AutoscaleConfig
 from cluster.control.coordinator import Coordinator, ScaleRequestError, parse_scale_request
 from cluster.http.control_answers import scale_response, status_response
+from cluster.report import ReplicaReport
+from cluster.roles import Role
 from engine.load import EngineLoad
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.report import ReplicaReport
-from actors.roles import Role
 from cluster.http.metrics import AppMetrics
+from cluster.report import ReplicaReport
+from cluster.roles import Role
 from engine.load import EngineLoad
 
 # The series the panel queries of vLLM's dashboard reference, names only, from

@@ -281,3 +281,44 @@ def test_the_flag_sets_the_apps_body_limit_and_bad_bounds_name_their_field(tiny_
         with pytest.raises(ParameterError, match=field) as e:
             AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE), **{field: value})
         assert e.value.field == field
+
+
+def test_a_500_names_an_id_and_keeps_the_exception_in_the_log(caplog):
+    """A fault of the server: the body says so with an id; the exception's text (paths,
+    addresses, another request's data) goes only to the log, under that id."""
+    import asyncio
+    import json
+    import logging
+
+    from fastapi import FastAPI
+
+    from cluster.http.errors import install_error_handlers
+
+    broken = FastAPI()
+    install_error_handlers(broken)
+
+    @broken.get("/broken")
+    async def route() -> dict:
+        raise KeyError("/secret/path/of/the/server")
+
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/broken", "headers": [], "query_string": b""}
+    with caplog.at_level(logging.ERROR, logger="cluster.http.errors"):
+        try:
+            asyncio.run(broken(scope, receive, send))
+        except KeyError:
+            pass  # Starlette's server-error middleware re-raises after the handler answered
+    assert sent[0]["status"] == 500
+    error = json.loads(sent[1]["body"])["error"]
+    assert "secret" not in error["message"] and error["type"] == "internal_server_error"
+    error_id = error["message"].split("id ")[1].split(":")[0]
+    assert error_id.startswith("err-")
+    logged = [r for r in caplog.records if error_id in r.getMessage()]
+    assert logged and "secret" in str(logged[0].exc_info[1])

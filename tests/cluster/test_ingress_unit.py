@@ -136,6 +136,7 @@ def test_a_colocated_engine_failure_is_a_503_never_a_200_with_a_partial_answer(s
     import json
 
     from cluster.http.metrics import AppMetrics
+    from cluster.http.openai_models import CompletionChoice, CompletionChunk
     from engine.outputs import CompletionOutput, RequestOutput
 
     class Streams:
@@ -153,7 +154,8 @@ def test_a_colocated_engine_failure_is_a_503_never_a_200_with_a_partial_answer(s
 
     async def chunks(merged):
         async for _, out in merged:
-            yield {"text": out.outputs[0].text}
+            yield CompletionChunk(id="r", created=0, model="m", choices=[
+                CompletionChoice(index=0, text=out.outputs[0].text, logprobs=None, finish_reason=None)])
 
     async def run():
         response = await ing.respond(Job([engine_request("r", [1])], "r", stream, chunks, lambda finals: {}))
@@ -200,6 +202,7 @@ def test_a_hung_coordinator_is_a_503_within_the_bound_and_a_scale_is_not_cut_sho
     ing.coordinator_call_s = 0.05
     ing.coordinator, ing.mode, ing.ingress_id = _HungCoordinator(), "colocated", "ingress-x"
     ing.metrics = AppMetrics("m", "colocated")
+    ing._share_coordinator_calls()
 
     class Body:
         async def json(self):

@@ -41,7 +41,7 @@ def test_each_adapter_is_checked_and_gets_its_own_id():
             reg.add(name, "/p/x")
         assert e.value.field == "lora_name"
     listed = reg.models(0, 128)
-    assert [(m["id"], m["parent"], m["root"]) for m in listed] == [("a", "base", "/p/a"), ("b", "base", "/p/b")]
+    assert [(m.id, m.parent, m.root) for m in listed] == [("a", "base", "/p/a"), ("b", "base", "/p/b")]
 
 
 def test_a_bad_adapter_is_not_registered():

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.report import ReplicaReport
-from actors.roles import Role
 from cluster.http.metrics import AppMetrics
+from cluster.report import ReplicaReport
+from cluster.roles import Role
 from engine.load import EngineLoad
 
 BASE = {"model_name": "tiny", "mode": "pd"}

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.report import ReplicaReport
-from actors.roles import Role
 from cluster.http.metrics import AppMetrics
 from cluster.http.runner import RequestRunner
 from cluster.pd.placement import LocalPrefillRule, PrefillPlacement, RoleCounts
 from cluster.replica.errors import ReplicaError
+from cluster.report import ReplicaReport
+from cluster.roles import Role
 from engine.load import EngineLoad
 from engine.outputs import CompletionOutput, RequestOutput
 from tests.cluster.helpers import engine_request, until

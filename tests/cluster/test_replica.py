@@ -1,4 +1,4 @@
-"""EngineServer's health check and load report, on a stand-in worker (no Serve needed)."""
+"""EngineServer's health check and load report, on a stand-in engine (no Serve needed)."""
 
 from __future__ import annotations
 
@@ -7,22 +7,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.roles import Role
-from actors.worker import EngineWorker
 from cluster.replica.latency import LatencyWindow
 from cluster.replica.server import EngineServer
+from cluster.roles import Role
 from engine.load import EngineLoad
 from tests.cluster.helpers import engine_request
 
 
 class _Engine:
-    """The part of actors.serving_engine.ServingEngine a replica's health and figures use."""
+    """The part of cluster.replica.host.ServingEngine a replica's health and figures use."""
 
     def __init__(self, errored=None):
         self.errored = errored
         self.running = 3
 
-    def check_health(self):
+    async def check_health(self):
         if self.errored is not None:
             raise RuntimeError(f"the engine thread failed: {self.errored!r}")
 
@@ -49,11 +48,9 @@ class _Coordinator:
 
 
 def _server(errored=None, coordinator=None) -> EngineServer:
-    worker = object.__new__(EngineWorker)
-    worker.engine, worker.replica_id, worker.role = _Engine(errored), "decode-x", Role.DECODE
-    worker.connectors, worker.relay, worker.transport = {}, None, None
     server = object.__new__(EngineServer)
-    server.worker, server.role, server.replica_id = worker, Role.DECODE, "decode-x"
+    server.engine, server.role, server.replica_id = _Engine(errored), Role.DECODE, "decode-x"
+    server.connectors, server.relay, server.transport = {}, None, None
     server._coordinator, server._seq = coordinator, 0
     server._forwarded, server._forwarded_at = None, 0.0
     server.ttft, server.itl = LatencyWindow(), LatencyWindow()
@@ -72,7 +69,7 @@ def test_check_health_fails_when_the_kv_relay_of_its_core_process_stopped():
         alive = True
 
     server = _server()
-    server.worker.relay = _Relay()
+    server.relay = _Relay()
     asyncio.run(server.check_health())
     _Relay.alive = False  # its core's transfers would all fail from now on
     with pytest.raises(RuntimeError, match="KV relay of decode-x"):
@@ -90,7 +87,7 @@ def test_routing_stats_carry_load_and_a_fresh_sequence_number_and_reach_the_coor
     assert [r.seq for r in coordinator.reports] == [a["seq"]]
     first = coordinator.reports[0]
     assert (first.replica, first.role, first.engine.waiting, first.engine.running) == ("decode-x", "decode", 2, 3)
-    server.worker.engine.running = 4
+    server.engine.running = 4
     c = asyncio.run(server.record_routing_stats())
     assert [r.seq for r in coordinator.reports] == [a["seq"], c["seq"]]
     server._forwarded_at -= 60  # as if the last report were a minute old
@@ -114,7 +111,7 @@ def test_an_engine_that_fails_under_an_in_process_caller_is_a_503_with_retry_aft
             raise EngineDeadError("engine failed: EngineDeadError('the engine core process exited')")
 
     server = _server()
-    server.worker.engine = _DeadEngine()
+    server.engine = _DeadEngine()
 
     async def run():
         got = []
@@ -142,7 +139,7 @@ def test_an_in_process_caller_feeds_the_latency_windows_per_engine_step_not_per_
             yield steps[-1]  # ... and it reads them as one output
 
     server = _server()
-    server.worker.engine = _Engine()
+    server.engine = _Engine()
 
     async def run():
         return [out async for out in server.generate(engine_request())]

@@ -21,6 +21,7 @@ import requests
 
 from cluster.http import openai_format as fmt
 from cluster.http.errors import OpenAIError
+from cluster.http.openai_models import ChatCompletionChunk, ChatCompletionResponse
 from cluster.http.responses import ResponsesRequest, responses_job
 from cluster.http.responses_answer import Shell, adapt
 from cluster.http.runner import RequestRunner
@@ -174,10 +175,10 @@ def _shell() -> Shell:
     return Shell("resp_t", 1700000000, NAME, _request().echo())
 
 
-def _chunk(delta: dict | None = None, finish: str | None = None, usage: dict | None = None) -> dict:
+def _chunk(delta: dict | None = None, finish: str | None = None, usage: dict | None = None) -> ChatCompletionChunk:
     choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-    return {"id": "resp_t", "object": "chat.completion.chunk", "created": 0, "model": NAME, "choices": choices,
-            **({"usage": usage} if usage else {})}
+    return ChatCompletionChunk.model_validate({"id": "resp_t", "object": "chat.completion.chunk", "created": 0,
+                                               "model": NAME, "choices": choices, "usage": usage})
 
 
 def _fake_chat(chunks: list[dict], message: dict, finish: str, usage: dict) -> Job:
@@ -186,16 +187,22 @@ def _fake_chat(chunks: list[dict], message: dict, finish: str, usage: dict) -> J
         for c in chunks:
             yield c
 
-    answer = {"id": "resp_t", "object": "chat.completion", "created": 0, "model": NAME, "usage": usage,
-              "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}]}
+    answer = ChatCompletionResponse.model_validate({
+        "id": "resp_t", "object": "chat.completion", "created": 0, "model": NAME, "usage": usage,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None}]})
     return Job([], "resp_t", True, chat_chunks, lambda finals: answer)
 
 
 def _events(job: Job) -> list[dict]:
+    """The stream's events as their JSON says."""
     async def run():
-        return [e async for e in job.chunks(None)]
+        return [json.loads(e.model_dump_json()) async for e in job.chunks(None)]
 
     return asyncio.run(run())
+
+
+def _whole(job: Job) -> dict:
+    return json.loads(job.whole([]).model_dump_json())
 
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
@@ -276,7 +283,7 @@ def test_a_streamed_text_answer_is_openais_event_sequence_adding_up_to_the_respo
     assert final["output"][0]["content"][0]["text"] == "Hello" and final["output"][0]["status"] == "completed"
     assert final["usage"]["input_tokens"] == 7 and final["usage"]["output_tokens"] == 5
     assert final["usage"]["total_tokens"] == 12
-    assert _without_ids(final) == _without_ids(job.whole([]))
+    assert _without_ids(final) == _without_ids(_whole(job))
 
 
 def test_streamed_tool_calls_are_function_call_items_after_the_text():
@@ -288,7 +295,7 @@ def test_streamed_tool_calls_are_function_call_items_after_the_text():
         ("function_call", "call_b", "time", "{}")]
     assert all(i["status"] == "completed" for i in final["output"])
     assert final["output"][1]["id"].startswith("fc_") and final["output"][0]["id"].startswith("msg_")
-    assert _without_ids(final) == _without_ids(job.whole([]))
+    assert _without_ids(final) == _without_ids(_whole(job))
 
 
 def test_a_length_cut_is_an_incomplete_response_with_the_reason():
@@ -298,7 +305,7 @@ def test_a_length_cut_is_an_incomplete_response_with_the_reason():
     final = _check_stream_adds_up(_events(job), "response.incomplete")
     assert final["status"] == "incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
     assert final["output"][0]["status"] == "incomplete"
-    assert _without_ids(final) == _without_ids(job.whole([]))
+    assert _without_ids(final) == _without_ids(_whole(job))
 
 
 def test_an_empty_answer_is_one_empty_message_streamed_or_not():
@@ -306,7 +313,7 @@ def test_an_empty_answer_is_one_empty_message_streamed_or_not():
     job = adapt(_fake_chat(chunks, {"role": "assistant", "content": ""}, "stop", USAGE), _shell())
     final = _check_stream_adds_up(_events(job), "response.completed")
     assert [i["content"][0]["text"] for i in final["output"]] == [""]
-    assert _without_ids(final) == _without_ids(job.whole([]))
+    assert _without_ids(final) == _without_ids(_whole(job))
 
 
 def test_the_response_object_is_valid_for_the_sdk_and_echoes_the_request():
@@ -316,7 +323,7 @@ def test_the_response_object_is_valid_for_the_sdk_and_echoes_the_request():
                     tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}],
                     tool_choice="required", metadata={"k": "v"}).echo()
     job = adapt(_fake_chat([], CALL_MESSAGE, "tool_calls", USAGE), Shell("resp_t", 1, NAME, echo))
-    r = Response.model_validate(job.whole([]))
+    r = Response.model_validate(_whole(job))
     assert (r.id, r.object, r.status, r.model, r.instructions, r.max_output_tokens) == (
         "resp_t", "response", "completed", NAME, "Be terse.", 9)
     assert r.temperature == 0 and r.top_p == 1.0 and r.tool_choice == "required" and r.metadata == {"k": "v"}

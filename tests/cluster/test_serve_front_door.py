@@ -5,13 +5,17 @@ test_tokenize.py and test_http_bodies.py; they share this one app because an app
 13-17 s of two cores.
 
 The app runs two ingress replicas (`api_server_count`), so the keys are checked by each, and
-`/metrics` must show the requests of both whichever answers. Its body limit is 1 MiB and its
-body timeout 2 s, and Serve's proxy must hand a request to the app before its body arrives."""
+`/metrics` must show the requests of both whichever answers (it runs with metrics_without_key:
+/metrics is open while every other route but /health needs the key). It is served under the
+route prefix PREFIX, not `/`, so the key check must see the routed path. Its body limit is 1 MiB
+and its body timeout 2 s, and Serve's proxy must hand a request to the app before its body
+arrives."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +29,8 @@ APP = "frontdoor"
 NAME = "tiny-keys"
 KEYS = ("sk-first", "sk-second")
 AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
+PREFIX = "/front"
+CHAT_PATH = f"{PREFIX}/v1/chat/completions"
 CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 MiB = 1024 * 1024
 
@@ -36,8 +42,8 @@ def app(deploy, tiny_model):
 
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **ENGINE), mode="colocated", served_model_name=NAME,
                     app_name=APP, replica_num_cpus=0, api_keys=KEYS, api_server_count=2,
-                    max_request_body_bytes=MiB, request_body_timeout_s=2.0)
-    return deploy(cfg)
+                    max_request_body_bytes=MiB, request_body_timeout_s=2.0, metrics_without_key=True)
+    return deploy(cfg, route_prefix=PREFIX)
 
 
 def test_metrics_count_the_requests_of_every_ingress_replica_whichever_answers(app):
@@ -59,7 +65,8 @@ def test_metrics_count_the_requests_of_every_ingress_replica_whichever_answers(a
         assert all(pool.map(one, range(24)))
 
     def served():  # per replica, from its access lines (written once each response went out)
-        return [t.count("POST /v1/completions 200") for t in serve_logs(APP, "Ingress")]
+        # Under the prefix, whether the line shows it or not.
+        return [len(re.findall(r"POST \S*/v1/completions 200", t)) for t in serve_logs(APP, "Ingress")]
 
     wait_for(lambda: sum(served()) == 24, "the ingress replicas' access lines", timeout_s=30)
     assert len(served()) == 2 and min(served()) > 0, served()  # both replicas took some
@@ -87,7 +94,11 @@ def test_serve_app_answers_401_without_a_valid_key_and_serves_with_one(app):
         assert r.json()["error"]["code"] == "invalid_api_key" and "sk-" not in r.text
         assert requests.get(f"{app}/status", headers=headers, timeout=30).status_code == 401
         assert requests.post(f"{app}/scale", json={"colocated": 1}, headers=headers, timeout=30).status_code == 401
+        for path in ("/v1/models", "/docs", "/openapi.json", "/no-such-route"):
+            assert requests.get(f"{app}{path}", headers=headers, timeout=30).status_code == 401, path
+    assert app.endswith(PREFIX)  # all of the above under the prefix
     assert requests.get(f"{app}/health", timeout=30).status_code == 200  # load balancers need no key
+    assert requests.get(f"{app}/metrics", timeout=30).status_code == 200  # metrics_without_key
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=f"{app}/v1", api_key="sk-wrong", max_retries=0).models.list()
     client = OpenAI(base_url=f"{app}/v1", api_key=KEYS[1], max_retries=0)
@@ -152,14 +163,14 @@ def test_http_tokenizer_routes_answer_401_without_the_key(app):
 
 # ---- the request-body limits through Serve's HTTP proxy (the app's 1 MiB and 2 s) ----------
 def _port(url: str) -> int:
-    return int(url.rsplit(":", 1)[1])
+    return int(url.removesuffix(PREFIX).rsplit(":", 1)[1])
 
 
 def test_through_serve_a_64_mib_declared_body_is_413_before_any_byte_of_it_is_sent(app):
     """Serve's proxy hands the request to the ingress replica before the body arrives (it
     forwards the body as the app reads it), so the app's 413 comes back with no body sent."""
     start = time.monotonic()
-    status, headers, body, closed = exchange(_port(app), post_head(_port(app), 64 * MiB, headers=AUTH))
+    status, headers, body, closed = exchange(_port(app), post_head(_port(app), 64 * MiB, CHAT_PATH, headers=AUTH))
     assert status == 413 and headers["connection"] == "close" and closed
     assert_openai_error(body, 413, str(64 * MiB), str(MiB))  # the app's own limit, not the default
     assert time.monotonic() - start < 10.0
@@ -168,14 +179,14 @@ def test_through_serve_a_64_mib_declared_body_is_413_before_any_byte_of_it_is_se
 def test_through_serve_a_chunked_body_over_the_apps_limit_is_413(app):
     piece = b"x" * (256 * 1024)
     chunk = b"%x\r\n" % len(piece) + piece + b"\r\n"
-    status, headers, body, closed = exchange(_port(app), post_head(_port(app), None, headers=AUTH), chunk * 5)
+    status, headers, body, closed = exchange(_port(app), post_head(_port(app), None, CHAT_PATH, headers=AUTH), chunk * 5)
     assert status == 413 and closed
     assert_openai_error(body, 413, f"over {MiB} bytes")
 
 
 def test_through_serve_a_body_that_stops_arriving_is_408_at_the_apps_bound(app):
     start = time.monotonic()
-    status, _, body, closed = exchange(_port(app), post_head(_port(app), 100, headers=AUTH), b'{"model": "m"')
+    status, _, body, closed = exchange(_port(app), post_head(_port(app), 100, CHAT_PATH, headers=AUTH), b'{"model": "m"')
     assert status == 408 and closed
     assert_openai_error(body, 408, "within 2 s")
     assert 2.0 <= time.monotonic() - start < 20.0
@@ -188,10 +199,10 @@ def test_through_serve_a_keep_alive_connection_stays_usable_after_a_4xx(app):
     headers = {"Content-Type": "application/json", **AUTH}
     for bad, status in ((b'{"model": ', 400), (json.dumps({**CHAT, "messages": [{"role": "user"}]}), 400),
                         (json.dumps({**CHAT, "model": "other"}), 404)):
-        conn.request("POST", "/v1/chat/completions", body=bad, headers=headers)
+        conn.request("POST", CHAT_PATH, body=bad, headers=headers)
         r = conn.getresponse()
         assert r.status == status and "error" in json.loads(r.read())
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(CHAT), headers=headers)
+        conn.request("POST", CHAT_PATH, body=json.dumps(CHAT), headers=headers)
         ok = conn.getresponse()
         assert ok.status == 200 and json.loads(ok.read())["usage"]["completion_tokens"] == 2
         assert conn.sock is sock

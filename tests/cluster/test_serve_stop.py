@@ -34,7 +34,8 @@ from tests.cluster.helpers import (
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BOUND_S = 30.0  # --shutdown-timeout-s, the default
-STREAM_TOKENS = 128  # long enough to be in flight at the signal, short enough for the drain on a busy CPU
+STREAM_TOKENS = 384  # long enough to be in flight at the signal on a loaded machine (at 128 a
+# 2-core machine under load once finished the stream before the signal), short enough for the drain
 # Tokens the stream has received when the signal is sent: the request is in the decode phase.
 TOKENS_AT_SIGNAL = 4
 
@@ -136,7 +137,7 @@ def test_leaving_clients_stall_no_stream_and_the_stop_path_drains_then_ends_ever
     srv = server(mode)
     assert_a_client_leaving_stalls_no_other_stream(srv.url, os.path.basename(tiny_model))
     # The server's processes are looked at before the stream that the signal must catch in
-    # flight starts: on a busy machine these /proc scans took longer than its 128 tokens.
+    # flight starts: on a busy machine these /proc scans took longer than its tokens.
     srv.tree.update(process_tree(srv.proc.pid))
     replicas = [pid for pid in srv.tree if "ServeReplica" in cmdline(pid)]
     # Direct streaming (the default): P/D: ingress with its decode engine, prefill, coordinator;

@@ -127,7 +127,8 @@ def _assemble(deltas):
 def test_streamed_deltas_assemble_to_the_whole_parse(choice, text):
     plan = _plan(choice)
     streamer = plan.streamer()
-    deltas = [d for i in range(0, len(text), 3) for d in streamer.feed(text[i:i + 3])] + streamer.finish()
+    deltas = [d.model_dump() for i in range(0, len(text), 3) for d in streamer.feed(text[i:i + 3])]
+    deltas += [d.model_dump() for d in streamer.finish()]
     content, calls = _assemble(deltas)
     want_content, want_calls = plan.parse(text)
     assert content == (want_content or "")

@@ -64,12 +64,12 @@ def test_a_stopped_core_process_fails_its_request_and_the_health_check_but_an_id
         # Idle for twice the bound: its heartbeats keep it healthy.
         deadline = time.monotonic() + 2 * BOUND_S
         while time.monotonic() < deadline:
-            engine.check_health()
+            asyncio.run(engine.check_health())
             time.sleep(0.1)  # sampling the health check over a window, not waiting for an event
         took = asyncio.run(_stop_mid_request(engine, core))
         assert BOUND_S <= took <= BOUND_S + SLACK_S
         with pytest.raises(RuntimeError, match="silent for .* s, over engine_step_timeout_s=2"):
-            engine.check_health()
+            asyncio.run(engine.check_health())
     finally:
         _continue_and_shut_down(engine, [core])
 
@@ -82,7 +82,7 @@ def test_an_idle_stopped_core_process_fails_the_health_check_and_the_next_reques
 
         def unhealthy() -> bool:
             try:
-                engine.check_health()
+                asyncio.run(engine.check_health())
             except EngineDeadError:
                 return True
             return False
@@ -103,7 +103,7 @@ def test_a_stopped_tensor_parallel_rank_fails_the_step_it_hangs_and_the_health_c
         took = asyncio.run(_stop_mid_request(engine, ranks[1]))
         assert BOUND_S <= took <= BOUND_S + SLACK_S
         with pytest.raises(RuntimeError, match="an engine step has run for"):
-            engine.check_health()
+            asyncio.run(engine.check_health())
     finally:
         started = time.monotonic()
         _continue_and_shut_down(engine, ranks)

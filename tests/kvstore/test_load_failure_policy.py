@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.report import ReplicaReport
-from actors.roles import Role
-from actors.worker import EngineWorker
 from cluster.http.metrics import AppMetrics
 from cluster.launch.app_config import AppConfig
 from cluster.launch.cli import build_parser
 from cluster.launch.serve_cli import _config
+from cluster.replica.host import EngineHost
+from cluster.report import ReplicaReport
+from cluster.roles import Role
 from engine.args import EngineArgs
 from engine.errors import ParameterError
 from engine.kv_connector import KVConnectorRole
@@ -66,10 +66,10 @@ class _ConnectorsOnly:
     ({"kv_load_failure_policy": "fail"}, "fail"),
 ])
 def test_a_decode_worker_takes_the_policy_from_its_engine_arguments(tiny_model, given, expected):
-    worker = EngineWorker(EngineArgs(model=tiny_model, **given), "decode", store=RecordingStore(),
+    worker = EngineHost(EngineArgs(model=tiny_model, **given), "decode", store=RecordingStore(),
                           engine_cls=_ConnectorsOnly, store_pulls=False)
     assert [c.kv_load_failure_policy for c in worker.engine.sides] == [expected, expected]
-    explicit = EngineWorker(EngineArgs(model=tiny_model, **given), "decode", store=RecordingStore(),
+    explicit = EngineHost(EngineArgs(model=tiny_model, **given), "decode", store=RecordingStore(),
                             engine_cls=_ConnectorsOnly, store_pulls=False, load_failure_policy="fail")
     assert {c.kv_load_failure_policy for c in explicit.engine.sides} == {"fail"}
 

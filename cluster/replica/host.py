@@ -1,9 +1,11 @@
-"""EngineWorker: the body of a prefill, decode or colocated Ray actor (or Serve replica).
+"""EngineHost: one engine with the KV connector of its role (prefill, decode or colocated).
 
 It owns one engine whose busy loop runs in a background thread (engine.AsyncLLM), and adds
 what the cluster needs around it: the KV connector for its role, streaming and one-shot
-prefill methods, abort, health and load figures. The engine class is injected (`engine_cls`)
-so tests can run the actor with a fake.
+prefill methods, abort, health and load figures. It is the body of a plain Ray actor
+(`start_host_actor`: the P/D flow over actor handles, cluster/pd/actor_peers.py) and the base
+of a Serve engine replica (cluster/replica/server.py: EngineServer adds Serve's side). The
+engine class is injected (`engine_cls`) so tests can run the host with a fake.
 """
 
 from __future__ import annotations
@@ -12,21 +14,22 @@ import asyncio
 import dataclasses
 import multiprocessing as mp
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from typing import Protocol
 
 import ray
 import torch
 
 import actors.dp_cores  # noqa: F401  (registers data_parallel_backend="ray")
 import actors.ray_executor  # noqa: F401  (registers distributed_executor_backend="ray")
-from actors.report import ReplicaReport
-from actors.roles import Role
-from actors.serving_engine import ServingEngine
+from cluster.report import ReplicaReport
+from cluster.roles import Role
 from engine import AsyncLLM, EngineArgs
+from engine.engine_client import EngineClient
 from engine.engine_request import EngineRequest
 from engine.kv_connector import KVConnectorRole
-from engine.load import summed_counters
+from engine.load import EngineLoad, summed_counters
 from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
 from kvstore.connector_factory import PDConnectorFactory
@@ -40,6 +43,31 @@ _RANK_CALL_TIMEOUT_S = 30.0
 # (normally well under a millisecond behind the output); later, it goes to the store instead.
 _HANDBACK_WAIT_S = 5.0
 TRANSPORTS = ("object_store", "torch_dist")
+
+
+class ServingEngine(EngineClient, Protocol):
+    """What a host needs of its engine: an EngineClient with a replica's figures and workers.
+    engine.AsyncLLM answers it, and tests inject stand-ins that do (`engine_cls=`). The host
+    asks nothing else, so it never looks inside the engine for its executor or cores."""
+
+    def generate(self, request: EngineRequest, *, observe: Callable[[RequestOutput], None] | None = None,
+                 stream_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]: ...
+
+    async def submit(self, request: EngineRequest, sink: Callable[[object], None]) -> None: ...
+
+    async def load(self) -> EngineLoad: ...
+
+    async def kv_transfer_stats(self) -> dict: ...
+
+    async def kv_outbox_size(self) -> int: ...
+
+    def core_pids(self) -> list[int]: ...
+
+    def core_actors(self) -> list: ...
+
+    def rank_actors(self) -> list: ...
+
+    def shutdown(self) -> None: ...
 
 
 def cluster_engine_args(engine_args: EngineArgs) -> EngineArgs:
@@ -63,7 +91,7 @@ def engine_config_for_role(engine_args: EngineArgs, role: Role):
     return config
 
 
-class EngineWorker:
+class EngineHost:
     def __init__(
         self,
         engine_args: EngineArgs,
@@ -176,11 +204,6 @@ class EngineWorker:
             async for out in outputs:
                 yield out
 
-    async def submit(self, request: EngineRequest, sink) -> None:
-        """Add a request whose outputs go to `sink` (see AsyncLLM.submit): how a serving
-        replica gathers one message per step for its ingress."""
-        await self.engine.submit(request, sink)
-
     async def prefill(self, request: EngineRequest) -> RequestOutput:
         """Run a prefill request (cluster.pd.split.prefill_request) to its end; the output
         carries the first token and the kv_transfer_params of the exported prompt KV."""
@@ -263,8 +286,7 @@ class EngineWorker:
     # ---- health and load ----------------------------------------------------------------
     async def check_health(self) -> None:
         try:
-            # Off the event loop: with rank actors this pings them (bounded).
-            await asyncio.to_thread(self.engine.check_health)
+            await self.engine.check_health()
         except Exception as e:
             raise RuntimeError(f"engine of {self.replica_id} failed: {e}") from e
         if self.relay is not None and not self.relay.alive:
@@ -315,10 +337,10 @@ class EngineWorker:
         return await self.engine.kv_transfer_stats()  # from a core apart (a child process, data parallel)
 
 
-def create_worker(engine_args: EngineArgs, role: Role | str = Role.COLOCATED, num_cpus: float = 0, name: str | None = None,
+def start_host_actor(engine_args: EngineArgs, role: Role | str = Role.COLOCATED, num_cpus: float = 0, name: str | None = None,
                   **kwargs):
-    """Start an EngineWorker actor. Actors default to num_cpus=0 so tests fit on 2 cores."""
+    """Start an EngineHost actor. Actors default to num_cpus=0 so tests fit on 2 cores."""
     opts = {"num_cpus": num_cpus, "max_concurrency": 1000}
     if name:
         opts["name"] = name
-    return ray.remote(EngineWorker).options(**opts).remote(engine_args, role, **kwargs)
+    return ray.remote(EngineHost).options(**opts).remote(engine_args, role, **kwargs)

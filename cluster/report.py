@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.roles import Role
+from cluster.roles import Role
 from engine.load import EngineLoad
 
 
