@@ -14,6 +14,10 @@ alternating, and the script prints each figure's range and the ratios:
     python scripts/bench_llama_cpp.py --model x.gguf --threads 2 --repeats 3
     python scripts/bench_llama_cpp.py --quantization none     # pdserve's dequantized path
     python scripts/bench_llama_cpp.py --make-1b /tmp/q1b      # a 1B-shaped Q4_K_M file (below)
+    PDSERVE_CPU_ISA=avx2 python scripts/bench_llama_cpp.py    # pdserve's kernels at one ISA level
+
+The first line printed names the CPU, the ISA level of pdserve's kernels and the instruction
+sets llama.cpp's CPU backend was built with.
 
 --make-1b DIR benchmarks a 1.1B-parameter Llama shape (make_model's `1b` preset, TinyLlama's
 dimensions; random weights, so only speed and memory mean anything) quantized to Q4_K_M by
@@ -91,11 +95,14 @@ def run_pdserve(model: str, threads: int, quantization: str | None, prompts: lis
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": long}], one, use_tqdm=False)
     prefill = time.perf_counter() - t0
+    from kernels.cpu.build import isa_level
+
     return {"decode_tok_s": decode, "batch8_tok_s": batch[8], "batch32_tok_s": batch[32],
-            "prefill_s": prefill, "rss_mb": rss}
+            "prefill_s": prefill, "rss_mb": rss, "isa": isa_level()}
 
 
 def run_llama_cpp(model: str, threads: int, prompts: list[list[int]], long: list[int]) -> dict:
+    import llama_cpp
     from llama_cpp import Llama
 
     base = _rss_mb()
@@ -117,7 +124,9 @@ def run_llama_cpp(model: str, threads: int, prompts: list[list[int]], long: list
     t0 = time.perf_counter()
     llm.eval(long)
     prefill = time.perf_counter() - t0
-    return {"decode_tok_s": tok_s, "prefill_s": prefill, "rss_mb": rss}
+    # The instruction sets its CPU backend was built with ("AVX2 = 1 | ..."), for the comparison.
+    features = llama_cpp.llama_print_system_info().decode().strip(" |")
+    return {"decode_tok_s": tok_s, "prefill_s": prefill, "rss_mb": rss, "isa": features}
 
 
 def _child(args) -> int:
@@ -140,6 +149,12 @@ def _spawn(args, side: str) -> dict:
     if line is None:
         raise RuntimeError(f"{side} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads(line[len("RESULT "):])
+
+
+def build_env() -> str:
+    from kernels.cpu.build import ENV
+
+    return f"forced by {ENV}" if os.environ.get(ENV) else f"this CPU's best; {ENV} forces one"
 
 
 def _span(values: list[float], fmt: str = "{:.1f}") -> str:
@@ -197,8 +212,11 @@ def main() -> int:
     ours, theirs = runs["pdserve"], runs["llama_cpp"]
     col = lambda rs, k: [r[k] for r in rs]  # noqa: E731
     ratio = [o["decode_tok_s"] / t["decode_tok_s"] for o, t in zip(ours, theirs)]
+    cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
     print(f"model {os.path.basename(args.model)}, {args.threads} threads, {args.repeats} repeats "
           f"(ranges), quantization={args.quantization or 'default'}")
+    print(f"CPU {cpu}; pdserve's kernels: ISA level {ours[0]['isa']} ({build_env()}); "
+          f"llama.cpp: {theirs[0]['isa']}")
     print("| figure | llama.cpp | pdserve | pdserve / llama.cpp |")
     print("| --- | --- | --- | --- |")
     print(f"| batch-1 decode tok/s | {_span(col(theirs, 'decode_tok_s'))} | {_span(col(ours, 'decode_tok_s'))} "

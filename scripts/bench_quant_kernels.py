@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.models import cpu_linear  # noqa: E402
 from engine.models.gguf_quants import dequantize  # noqa: E402
-from kernels.cpu import quant  # noqa: E402
+from kernels.cpu import build, quant  # noqa: E402
 
 # (name, N out, K in)
 SHAPES = [
@@ -117,7 +117,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes]
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"{time.strftime('%Y-%m-%d')} {cpu}, {os.cpu_count()} CPUs; threads={args.threads} "
+    print(f"{time.strftime('%Y-%m-%d')} {cpu}, {os.cpu_count()} CPUs, kernels' ISA level {build.isa_level()} "
+          f"(set {build.ENV} to force one); threads={args.threads} "
           f"rotate_mb={args.rotate_mb} torch={torch.__version__}; us per call, {args.stat} of {args.repeats}")
     head = (f"{'type':5} {'shape':13} {'N x K':>11} {'T':>3} | {'int8 us':>8} {'GB/s':>5} | {'fp32 us':>8} "
             f"{'GB/s':>5} | {'F.linear':>8} {'oneDNN':>8} | best vs fp32 weight")

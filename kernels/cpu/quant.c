@@ -3,8 +3,8 @@
  * blocks): `decode` unpacks a chunk into 256 unsigned 8-bit values q and, per run of 16 values,
  * a scale s and a term m: w = s * (q - OFFSET) + m. Then
  *   int8: activation rows are quantized per 32 values to int8 once per call; a chunk's product
- *         is four 64-byte u8 x s8 dot products (AVX-512 VNNI vpdpbusd, AVX-VNNI, AVX2
- *         vpmaddubsw, or plain C) summed per run and scaled in fp32;
+ *         is four 64-byte u8 x s8 dot products (AVX-512 VNNI vpdpbusd, or plain C) summed per
+ *         run and scaled in fp32 (AVX2 builds: eight 32-byte ones, quant_avx2.h);
  *   fp32: the chunk is dequantized exactly (as engine/models/gguf_quants.py) and multiplied
  *         with FMA.
  * T = 1 (int8) keeps one row's accumulator in a register; larger T decodes each chunk of NT
@@ -28,60 +28,11 @@
 #define PARALLEL_MIN_BYTES (1 << 15) /* of weights, to wake a second thread */
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 
-/* An activation row's chunk for the int8 path, in a weight chunk's order: int8 values, and
- * per run lane the row's scale dx and the scaled sum dxs (quantize_row). */
-typedef int8_t i8x8 __attribute__((vector_size(8)));
-typedef struct { i8x64 a[4]; v16 dx, dxs; } act_chunk;
-
-
-/* acc + per 4-byte lane the dot product of unsigned w and signed a. big: w may exceed 127. */
-static inline i32x16 dot64(i32x16 acc, u8x64 w, i8x64 a, int big) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    (void)big;
-    return (i32x16)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)a);
-#elif defined(__AVX2__)
-    __m256i r[2], wh[2], ah[2];
-    memcpy(r, &acc, 64), memcpy(wh, &w, 64), memcpy(ah, &a, 64);
-    for (int h = 0; h < 2; h++) {
-#ifdef __AVXVNNI__
-        (void)big;
-        r[h] = _mm256_dpbusd_avx_epi32(r[h], wh[h], ah[h]);
-#else
-        const __m256i ones = _mm256_set1_epi16(1);
-        if (big) { /* (w - 128) a + 128 a, the sign moved onto a: no int16 saturation */
-            const __m256i ws = _mm256_xor_si256(wh[h], _mm256_set1_epi8((char)0x80));
-            const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), ah[h]), ones);
-            r[h] = _mm256_add_epi32(r[h], _mm256_slli_epi32(sum, 7));
-            wh[h] = _mm256_abs_epi8(ws), ah[h] = _mm256_sign_epi8(ah[h], ws);
-        }
-        r[h] = _mm256_add_epi32(r[h], _mm256_madd_epi16(_mm256_maddubs_epi16(wh[h], ah[h]), ones));
-#endif
-    }
-    memcpy(&acc, r, 64);
-    return acc;
-#else
-    (void)big;
-    for (int l = 0; l < 16; l++)
-        for (int j = 4 * l; j < 4 * l + 4; j++) acc[l] += (int32_t)w[j] * (int32_t)a[j];
-    return acc;
-#endif
-}
-
-#define LO32 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29
-#define HI32 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31
-/* Lane sums r[c] (lane = 4 values of q[c]) -> lane 4k + c: the sum of quarter k of q[c]. */
-static inline i32x16 group_sums(const i32x16 r[4]) {
-    const i32x16 a = __builtin_shufflevector(r[0], r[1], LO32) + __builtin_shufflevector(r[0], r[1], HI32);
-    const i32x16 b = __builtin_shufflevector(r[2], r[3], LO32) + __builtin_shufflevector(r[2], r[3], HI32);
-    return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-           __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-}
-
 /* Row x (K floats) -> nch int8 chunks in the order of `type`, zero past K (a multiple of 32):
  * per 32 values a = round(x * 127 / max|x|), dx = max|x| / 127, and per run lane dx * sum(a),
  * times -OFFSET for the types without m (chunk_dot then needs one FMA for both terms). */
 static void quantize_row(int type, const float *x, int64_t K, act_chunk *out, int64_t nch) {
-    const float factor = HAS_M(type) ? 1.0f : -(float)OFFSET[type];
+    const float factor = ACT_FACTOR(type);
     for (int64_t ci = 0; ci < nch; ci++) {
         int8_t q[256], a[256];
         float dx[8], dx16[16] = {0}, dxs16[16] = {0};
@@ -123,40 +74,10 @@ static void quantize_row(int type, const float *x, int64_t K, act_chunk *out, in
     }
 }
 
-/* The int8 product of a chunk with an activation chunk. 32-value blocks: the pieces holding a
- * block's two halves accumulate together, and a quarter's lanes fold into one sum per half. */
-static inline __attribute__((always_inline)) v16 chunk_dot(int type, const chunk *w, const act_chunk *a, int nv) {
-    const int big = OFFSET[type] == 128;
-    const i32x16 zero = {0};
-    v16 g;
-    if (BLOCK_VALUES[type] == 32) {
-        const i32x16 r0 = dot64(dot64(zero, w->q[0], a->a[0], big), w->q[1], a->a[1], big);
-        const i32x16 r1 = nv > 128 ? dot64(dot64(zero, w->q[2], a->a[2], big), w->q[3], a->a[3], big) : zero;
-        const i32x16 t = __builtin_shufflevector(r0, r1, LO32) + __builtin_shufflevector(r0, r1, HI32);
-        g = __builtin_convertvector(t + __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13), v16);
-    } else {
-        i32x16 r[4];
-        for (int i = 0; i < 4; i++) r[i] = dot64(zero, w->q[i], a->a[i], big);
-        g = __builtin_convertvector(group_sums(r), v16);
-    }
-    return HAS_M(type) ? g * (w->s * a->dx) + w->m * a->dxs : w->s * (g * a->dx + a->dxs);
-}
-
-/* acc + the fp32 product of a chunk with x's chunk: each run of 16 weights dequantized in
- * registers exactly as `dequant` does (s * q is exact, so an FMA with m rounds as the add) and
- * multiplied in; four accumulators keep four FMA chains in flight. */
-static inline __attribute__((always_inline)) void chunk_fma(int type, const chunk *ch, const float *x, int nv, v16 acc[4]) {
-#pragma GCC unroll 16
-    for (int c = 0; c < 16; c++) {
-        const int g = run_group(type, c / 4, c % 4);
-        if (16 * g < nv) acc[c % 4] += run_weights(type, ch, c) * ldf16(x + 16 * g);
-    }
-}
-
 /* acc + chunk c (nv values) of row n times the activations, by either path. */
 static inline __attribute__((always_inline)) void t1_chunk(int type, int int8, const uint8_t *w, int64_t rb, int64_t N,
                                                            int64_t n, int64_t c, int nv, const act_chunk *A,
-                                                           const float *x, v16 acc[4]) {
+                                                           const float *x, accv acc[4]) {
     const chunk ch = load_chunk(type, w, rb, n, N, c, nv);
     if (int8) acc[0] += chunk_dot(type, &ch, A + c, nv);
     else chunk_fma(type, &ch, x + c * 256, nv, acc);
@@ -170,10 +91,10 @@ static inline __attribute__((always_inline)) void rows_t1(int type, int int8, co
                                                           int64_t n0, int64_t n1, int64_t K, const act_chunk *A,
                                                           const float *x, float *y) {
     for (int64_t n = n0; n < n1; n++) {
-        v16 acc[4] = {{0}};
+        accv acc[4] = {{0}};
         if (K % 256) t1_chunk(type, int8, w, rb, N, n, K / 256, (int)(K % 256), A, x, acc);
         for (int64_t c = 0; c < K / 256; c++) t1_chunk(type, int8, w, rb, N, n, c, 256, A, x, acc);
-        y[n] = hsum16((acc[0] + acc[1]) + (acc[2] + acc[3]));
+        y[n] = acc_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
     }
 }
 
@@ -183,10 +104,10 @@ static inline __attribute__((always_inline)) void row_tile(
     const act_chunk *A, const float *x, int64_t xs, int64_t T, float *y, int64_t ys) {
     const int64_t nch = (K + 255) / 256;
     const int nt = (int)MIN(N - n0, NT);
-    v16 acc[NT * TT];
+    accv acc[NT * TT];
     for (int64_t t0 = 0; t0 < T; t0 += TT) {
         const int tt = (int)MIN(T - t0, TT);
-        for (int i = 0; i < NT * tt; i++) acc[i] = (v16){0};
+        for (int i = 0; i < NT * tt; i++) acc[i] = (accv){0};
         for (int64_t c = 0; c < nch; c++) {
             const int nv = (int)MIN(K - c * 256, 256);
             chunk wc[NT];
@@ -198,23 +119,23 @@ static inline __attribute__((always_inline)) void row_tile(
             }
             float wf[NT][256];
             for (int j = 0; j < NT; j++) dequant(type, &wc[j], nv, wf[j]);
-            for (int t = 0; t < tt; t += 4) { /* 4 x NT independent FMA chains */
-                const float *xr[4];
-                for (int i = 0; i < 4; i++) xr[i] = x + (t0 + (t + i < tt ? t + i : t)) * xs + c * 256;
-                v16 sum[4][NT] = {{{0}}};
-                for (int g = 0; g < nv / 16; g++) {
-                    v16 xv[4], wv[NT];
-                    for (int i = 0; i < 4; i++) xv[i] = ldf16(xr[i] + 16 * g);
-                    for (int j = 0; j < NT; j++) wv[j] = ldf16(wf[j] + 16 * g);
-                    for (int i = 0; i < 4; i++)
+            for (int t = 0; t < tt; t += ACC_ROWS) { /* ACC_ROWS x NT independent FMA chains */
+                const float *xr[ACC_ROWS];
+                for (int i = 0; i < ACC_ROWS; i++) xr[i] = x + (t0 + (t + i < tt ? t + i : t)) * xs + c * 256;
+                accv sum[ACC_ROWS][NT] = {{{0}}};
+                for (int g = 0; g < nv / ACC_WIDTH; g++) {
+                    accv xv[ACC_ROWS], wv[NT];
+                    for (int i = 0; i < ACC_ROWS; i++) xv[i] = acc_load(xr[i] + ACC_WIDTH * g);
+                    for (int j = 0; j < NT; j++) wv[j] = acc_load(wf[j] + ACC_WIDTH * g);
+                    for (int i = 0; i < ACC_ROWS; i++)
                         for (int j = 0; j < NT; j++) sum[i][j] += wv[j] * xv[i];
                 }
-                for (int i = 0; i < 4 && t + i < tt; i++)
+                for (int i = 0; i < ACC_ROWS && t + i < tt; i++)
                     for (int j = 0; j < NT; j++) acc[j * tt + t + i] += sum[i][j];
             }
         }
         for (int t = 0; t < tt; t++)
-            for (int j = 0; j < nt; j++) y[(t0 + t) * ys + n0 + j] = hsum16(acc[j * tt + t]);
+            for (int j = 0; j < nt; j++) y[(t0 + t) * ys + n0 + j] = acc_sum(acc[j * tt + t]);
     }
 }
 

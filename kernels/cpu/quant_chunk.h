@@ -18,21 +18,37 @@ static const int OFFSET[NTYPES] = {8, 0, 16, 0, 128, 0, 0, 32};
 #define PREFETCH 4096 /* bytes ahead in the weight stream */
 #endif
 
-/* A weight chunk: 256 values in the order of run_group, s and m per run (run_lane). */
-typedef struct { u8x64 q[4]; v16 s, m; } chunk;
+/* An activation row's chunk for the int8 path, in a weight chunk's order: int8 values, and
+ * per run lane the row's scale dx and the scaled sum dxs (quantize_row). */
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+typedef struct { i8x64 a[4]; v16 dx, dxs; } act_chunk;
 
 /* Q4_K/Q5_K's 12 scale bytes (read as 16) -> 6-bit scales 0..7 and mins 0..7: bytes 0..7 hold
  * scales and mins 0..3 in their low 6 bits and the top 2 bits of 4..7, bytes 8..11 the low 4
  * bits of 4..7 (scales in the low nibble, mins in the high). */
-static inline v16 k_scales(const uint8_t *p) {
+static inline u8x16 k_scale_bytes(const uint8_t *p) {
     const u8x16 s = ld16(p);
     const u8x16 x = __builtin_shufflevector(s, s, 0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
     const u8x16 y = __builtin_shufflevector(s, s, 0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7);
     const u8x16 top = {0, 0, 0, 0, 255, 255, 255, 255, 0, 0, 0, 0, 255, 255, 255, 255};
     const u8x16 min_hi = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 255, 255, 255, 255};
     const u8x16 low = ((x & ~min_hi) | ((x >> 4) & min_hi)) & (u8x16)((top & 15) | (~top & 63));
-    return u8_float(low | ((y >> 2) & (top & 0x30)));
+    return low | ((y >> 2) & (top & 0x30));
 }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include "quant_avx2.h"
+#else
+/* A weight chunk: 256 values in the order of run_group, s and m per run (run_lane). */
+typedef struct { u8x64 q[4]; v16 s, m; } chunk;
+
+typedef v16 accv; /* an accumulator of the product: 16 floats */
+#define ACC_WIDTH 16
+#define ACC_ROWS 4 /* activation rows per pass of the tile's fp32 loop */
+static inline float acc_sum(accv v) { return hsum16(v); }
+static inline accv acc_load(const float *p) { return ldf16(p); }
+/* The activations' term per run lane is dx sum(a) times this (times m for the types with m). */
+#define ACT_FACTOR(type) (HAS_M(type) ? 1.0f : -(float)OFFSET[type])
 
 /* A chunk is unpacked in the order that takes the fewest shuffles: quarter k of q[c] is a run
  * of 16 values, the natural group run_group(c, k) (values 16 g .. 16 g + 15), scaled by lane
@@ -87,7 +103,7 @@ static inline __attribute__((always_inline)) chunk decode(int type, const uint8_
         uint32_t d2;
         memcpy(&d2, p, 4);
         const v8 dd = half8((u16x8)(uint32_t __attribute__((vector_size(16)))){d2});
-        const v16 sm = k_scales(p + 4) * __builtin_shufflevector(dd, dd, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        const v16 sm = u8_float(k_scale_bytes(p + 4)) * __builtin_shufflevector(dd, dd, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
         for (int h = 0; h < 2; h++) {
             const u8x64 z = ld64(p + (type == Q5_K ? 48 : 16) + 64 * h);
             c.q[2 * h] = z & 15, c.q[2 * h + 1] = z >> 4;
@@ -110,21 +126,6 @@ static inline __attribute__((always_inline)) chunk decode(int type, const uint8_
         c.m = (v16){0};
     }
     return c;
-}
-
-/* Chunk c of row n holding nv values. A short one (nv / 32 blocks) reads on into the next rows
- * where a whole chunk's bytes are left in the matrix, else decodes from a zero-padded copy. */
-static inline __attribute__((always_inline)) chunk load_chunk(int type, const uint8_t *w, int64_t rb, int64_t n,
-                                                              int64_t N, int64_t c, int nv) {
-    const uint8_t *p = w + n * rb + c * (int64_t)(256 / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
-    if (nv == 256) { /* the hardware prefetcher alone leaves a core at ~7 of its ~15 GB/s */
-        for (int o = 0; o < (256 / BLOCK_VALUES[type]) * BLOCK_BYTES[type]; o += 64) __builtin_prefetch(p + PREFETCH + o);
-        return decode(type, p, 8);
-    }
-    if ((N - n) * rb - c * 8 * BLOCK_BYTES[type] >= 8 * BLOCK_BYTES[type]) return decode(type, p, nv / 32);
-    uint8_t buf[8 * 34] = {0};
-    memcpy(buf, p, (size_t)(nv / 32 * BLOCK_BYTES[type]));
-    return decode(type, buf, nv / 32);
 }
 
 /* Bytes 16 k .. 16 k + 15 of v, taken in registers: loading them back from a spilled chunk
@@ -155,4 +156,72 @@ static inline __attribute__((always_inline)) void dequant(int type, const chunk 
         memcpy(out + 16 * g, &w, 64);
     }
 }
+
+/* acc + per 4-byte lane the dot product of unsigned w and signed a (AVX-512 VNNI, or plain C). */
+static inline i32x16 dot64(i32x16 acc, u8x64 w, i8x64 a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return (i32x16)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)a);
+#else
+    for (int l = 0; l < 16; l++)
+        for (int j = 4 * l; j < 4 * l + 4; j++) acc[l] += (int32_t)w[j] * (int32_t)a[j];
+    return acc;
+#endif
+}
+
+#define LO32 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29
+#define HI32 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31
+/* Lane sums r[c] (lane = 4 values of q[c]) -> lane 4k + c: the sum of quarter k of q[c]. */
+static inline i32x16 group_sums(const i32x16 r[4]) {
+    const i32x16 a = __builtin_shufflevector(r[0], r[1], LO32) + __builtin_shufflevector(r[0], r[1], HI32);
+    const i32x16 b = __builtin_shufflevector(r[2], r[3], LO32) + __builtin_shufflevector(r[2], r[3], HI32);
+    return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+
+/* The int8 product of a chunk with an activation chunk. 32-value blocks: the pieces holding a
+ * block's two halves accumulate together, and a quarter's lanes fold into one sum per half. */
+static inline __attribute__((always_inline)) v16 chunk_dot(int type, const chunk *w, const act_chunk *a, int nv) {
+    const i32x16 zero = {0};
+    v16 g;
+    if (BLOCK_VALUES[type] == 32) {
+        const i32x16 r0 = dot64(dot64(zero, w->q[0], a->a[0]), w->q[1], a->a[1]);
+        const i32x16 r1 = nv > 128 ? dot64(dot64(zero, w->q[2], a->a[2]), w->q[3], a->a[3]) : zero;
+        const i32x16 t = __builtin_shufflevector(r0, r1, LO32) + __builtin_shufflevector(r0, r1, HI32);
+        g = __builtin_convertvector(t + __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13), v16);
+    } else {
+        i32x16 r[4];
+        for (int i = 0; i < 4; i++) r[i] = dot64(zero, w->q[i], a->a[i]);
+        g = __builtin_convertvector(group_sums(r), v16);
+    }
+    return HAS_M(type) ? g * (w->s * a->dx) + w->m * a->dxs : w->s * (g * a->dx + a->dxs);
+}
+
+/* acc + the fp32 product of a chunk with x's chunk: each run of 16 weights dequantized in
+ * registers exactly as `dequant` does (s * q is exact, so an FMA with m rounds as the add) and
+ * multiplied in; four accumulators keep four FMA chains in flight. */
+static inline __attribute__((always_inline)) void chunk_fma(int type, const chunk *ch, const float *x, int nv, v16 acc[4]) {
+#pragma GCC unroll 16
+    for (int c = 0; c < 16; c++) {
+        const int g = run_group(type, c / 4, c % 4);
+        if (16 * g < nv) acc[c % 4] += run_weights(type, ch, c) * ldf16(x + 16 * g);
+    }
+}
+
+#endif
+
+/* Chunk c of row n holding nv values. A short one (nv / 32 blocks) reads on into the next rows
+ * where a whole chunk's bytes are left in the matrix, else decodes from a zero-padded copy. */
+static inline __attribute__((always_inline)) chunk load_chunk(int type, const uint8_t *w, int64_t rb, int64_t n,
+                                                              int64_t N, int64_t c, int nv) {
+    const uint8_t *p = w + n * rb + c * (int64_t)(256 / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
+    if (nv == 256) { /* the hardware prefetcher alone leaves a core at ~7 of its ~15 GB/s */
+        for (int o = 0; o < (256 / BLOCK_VALUES[type]) * BLOCK_BYTES[type]; o += 64) __builtin_prefetch(p + PREFETCH + o);
+        return decode(type, p, 8);
+    }
+    if ((N - n) * rb - c * 8 * BLOCK_BYTES[type] >= 8 * BLOCK_BYTES[type]) return decode(type, p, nv / 32);
+    uint8_t buf[8 * 34] = {0};
+    memcpy(buf, p, (size_t)(nv / 32 * BLOCK_BYTES[type]));
+    return decode(type, buf, nv / 32);
+}
+
 #endif

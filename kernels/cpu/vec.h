@@ -1,4 +1,4 @@
-/* 8-float vectors (GCC vector extensions: AVX with -march=native on x86, pairs of 128-bit
+/* 8-float vectors (GCC vector extensions: AVX at the avx2 and avx512 levels, pairs of 128-bit
  * registers elsewhere) and the helpers the kernels share. */
 #ifndef PDSERVE_VEC_H
 #define PDSERVE_VEC_H
@@ -86,17 +86,10 @@ static inline u8x64 ld64(const uint8_t *p) { u8x64 v; memcpy(&v, p, 64); return 
 static inline v16 ldf16(const float *p) { v16 v; memcpy(&v, p, 64); return v; }
 static inline uint16_t ldh(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return h; }
 
-/* 16 bytes -> floats, unsigned or signed (intrinsics: GCC 12 scalarizes these conversions). */
+/* 16 bytes -> floats, unsigned or signed (the intrinsic: GCC 12 scalarizes this conversion). */
 static inline v16 bytes_float(u8x16 v, int is_signed) {
 #ifdef __AVX512F__
     return (v16)_mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32((__m128i)v) : _mm512_cvtepu8_epi32((__m128i)v));
-#elif defined(__AVX2__)
-    const __m128i h = _mm_srli_si128((__m128i)v, 8);
-    const __m256 lo = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32((__m128i)v) : _mm256_cvtepu8_epi32((__m128i)v));
-    const __m256 hi = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(h) : _mm256_cvtepu8_epi32(h));
-    v16 r;
-    memcpy(&r, &lo, 32), memcpy((char *)&r + 32, &hi, 32);
-    return r;
 #else
     v16 r;
     for (int i = 0; i < 16; i++) r[i] = is_signed ? (float)(int8_t)v[i] : (float)v[i];
@@ -144,15 +137,18 @@ static inline float hsum16(v16 v) {
     return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+/* The 32-bit words at the start of each of 8 blocks `stride` bytes apart. */
+static inline __m256i block_words(const uint8_t *p, int stride) {
+    return _mm256_i32gather_epi32((const int *)p, _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                                      _mm256_set1_epi32(stride)), 1);
+}
+#endif
+
 /* The two fp16 at the start of each of 8 blocks `stride` bytes apart: [d0, m0, d1, m1, ...]. */
 static inline v16 block_halves(const uint8_t *p, int stride) {
-#if defined(__AVX2__) && defined(__F16C__)
-    const __m256i g = _mm256_i32gather_epi32((const int *)p, _mm256_mullo_epi32(
-        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride)), 1);
 #ifdef __AVX512F__
-    return (v16)_mm512_cvtph_ps(g);
-#endif
-    const v8 lo = (v8)_mm256_cvtph_ps(_mm256_castsi256_si128(g)), hi = (v8)_mm256_cvtph_ps(_mm256_extracti128_si256(g, 1));
+    return (v16)_mm512_cvtph_ps(block_words(p, stride));
 #else
     u16x8 a, b;
     for (int i = 0; i < 4; i++) {
@@ -160,15 +156,15 @@ static inline v16 block_halves(const uint8_t *p, int stride) {
         b[2 * i] = ldh(p + (i + 4) * stride), b[2 * i + 1] = ldh(p + (i + 4) * stride + 2);
     }
     const v8 lo = half8(a), hi = half8(b);
-#endif
     v16 r;
     memcpy(&r, &lo, 32), memcpy((char *)&r + 32, &hi, 32);
     return r;
+#endif
 }
 
 /* 16 bytes from each of p, p + stride, p + 2 stride, p + 3 stride. */
 static inline u8x64 quad16(const uint8_t *p, int stride) {
-#ifdef __AVX2__ /* inserts from memory rather than shuffles */
+#ifdef __AVX512F__ /* inserts from memory rather than shuffles */
     const __m256i a = _mm256_loadu2_m128i((const __m128i *)(p + stride), (const __m128i *)p);
     const __m256i b = _mm256_loadu2_m128i((const __m128i *)(p + 3 * stride), (const __m128i *)(p + 2 * stride));
     return cat32((u8x32)a, (u8x32)b);
@@ -181,15 +177,6 @@ static inline u8x64 quad16(const uint8_t *p, int stride) {
 static inline u8x64 bits16(uint64_t m) {
 #ifdef __AVX512BW__
     return (u8x64)_mm512_maskz_mov_epi8(m, _mm512_set1_epi8(16));
-#elif defined(__AVX2__) /* each byte takes its mask byte, then tests its bit */
-    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201u);
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    __m256i h[2];
-    for (int i = 0; i < 2; i++) {
-        const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)(m >> 32 * i)), spread), bit);
-        h[i] = _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(16));
-    }
-    return cat32((u8x32)h[0], (u8x32)h[1]);
 #else
     u8x64 r;
     for (int i = 0; i < 64; i++) r[i] = (uint8_t)((m >> i & 1) << 4);

@@ -12,9 +12,6 @@ step, so |y - ref| <= (step / 2) @ |W|^T elementwise, a bound that holds for any
 from __future__ import annotations
 
 import functools
-import platform
-import shutil
-import subprocess
 import zlib
 
 import numpy as np
@@ -23,7 +20,6 @@ import torch
 
 from engine.models.gguf_quants import dequantize
 from kernels.cpu import quant
-from kernels.cpu.build import _FLAGS, _SIGNATURES
 from tests.engine.gguf_factory import FP16_FIELDS
 
 TYPES = list(quant.QTYPES)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
@@ -225,58 +221,3 @@ def test_bad_arguments_are_refused_by_name():
     for call, words in cases:
         with pytest.raises(ValueError, match=words):
             call()
-
-
-# The portable paths (plain C; AVX2 without VNNI, whose Q8_0 product avoids int16 saturation;
-# AVX-VNNI) built from the same source for an older -march, where this CPU can run them. -O1
-# and all at once: compiling takes ~4 s each.
-_MARCHES = {"x86-64-v2": "sse4_2", "haswell": "avx2", "alderlake": "avx_vnni"}
-
-
-def _runnable_marches() -> list[str]:
-    """The -march builds this machine can run (collected, not skipped: an older CPU or another
-    architecture simply has fewer)."""
-    if platform.machine() != "x86_64" or not shutil.which("gcc"):
-        return []
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line for line in f if line.startswith("flags")), "").split()
-    return [m for m, flag in _MARCHES.items() if flag in cpu and (m == "x86-64-v2" or "avx2" in cpu)]
-
-
-_RUNNABLE = _runnable_marches()
-
-
-@pytest.fixture(scope="module")
-def portable_builds(tmp_path_factory):
-    src, out = quant.__file__.replace("quant.py", "quant.c"), tmp_path_factory.mktemp("quant")
-    runnable = _RUNNABLE
-    flags = [{"-O3": "-O1"}.get(f, f) for f in _FLAGS if f != "-march=native"]
-    jobs = {m: subprocess.Popen(["gcc", *flags, f"-march={m}", src, "-o", str(out / f"{m}.so"), "-lm"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for m in runnable}
-    for m, job in jobs.items():
-        assert job.wait(timeout=120) == 0, f"-march={m}: {job.stderr.read().decode()}"
-    return {m: out / f"{m}.so" for m in runnable}
-
-
-@pytest.mark.parametrize("march", _RUNNABLE)
-def test_portable_builds_agree_with_the_native_one(march, portable_builds):
-    import ctypes
-
-    lib = ctypes.CDLL(str(portable_builds[march]))
-    for name in ("quant_matmul_f32", "quant_embedding_f32"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = _SIGNATURES[name], None
-    for qtype in TYPES:
-        N, K = 24, 768 if qtype not in BLOCK32 else 608
-        qw, W, _ = _case(qtype, N, K)
-        code = quant.QTYPES[qtype][0]
-        for T, method in ((1, 0), (5, 0), (5, 1)):
-            x = torch.randn(T, K)
-            y = torch.empty(T, N)
-            lib.quant_matmul_f32(x.data_ptr(), K, qw.data_ptr(), N, qw.shape[1], code, K, y.data_ptr(), N, T, method, 1)
-            native = quant.quant_matmul(x, qw, qtype, K, method=("int8", "fp32")[method])
-            torch.testing.assert_close(y, native, rtol=1e-5, atol=1e-6 * float(native.abs().max()),
-                                       msg=f"{march} {qtype} T={T} method={method}")
-        ids = torch.arange(N)
-        emb = torch.empty(N, K)
-        lib.quant_embedding_f32(ids.data_ptr(), N, qw.data_ptr(), qw.shape[1], code, K, emb.data_ptr(), 1)
-        assert torch.equal(emb, W.float()), f"{march} {qtype}"
