@@ -22,6 +22,7 @@ from cluster.http.auth import digest, keys_from
 from cluster.http.ingress import Ingress
 from cluster.http.settings import DirectSettings, IngressSettings
 from cluster.launch.app_config import AppConfig
+from cluster.launch.open_doors import check_open_admin, serve_http_host
 from cluster.pd.placement import LocalPrefillRule
 from cluster.replica.router import LeastLoadRouter
 from cluster.replica.server import EngineServer
@@ -36,7 +37,9 @@ _NO_ACCESS_LOG = {"enable_access_log": False}
 
 
 def build_app(cfg: AppConfig):
-    cfg = cfg.sized_for(node_cpus())  # Ray is connected by now
+    # Ray is connected by now, and Serve started: its HTTP host says who can reach the app.
+    check_open_admin(bool(keys_from(cfg.api_keys)), cfg.allow_unauthenticated_admin, serve_http_host())
+    cfg = cfg.sized_for(node_cpus())
     router = RequestRouterConfig(
         request_router_class=LeastLoadRouter,
         request_router_kwargs={"prefix_affinity": cfg.prefix_affinity},

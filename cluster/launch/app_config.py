@@ -85,6 +85,8 @@ class AppConfig:
     max_guided_bytes: int = MAX_GUIDED_BYTES
     # /metrics without the API key (for a Prometheus that cannot send one); /health always is.
     metrics_without_key: bool = False
+    # Serve an app without keys on a non-loopback HTTP host (cluster.launch.open_doors).
+    allow_unauthenticated_admin: bool = False
     graceful_shutdown_timeout_s: float = 60.0
     # How often a stopping replica looks whether its in-flight requests are done (Serve's
     # option of that name; it waits one period before its first look).

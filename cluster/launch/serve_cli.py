@@ -55,6 +55,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every route but /health "
                         "(repeatable; PDSERVE_API_KEY, comma-separated, adds more)")
+    p.add_argument("--allow-unauthenticated-admin", action="store_true",
+                   help="serve without --api-key on a --host other machines can reach (anyone there may then "
+                        "call POST /scale); refused otherwise")
     p.add_argument("--metrics-without-key", action="store_true",
                    help="with --api-key: leave /metrics open (for a Prometheus that sends no key)")
     limits = p.add_argument_group("request limits", "the lists and sizes one request may carry; past one: "
@@ -181,10 +184,13 @@ def run_status(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace):
     from cluster.http.auth import keys_from
     from cluster.launch.app_config import AppConfig
+    from cluster.launch.open_doors import check_open_admin
     from engine.models.default_model import default_model
 
     extra = {} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}
     extra["api_keys"] = keys_from(args.api_key)
+    # Before Ray starts: the host is the flag's (build_app checks Serve's again).
+    check_open_admin(bool(extra["api_keys"]), args.allow_unauthenticated_admin, args.host)
     if args.local_prefill_queue is not None:
         extra["local_prefill_queue"] = args.local_prefill_queue
     if args.max_request_body_bytes is not None:
@@ -201,6 +207,7 @@ def _config(args: argparse.Namespace):
         max_tools=args.max_tools, max_stop_strings=args.max_stop_strings, max_bad_words=args.max_bad_words,
         max_guided_choices=args.max_guided_choices, max_guided_bytes=args.max_guided_bytes,
         metrics_without_key=args.metrics_without_key,
+        allow_unauthenticated_admin=args.allow_unauthenticated_admin,
         api_server_count=args.api_server_count,
         prefix_affinity=args.prefix_affinity, disable_access_log=args.disable_access_log,
         direct_streaming=args.direct_streaming,

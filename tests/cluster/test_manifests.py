@@ -41,6 +41,11 @@ def test_ray_up_config_installs_pdserve_and_deploys_the_serve_config(name):
     # Token auth: the launcher's token on every node, token mode for every Ray command that
     # reaches the cluster; and a venv (PEP 668 systems refuse a system-wide pip install).
     assert cfg["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    # The API key, from the launching machine, in the environment that builds the app (which
+    # refuses 0.0.0.0 without keys: cluster/launch/open_doors.py).
+    assert cfg["file_mounts"]["~/.pdserve/api_key"] == "~/.pdserve/api_key"
+    assert all("PDSERVE_API_KEY=$(cat ~/.pdserve/api_key)" in c for c in cfg["head_start_ray_commands"]
+               if "ray start --head" in c)
     starts = cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
     assert all("RAY_AUTH_MODE=token" in c for c in starts if "ray start" in c or "deploy" in c)
     # HAProxy in front of the ingress replicas, on every node (cluster/launch/http_proxy.py).
@@ -136,6 +141,11 @@ def test_tensor_parallel_serve_config_gives_each_role_a_placement_group_of_one_g
 
 def test_serve_config_passes_schema_and_serves_on_local_ray(deploy, tiny_model):
     from ray.serve.schema import ServeDeploySchema
+
+    from cluster.launch.open_doors import serve_http_host
+
+    # The app is built against the host Serve was started with: the suite's, this machine only.
+    assert serve_http_host() == "127.0.0.1"
 
     schema = ServeDeploySchema.model_validate(_load("serve.yaml"))
     app = schema.applications[0]
