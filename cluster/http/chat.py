@@ -24,14 +24,15 @@ from cluster.http.protocol import ChatCompletionRequest
 from cluster.http.served_model import Job, ServedModel
 from cluster.http.tools import ToolPlan, message_tool_calls, plain_conversation, supports_tools
 from engine.errors import ParameterError
-from engine.multimodal.media import load_image
+from engine.multimodal.media import MAX_IMAGE_PIXELS, load_image
 from engine.parallel_sampling import child_requests
 from engine.sampling_params import SamplingParams
 
 make_chunk = builder(ChatCompletionChunk)
 
 
-def load_images(allowed_local_media_path: str | None, image_limit: int | None, body: ChatCompletionRequest) -> list:
+def load_images(allowed_local_media_path: str | None, image_limit: int | None, body: ChatCompletionRequest,
+                max_pixels: int = MAX_IMAGE_PIXELS) -> list:
     """The request's images, decoded here (the ingress) so a bad one is a 400 naming its
     part; nothing is fetched from the network. `image_limit`: the model's images per prompt
     (limit_mm_per_prompt), None for a text-only model. The count is checked before any image
@@ -48,7 +49,7 @@ def load_images(allowed_local_media_path: str | None, image_limit: int | None, b
     images = []
     for param, url in urls:
         try:
-            images.append(load_image(url, allowed_local_media_path))
+            images.append(load_image(url, allowed_local_media_path, max_pixels))
         except ParameterError as e:
             raise OpenAIError(400, str(e), param=param) from e
     return images
@@ -100,7 +101,8 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest) -> Job:
                            served.enable_auto_tool_choice)
         params = _with_tools(params, plan)
     mm = served.processor.mm_processor
-    images = load_images(served.allowed_local_media_path, None if mm is None else mm.limit, body)
+    images = load_images(served.allowed_local_media_path, None if mm is None else mm.limit, body,
+                         served.limits.max_image_pixels)
     text, ids = render(served.tokenizer, body, template_kwargs(served.tokenizer, body.chat_template_kwargs), plan)
     with rejecting(body):
         request = served.request(ids, params, text, images, lora)

@@ -297,6 +297,10 @@ class Ingress:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         await self._follow_loras(body.model)
+        if body.image_urls():
+            # Off the event loop: decoding an image takes up to ~0.5 s (--max-image-pixels),
+            # during which every stream of this replica would wait.
+            return await self.respond(await asyncio.to_thread(chat_job, self.served, body))
         return await self.respond(chat_job(self.served, body))
 
     @app.post("/v1/responses", response_model=ResponsesResponse)

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 
 from engine.errors import ParameterError, check_int
+from engine.multimodal.media import MAX_IMAGE_PIXELS
 
 # Why these defaults: OpenAI's own API takes 128 tools and 4 stop sequences; vLLM bounds
 # neither. Real clients send a handful of stop strings (chat templates' end markers, a few
@@ -35,9 +36,11 @@ class RequestLimits:
     max_bad_words: int = MAX_BAD_WORDS
     max_guided_choices: int = MAX_GUIDED_CHOICES
     max_guided_bytes: int = MAX_GUIDED_BYTES  # a guided JSON schema, regex or grammar
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # of one image, from its header (engine.multimodal.media)
 
     def __post_init__(self) -> None:
-        for name in ("max_tools", "max_stop_strings", "max_bad_words", "max_guided_choices", "max_guided_bytes"):
+        for name in ("max_tools", "max_stop_strings", "max_bad_words", "max_guided_choices", "max_guided_bytes",
+                     "max_image_pixels"):
             check_int(name, getattr(self, name))
 
     def check(self, body, vocab_size: int, max_prompts: int) -> None:

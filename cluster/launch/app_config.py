@@ -21,6 +21,7 @@ from cluster.http.request_limits import (
     MAX_BAD_WORDS,
     MAX_GUIDED_BYTES,
     MAX_GUIDED_CHOICES,
+    MAX_IMAGE_PIXELS,
     MAX_STOP_STRINGS,
     MAX_TOOLS,
     RequestLimits,
@@ -83,6 +84,7 @@ class AppConfig:
     max_bad_words: int = MAX_BAD_WORDS
     max_guided_choices: int = MAX_GUIDED_CHOICES
     max_guided_bytes: int = MAX_GUIDED_BYTES
+    max_image_pixels: int = MAX_IMAGE_PIXELS
     # /metrics without the API key (for a Prometheus that cannot send one); /health always is.
     metrics_without_key: bool = False
     # Serve an app without keys on a non-loopback HTTP host (cluster.launch.open_doors).
@@ -235,7 +237,7 @@ class AppConfig:
 
     def request_limits(self) -> RequestLimits:
         return RequestLimits(self.max_tools, self.max_stop_strings, self.max_bad_words, self.max_guided_choices,
-                             self.max_guided_bytes)
+                             self.max_guided_bytes, self.max_image_pixels)
 
     def body_limits(self) -> BodyLimits:
         return BodyLimits(self.max_request_body_bytes, self.request_body_timeout_s)

@@ -16,6 +16,7 @@ from cluster.http.request_limits import (
     MAX_BAD_WORDS,
     MAX_GUIDED_BYTES,
     MAX_GUIDED_CHOICES,
+    MAX_IMAGE_PIXELS,
     MAX_STOP_STRINGS,
     MAX_TOOLS,
 )
@@ -69,6 +70,8 @@ def add_serve_parser(sub) -> None:
                         help="guided_choice (structured_outputs.choice) entries per request")
     limits.add_argument("--max-guided-bytes", type=int, default=MAX_GUIDED_BYTES,
                         help="bytes of a guided JSON schema, regex or grammar")
+    limits.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
+                        help="pixels of one image, refused from its header before it is decoded")
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto": the model decides, --tool-call-parser finds its calls')
@@ -206,6 +209,7 @@ def _config(args: argparse.Namespace):
         max_pending_requests=args.max_pending_requests,
         max_tools=args.max_tools, max_stop_strings=args.max_stop_strings, max_bad_words=args.max_bad_words,
         max_guided_choices=args.max_guided_choices, max_guided_bytes=args.max_guided_bytes,
+        max_image_pixels=args.max_image_pixels,
         metrics_without_key=args.metrics_without_key,
         allow_unauthenticated_admin=args.allow_unauthenticated_admin,
         api_server_count=args.api_server_count,

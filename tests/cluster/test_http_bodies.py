@@ -266,6 +266,24 @@ def test_a_decompression_bomb_is_a_400_naming_its_part():
     assert "pixels" in e.value.message
 
 
+def test_an_image_over_the_pixel_bound_is_refused_from_its_header_naming_its_part(monkeypatch):
+    """Within PIL's bound but over --max-image-pixels: refused before it is decoded."""
+    from PIL import Image, ImageFile
+
+    from cluster.http.chat import load_images
+    from cluster.http.errors import OpenAIError
+
+    big = _data_url(Image.new("1", (4_000, 3_000)))  # 12 million pixels, a few KiB of PNG
+    decoded = []
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: decoded.append(self) or None)
+    with pytest.raises(OpenAIError) as e:
+        load_images(None, 4, _chat_with_images([big]), max_pixels=10_000_000)
+    assert e.value.status == 400 and e.value.param == "messages[0].content[0].image_url.url"
+    assert "4000 x 3000 = 12000000 pixels; at most 10000000" in e.value.message
+    assert "--max-image-pixels" in e.value.message and not decoded
+    assert len(load_images(None, 4, _chat_with_images([big]), max_pixels=12_000_000)) == 1 and decoded
+
+
 # ---- configuration ------------------------------------------------------------------------------
 def test_the_flag_sets_the_apps_body_limit_and_bad_bounds_name_their_field(tiny_model):
     from cluster.launch.app_config import AppConfig

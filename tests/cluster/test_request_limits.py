@@ -62,7 +62,7 @@ def test_a_batch_over_the_processes_bound_is_refused_while_it_is_parsed(monkeypa
 
 
 @pytest.mark.parametrize("field", ["max_tools", "max_stop_strings", "max_bad_words", "max_guided_choices",
-                                   "max_guided_bytes"])
+                                   "max_guided_bytes", "max_image_pixels"])
 def test_a_bound_must_be_a_positive_integer(field):
     with pytest.raises(ParameterError) as e:
         RequestLimits(**{field: 0})
@@ -75,6 +75,6 @@ def test_the_serve_flags_reach_the_ingress_settings(tiny_model):
 
     args = build_parser().parse_args(["serve", "--model", tiny_model, "--max-tools", "7", "--max-stop-strings", "3",
                                       "--max-bad-words", "4", "--max-guided-choices", "5", "--max-guided-bytes", "6",
-                                      "--metrics-without-key"])
+                                      "--max-image-pixels", "8", "--metrics-without-key"])
     cfg = _config(args)
-    assert cfg.request_limits() == RequestLimits(7, 3, 4, 5, 6) and cfg.metrics_without_key
+    assert cfg.request_limits() == RequestLimits(7, 3, 4, 5, 6, 8) and cfg.metrics_without_key
