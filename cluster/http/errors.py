@@ -59,6 +59,8 @@ def rejecting(body) -> Iterator[None]:
 
 def replica_error(e: Exception) -> OpenAIError:
     """What the client gets when running a validated request failed."""
+    if isinstance(e, OpenAIError):  # the request's own fault, found while it ran
+        return e
     if isinstance(e, BackPressureError):
         return queue_full(f"engine replicas are at their queue limit; retry later ({e})")
     if isinstance(e, (ReplicaError, EngineDeadError)):  # not the request's fault: it may be retried

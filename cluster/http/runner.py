@@ -16,6 +16,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import nullcontext
 
+from cluster.http.errors import OpenAIError
 from cluster.http.lora import LoRARegistry
 from cluster.http.metrics import AppMetrics
 from cluster.http.streams import RequestClock
@@ -25,6 +26,7 @@ from cluster.replica.errors import ReplicaError
 from engine.engine_client import EngineClient
 from engine.engine_request import EngineRequest
 from engine.outputs import RequestOutput
+from engine.structured_output.backend import GRAMMAR_FAILURE
 
 
 class RequestRunner:
@@ -56,7 +58,7 @@ class RequestRunner:
                                 route.first_output(out)
                             clock.output(out)
                             if out.finished and out.outputs[0].finish_reason == "error":
-                                raise ReplicaError(f"the engine failed the request: {out.outputs[0].stop_reason}")
+                                raise _failure(out.outputs[0].stop_reason)
                             yield index, out
                         break
                     except PrefillUnavailable as e:
@@ -93,3 +95,15 @@ class RequestRunner:
         if route is not None and route.remote:
             return self.pd.generate(request, route.timeout_s)
         return self.engines.generate(request)
+
+
+def _failure(reason) -> Exception:
+    """An engine's "error" finish as what the client gets. A grammar that rejects the sampled
+    token means no token satisfied every constraint of the request (its grammar and
+    allowed_token_ids or logit_bias share none): the request's fault, a 400 that a retry would
+    get again. Anything else failed on the replica: a 503."""
+    if isinstance(reason, str) and reason.startswith(GRAMMAR_FAILURE):
+        return OpenAIError(400, "no token satisfies every constraint of the request: its structured output "
+                           "(grammar) and allowed_token_ids / logit_bias leave nothing to sample "
+                           f"({reason[:200]})", param="structured_outputs")
+    return ReplicaError(f"the engine failed the request: {reason}")

@@ -35,10 +35,19 @@ class LogitAdjustments:
     bias_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     allowed: torch.Tensor | None = None  # [M, V] bool; rows without a list allow everything
 
-    def apply(self, logits: torch.Tensor) -> None:
-        """In place on `logits` [N, V] (the caller's copy)."""
-        sub = logits[self.rows]
+    def mask_allowed(self, logits: torch.Tensor) -> None:
+        """allowed_token_ids alone, in place: a hard mask, applied with the grammar's, before the
+        min_tokens and bad-words bans (engine.sample.sampler.apply_masks)."""
         if self.allowed is not None:
+            sub = logits[self.rows]
+            sub.masked_fill_(~self.allowed, _NEG_INF)
+            logits[self.rows] = sub
+
+    def apply(self, logits: torch.Tensor, mask_allowed: bool = True) -> None:
+        """In place on `logits` [N, V] (the caller's copy); `mask_allowed=False` when
+        `mask_allowed` ran already."""
+        sub = logits[self.rows]
+        if self.allowed is not None and mask_allowed:
             sub.masked_fill_(~self.allowed, _NEG_INF)
         if self.bias_index is not None:
             i, tok, bias = self.bias_index

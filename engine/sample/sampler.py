@@ -81,13 +81,24 @@ def apply_masks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     logits stay as they were."""
     if meta.grammar_bitmask is not None or meta.banned_tokens or meta.adjustments is not None:
         logits = logits.clone()
+    adjustments = meta.adjustments
+    hard = meta.grammar_bitmask is not None or (adjustments is not None and adjustments.allowed is not None)
     if meta.grammar_bitmask is not None:
         # First: temperature, top-k/top-p and min-p then only see tokens the grammar allows.
         kernels.apply_token_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
+    if adjustments is not None:
+        adjustments.mask_allowed(logits)
     for row, token_ids in meta.banned_tokens:
+        kept = logits[row, token_ids].clone() if hard else None
         logits[row, token_ids] = _NEG_INF
-    if meta.adjustments is not None:
-        meta.adjustments.apply(logits)
+        if hard and not torch.isfinite(logits[row]).any():
+            # The grammar or allowed_token_ids leave only tokens that min_tokens or bad_words
+            # ban (a choice already complete, allowed_token_ids of EOS alone): the client's
+            # hard constraint wins, so the row is not left with nothing (an all -inf row
+            # would sample token 0, outside both).
+            logits[row, token_ids] = kept
+    if adjustments is not None:
+        adjustments.apply(logits, mask_allowed=False)
     return logits
 
 

@@ -275,8 +275,7 @@ class Scheduler:
         return lookahead_slots(request, n, num_computed, self.num_lookahead_tokens, self.max_model_len)
 
     def _grammar_ready(self, request: Request, skipped: list[Request]) -> bool:
-        """Pops the request unless its grammar compiled (then it is WAITING); if compiling
-        failed it finishes with an error (the front end validated it, so this is rare)."""
+        """Pops the request unless its grammar compiled (then it is WAITING); else an error."""
         if not request.structured_output_request.ready:
             skipped.append(self.waiting.pop())
             return False
@@ -285,7 +284,7 @@ class Scheduler:
             self.waiting.pop()
             request.status = RequestStatus.FINISHED_ERROR
             self._free_request(request)
-            self._pending_outputs.append(EngineCoreOutput(request.request_id, [], "error", f"grammar: {error}"))
+            self._pending_outputs.append(EngineCoreOutput(request.request_id, [], "error", error))
             return False
         request.status = RequestStatus.WAITING
         return True
@@ -352,17 +351,18 @@ class Scheduler:
                 num_accepted = len(new_ids) - 1
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self.spec_stats.observe(len(drafts), num_accepted)
-            kept: list[int] = []
-            for token in new_ids:
+            kept, so_request = [], request.structured_output_request
+            for token in new_ids:  # the grammar first: a token it refuses is never output
+                failed = so_request and so_request.advance(token, request.sampling_params._eos_token_ids)
+                if failed:
+                    request.status, request.stop_reason = RequestStatus.FINISHED_ERROR, failed
+                    break
                 request.append_output_token(token)
                 kept.append(token)
                 if request.check_stop(self.max_model_len):
                     break
-            so_request = request.structured_output_request
-            if so_request is not None and not request.is_finished and not so_request.grammar.accept_tokens(kept):
-                # A token outside the mask (min_tokens banned the only allowed EOS): no way on.
-                request.status = RequestStatus.FINISHED_ERROR
-                request.stop_reason = f"grammar: {so_request.grammar.error}"
+            if so_request is not None and not request.is_finished and so_request.complete(request):
+                request.status = RequestStatus.FINISHED_STOPPED
             logprobs = None
             if runner_output.logprobs is not None and runner_output.logprobs[idx] is not None:
                 logprobs = runner_output.logprobs[idx][: len(kept)]

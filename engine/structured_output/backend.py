@@ -17,6 +17,10 @@ from engine.structured_output.params import StructuredOutputsParams
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
+# How a request that its grammar ended starts its stop_reason (finish_reason "error"): the
+# serving layer answers it as the request's fault (no token satisfied every constraint).
+GRAMMAR_FAILURE = "grammar: "
+
 
 class StructuredOutputGrammar(ABC):
     """One request's matcher: where in the grammar its tokens so far have led."""
@@ -38,6 +42,11 @@ class StructuredOutputGrammar(ABC):
     @abstractmethod
     def error(self) -> str:
         """Why the matcher is in an error state; empty when it is not."""
+
+    @property
+    def terminated(self) -> bool:
+        """Whether the grammar has ended (it took its end-of-sequence): no token may follow."""
+        return False
 
 
 class StructuredOutputBackend(ABC):

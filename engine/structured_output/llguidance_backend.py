@@ -54,6 +54,10 @@ class GuidanceGrammar(StructuredOutputGrammar):
     def error(self) -> str:
         return self.matcher.get_error()
 
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_stopped()
+
 
 class GuidanceBackend(StructuredOutputBackend):
     name = "guidance"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from engine.structured_output.backend import StructuredOutputGrammar
+from engine.structured_output.backend import GRAMMAR_FAILURE, StructuredOutputGrammar
 from engine.structured_output.params import StructuredOutputsParams
 
 
@@ -27,9 +27,27 @@ class StructuredOutputRequest:
             return None
         return self.grammar_future.result()
 
+    def advance(self, token: int, eos_token_ids) -> str | None:
+        """Take the request's next token: None, or why the grammar refuses it (sampled outside
+        the mask: no token satisfied every constraint of the request, e.g. the grammar and
+        allowed_token_ids share none). A complete grammar allows EOS alone, without
+        consuming it."""
+        grammar = self.grammar
+        if grammar.terminated:
+            return None if token in eos_token_ids else f"{GRAMMAR_FAILURE}the grammar is complete; only EOS may follow"
+        return None if grammar.accept_tokens([token]) else f"{GRAMMAR_FAILURE}{grammar.error}"
+
+    def complete(self, request) -> bool:
+        """Whether the request must stop with its grammar complete: it is, while min_tokens
+        still bans EOS, the one token the grammar allows (the sampler lifts such a ban rather
+        than leave nothing to sample). Otherwise EOS, the grammar's last token, stops it, as
+        in vLLM."""
+        return request.num_output_tokens < request.sampling_params.min_tokens and self.grammar.terminated
+
     @property
     def compile_error(self) -> str | None:
+        """Why the grammar did not compile (a stop_reason, as `advance`'s failures), or None."""
         if not self.ready:
             return None
         e = self.grammar_future.exception()
-        return None if e is None else str(e)
+        return None if e is None else f"{GRAMMAR_FAILURE}{e}"

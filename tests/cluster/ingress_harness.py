@@ -81,8 +81,10 @@ class Served:
         ingress_module._body_limits = None
 
 
-def make_ingress(model_dir: str, *, max_pending_requests: int = 64, name: str = "m", body_limits=None):
-    """An Ingress over `model_dir`'s tokenizer with EchoEngines, built without Serve;
+def make_ingress(model_dir: str, *, max_pending_requests: int = 64, name: str = "m", body_limits=None,
+                 engines=None, max_model_len: int = 256):
+    """An Ingress over `model_dir`'s tokenizer with EchoEngines (or `engines`, an EngineClient
+    such as a real AsyncLLM of the same model and max_model_len), built without Serve;
     `body_limits` (a BodyLimits, default its defaults) are put in force as a replica's are."""
     from cluster.http import ingress as ingress_module
     from cluster.http import openai_format as fmt
@@ -93,13 +95,13 @@ def make_ingress(model_dir: str, *, max_pending_requests: int = 64, name: str = 
     from engine.args import EngineArgs
     from engine.llm_engine import load_processor
 
-    engine_args = EngineArgs(model=model_dir, max_model_len=256)
+    engine_args = EngineArgs(model=model_dir, max_model_len=max_model_len)
     tokenizer, processor = load_processor(engine_args.create_engine_config())
     ing = object.__new__(Ingress)
     ing.mode, ing.max_pending, ing._pending, ing._pusher = "colocated", max_pending_requests, {}, object()
     ing.served = ServedModel(name, model_dir, tokenizer, processor, fmt.TokenText(tokenizer))
     ing.metrics, ing.coordinator = AppMetrics(name, "colocated"), FakeCoordinator()
-    ing.runner = RequestRunner(EchoEngines(), ing.metrics)
+    ing.runner = RequestRunner(engines if engines is not None else EchoEngines(), ing.metrics)
     ing.created, ing.ingress_id, ing.direct = 0, "ingress-test", None
     ing.coordinator_call_s = 5.0
     ing.lora_follower = None  # no LoRA adapters (cluster.http.lora)
