@@ -91,7 +91,10 @@ def render(tokenizer, body, template_kwargs: dict | None = None, plan: ToolPlan 
     return text, tokenizer.encode(text, add_special_tokens=False)  # the template has its specials
 
 
-def chat_job(served: ServedModel, body: ChatCompletionRequest) -> Job:
+def chat_job(served: ServedModel, body: ChatCompletionRequest, cached_details: bool | None = None) -> Job:
+    """`cached_details`: usage with prompt_tokens_details (None: the server's
+    --enable-prompt-tokens-details)."""
+    details = served.prompt_tokens_details if cached_details is None else cached_details
     lora = served.check_model(body.model)
     with rejecting(body):
         served.check_limits(body)
@@ -127,7 +130,8 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest) -> Job:
         return ChatCompletionResponse(
             id=request_id, created=int(time.time()), model=model,
             choices=[choice(j, out) for j, out in enumerate(finals)],
-            usage=Usage.of(len(ids), sum(len(out.outputs[0].token_ids) for out in finals)),
+            usage=Usage.of(len(ids), sum(len(out.outputs[0].token_ids) for out in finals),
+                           finals[0].num_cached_tokens if details else None),
             prompt_logprobs=(fmt.vllm_prompt_logprobs(finals[0].prompt_logprobs)
                              if body.prompt_logprobs is not None else None))
 
@@ -150,11 +154,12 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest) -> Job:
 
     async def chunks(merged):
         n_gen = [0] * n
+        cached = 0  # the prompt's, as its engine reported it (every sample shares the prompt)
         yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for j in range(n)])
         async for j, out in merged:
             c = out.outputs[0]
-            n_gen[j] = len(c.token_ids)
+            n_gen[j], cached = len(c.token_ids), max(cached, out.num_cached_tokens)
             finish = c.finish_reason if out.finished else None
             if not out.delta_text and not out.delta_token_ids and finish is None:
                 continue
@@ -167,9 +172,10 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest) -> Job:
                 last = k == len(parts) - 1
                 yield chunk([{"index": j, "delta": delta, "logprobs": lp if k == 0 else None,
                               "finish_reason": finish if last else None}],
-                            Usage.of(len(ids), n_gen[j]) if body.continuous_usage and last else None)
+                            Usage.of(len(ids), n_gen[j], cached if details else None)
+                            if body.continuous_usage and last else None)
         if body.include_usage:
-            yield chunk([], Usage.of(len(ids), sum(n_gen)))
+            yield chunk([], Usage.of(len(ids), sum(n_gen), cached if details else None))
 
     # `n` > 1: n requests of the same prompt (engine.parallel_sampling); choice j is sample j.
     n = params.n

@@ -68,8 +68,10 @@ def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
                 "stop_reason": out.outputs[0].stop_reason if finish else None,
                 "prompt_logprobs": fmt.vllm_prompt_logprobs(out.prompt_logprobs) if plp else None}
 
+    details = served.prompt_tokens_details
+
     def whole(finals) -> CompletionResponse:
-        choices, n_prompt, n_gen = [], 0, 0
+        choices, n_prompt, n_gen, n_cached = [], 0, 0, 0
         for i, out in enumerate(finals):
             c = out.outputs[0]
             ids, positions, text = ([], [], "") if scoring else (c.token_ids, c.logprobs, c.text)
@@ -77,9 +79,10 @@ def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
             lp = logprobs(i, out, ids, positions, len(prefix), echo)
             choices.append(choice(i, out, prefix + text, lp, c.finish_reason))
             n_prompt += len(out.prompt_token_ids) if i % n == 0 else 0  # once per prompt, as OpenAI
+            n_cached += out.num_cached_tokens if i % n == 0 else 0
             n_gen += len(ids)
         return CompletionResponse(id=request_id, created=int(time.time()), model=model, choices=choices,
-                                  usage=Usage.of(n_prompt, n_gen))
+                                  usage=Usage.of(n_prompt, n_gen, n_cached if details else None))
 
     def chunk(choices: list[dict], usage: Usage | None = None) -> CompletionChunk:
         """A chunk of these choices (a chunk goes out per token)."""
@@ -93,7 +96,7 @@ def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
 
     async def chunks(merged):
         offsets = [0] * len(requests)
-        counts = [[len(r.prompt_token_ids), 0] for r in requests]
+        counts = [[len(r.prompt_token_ids), 0, 0] for r in requests]  # prompt, generated, cached
         # The prompt's logprobs come with its first output: an echo that carries them waits for it.
         echo_first = echo and n_logprobs is not None
         echoed = [not echo_first] * len(requests)
@@ -114,14 +117,16 @@ def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
                 if finish is not None:
                     yield chunk([choice(i, out, "", None, finish, plp)])
                 continue
-            counts[i][1] = len(c.token_ids)
+            counts[i][1], counts[i][2] = len(c.token_ids), max(counts[i][2], out.num_cached_tokens)
             if not out.delta_text and not out.delta_token_ids and finish is None:
                 continue
             lp = logprobs(i, out, out.delta_token_ids, out.delta_logprobs, offsets[i], False)
             ch = choice(i, out, out.delta_text, lp, finish, plp)
             offsets[i] += len(out.delta_text)
-            yield chunk([ch], Usage.of(*counts[i]) if body.continuous_usage else None)
+            yield chunk([ch], Usage.of(*counts[i][:2], counts[i][2] if details else None)
+                        if body.continuous_usage else None)
         if body.include_usage:
-            yield chunk([], Usage.of(sum(c[0] for c in counts[::n]), sum(c[1] for c in counts)))
+            yield chunk([], Usage.of(sum(c[0] for c in counts[::n]), sum(c[1] for c in counts),
+                                     sum(c[2] for c in counts[::n]) if details else None))
 
     return Job(requests, request_id, body.stream, chunks, whole, n)

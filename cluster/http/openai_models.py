@@ -37,15 +37,23 @@ def builder(model: type[M]) -> Callable[[dict], M]:
     return model.__pydantic_validator__.validate_python
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV was found, not computed (prefix cache)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # vLLM's --enable-prompt-tokens-details: absent unless the server asks for it.
+    prompt_tokens_details: PromptTokensDetails | None = absent()
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
+        """`cached_tokens`: None leaves prompt_tokens_details out."""
+        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 # ---- errors -------------------------------------------------------------------------------------

@@ -220,7 +220,7 @@ def responses_job(served: ServedModel, body: ResponsesRequest) -> Job:
     response_id = f"resp_{uuid.uuid4().hex}"
     chat_request = ChatCompletionRequest.model_validate(body.chat_body(response_id))
     try:
-        chat = chat_job(served, chat_request)
+        chat = chat_job(served, chat_request, cached_details=True)  # input_tokens_details needs it
     except OpenAIError as e:  # chat's `param` is a chat field: name the one this request sent
         param = "input" if (e.param or "").startswith("messages") else _PARAMS.get(e.param, e.param)
         raise OpenAIError(e.status, e.message, e.type, param, e.code, e.headers) from e

@@ -19,6 +19,7 @@ from cluster.http.responses_models import (
     FunctionCallArgumentsDone,
     FunctionToolCall,
     IncompleteDetails,
+    InputTokensDetails,
     OutputItem,
     OutputItemAdded,
     OutputItemDone,
@@ -98,8 +99,10 @@ def _status(finish_reason: str | None) -> str:
 
 
 def _usage(usage: Usage) -> ResponseUsage:
+    details = usage.prompt_tokens_details  # always asked of the chat job (responses_job)
     return ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
-                         total_tokens=usage.total_tokens)
+                         total_tokens=usage.total_tokens,
+                         input_tokens_details=InputTokensDetails(cached_tokens=details.cached_tokens if details else 0))
 
 
 @dataclasses.dataclass

@@ -38,6 +38,7 @@ class ServedModel:
     loras: LoRARegistry | None = None  # the served LoRA adapters (enable_lora), by name
     limits: RequestLimits = RequestLimits()  # the lists and sizes a body may carry
     max_prompts: int = 1024  # sequences per request (--max-pending-requests)
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
 
     def check_model(self, model: str) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 for any other name."""

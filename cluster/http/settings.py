@@ -37,6 +37,7 @@ class IngressSettings:
     # SHA-256 digests only: the keys themselves never enter the Serve config or its logs.
     api_key_digests: tuple[str, ...] = ()
     metrics_without_key: bool = False  # /metrics open even with keys set
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
     direct: DirectSettings | None = None
     # Tool calling: "auto" tool choice allowed, and the parser that finds the calls.
     enable_auto_tool_choice: bool = False

@@ -102,6 +102,7 @@ def build_app(cfg: AppConfig):
         body_limits=cfg.body_limits(), request_limits=cfg.request_limits(), prefill_fallback=cfg.prefill_fallback(),
         created=int(time.time()), local_prefill=LocalPrefillRule(cfg.local_prefill_queue, cfg.max_local_prefill_length),
         api_key_digests=tuple(digest(k) for k in keys_from(cfg.api_keys)), metrics_without_key=cfg.metrics_without_key,
+        enable_prompt_tokens_details=cfg.enable_prompt_tokens_details,
         direct=direct,
         enable_auto_tool_choice=cfg.enable_auto_tool_choice, tool_call_parser=cfg.tool_call_parser,
         lora_modules=cfg.lora_module_list(), lora_runtime_updates=cfg.enable_lora_runtime_updating)

@@ -89,6 +89,8 @@ class AppConfig:
     metrics_without_key: bool = False
     # Serve an app without keys on a non-loopback HTTP host (cluster.launch.open_doors).
     allow_unauthenticated_admin: bool = False
+    # vLLM's: usage.prompt_tokens_details.cached_tokens in chat and completions answers.
+    enable_prompt_tokens_details: bool = False
     graceful_shutdown_timeout_s: float = 60.0
     # How often a stopping replica looks whether its in-flight requests are done (Serve's
     # option of that name; it waits one period before its first look).

@@ -59,6 +59,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--allow-unauthenticated-admin", action="store_true",
                    help="serve without --api-key on a --host other machines can reach (anyone there may then "
                         "call POST /scale); refused otherwise")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens in chat and completions answers: the "
+                        "prompt tokens found in the prefix cache (the Responses API always says)")
     p.add_argument("--metrics-without-key", action="store_true",
                    help="with --api-key: leave /metrics open (for a Prometheus that sends no key)")
     limits = p.add_argument_group("request limits", "the lists and sizes one request may carry; past one: "
@@ -212,6 +215,7 @@ def _config(args: argparse.Namespace):
         max_image_pixels=args.max_image_pixels,
         metrics_without_key=args.metrics_without_key,
         allow_unauthenticated_admin=args.allow_unauthenticated_admin,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         api_server_count=args.api_server_count,
         prefix_affinity=args.prefix_affinity, disable_access_log=args.disable_access_log,
         direct_streaming=args.direct_streaming,

@@ -511,5 +511,15 @@ def test_an_unknown_model_is_a_404(app):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
+def test_a_repeated_input_reports_the_prompt_tokens_its_prefill_found_cached(client, mode):
+    """In P/D the count is the prefill replica's prefix-cache hit (the decode side loads the
+    whole prompt's KV, which is no cache hit); colocated, the one engine's."""
+    text = f"cached in {mode}: " + " ".join(f"w{i}" for i in range(80))
+    first = client.responses.create(model=NAME, input=text, max_output_tokens=2)
+    again = client.responses.create(model=NAME, input=text, max_output_tokens=2)
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    assert again.usage.input_tokens_details.cached_tokens == (again.usage.input_tokens - 1) // 16 * 16 > 0
+
+
 def test_no_request_or_kv_block_is_left_on_the_replicas(app, mode, shared_app):
     assert_no_leaks(app, shared_app.name, shared_app.roles)
