@@ -50,8 +50,11 @@ def check_open_admin(has_keys: bool, allowed: bool, http_host: str | None) -> No
 
 def serve_http_host() -> str | None:
     """The host Serve's HTTP proxy binds, from its controller; None when it cannot be asked."""
+    import ray
+
+    if not ray.is_initialized():  # asking would start a Ray of its own
+        return None
     try:
-        import ray
         from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
         controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)

@@ -43,3 +43,16 @@ def test_pdserve_serve_refuses_a_reachable_host_without_keys_before_ray_starts(t
     assert config("--host", "0.0.0.0", "--allow-unauthenticated-admin").allow_unauthenticated_admin
     assert not config().api_keys  # the default host, 127.0.0.1
 
+
+
+def test_asking_for_serves_host_never_starts_a_ray():
+    """Building an app without Ray (unit tests, a config check) must not start one: a Ray
+    started by accident would stand in the way of the real one."""
+    import subprocess
+    import sys
+
+    code = ("import ray; from cluster.launch.open_doors import serve_http_host; "
+            "assert serve_http_host() is None and not ray.is_initialized(); print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=__file__.rsplit("/tests/", 1)[0])
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
