@@ -272,6 +272,12 @@ class CoresClient(ABC):
         elif isinstance(message, CallResult):
             self._results[message.call_id] = message
         elif isinstance(message, CoreFailed):
+            try:
+                # A core whose collective broke because a peer died (a connection reset) may
+                # report before the peer's exit is read: the dead peer is the cause to name.
+                self._check_cores()
+            except EngineDeadError as e:
+                self._fail(str(e))
             self._fail(f"{self.label(message.rank)} failed:\n{message.message}")
         else:
             self._handle_other(message)
