@@ -160,8 +160,7 @@ class CoresClient(ABC):
 
     @abstractmethod
     def _route(self, request: Request) -> int:
-        """Send a new request to the core that takes it (and whatever else that takes); its
-        rank."""
+        """Send a new request to the core that takes it (and whatever else that takes); its rank."""
 
     @abstractmethod
     def _stop_cores(self) -> None:
@@ -170,6 +169,9 @@ class CoresClient(ABC):
     @abstractmethod
     def _check_cores(self) -> None:
         """Raise EngineDeadError if a core is known to be gone (any thread)."""
+
+    def _exited_core(self) -> str | None:  # how a core process exited (read locally), or None
+        return None
 
     def _handle_other(self, message) -> None:
         """A message only a subclass knows (data parallelism's waves); a stray one is dropped."""
@@ -245,8 +247,7 @@ class CoresClient(ABC):
 
     # ---- messages from the cores --------------------------------------------------------
     def _pump(self, wait_s: float) -> None:
-        """Handle the cores' messages: wait up to `wait_s` for the first, then take what is
-        there."""
+        """Handle the cores' messages: wait up to `wait_s` for the first, then take the rest."""
         try:
             message = self._inbox.get(timeout=wait_s)
             while True:
@@ -272,13 +273,8 @@ class CoresClient(ABC):
         elif isinstance(message, CallResult):
             self._results[message.call_id] = message
         elif isinstance(message, CoreFailed):
-            try:
-                # A core whose collective broke because a peer died (a connection reset) may
-                # report before the peer's exit is read: the dead peer is the cause to name.
-                self._check_cores()
-            except EngineDeadError as e:
-                self._fail(str(e))
-            self._fail(f"{self.label(message.rank)} failed:\n{message.message}")
+            # A core's collective broke as a peer died, before the peer's exit was read: name the peer.
+            self._fail(self._exited_core() or f"{self.label(message.rank)} failed:\n{message.message}")
         else:
             self._handle_other(message)
 
@@ -324,8 +320,7 @@ class CoresClient(ABC):
         return sum(self._call_all("kv_outbox_size"))
 
     def give_tokenizer(self, pickled: bytes | None) -> None:
-        """Every core builds its structured-output backend from the front end's tokenizer
-        (EngineCore.give_tokenizer)."""
+        """Every core builds its grammar backend from the front end's tokenizer (give_tokenizer)."""
         self._call_all("give_tokenizer", pickled)
 
     # ---- where the cores run (operators and tests) --------------------------------------

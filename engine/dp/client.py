@@ -63,6 +63,9 @@ class DPEngineClient(CoresClient):
     def _check_cores(self) -> None:
         self.cores.check_health()
 
+    def _exited_core(self) -> str | None:
+        return self.cores.exited()
+
     def core_pids(self) -> list[int]:
         return self.cores.pids()
 

@@ -39,6 +39,11 @@ class DPCores(ABC):
         """The cores' process ids when they are processes on this node."""
         return []
 
+    def exited(self) -> str | None:
+        """How a core process on this node exited, if one has (read locally); None otherwise,
+        and always for cores that are not processes here."""
+        return None
+
     def actor_handles(self) -> list:
         """The cores' Ray actor handles when they are actors."""
         return []

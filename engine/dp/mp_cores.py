@@ -63,6 +63,10 @@ class MPCores(DPCores):
         for process in self.processes:
             process.check_health()
 
+    def exited(self) -> str | None:
+        gone = next((p for p in self.processes if not p.proc.is_alive()), None)
+        return None if gone is None else f"{gone.label} (pid {gone.pid}) exited with code {gone.proc.exitcode}"
+
     def shutdown(self) -> None:
         self._stop()
 
