@@ -17,15 +17,7 @@ from cluster.control.capacity import auto_replica_cpus
 from cluster.control.coordinator import SCALE_TIMEOUT_S
 from cluster.http.body_limits import MAX_REQUEST_BODY_BYTES, REQUEST_BODY_TIMEOUT_S, BodyLimits
 from cluster.http.lora import LoRAModule
-from cluster.http.request_limits import (
-    MAX_BAD_WORDS,
-    MAX_GUIDED_BYTES,
-    MAX_GUIDED_CHOICES,
-    MAX_IMAGE_PIXELS,
-    MAX_STOP_STRINGS,
-    MAX_TOOLS,
-    RequestLimits,
-)
+from cluster.http.request_limits import RequestLimits
 from cluster.launch.app_checks import (
     check_core_process,
     check_direct,
@@ -79,12 +71,12 @@ class AppConfig:
     max_ongoing_requests: int = 1024  # per engine replica (Serve's own cap)
     # The lists and sizes one request body may carry (cluster.http.request_limits): past one, a
     # 400 naming the field before any per-item work.
-    max_tools: int = MAX_TOOLS
-    max_stop_strings: int = MAX_STOP_STRINGS
-    max_bad_words: int = MAX_BAD_WORDS
-    max_guided_choices: int = MAX_GUIDED_CHOICES
-    max_guided_bytes: int = MAX_GUIDED_BYTES
-    max_image_pixels: int = MAX_IMAGE_PIXELS
+    max_tools: int = RequestLimits.max_tools
+    max_stop_strings: int = RequestLimits.max_stop_strings
+    max_bad_words: int = RequestLimits.max_bad_words
+    max_guided_choices: int = RequestLimits.max_guided_choices
+    max_guided_bytes: int = RequestLimits.max_guided_bytes
+    max_image_pixels: int = RequestLimits.max_image_pixels
     # /metrics without the API key (for a Prometheus that cannot send one); /health always is.
     metrics_without_key: bool = False
     # Serve an app without keys on a non-loopback HTTP host (cluster.launch.open_doors).

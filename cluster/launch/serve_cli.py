@@ -12,14 +12,7 @@ import sys
 import traceback
 from typing import NoReturn
 
-from cluster.http.request_limits import (
-    MAX_BAD_WORDS,
-    MAX_GUIDED_BYTES,
-    MAX_GUIDED_CHOICES,
-    MAX_IMAGE_PIXELS,
-    MAX_STOP_STRINGS,
-    MAX_TOOLS,
-)
+from cluster.http.request_limits import RequestLimits
 from cluster.http.tool_parsers import TOOL_PARSERS
 from engine.args import EngineArgs
 from engine.kv_connector import LOAD_FAILURE_POLICIES
@@ -66,15 +59,13 @@ def add_serve_parser(sub) -> None:
                    help="with --api-key: leave /metrics open (for a Prometheus that sends no key)")
     limits = p.add_argument_group("request limits", "the lists and sizes one request may carry; past one: "
                                   "400 naming the field (docs/serving.md#limits)")
-    limits.add_argument("--max-tools", type=int, default=MAX_TOOLS, help="tools per request (OpenAI's 128)")
-    limits.add_argument("--max-stop-strings", type=int, default=MAX_STOP_STRINGS, help="stop strings per request")
-    limits.add_argument("--max-bad-words", type=int, default=MAX_BAD_WORDS, help="bad_words per request")
-    limits.add_argument("--max-guided-choices", type=int, default=MAX_GUIDED_CHOICES,
-                        help="guided_choice (structured_outputs.choice) entries per request")
-    limits.add_argument("--max-guided-bytes", type=int, default=MAX_GUIDED_BYTES,
-                        help="bytes of a guided JSON schema, regex or grammar")
-    limits.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
-                        help="pixels of one image, refused from its header before it is decoded")
+    for name, what in (("max_tools", "tools per request (OpenAI's 128)"), ("max_stop_strings", "stop strings per request"),
+                       ("max_bad_words", "bad_words per request"),
+                       ("max_guided_choices", "guided_choice (structured_outputs.choice) entries per request"),
+                       ("max_guided_bytes", "bytes of a guided JSON schema, regex or grammar"),
+                       ("max_image_pixels", "pixels of one image, refused from its header before it is decoded")):
+        # The defaults are RequestLimits' (AppConfig's fields take theirs from it too).
+        limits.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(RequestLimits, name), help=what)
     p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto": the model decides, --tool-call-parser finds its calls')
