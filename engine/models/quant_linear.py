@@ -53,10 +53,10 @@ def kernel_supports(qtype: str, in_features: int, device: torch.device) -> bool:
 
 
 # ISA levels at which a GGUF file is dequantized at load unless quantization="gguf" asks to keep
-# it: portable's plain-C products of kept blocks lost to the dequantized path at every batch
-# size measured (docs/benchmarks.md#kept-blocks-or-dequantized). At the other levels kept
-# blocks with exact products were never slower up to batch 32, so they are the rule there,
-# with no timing at load (on a shared machine a few ms of timing picks by the neighbours' load).
+# it: with portable's plain-C products, kept blocks decoded 1.6-2.5x slower than the dequantized
+# path at batch 1, 8 and 32 (docs/benchmarks.md#kept-blocks-or-dequantized). At the other levels
+# kept blocks with exact products were 3.2-3.5x faster at batch 1, 1.5x at 8 and level within
+# the noise at 32, in 0.4x the memory, so they are the rule there, with no timing at load (on a shared machine a few ms of timing measure the neighbours).
 DEQUANTIZE_LEVELS = ("portable",)
 
 
@@ -84,7 +84,7 @@ def weights_choice(device: torch.device, quantization: str | None, dense_bytes: 
         free = free_memory_bytes()
         if dense_bytes <= free // 2:
             return False, (f"dequantized to fp32 at load (the default at the {level} ISA level, whose "
-                           "kept-block products are slower at every batch size; quantization=gguf keeps them)")
+                           "kept-block products decode slower at every batch size; quantization=gguf keeps them)")
         reason = (f"the default at the {level} ISA level would dequantize, but {dense_bytes / 2**30:.1f} GiB "
                   f"of fp32 weights is over half the free {free / 2**30:.1f} GiB")
     else:
