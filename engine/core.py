@@ -34,6 +34,7 @@ from engine.sched.scheduler import Scheduler
 from engine.spec_decode.config import check_draft_vocab
 from engine.structured_output import BACKENDS, DEFAULT_BACKEND, StructuredOutputManager
 from engine.tokenizer import eos_token_ids, load_tokenizer
+from kernels.cpu.build import level_in_use
 
 logger = logging.getLogger(__name__)
 
@@ -162,10 +163,13 @@ class EngineCore:
         if not tokenizer_from_front_end:
             self.structured_output_backend_built = self.structured_output_manager.prebuild()
         tokens = num_blocks * cc.block_size
+        # Named where users look (this line, /status): the level decides much of a CPU's speed.
+        self.cpu_kernels = level_in_use() if self.device.type == "cpu" else None
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens; max concurrency %.2fx at %d tokens/request%s",
+            "KV cache: %d blocks of %d tokens = %d tokens; max concurrency %.2fx at %d tokens/request%s%s",
             num_blocks, cc.block_size, tokens, tokens / self.max_model_len, self.max_model_len,
             f"; sliding-window layers: {num_window_blocks} blocks of their own" if num_window_blocks else "",
+            f"; CPU kernels: {self.cpu_kernels}" if self.cpu_kernels else "",
         )
 
     def _determine_num_blocks(self) -> tuple[int, int]:
@@ -365,4 +369,5 @@ class EngineCore:
                 tuple(stats.num_accepted_tokens_per_pos)),
             lora=None if self.lora_usage is None else self.lora_usage.figures(self.scheduler.running,
                                                                               self.scheduler.waiting),
+            cpu_kernels=self.cpu_kernels,
         )

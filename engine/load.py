@@ -83,6 +83,9 @@ class EngineLoad:
     spec_decode: SpecDecodeCounts | None = None  # None: the engine does not speculate
     data_parallel: tuple[CoreFigures, ...] = ()  # per core; empty without data parallelism
     lora: LoRAFigures | None = None  # None: enable_lora is off
+    # What multiplies on CPU: the native kernels' ISA level ("avx512", "avx2", ...; "references"
+    # without them), so an operator sees which build a replica runs. None: a GPU engine.
+    cpu_kernels: str | None = None
 
     @property
     def kv_usage(self) -> float:
@@ -113,7 +116,9 @@ class EngineLoad:
         lora = None
         for f in loras:
             lora = f if lora is None else lora + f
-        return EngineLoad(**numbers, spec_decode=spec, data_parallel=cores, lora=lora)
+        # Cores of one engine run on one machine: one level, the first core's.
+        cpu = next((load.cpu_kernels for load in loads if load.cpu_kernels is not None), None)
+        return EngineLoad(**numbers, spec_decode=spec, data_parallel=cores, lora=lora, cpu_kernels=cpu)
 
     def figures(self) -> dict:
         """Flat figures keyed as engine.metrics.names' tables are (the metric renderers' input)."""
@@ -132,4 +137,4 @@ class EngineLoad:
         return out
 
 
-_NOT_SUMMED = ("spec_decode", "data_parallel", "lora")
+_NOT_SUMMED = ("spec_decode", "data_parallel", "lora", "cpu_kernels")

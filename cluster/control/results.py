@@ -51,12 +51,14 @@ class ReplicaStatus:
     itl_p90_s: float | None
     kv_handoffs: int
     time: float
+    cpu_kernels: str | None  # the CPU kernels' ISA level (engine.load.EngineLoad); None on a GPU
 
     @classmethod
     def of(cls, report: ReplicaReport) -> ReplicaStatus:
         e = report.engine
         return cls(report.replica, e.running, e.waiting, e.free_blocks, e.total_blocks, e.kv_usage,
-                   e.prefix_cache_hit_rate, report.ttft_p90_s, report.itl_p90_s, report.kv_handoffs, report.time)
+                   e.prefix_cache_hit_rate, report.ttft_p90_s, report.itl_p90_s, report.kv_handoffs, report.time,
+                   e.cpu_kernels)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from engine.models.gguf_weights import gguf_tensors
 from engine.models.llama import CausalLM
 from engine.models.llava import LlavaCausalLM, load_vision_arch
 from engine.models.parallel import ShardLayout, check_ep_size
+from engine.models.quant_linear import weights_choice
 from engine.models.rotary import cos_sin_cache
 
 logger = logging.getLogger(__name__)
@@ -139,20 +140,30 @@ def load_model(
 
 def _plan_quantized(gguf: str | None, arch: ModelArch, model: torch.nn.Module, device: torch.device,
                     quantization: str | None) -> QuantPlan | None:
-    """For a GGUF file (unless quantization="none"): the projections that keep their blocks
+    """For a GGUF file (unless quantization="none", or quant_linear.weights_choice dequantizes
+    by default at this ISA level): the projections that keep their blocks
     (engine.models.gguf_plan), each given its QuantWeight in place of a dense weight, so
     materialising the model allocates none for them."""
-    if gguf is None or quantization == "none":
+    if gguf is None:
+        return None
+    if quantization == "none":
+        logger.info("GGUF weights: dequantized to fp32 at load (quantization=none)")
         return None
     plan = QuantPlan(gguf, arch)
     params = dict(model.named_parameters())
     plan.plan(model, lambda name: _destinations(_text_name(name), model.layout, params), device)
+    if not plan.weights:
+        return plan
+    keep, why = weights_choice(device, quantization, sum(4 * w.out_features * w.in_features
+                                                         for w in plan.weights.values()))
+    if not keep:
+        logger.info("GGUF weights: %s", why)
+        return None
     for name, qw in plan.weights.items():
         module = model.get_submodule(name.rpartition(".")[0])
         module.weight = None
         module.quant = qw
-    if plan.weights:
-        logger.info("GGUF: %d projections keep their quantized blocks", len(plan.weights))
+    logger.info("GGUF weights: %d projections keep their quantized blocks, %s", len(plan.weights), why)
     return plan
 
 

@@ -52,6 +52,47 @@ def kernel_supports(qtype: str, in_features: int, device: torch.device) -> bool:
     return _kernels().supported(qtype, in_features)
 
 
+# ISA levels at which a GGUF file is dequantized at load unless quantization="gguf" asks to keep
+# it: with portable's plain-C products, kept blocks decoded 1.6-2.5x slower than the dequantized
+# path at batch 1, 8 and 32 (docs/benchmarks.md#kept-blocks-or-dequantized). At the other levels
+# kept blocks with exact products were 3.2-3.5x faster at batch 1, 1.5x at 8 and level within
+# the noise at 32, in 0.4x the memory, so they are the rule there, with no timing at load (on a shared machine a few ms of timing measure the neighbours).
+DEQUANTIZE_LEVELS = ("portable",)
+
+
+def free_memory_bytes() -> int:
+    """Physical memory not in use now (what a dequantized copy could take without swapping)."""
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def weights_choice(device: torch.device, quantization: str | None, dense_bytes: int) -> tuple[bool, str]:
+    """(keep the blocks, why) for a GGUF file's projections that a kernel multiplies, given
+    what their dequantized fp32 weights would take; `why` is the loader's log line.
+
+    Both choices made here multiply the exact weights, so the default keeps greedy parity with
+    transformers; int8 activations change tokens, so only PDSERVE_QUANT_ACTIVATIONS=int8 takes
+    them, and quantization="gguf" / "none" (the loader never asks for "none") override."""
+    if device.type != "cpu":
+        return True, "multiplied by the Triton kernels (PDSERVE_GGUF_TRITON=1)"
+    from kernels.cpu.build import level_in_use
+
+    quant = _kernels()
+    if quant.METHODS["auto"] == quant.METHODS["int8"]:
+        return True, "int8 activations (PDSERVE_QUANT_ACTIVATIONS=int8: llama.cpp's scheme; tokens may differ)"
+    level = level_in_use()
+    if quantization is None and level in DEQUANTIZE_LEVELS:
+        free = free_memory_bytes()
+        if dense_bytes <= free // 2:
+            return False, (f"dequantized to fp32 at load (the default at the {level} ISA level, whose "
+                           "kept-block products decode slower at every batch size; quantization=gguf keeps them)")
+        reason = (f"the default at the {level} ISA level would dequantize, but {dense_bytes / 2**30:.1f} GiB "
+                  f"of fp32 weights is over half the free {free / 2**30:.1f} GiB")
+    else:
+        reason = "quantization=gguf" if quantization == "gguf" else f"the default at the {level} ISA level"
+    return True, (f"exact fp32 products ({reason}; quantization=none dequantizes, "
+                  "PDSERVE_QUANT_ACTIVATIONS=int8 takes int8 activations)")
+
+
 @dataclass
 class QuantSegment:
     start: int  # first output row of the projection it fills

@@ -59,6 +59,7 @@ _SIGNATURES = {
 }
 _RESTYPES = {"decode_stack_scratch": _I64}  # the rest return nothing
 _lib: ctypes.CDLL | None = None
+_lib_level: str | None = None
 _tried = False
 _loaded: dict[str, ctypes.CDLL] = {}
 
@@ -148,7 +149,7 @@ def load(level: str) -> ctypes.CDLL:
 def library() -> ctypes.CDLL | None:
     """The compiled kernels of isa_level(), or None where they cannot be built (the references
     run instead)."""
-    global _lib, _tried
+    global _lib, _lib_level, _tried
     if _tried:
         return _lib
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0" or not sys.platform.startswith("linux"):
@@ -165,7 +166,14 @@ def library() -> ctypes.CDLL | None:
         logger.warning("native CPU kernels unavailable (%s): the torch references run instead",
                        getattr(e, "stderr", "") or e)
         return None
+    _lib_level = level
     best = runnable_levels()[0]
     logger.info("native CPU kernels: ISA level %s%s", level,
                 f" (forced by {ENV}; this CPU runs {best})" if level != best else "")
     return _lib
+
+
+def level_in_use() -> str:
+    """What runs the CPU kernels, for logs and reports: the loaded library's ISA level, or
+    "references" when there is none (no compiler, PDSERVE_CPU_KERNELS=0, a failed build)."""
+    return _lib_level if library() is not None else "references"

@@ -117,6 +117,15 @@ def test_status_groups_replicas_by_role_with_load_fields():
     assert [r["replica"] for r in _status(coord)["decode"]] == ["d-1"]
 
 
+def test_status_names_the_cpu_kernels_each_replica_runs():
+    coord = Coordinator("pd", "app", control=FakeControl())
+    coord._store_stats = lambda: _const({})
+    run(coord.report(_fig("p-1", "prefill", cpu_kernels="avx2")))
+    run(coord.report(_fig("d-1", "decode")))  # a GPU engine reports none
+    s = _status(coord)
+    assert s["prefill"][0]["cpu_kernels"] == "avx2" and s["decode"][0]["cpu_kernels"] is None
+
+
 async def _const(value):
     return value
 

@@ -3,15 +3,27 @@ ValueErrors (naming the field) for bad input that leave nothing queued."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from engine import LLM, SamplingParams
+from kernels.cpu.build import level_in_use
 from tests.engine.hf_reference import random_prompts
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
     return LLM(tiny_model, max_model_len=128)
+
+
+def test_a_cpu_engine_names_its_kernels_level_at_start_and_in_its_load(tiny_model, caplog):
+    with caplog.at_level(logging.INFO, logger="engine.core"):
+        llm = LLM(tiny_model, max_model_len=128, device="cpu")
+    level = level_in_use()
+    assert level != "references"  # this machine has a compiler: the kernels are built
+    assert f"; CPU kernels: {level}" in caplog.text
+    assert llm.engine.core.load().cpu_kernels == level
 
 
 def _greedy(llm, prompt, **kw):

@@ -33,6 +33,13 @@ def test_cores_sum_to_one_engine_and_keep_their_own_figures():
     assert EngineLoad.summed([EngineLoad(), EngineLoad()]).spec_decode is None  # neither speculates
 
 
+def test_cores_report_their_engines_cpu_kernels_and_metrics_leave_them_out():
+    total = EngineLoad.summed([EngineLoad(cpu_kernels="avx512"), EngineLoad(cpu_kernels="avx512")])
+    assert total.cpu_kernels == "avx512"  # a name, not added up
+    assert EngineLoad.summed([EngineLoad(), EngineLoad()]).cpu_kernels is None
+    assert "cpu_kernels" not in total.figures()  # not a number: no metric
+
+
 def test_flat_figures_name_every_metric_table_key():
     figures = EngineLoad(free_blocks=1, total_blocks=2, spec_decode=SpecDecodeCounts(1, 2, 1, (1,)),
                          data_parallel=(CoreFigures(0),)).figures()

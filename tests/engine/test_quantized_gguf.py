@@ -5,6 +5,8 @@ under TP=2, and that int8 activations keep the tokens within a near-tie of trans
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from engine import LLM, SamplingParams
 from engine.errors import ParameterError
 from engine.models import quant_linear
 from engine.models.quant_linear import QuantWeight
+from kernels.cpu.build import level_in_use
 from tests.engine.gguf_factory import write_gguf
 from tests.engine.hf_reference import hf_greedy, hf_mismatches, random_prompts
 
@@ -150,6 +153,56 @@ def test_tensor_parallel_ranks_keep_their_rows_and_block_columns_and_give_transf
         assert assert_kept_equals_dequantized(two, dense, prompts, 12) == hf_greedy(files["mix"], prompts, 12)
     finally:
         two.shutdown()
+
+
+def _load_log(caplog, path, **kw) -> tuple[LLM, str]:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="engine.models.loader"):
+        llm = LLM(path, max_model_len=128, device="cpu", **kw)
+    return llm, caplog.text
+
+
+def _kept(llm) -> bool:
+    return any(getattr(m, "quant", None) is not None for m in _model(llm).modules())
+
+
+def test_the_load_log_names_how_gguf_weights_are_held_and_why(files, caplog):
+    llm, log = _load_log(caplog, files["Q4_0"])
+    level = level_in_use()
+    assert _kept(llm) == (level not in quant_linear.DEQUANTIZE_LEVELS)
+    if _kept(llm):
+        assert f"keep their quantized blocks, exact fp32 products (the default at the {level} ISA level;" in log
+    _, log = _load_log(caplog, files["Q4_0"], quantization="none")
+    assert "GGUF weights: dequantized to fp32 at load (quantization=none)" in log
+    assert "keep their quantized blocks" not in log
+
+
+def test_the_portable_level_dequantizes_by_default_unless_gguf_is_asked_for(files, caplog, monkeypatch):
+    monkeypatch.setattr("kernels.cpu.build.level_in_use", lambda: "portable")
+    llm, log = _load_log(caplog, files["Q4_0"])
+    assert not _kept(llm) and "dequantized to fp32 at load (the default at the portable ISA level" in log
+    llm, log = _load_log(caplog, files["Q4_0"], quantization="gguf")
+    assert _kept(llm) and "exact fp32 products (quantization=gguf;" in log
+
+
+def test_the_portable_default_keeps_blocks_whose_dense_copy_would_not_fit(monkeypatch):
+    monkeypatch.setattr("kernels.cpu.build.level_in_use", lambda: "portable")
+    monkeypatch.setattr(quant_linear, "free_memory_bytes", lambda: 3 * 2**30)
+    cpu = torch.device("cpu")
+    assert quant_linear.weights_choice(cpu, None, 2**30)[0] is False  # 1 GiB fits in half of 3
+    keep, why = quant_linear.weights_choice(cpu, None, 2 * 2**30)
+    assert keep and "2.0 GiB of fp32 weights is over half the free 3.0 GiB" in why
+
+
+def test_int8_activations_are_named_as_the_choice_only_when_asked_for(monkeypatch):
+    from kernels.cpu import quant
+
+    cpu = torch.device("cpu")
+    assert quant_linear.weights_choice(cpu, None, 0)[1].startswith("exact fp32 products")  # parity kept
+    monkeypatch.setitem(quant.METHODS, "auto", quant.METHODS["int8"])  # as PDSERVE_QUANT_ACTIVATIONS=int8
+    monkeypatch.setattr("kernels.cpu.build.level_in_use", lambda: "portable")
+    assert quant_linear.weights_choice(cpu, None, 0) == (True, quant_linear.weights_choice(cpu, "gguf", 0)[1])
+    assert quant_linear.weights_choice(cpu, None, 0)[1].startswith("int8 activations")
 
 
 def test_quantization_must_be_a_known_method(files):
