@@ -10,10 +10,10 @@
 #                                              #         attention1 gguf_gpu profile (default: the first five)
 #                                              #         stash_ray, then serve_cpu in a later run
 #                                              #         stash_smol, then parity_smollm2 likewise
-# Logs go to /tmp/gpu_out, or to the folder in the OUT environment variable.
+# Logs go to /tmp/gpu_out, or to the folder in the LOG_DIR environment variable.
 set -u
-OUT=${OUT:-/tmp/gpu_out}
-mkdir -p "$OUT"
+LOG_DIR=${LOG_DIR:-/tmp/gpu_out}
+mkdir -p "$LOG_DIR"
 PY=${PY:-python3}
 install() {  # wheels into /tmp/site, first on the path (docs/development.md#running-the-gpu-checks)
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@" || exit 1
@@ -33,9 +33,9 @@ stage() {  # stage NAME SECONDS COMMAND...
     shift 2
     start=$(date +%s)
     echo "=== $name (limit ${limit}s): $*"
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout "$limit" "$@" >"$LOG_DIR/$name.log" 2>&1
     rc=$?
-    tail -n 12 "$OUT/$name.log"
+    tail -n 12 "$LOG_DIR/$name.log"
     SUMMARY+="$name rc=$rc $(($(date +%s) - start))s"$'\n'
 }
 
@@ -75,7 +75,7 @@ for s in "${stages[@]}"; do
             fi
             stage serve_cpu 400 $PY scripts/bench_server_cpu.py --preset small --modes colocated \
                 --concurrency 8,64 --requests 96,512 --repeats 1 --intervals "" --skip-bytes --idle-s 0 \
-                --quiet-wait-s 0 --gpu-memory-utilization 0.4 --json "$OUT/serve_cpu.json" ;;
+                --quiet-wait-s 0 --gpu-memory-utilization 0.4 --json "$LOG_DIR/serve_cpu.json" ;;
         stash_smol) cp .gpu/smol.00 /tmp/smol.00 ;;  # SmolLM2's first part; parity_smollm2 in a later run
         parity_smollm2)
             if [ ! -f "$SMOL" ]; then  # never a truncated file under the final name
