@@ -69,6 +69,9 @@ class CacheConfig:
     kernel_block_size: int | None = None
     # Sliding-window layers keep all their blocks, as full attention does (vLLM's flag).
     disable_hybrid_kv_cache_manager: bool = False
+    # Record KV events (engine.kv_cache.events) for a KV-aware router (vLLM's
+    # kv_events_config.enable_kv_cache_events); needs prefix caching.
+    enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size)

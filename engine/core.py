@@ -18,6 +18,7 @@ from engine.distributed import SINGLE_DP, DPPlacement
 from engine.errors import ParameterError
 from engine.executor import Executor, WorkerConfig, executor_class
 from engine.kv_cache import KVCacheManager
+from engine.kv_cache.events import EngineKVEvents
 from engine.kv_cache.hybrid import kv_groups, split_blocks, window_blocks_bound
 from engine.kv_connector import KVConnectorFactory, KVConnectorRole
 from engine.load import EngineLoad, SpecDecodeCounts, summed_counters
@@ -138,6 +139,11 @@ class EngineCore:
             window=self.kv_groups.window, num_window_blocks=num_window_blocks)
         self.connector = (kv_connector_factory(KVConnectorRole.SCHEDULER)
                           if kv_connector_factory is not None else None)
+        # What this core's prefix cache (and its connector's tiers) stored and dropped, for a
+        # KV-aware router (docs/kv_cache.md#kv-events); `last_kv_events` is the last step's.
+        self.kv_events = self.last_kv_events = None
+        if cc.enable_kv_cache_events and cc.enable_prefix_caching:
+            self.kv_events = EngineKVEvents(self.kv_cache_manager, self.connector)
         self.idle = True
         lc = config.lora
         self.lora_usage = None if lc is None else LoRAUsage(lc.max_loras, lc.cpu_capacity)
@@ -293,7 +299,15 @@ class EngineCore:
         # Nothing was computed (e.g. every request waits for remote KV) and no transfer
         # finished: the driver loop may block until woken.
         self.idle = scheduler_output.is_empty and runner_output.kv_connector_output is None
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.kv_events is not None:
+            self.last_kv_events = self.kv_events.end_step()
+        return outputs
+
+    def kv_events_since(self, seq: int):
+        """KV event batches after `seq`, or a KVSnapshot (engine.kv_cache.events); None when
+        events are off."""
+        return None if self.kv_events is None else self.kv_events.since(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -141,6 +141,16 @@ class KVConnectorBase(ABC):
         """Exports this worker still holds until the other side takes them."""
         return 0
 
+    # ---- KV events (scheduler side) -----------------------------------------------------
+    def take_kv_events(self) -> list:
+        """Blocks this connector's own tiers stored or dropped since the last call
+        (engine.kv_cache.events, with their medium); a connector without tiers has none."""
+        return []
+
+    def kv_held(self) -> dict[str, tuple[bytes, ...]]:
+        """Everything its tiers hold now, per medium (for a KV snapshot)."""
+        return {}
+
 
 # Makes one side of a connector; the engine calls it once per side (and per worker rank).
 KVConnectorFactory = Callable[[KVConnectorRole], "KVConnectorBase"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
+
 
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
@@ -73,15 +75,19 @@ class BlockPool:
     """Owns every KV block. Blocks with ref_cnt 0 sit in the free queue; a freed block keeps
     its hash (lazy eviction) so it can still be hit until it is handed out again."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, block_size: int = 16) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.block_size = block_size  # tokens per block, for the events' token counts
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.null_block: KVCacheBlock | None = None
+        # Where stored / removed prefix blocks are told (engine.kv_cache.events); None: nobody
+        # listens, and the pool records nothing.
+        self.events: KVEventLog | None = None
 
     def take_null_block(self) -> KVCacheBlock:
         """Reserve block 0 as the placeholder a sliding-window group puts where a request's
@@ -105,14 +111,29 @@ class BlockPool:
         self, blocks: list[KVCacheBlock], block_hashes: list[bytes], start: int, end: int
     ) -> None:
         """Register blocks[start:end] (all full) under block_hashes[start:end]."""
+        run_start = None  # first index of the current run of newly cached blocks (events)
         for i in range(start, end):
             block = blocks[i]
-            if block.block_hash is not None or block is self.null_block:
-                continue  # a prefix hit: already cached
-            block.block_hash = block_hashes[i]
-            # NOTE: if another request already cached identical content, keep the first
-            # block as the canonical one; this block stays private to its request.
-            self.cached_block_hash_to_block.setdefault(block_hashes[i], block)
+            new = False
+            if block.block_hash is None and block is not self.null_block:  # else a prefix hit
+                block.block_hash = block_hashes[i]
+                # NOTE: if another request already cached identical content, keep the first
+                # block as the canonical one; this block stays private to its request.
+                new = self.cached_block_hash_to_block.setdefault(block_hashes[i], block) is block
+            if self.events is None:
+                continue
+            if new and run_start is None:
+                run_start = i
+            elif not new and run_start is not None:
+                self._stored(block_hashes, run_start, i)
+                run_start = None
+        if run_start is not None:
+            self._stored(block_hashes, run_start, end)
+
+    def _stored(self, block_hashes: list[bytes], start: int, end: int) -> None:
+        """One BlockStored event per run of consecutive newly cached blocks."""
+        parent = block_hashes[start - 1] if start > 0 else None
+        self.events.record(BlockStored(tuple(block_hashes[start:end]), parent, (end - start) * self.block_size))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self.free_block_queue.num_free_blocks:
@@ -120,18 +141,22 @@ class BlockPool:
                 f"cannot get {num_blocks} blocks, only {self.free_block_queue.num_free_blocks} free"
             )
         out = []
+        removed: list[bytes] = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
-            self._evict_cached_block(block)
+            self._evict_cached_block(block, removed)
             block.ref_cnt = 1
             out.append(block)
+        if removed and self.events is not None:
+            self.events.record(BlockRemoved(tuple(removed)))
         return out
 
-    def _evict_cached_block(self, block: KVCacheBlock) -> None:
+    def _evict_cached_block(self, block: KVCacheBlock, removed: list[bytes]) -> None:
         if block.block_hash is None:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
+            removed.append(block.block_hash)
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -163,6 +188,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.events is not None:
+            self.events.record(AllBlocksCleared())
         return True
 
     def get_num_free_blocks(self) -> int:

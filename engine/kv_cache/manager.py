@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.kv_cache.block_pool import BlockPool, KVCacheBlock
+from engine.kv_cache.events import KVEventLog
 from engine.kv_cache.hashing import extend_block_hashes
 from engine.request import Request
 
@@ -46,8 +47,8 @@ class _Group:
     request's blocks in it. A window group (window > 0) frees a request's blocks once no
     future query can see them and puts its pool's null block in their place."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool, window: int) -> None:
-        self.pool = BlockPool(num_blocks, enable_caching)
+    def __init__(self, num_blocks: int, enable_caching: bool, window: int, block_size: int = 16) -> None:
+        self.pool = BlockPool(num_blocks, enable_caching, block_size)
         self.window = window
         self.null = self.pool.take_null_block() if window else None
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -101,9 +102,9 @@ class KVCacheManager:
             raise ValueError(f"a window group needs at least 2 blocks, got {num_window_blocks}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.groups = [_Group(num_blocks, enable_caching, main_window)]
+        self.groups = [_Group(num_blocks, enable_caching, main_window, block_size)]
         if window:
-            self.groups.append(_Group(num_window_blocks, enable_caching, window))
+            self.groups.append(_Group(num_window_blocks, enable_caching, window, block_size))
         main = self.groups[0]
         # The main group under the names the scheduler and tests have always used.
         self.block_pool = main.pool
@@ -266,6 +267,16 @@ class KVCacheManager:
         """The window group's block ids of the request (None: no window group)."""
         window = self.window_group
         return None if window is None else [b.block_id for b in window.req_blocks.get(request_id, [])]
+
+    def publish_events(self, log: KVEventLog) -> None:
+        """Tell `log` of every prefix block the main group stores or evicts. The main group's
+        blocks are what a router matches a prompt against; a hybrid model's window group
+        only follows them (a hit there is a subset of the main group's)."""
+        self.block_pool.events = log
+
+    def cached_hashes(self) -> tuple[bytes, ...]:
+        """The hashes of every block in the main group's prefix cache (a KV snapshot)."""
+        return tuple(self.block_pool.cached_block_hash_to_block)
 
     def reset_prefix_cache(self) -> bool:
         if any(g.pool.get_num_free_blocks() != g.pool.num_usable_blocks for g in self.groups):

@@ -79,7 +79,7 @@ def test_an_evicted_block_inside_the_window_shortens_the_hit():
     # Evict window block 7 (positions 28..31): resuming at 32 needs it, resuming at 28 does not.
     seventh = window.pool.get_cached_block(first.block_hashes[7])
     window.pool.free_block_queue.remove(seventh)
-    window.pool._evict_cached_block(seventh)
+    window.pool._evict_cached_block(seventh, [])
     window.pool.free_block_queue.append(seventh)
     hit, n = manager.get_computed_blocks(make_request("b", tokens(33)))
     assert n == 28 and len(hit.blocks) == 7 and len(hit.window_blocks) == 7
