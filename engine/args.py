@@ -64,6 +64,9 @@ class EngineArgs:
     kernel_block_size: int | None = _arg(None, "tokens per attention-kernel page (divides block_size)")
     disable_hybrid_kv_cache_manager: bool = _arg(False, "keep every block of a sliding-window layer "
                                                  "(default: free those out of every window)")
+    kv_events_config: dict | None = _arg(
+        None, 'KV cache events for a KV-aware router, as a JSON object: {"enable_kv_cache_events": true} '
+        '(publisher "null": pdserve\'s routers read them in-process; serve --router-mode kv turns them on)')
     # scheduler
     max_num_seqs: int = _arg(256, "most requests in one step")
     max_num_batched_tokens: int | None = _arg(None, "token budget of one step (default: 8192 on "
@@ -190,6 +193,7 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kernel_block_size=self.kernel_block_size,
                 disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
+                enable_kv_cache_events=_kv_events_enabled(self.kv_events_config),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -232,6 +236,24 @@ def _image_limit(value) -> int:
         raise ParameterError("limit_mm_per_prompt", 'limit_mm_per_prompt must be {"image": N} with N >= 0, '
                              f"got {value!r}")
     return value.get("image", MultiModalConfig.limit_mm_per_prompt)
+
+
+def _kv_events_enabled(value) -> bool:
+    """kv_events_config as vLLM takes it -> whether events are recorded. Only the in-process
+    publisher exists here: a ZMQ endpoint would be a promise nothing keeps."""
+    if value is None:
+        return False
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            value = None
+    allowed = {"enable_kv_cache_events", "publisher"}
+    if not isinstance(value, dict) or set(value) - allowed or value.get("publisher", "null") != "null" or (
+            not isinstance(value.get("enable_kv_cache_events", False), bool)):
+        raise ParameterError("kv_events_config", 'kv_events_config must be {"enable_kv_cache_events": true|false} '
+                             f'(publisher "null" only), got {value!r}')
+    return value.get("enable_kv_cache_events", False)
 
 
 def _cli_type(annotation: str):

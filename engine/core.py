@@ -304,10 +304,10 @@ class EngineCore:
             self.last_kv_events = self.kv_events.end_step()
         return outputs
 
-    def kv_events_since(self, seq: int):
-        """KV event batches after `seq`, or a KVSnapshot (engine.kv_cache.events); None when
-        events are off."""
-        return None if self.kv_events is None else self.kv_events.since(seq)
+    def kv_snapshot(self):
+        """Every prefix block this core holds, per medium, as a KVSnapshot
+        (engine.kv_cache.events); None when KV events are off."""
+        return None if self.kv_events is None else self.kv_events.snapshot()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -7,7 +7,7 @@ between its steps, and every wait is bounded. A core that dies fails the client:
 call raises EngineDeadError. `CoreProcClient` is one core in a child process
 (engine_core_process); engine.dp.DPEngineClient is several data-parallel cores.
 
-`CoreProcess` spawns one core process (not a daemon: its executor may spawn tensor-parallel
+`CoreProcess` (engine.core_client.process) spawns one core process (not a daemon: its executor may spawn tensor-parallel
 ranks of its own), sends it messages, and runs one reader thread that moves the core's
 messages to the client's inbox; when the pipe closes without a Shutdown (the process died) the
 reader posts a CoreFailed instead, so a death is seen at once. The core's side of the pipe is
@@ -18,13 +18,9 @@ engine.core_client.core_proc. CoreProcClient and each data-parallel core of the 
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
 import queue
-import threading
 import time
-import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 import torch
 
@@ -40,11 +36,12 @@ from engine.core_client.messages import (
     CoreFailed,
     CoreReady,
     CoreStep,
-    Shutdown,
 )
+from engine.core_client.process import CoreProcess, reap_at_exit
 from engine.core_client.watchdog import CoreInbox, Silence
 from engine.errors import EngineDeadError, ParameterError
-from engine.executor.multiproc import reap_children
+from engine.kv_cache.events import MEDIA, KVSnapshot
+from engine.kv_cache.prefix_index import PrefixIndex
 from engine.kv_connector import KVConnectorFactory, spawn_safe
 from engine.load import EngineLoad, summed_counters
 from engine.models.arch import load_arch
@@ -59,72 +56,6 @@ START_TIMEOUT_S = 600.0
 STEP_WAIT_S = 0.1
 _CALL_TIMEOUT_S = 60.0
 _WAKE = object()
-STOP_GRACE_S = 10.0  # a core asked to stop has this long before it is killed
-
-
-class CoreProcess:
-    """One spawned core process, `target(*args, child_conn)`; its messages go to `outbox`."""
-
-    def __init__(self, target: Callable, args: tuple, outbox: queue.Queue, rank: int, label: str,
-                 name: str) -> None:
-        self.rank = rank
-        self.label = label  # how errors name it
-        self.outbox = outbox
-        ctx = mp.get_context("spawn")  # fork would copy the front end's threads
-        parent, child = ctx.Pipe()
-        self.conn = parent
-        self.proc = ctx.Process(target=target, name=name, daemon=False, args=(*args, child))
-        self._lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.proc.start()
-        child.close()
-        threading.Thread(target=self._read, name=f"{name}-reader", daemon=True).start()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def _read(self) -> None:
-        while True:
-            try:
-                message = self.conn.recv()
-            except (EOFError, OSError):
-                break
-            self.outbox.put(message)
-        if not self.stopping.is_set():
-            self.proc.join(1.0)  # for its exit code
-            self.outbox.put(CoreFailed(self.rank, f"{self.label} (pid {self.pid}) exited with code "
-                                                  f"{self.proc.exitcode}"))
-
-    def send(self, message: object) -> None:
-        try:
-            with self._lock:
-                self.conn.send(message)
-        except OSError as e:
-            raise EngineDeadError(f"{self.label} (pid {self.pid}) is gone: {e}") from None
-
-    def check_health(self) -> None:
-        if not self.proc.is_alive():
-            raise EngineDeadError(f"{self.label} (pid {self.pid}) exited with code {self.proc.exitcode}")
-
-
-def stop_core_processes(processes: list[CoreProcess], store_dir: str | None = None) -> None:
-    """Ask every core to stop, then kill what is left after STOP_GRACE_S; none outlives its
-    front end. Idempotent."""
-    for p in processes:
-        p.stopping.set()
-        try:
-            p.send(Shutdown())  # under its lock: the engine thread may be sending too
-        except EngineDeadError:
-            pass  # already gone
-    reap_children([p.proc for p in processes], [p.conn for p in processes], lambda conn: None, store_dir,
-                  STOP_GRACE_S)
-
-
-def reap_at_exit(owner: object, processes: list[CoreProcess], store_dir: str | None = None) -> Callable[[], None]:
-    """A finalizer that stops `processes` when `owner` is collected or the interpreter exits
-    (call it to stop them now)."""
-    return weakref.finalize(owner, stop_core_processes, processes, store_dir)
 
 
 class CoresClient(ABC):
@@ -148,6 +79,10 @@ class CoresClient(ABC):
         self.failure: str | None = None
         self.max_model_len = 0
         self.num_kv_blocks = 0
+        # Which prefix blocks each core holds, from the KV events its steps carry (when they are
+        # on): data-parallel routing reads it; a core whose events had a gap is re-read whole.
+        self.kv_index = PrefixIndex()
+        self._kv_stale: set[int] = set()
 
     # ---- what each kind fills in --------------------------------------------------------
     @abstractmethod
@@ -259,6 +194,8 @@ class CoresClient(ABC):
 
     def _handle(self, message) -> None:
         if isinstance(message, CoreStep):
+            if message.kv_events is not None and not self.kv_index.apply(message.rank, message.kv_events):
+                self._kv_stale.add(message.rank)
             self._on_step(message)
             for rid, queued in message.queue_times.items():
                 owner = self._owners.get(rid)
@@ -312,6 +249,23 @@ class CoresClient(ABC):
 
     def reset_prefix_cache(self) -> bool:
         return all(self._call_all("reset_prefix_cache"))
+
+    def refresh_kv_index(self) -> None:
+        """Re-read whole the cores whose KV events had a gap."""
+        if self._kv_stale:
+            stale, self._kv_stale = self._kv_stale, set()
+            for rank, snapshot in enumerate(self._call_all("kv_snapshot")):
+                if rank in stale and snapshot is not None:
+                    self.kv_index.replace(rank, snapshot)
+
+    def kv_snapshot(self) -> KVSnapshot | None:
+        """What all the cores hold, per medium (a block held by several counted once)."""
+        if not self.config.cache.enable_kv_cache_events:
+            return None
+        self.refresh_kv_index()
+        held = {m: tuple(dict.fromkeys(k for rank in range(self.size) for k in self.kv_index.held(rank, m)))
+                for m in MEDIA}
+        return KVSnapshot(sum(self.kv_index.seq(rank) or 0 for rank in range(self.size)), held)
 
     def kv_transfer_stats(self) -> dict:
         return summed_counters(self._call_all("kv_transfer_stats"))

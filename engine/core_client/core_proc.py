@@ -9,7 +9,7 @@ and runs it in processes or Ray actors.
 
 `run_core` is a lone core's child process (engine_core_process): it sets the process up, makes
 the core, and serves it over its pipe until Shutdown, or until the front end is gone (the pipe
-closes). The front end's side of that pipe is engine.core_client.client.CoreProcess.
+closes). The front end's side of that pipe is engine.core_client.process.CoreProcess.
 """
 
 from __future__ import annotations
@@ -190,7 +190,8 @@ class CoreLoop:
         if outputs:
             self._stepped = True
         figures = self._figures_due()
-        if not outputs and figures is None:
+        kv_events, self.core.last_kv_events = self.core.last_kv_events, None
+        if not outputs and figures is None and kv_events is None:
             return
         queue_times: dict[str, float] = {}
         for out in outputs:
@@ -200,7 +201,8 @@ class CoreLoop:
                 del self._unscheduled[out.request_id]
             elif out.finished:
                 self._unscheduled.pop(out.request_id, None)
-        self.send(CoreStep(self.rank, outputs, *self._queue_figures(), queue_times=queue_times, figures=figures))
+        self.send(CoreStep(self.rank, outputs, *self._queue_figures(), queue_times=queue_times, figures=figures,
+                           kv_events=kv_events))
 
 
 def _stop_requested(inbox: queue.Queue) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.kv_cache.events import KVEventBatch
 from engine.load import EngineLoad
 from engine.request import Request, RequestStatus
 from engine.sched.output import EngineCoreOutput
@@ -76,6 +77,9 @@ class CoreStep:
     queue_times: dict[str, float] = field(default_factory=dict)
     # The core's load figures (CoreLoop.figures), when they changed since the last message.
     figures: EngineLoad | None = None
+    # What its prefix cache stored and dropped in the step (engine.kv_cache.events), when KV
+    # events are on: the front end's index of its cores (data-parallel routing) follows them.
+    kv_events: KVEventBatch | None = None
 
 
 @dataclass(frozen=True)

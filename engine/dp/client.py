@@ -18,6 +18,7 @@ from engine.core_client.messages import AddRequest, CoreStep, StartWaveRequest, 
 from engine.dp import mp_cores  # noqa: F401  (registers the "mp" backend)
 from engine.dp.coordinator import DPCoordinator
 from engine.dp.cores import dp_backend
+from engine.kv_cache.kv_routing import prompt_block_hashes
 from engine.kv_connector import KVConnectorFactory
 from engine.request import Request
 
@@ -39,7 +40,14 @@ class DPEngineClient(CoresClient):
         self.cores.send(rank, message)
 
     def _route(self, request: Request) -> int:
-        rank, wave, starts = self.coordinator.route()
+        kv = None
+        cache = self.config.cache
+        if cache.enable_kv_cache_events and cache.enable_prefix_caching:
+            self.refresh_kv_index()
+            lora = request.lora_request.lora_name if request.lora_request is not None else None
+            kv = (self.kv_index, prompt_block_hashes(request.prompt_token_ids, cache.block_size, request.cache_salt,
+                                                     lora, request.mm_features))
+        rank, wave, starts = self.coordinator.route(kv)
         for target, start in starts:
             self.cores.send(target, start)
         self.cores.send(rank, AddRequest(request, wave, time.monotonic() - request.arrival_time))

@@ -3,7 +3,8 @@ takes a new request, and the request waves of a lockstep group.
 
 Load balancing: the least `4 * waiting + running`, from the figures each core sends after its
 steps; requests routed to a core since its last figures count as waiting there (otherwise a
-burst lands on whichever core looked idle at its last report). Ties go round-robin.
+burst lands on whichever core looked idle at its last report). Ties go round-robin. With KV
+events on, the cores' cached prefixes count too (docs/kv_cache.md#kv-aware-routing).
 
 Waves (lockstep groups only, engine.config.ParallelConfig.lockstep): the cores step together
 while any of them has work and pause together when none has, which ends wave w (core 0 reports
@@ -18,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.core_client.messages import StartWave
+from engine.kv_cache.kv_routing import rank as kv_rank
+from engine.kv_cache.prefix_index import PrefixIndex
 
 
 @dataclass
@@ -40,10 +43,18 @@ class DPCoordinator:
         self.cores_running = False  # a wave is under way (as far as the front end knows)
         self._next = 0  # round-robin among equally loaded cores
 
-    def route(self) -> tuple[int, int, list[tuple[int, StartWave]]]:
-        """(core for a new request, the wave to tag it with, StartWave messages to send first)."""
+    def route(self, kv: tuple[PrefixIndex, list[bytes]] | None = None
+              ) -> tuple[int, int, list[tuple[int, StartWave]]]:
+        """(core for a new request, the wave to tag it with, StartWave messages to send first).
+        `kv`: the cores' prefix index and the prompt's block hashes, for KV-aware routing
+        (engine.kv_cache.kv_routing): the core that would compute the least, load counted."""
         order = [(self._next + i) % self.size for i in range(self.size)]
-        rank = min(order, key=lambda r: self.cores[r].score)
+        if kv is not None and kv[1]:
+            index, hashes = kv
+            rank = kv_rank([(r, self.cores[r].score) for r in order], lambda r: index.match(r, hashes),
+                           len(hashes)).order[0]
+        else:
+            rank = min(order, key=lambda r: self.cores[r].score)
         self._next = (rank + 1) % self.size
         self.cores[rank].routed_since_report += 1
         starts: list[tuple[int, StartWave]] = []

@@ -1,6 +1,6 @@
 """Data-parallel engine cores as processes on this node ("mp" backend).
 
-Each core is a spawned process (engine.core_client.client.CoreProcess) holding one EngineCore
+Each core is a spawned process (engine.core_client.process.CoreProcess) holding one EngineCore
 and running DPCoreLoop; its messages reach the front end's inbox through the process's reader
 thread, and a core that dies is a CoreFailed at once, not after a collective timeout.
 """
@@ -18,9 +18,9 @@ import torch
 from engine.child_signals import process_blocked_signals
 from engine.config import EngineConfig
 from engine.core import EngineCore, resolve_device
-from engine.core_client.client import CoreProcess, reap_at_exit
 from engine.core_client.core_proc import prepare_process, serve_core
 from engine.core_client.messages import CoreFailed
+from engine.core_client.process import CoreProcess, reap_at_exit
 from engine.distributed import COLLECTIVE_TIMEOUT, DPPlacement
 from engine.dp.control import DPControlGroup
 from engine.dp.core_loop import DPCoreLoop

@@ -125,3 +125,7 @@ class EngineKVEvents:
     def since(self, seq: int) -> list[KVEventBatch] | KVSnapshot:
         self.end_step()
         return self.log.since(seq)
+
+    def snapshot(self) -> KVSnapshot:
+        self.end_step()
+        return KVSnapshot(self.log.seq, self.held())

@@ -180,3 +180,28 @@ def test_a_dummy_batch_runs_every_moe_layer_on_no_tokens_and_touches_no_kv(moe_m
         for hook in hooks:
             hook.remove()
         core.shutdown()
+
+
+@pytest.mark.parametrize("kv_events", [True, False])
+def test_kv_aware_routing_sends_each_turn_to_the_core_that_holds_its_history(model_factory, kv_events):
+    """Three sessions, two turns each, one request at a time. With KV events a second turn
+    goes to the core whose cache holds its first (all of its 48-token history found cached);
+    without them load alone decides, and round robin (idle cores tie) splits each session
+    from its history."""
+    model = model_factory("llama")
+    histories = random_prompts([48] * 3, 120, seed=21)
+    config = {"enable_kv_cache_events": True} if kv_events else None
+    llm = LLM(model, data_parallel_size=2, kv_events_config=config, **ENGINE)
+    try:
+        firsts = [llm.generate([{"prompt_token_ids": h}], _greedy(4))[0] for h in histories]
+        seconds = [h + list(f.outputs[0].token_ids) + [7, 8, 9] for h, f in zip(histories, firsts)]
+        outs = [llm.generate([{"prompt_token_ids": p}], _greedy())[0] for p in seconds]
+        assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(model, seconds, MAX_NEW)
+        cached = [o.num_cached_tokens for o in outs]
+        if kv_events:
+            assert all(c >= 48 for c in cached), cached
+            assert all(c.requests for c in _cores(llm))  # first turns still spread by load
+        else:
+            assert cached == [0, 0, 0]
+    finally:
+        llm.shutdown()
