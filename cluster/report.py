@@ -21,6 +21,9 @@ class ReplicaReport:
     kv_transfer: dict[str, float] = field(default_factory=dict)  # the KV connector's counters
     ttft_p90_s: float | None = None  # the replica's own latency windows (autoscaling's signals)
     itl_p90_s: float | None = None
+    # Prefix blocks its engine holds per medium ("device", "host", "shared"), when its KV
+    # events are on (--router-mode kv); empty otherwise.
+    kv_cached_blocks: dict[str, int] = field(default_factory=dict)
     seq: int = 0  # the replica's report number: a board keeps the latest
     time: float = 0.0  # wall clock when it was taken
 

@@ -278,6 +278,11 @@ class AsyncLLM:
     async def kv_outbox_size(self) -> int:
         return await asyncio.wrap_future(self.call(self.engine.core.kv_outbox_size))
 
+    async def kv_snapshot(self):
+        """Every prefix block the engine's cores hold, per medium (a KVSnapshot); None when KV
+        events are off. On the engine thread: the cores' indexes live there."""
+        return await asyncio.wrap_future(self.call(self.engine.core.kv_snapshot))
+
     def core_pids(self) -> list[int]:
         """Pids of the engine's core processes (engine_core_process, "mp" data-parallel cores)."""
         return self.engine.core.core_pids()

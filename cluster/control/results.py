@@ -52,13 +52,15 @@ class ReplicaStatus:
     kv_handoffs: int
     time: float
     cpu_kernels: str | None  # the CPU kernels' ISA level (engine.load.EngineLoad); None on a GPU
+    # Prefix blocks held per medium (KV events on: --router-mode kv); {} otherwise.
+    kv_cached_blocks: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, report: ReplicaReport) -> ReplicaStatus:
         e = report.engine
         return cls(report.replica, e.running, e.waiting, e.free_blocks, e.total_blocks, e.kv_usage,
                    e.prefix_cache_hit_rate, report.ttft_p90_s, report.itl_p90_s, report.kv_handoffs, report.time,
-                   e.cpu_kernels)
+                   e.cpu_kernels, dict(report.kv_cached_blocks))
 
 
 @dataclass(frozen=True)

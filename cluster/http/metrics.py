@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cluster.control.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
 from cluster.pd.placement import FALLBACK_REASONS
+from cluster.replica.router import DECISIONS
 from cluster.report import ReplicaReport
 from engine.metrics import names
 from engine.metrics.names import MetricDef
@@ -36,6 +37,11 @@ LOCAL_PREFILLS = MetricDef("pdserve:local_prefills", "counter",
 PD_FALLBACKS = MetricDef("pdserve:pd_fallback", "counter",
                          "P/D prompts prefilled on their decode replica because no prefill replica could take "
                          "them soon, by reason (decode-only fallback)")
+ROUTER_DECISIONS = MetricDef("pdserve:router_decisions", "counter",
+                             "Replicas chosen by this ingress's request routers, by deployment and reason "
+                             "(kv_overlap, load, prefix_affinity, lora, round_robin)")
+KV_CACHED_BLOCKS = MetricDef("pdserve:kv_cached_blocks", "gauge",
+                             "Prefix blocks a replica's engine holds, by medium (KV events on)")
 REPLICAS = MetricDef("pdserve:replicas", "gauge", "Engine replicas reporting, by role")
 # Keys of a replica report's "kv_transfer" dict.
 KV_TRANSFER: dict[str, MetricDef] = {
@@ -54,6 +60,19 @@ SCALING_SIGNALS: dict[str, MetricDef] = {
     "itl_p90_s": MetricDef("pdserve:replica_itl_p90_seconds", "gauge",
                            "A replica's recent inter-token latency p90 (autoscaling signal)"),
 }
+
+
+class _RouterDecisions:
+    """The routers of this process (cluster.replica.router.DECISIONS), read at collection."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self._labels = labels
+
+    def collect(self):
+        family = _family(ROUTER_DECISIONS, [*self._labels, "deployment", "reason"])
+        for (deployment, reason), n in sorted(DECISIONS.items()):
+            family.add_metric([*self._labels.values(), deployment, reason], n)
+        yield family
 
 
 def _family(definition: MetricDef, labels: list[str]):
@@ -113,6 +132,11 @@ class _ReplicaFigures:
                 info = names.lora_info_labels(figures[names.LORA_KEY])
                 lora.add_metric([self.model_name, str(r.role), r.replica, *(info[k] for k in lora_keys)], time.time())
         yield lora
+        cached = _family(KV_CACHED_BLOCKS, [*labels, "medium"])
+        for r in self.reports:
+            for medium, n in sorted(r.kv_cached_blocks.items()):
+                cached.add_metric([self.model_name, str(r.role), r.replica, medium], float(n))
+        yield cached
         replicas = _family(REPLICAS, ["model_name", "role"])
         for role, n in sorted(Tally(str(r.role) for r in self.reports).items()):
             replicas.add_metric([self.model_name, role], n)
@@ -150,6 +174,7 @@ class AppMetrics:
         if mode == "pd":
             for reason in FALLBACK_REASONS:  # every reason shows, at 0 until it happens
                 self._fallbacks.labels(**self._labels, reason=reason)
+        self.registry.register(_RouterDecisions(self._labels))
         self.answered = 0  # requests recorded (tells the ingress its snapshot changed)
         # What a scrape renders: the request metrics of every ingress replica, then the engines'.
         self._requests_of_all = SnapshotCollector()

@@ -42,7 +42,7 @@ def build_app(cfg: AppConfig):
     cfg = cfg.sized_for(node_cpus())
     router = RequestRouterConfig(
         request_router_class=LeastLoadRouter,
-        request_router_kwargs={"prefix_affinity": cfg.prefix_affinity},
+        request_router_kwargs=cfg.router_kwargs(),
         request_routing_stats_period_s=cfg.routing_stats_period_s,
         request_routing_stats_timeout_s=5.0,
     )

@@ -1,13 +1,13 @@
 """AppConfig rules about where an engine core runs: in a child process of its replica
 (`engine_core_process`), and that replica being the ingress itself (`direct_streaming`,
-cluster.replica.server: the colocated engines, or in P/D the decode engines). Each refusal names its
-field, before Ray starts. AppConfig (cluster.launch.app) calls these with its resolved values."""
+cluster.replica.server: the colocated engines, or in P/D the decode engines), and the bounds of
+its numbers and choices. Each refusal names its field, before Ray starts. AppConfig (cluster.launch.app) calls these with its resolved values."""
 
 from __future__ import annotations
 
 from cluster.roles import Role
 from engine.args import EngineArgs
-from engine.errors import ParameterError
+from engine.errors import ParameterError, check_choice, check_int
 
 
 def direct_role(mode: str) -> Role:
@@ -44,8 +44,9 @@ def _direct_refusal(mode: str, api_server_count: int, prefix_affinity: bool, rol
         return (f"makes every {role} replica its own HTTP server: scale with {role}_replicas, "
                 f"not api_server_count (got {api_server_count})")
     if prefix_affinity and mode == "colocated":
-        return ("leaves spreading requests over the replicas to the HTTP proxy: prefix_affinity "
-                "needs pdserve's router between the ingress and the colocated engines")
+        return ("leaves spreading requests over the replicas to the HTTP proxy: a router_mode other than "
+                "least-loaded (or prefix_affinity) needs pdserve's router between the ingress and the "
+                "colocated engines")
     tp, dp = role_args.tensor_parallel_size, role_args.data_parallel_size
     if tp > 1 or dp > 1:
         return (f"runs one engine core per {role} replica in a child process; got "
@@ -79,3 +80,34 @@ def check_core_process(roles_args: list[EngineArgs]) -> None:
                              f"cluster; got tensor_parallel_size={tp}")
     for args in roles_args:  # the engine config each replica will build, checked now
         args.create_engine_config()
+
+
+def check_bounds(cfg) -> None:
+    """AppConfig's numbers and choices within their ranges (each error names its field)."""
+    from cluster.replica.router import ROUTER_MODES  # here: Serve's router classes load with it
+
+    if not 0 < cfg.scale_timeout_s <= 3600:
+        raise ParameterError("scale_timeout_s", f"scale_timeout_s must be in (0, 3600], got {cfg.scale_timeout_s}")
+    if not 0 <= cfg.stream_interval_ms <= 1000:
+        raise ParameterError("stream_interval_ms",
+                             f"stream_interval_ms must be in [0, 1000], got {cfg.stream_interval_ms}")
+    if not 0 < cfg.health_check_period_s <= 600:
+        raise ParameterError("health_check_period_s",
+                             f"health_check_period_s must be in (0, 600], got {cfg.health_check_period_s}")
+    if not 0 < cfg.graceful_shutdown_wait_loop_s <= 60:
+        raise ParameterError("graceful_shutdown_wait_loop_s", "graceful_shutdown_wait_loop_s must be in "
+                             f"(0, 60], got {cfg.graceful_shutdown_wait_loop_s}")
+    if cfg.replica_num_cpus is not None and cfg.replica_num_cpus < 0:
+        raise ParameterError("replica_num_cpus", f"replica_num_cpus must be >= 0, got {cfg.replica_num_cpus}")
+    if cfg.replica_num_threads is not None:
+        check_int("replica_num_threads", cfg.replica_num_threads)
+    if cfg.replica_num_gpus is not None and cfg.replica_num_gpus < 0:
+        raise ParameterError("replica_num_gpus", f"replica_num_gpus must be >= 0, got {cfg.replica_num_gpus}")
+    if cfg.router_mode is not None:
+        check_choice("router_mode", cfg.router_mode, ROUTER_MODES)
+        if cfg.prefix_affinity and cfg.router_mode != "prefix-affinity":
+            raise ParameterError("router_mode", f"prefix_affinity is router_mode 'prefix-affinity'; got "
+                                 f"router_mode {cfg.router_mode!r} beside it")
+    if not cfg.kv_overlap_score_weight >= 0:
+        raise ParameterError("kv_overlap_score_weight", f"kv_overlap_score_weight must be >= 0, "
+                             f"got {cfg.kv_overlap_score_weight}")

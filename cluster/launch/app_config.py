@@ -19,6 +19,7 @@ from cluster.http.body_limits import MAX_REQUEST_BODY_BYTES, REQUEST_BODY_TIMEOU
 from cluster.http.lora import LoRAModule
 from cluster.http.request_limits import RequestLimits
 from cluster.launch.app_checks import (
+    check_bounds,
     check_core_process,
     check_direct,
     check_tool_flags,
@@ -30,6 +31,7 @@ from cluster.replica.host import cluster_engine_args
 from cluster.roles import Role
 from engine.args import EngineArgs
 from engine.errors import ParameterError, check_choice, check_int
+from engine.kv_cache.kv_routing import DEFAULT_OVERLAP_WEIGHT
 from engine.kv_connector import LOAD_FAILURE_POLICIES
 from engine.models.default_model import require_model_dir, served_name
 
@@ -94,7 +96,12 @@ class AppConfig:
     # steps since the last (Ray Serve LLM's stream_batching_interval_ms): a direct-streaming
     # ingress reads its own engine so, and routed engine replicas send their per-step messages so.
     stream_interval_ms: float = STREAM_INTERVAL_MS
+    # How the engine deployments' router picks a replica (cluster.replica.router.ROUTER_MODES;
+    # None: "prefix-affinity" when prefix_affinity, its older switch, else "least-loaded").
+    # "kv" turns on the KV events of the engines it routes to (docs/kv_cache.md#kv-aware-routing).
+    router_mode: str | None = None
     prefix_affinity: bool = False
+    kv_overlap_score_weight: float = DEFAULT_OVERLAP_WEIGHT
     # Conditional disaggregation (cluster.pd.placement): once the prefill replicas hold this
     # many of an ingress's prompts each, its next prompt may prefill on its decode replica
     # (the shorter queue); 0: always on a prefill replica.
@@ -182,23 +189,7 @@ class AppConfig:
         self.prefill_fallback()  # checks its bounds
         if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
             raise ParameterError("api_keys", "api_keys must be a list of non-empty strings")
-        if not 0 < self.scale_timeout_s <= 3600:
-            raise ParameterError("scale_timeout_s", f"scale_timeout_s must be in (0, 3600], got {self.scale_timeout_s}")
-        if not 0 <= self.stream_interval_ms <= 1000:
-            raise ParameterError("stream_interval_ms",
-                                 f"stream_interval_ms must be in [0, 1000], got {self.stream_interval_ms}")
-        if not 0 < self.health_check_period_s <= 600:
-            raise ParameterError("health_check_period_s",
-                                 f"health_check_period_s must be in (0, 600], got {self.health_check_period_s}")
-        if not 0 < self.graceful_shutdown_wait_loop_s <= 60:
-            raise ParameterError("graceful_shutdown_wait_loop_s", "graceful_shutdown_wait_loop_s must be in "
-                                 f"(0, 60], got {self.graceful_shutdown_wait_loop_s}")
-        if self.replica_num_cpus is not None and self.replica_num_cpus < 0:
-            raise ParameterError("replica_num_cpus", f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
-        if self.replica_num_threads is not None:
-            check_int("replica_num_threads", self.replica_num_threads)
-        if self.replica_num_gpus is not None and self.replica_num_gpus < 0:
-            raise ParameterError("replica_num_gpus", f"replica_num_gpus must be >= 0, got {self.replica_num_gpus}")
+        check_bounds(self)
         for role, n in self.targets().items():
             if n > self.max_replicas:
                 raise ParameterError(f"{role}_replicas",
@@ -212,7 +203,7 @@ class AppConfig:
             raise ParameterError("direct_streaming", f"direct_streaming must be true, false or null (auto), "
                                  f"got {self.direct_streaming!r}")
         if self.direct:  # refusals only when asked for; the core process's config always
-            check_direct(self.mode, self.api_server_count, self.prefix_affinity,
+            check_direct(self.mode, self.api_server_count, self.routed,
                          self.role_engine_args(self.direct_role))
         if self.engine_args.engine_core_process:
             check_core_process([self.role_engine_args(role) for role in self.targets()])
@@ -244,8 +235,21 @@ class AppConfig:
         """Whether the ingress replicas run the engines of `direct_role` themselves (cluster.replica.server)."""
         if self.direct_streaming is not None:
             return self.direct_streaming
-        return direct_by_default(self.mode, self.api_server_count, self.prefix_affinity,
+        return direct_by_default(self.mode, self.api_server_count, self.routed,
                                  self._parallel_args(self.direct_role))
+
+    @property
+    def resolved_router_mode(self) -> str:
+        return self.router_mode or ("prefix-affinity" if self.prefix_affinity else "least-loaded")
+
+    @property
+    def routed(self) -> bool:
+        """Whether colocated requests need pdserve's router (any mode but least-loaded, which
+        the HTTP proxy's spreading matches)."""
+        return self.resolved_router_mode != "least-loaded"
+
+    def router_kwargs(self) -> dict:
+        return {"router_mode": self.resolved_router_mode, "kv_overlap_score_weight": self.kv_overlap_score_weight}
 
     @property
     def direct_role(self) -> Role:
@@ -297,6 +301,9 @@ class AppConfig:
         """The engine of `role`'s replicas; its ranks (tp > 1) and data-parallel cores (dp > 1)
         are Ray actors unless the config names another backend."""
         args = cluster_engine_args(self._parallel_args(role))
+        if self.resolved_router_mode == "kv" and role in (Role.PREFILL, Role.COLOCATED):
+            # The router places these roles' requests by the prefix blocks their engines tell of.
+            args = dataclasses.replace(args, kv_events_config={"enable_kv_cache_events": True})
         if self.direct and role == self.direct_role:
             # The ingress's event loop serves HTTP: its engine must not hold the GIL while it
             # steps (measured: an engine thread in the ingress cost throughput, docs/benchmarks.md#engine-core-process).

@@ -14,7 +14,9 @@ from typing import NoReturn
 
 from cluster.http.request_limits import RequestLimits
 from cluster.http.tool_parsers import TOOL_PARSERS
+from cluster.replica.router import ROUTER_MODES
 from engine.args import EngineArgs
+from engine.kv_cache.kv_routing import DEFAULT_OVERLAP_WEIGHT
 from engine.kv_connector import LOAD_FAILURE_POLICIES
 
 # Blocked in the Ray node that `pdserve serve` starts (see run_serve).
@@ -66,7 +68,14 @@ def add_serve_parser(sub) -> None:
                        ("max_image_pixels", "pixels of one image, refused from its header before it is decoded")):
         # The defaults are RequestLimits' (AppConfig's fields take theirs from it too).
         limits.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(RequestLimits, name), help=what)
-    p.add_argument("--prefix-affinity", action="store_true", help="route shared prefixes to the same replica")
+    p.add_argument("--router-mode", default=None, choices=ROUTER_MODES,
+                   help="how a prefill (P/D) or colocated replica is chosen: least-loaded (default), kv (the "
+                        "replica that caches most of the prompt, from its KV events, load counted), "
+                        "prefix-affinity (the first 32 tokens' home replica), round-robin")
+    p.add_argument("--prefix-affinity", action="store_true", help="the same as --router-mode prefix-affinity")
+    p.add_argument("--kv-overlap-score-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT,
+                   help="--router-mode kv: weight of the blocks a replica would prefill against its load "
+                        "(4 per waiting request, 1 per running one)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto": the model decides, --tool-call-parser finds its calls')
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -208,7 +217,8 @@ def _config(args: argparse.Namespace):
         allow_unauthenticated_admin=args.allow_unauthenticated_admin,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         api_server_count=args.api_server_count,
-        prefix_affinity=args.prefix_affinity, disable_access_log=args.disable_access_log,
+        prefix_affinity=args.prefix_affinity, router_mode=args.router_mode,
+        kv_overlap_score_weight=args.kv_overlap_score_weight, disable_access_log=args.disable_access_log,
         direct_streaming=args.direct_streaming,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         lora_modules=tuple(args.lora_modules), enable_lora_runtime_updating=args.enable_lora_runtime_updating,

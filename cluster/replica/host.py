@@ -28,6 +28,7 @@ from cluster.roles import Role
 from engine import AsyncLLM, EngineArgs
 from engine.engine_client import EngineClient
 from engine.engine_request import EngineRequest
+from engine.kv_cache.events import KVSnapshot
 from engine.kv_connector import KVConnectorRole
 from engine.load import EngineLoad, summed_counters
 from engine.outputs import RequestOutput
@@ -60,6 +61,8 @@ class ServingEngine(EngineClient, Protocol):
     async def kv_transfer_stats(self) -> dict: ...
 
     async def kv_outbox_size(self) -> int: ...
+
+    async def kv_snapshot(self) -> KVSnapshot | None: ...
 
     def core_pids(self) -> list[int]: ...
 
@@ -121,6 +124,9 @@ class EngineHost:
         load_failure_policy = load_failure_policy or engine_args.kv_load_failure_policy
         tp, dp = engine_args.tensor_parallel_size, engine_args.data_parallel_size
         config = engine_config_for_role(engine_args, role)
+        cache = config.cache
+        # Block size of the prefix blocks its engine tells of (KV events on), else None.
+        self.kv_block_size = cache.block_size if cache.enable_kv_cache_events and cache.enable_prefix_caching else None
         self.transport = None
         self.relay: KVRelay | None = None
         factory = None

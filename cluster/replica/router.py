@@ -6,6 +6,12 @@ router only knows what it sent itself, so each request it routed to a replica si
 replica's last report counts as one more waiting request there; without that correction a
 burst would pile onto whichever replica looked idlest at the last report.
 
+Router modes (`--router-mode`, docs/kv_cache.md#kv-aware-routing): "least-loaded" (the
+default, above); "kv": precise KV-aware routing, each replica's cached prefix blocks known from
+its KV events (a compact list of block-hash keys in its routing stats, rebuilt into this
+router's PrefixIndex whenever the replica's event count moved), cost = overlap weight * blocks
+to prefill + load (engine.kv_cache.kv_routing); "prefix-affinity" (below); "round-robin".
+
 Prefix affinity (optional) sends prompts that start with the same tokens to the same replica,
 where their prefix blocks are already cached, as long as that replica is not much busier than
 the least loaded one (`affinity_slack`, in load units).
@@ -21,13 +27,23 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from engine.engine_request import EngineRequest
+from engine.kv_cache.events import MEDIA, KVSnapshot
+from engine.kv_cache.kv_routing import DEFAULT_OVERLAP_WEIGHT, prompt_block_hashes
+from engine.kv_cache.kv_routing import rank as kv_rank
+from engine.kv_cache.prefix_index import PrefixIndex, unpack
 
 WAITING_WEIGHT = 4
+ROUTER_MODES = ("least-loaded", "kv", "prefix-affinity", "round-robin")
+# Routing decisions of the routers in this process, by (deployment, reason): "kv_overlap" (a
+# cached prefix decided), "load", "prefix_affinity", "lora", "round_robin", "target" (a call
+# for one replica). The ingress's /metrics shows them (pdserve:router_decisions).
+DECISIONS: Counter[tuple[str, str]] = Counter()
 
 
 @dataclass(frozen=True)
@@ -91,13 +107,20 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
     may serve the oldest pending one instead, so prefix affinity is best-effort under load."""
 
     def initialize_state(self, prefix_affinity: bool = False, affinity_prefix_tokens: int = 32,
-                         affinity_slack: int = 8, **kwargs) -> None:
-        self._prefix_affinity = prefix_affinity
+                         affinity_slack: int = 8, router_mode: str | None = None,
+                         kv_overlap_score_weight: float = DEFAULT_OVERLAP_WEIGHT, **kwargs) -> None:
+        # `prefix_affinity` is the older name of router_mode="prefix-affinity".
+        self._mode = router_mode or ("prefix-affinity" if prefix_affinity else "least-loaded")
+        if self._mode not in ROUTER_MODES:
+            raise ValueError(f"router_mode must be one of {', '.join(ROUTER_MODES)}, got {self._mode!r}")
         self._affinity_prefix_tokens = affinity_prefix_tokens
         self._affinity_slack = affinity_slack
+        self._kv_weight = kv_overlap_score_weight
         # replica key -> (report sequence number it applies to, requests sent since)
         self._sent: dict[str, tuple[object, int]] = {}
         self._rng = random.Random()
+        self._kv_index = PrefixIndex()
+        self._turn = 0  # round robin
 
     def _candidate(self, replica: RunningReplica) -> Candidate:
         stats = replica.routing_stats or {}
@@ -108,9 +131,42 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
         return Candidate(key, int(stats.get("running", 0)), int(stats.get("waiting", 0)), sent,
                          frozenset(stats.get("loras", ())))
 
+    def _follow_kv(self, replicas: list[RunningReplica]) -> int | None:
+        """Bring the index up to what each replica last reported; its block size (None: no
+        replica reports its KV yet)."""
+        block_size = None
+        for replica in replicas:
+            key, kv = replica.replica_id.unique_id, (replica.routing_stats or {}).get("kv")
+            if kv is None:
+                self._kv_index.drop(key)
+                continue
+            block_size = kv["block_size"]
+            if self._kv_index.seq(key) != kv["seq"]:
+                self._kv_index.replace(key, KVSnapshot(kv["seq"], {m: unpack(kv.get(m, b"")) for m in MEDIA}))
+        live = {r.replica_id.unique_id for r in replicas}
+        for key in self._kv_index.sources():
+            if key not in live:
+                self._kv_index.drop(key)  # a replica gone: its entries expire with it
+        return block_size
+
+    def _kv_order(self, request: EngineRequest, replicas: list[RunningReplica],
+                  candidates: list[Candidate]) -> tuple[list[str], str] | None:
+        block_size = self._follow_kv(replicas)
+        if block_size is None or request.prompt_token_ids is None:
+            return None
+        lora = request.lora_request.lora_name if request.lora_request is not None else None
+        hashes = prompt_block_hashes(request.prompt_token_ids, block_size, request.cache_salt, lora,
+                                     getattr(request, "mm_features", None))
+        if not hashes:
+            return None
+        choice = kv_rank([(c.key, c.load) for c in candidates], lambda k: self._kv_index.match(k, hashes),
+                         len(hashes), self._kv_weight, self._rng)
+        return choice.order, choice.reason
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
+        name = self._deployment_id.name if getattr(self, "_deployment_id", None) is not None else ""
         target = (pending_request.kwargs or {}).get("replica") if pending_request is not None else None
         if target is not None:
             # A call for one replica (a subscription or an abort). If it is gone, any replica
@@ -118,12 +174,23 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
             return [[by_key[target]]] if target in by_key else [candidate_replicas[:1]]
         affinity = lora = None
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        candidates = [self._candidate(r) for r in candidate_replicas]
+        order = reason = None
         if isinstance(request, EngineRequest):  # a submit or a prefill
             lora = request.lora_request.lora_name if request.lora_request is not None else None
-            if self._prefix_affinity:
+            if self._mode == "prefix-affinity":
                 affinity = affinity_key(request.prompt_token_ids, self._affinity_prefix_tokens)
-        order = rank([self._candidate(r) for r in candidate_replicas], affinity, self._affinity_slack, self._rng,
-                     lora)
+            elif self._mode == "kv" and lora is None:  # an adapter's home outranks a prefix
+                order, reason = self._kv_order(request, candidate_replicas, candidates) or (None, None)
+            elif self._mode == "round-robin":
+                keys = sorted(by_key)
+                self._turn += 1
+                order, reason = keys[self._turn % len(keys):] + keys[:self._turn % len(keys)], "round_robin"
+        if order is None:
+            order = rank(candidates, affinity, self._affinity_slack, self._rng, lora)
+            reason = "lora" if lora else "prefix_affinity" if affinity else "load"
+        if request is not None:
+            DECISIONS[(name, reason)] += 1
         # One replica per rank: Serve tries them in this order, skipping full ones.
         return [[by_key[k]] for k in order]
 

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from ray import serve
 
 from cluster.replica.host import EngineHost
+from cluster.replica.kv_digest import KVDigest
 from cluster.replica.latency import LatencyWindow
 from cluster.replica.step_channel import StepHub
 from cluster.report import ReplicaReport
@@ -85,6 +86,8 @@ class EngineServer(EngineHost):
         # the per-step channel (the hub): a chunk then carries several tokens.
         self.stream_interval_s = stream_interval_ms / 1000.0
         self.hub = StepHub(self.stream_interval_s, on_output=self._observe)
+        # Its cached prefix blocks for KV-aware routers, when its engine records KV events.
+        self._kv_digest = None if self.kv_block_size is None else KVDigest(self.kv_block_size)
 
     # ---- requests (called through DeploymentHandles) -------------------------------------
     async def prefill(self, request: EngineRequest) -> RequestOutput:
@@ -199,6 +202,10 @@ class EngineServer(EngineHost):
         request routers (Serve's contract is a dict)."""
         self._seq += 1
         same = await self.report()
+        kv = None
+        if self._kv_digest is not None:
+            kv = self._kv_digest.of(await self.engine.kv_snapshot())
+            same = dataclasses.replace(same, kv_cached_blocks=dict(self._kv_digest.counts))
         report = dataclasses.replace(same, seq=self._seq, time=time.time())
         now = time.monotonic()
         # Serve asks every routing_stats_period_s; an idle replica's figures do not change, so
@@ -209,7 +216,10 @@ class EngineServer(EngineHost):
             self._forwarded, self._forwarded_at = same, now
             # Fire and forget: a slow or restarting coordinator must not stall routing stats.
             self._coordinator.report.remote(report)
-        return report.routing_stats()
+        stats = report.routing_stats()
+        if kv is not None:
+            stats["kv"] = kv
+        return stats
 
     # ---- in an ingress's process (direct streaming) -------------------------------------
     def start_reporting(self, period_s: float) -> None:
