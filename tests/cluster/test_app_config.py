@@ -172,6 +172,7 @@ def test_from_flat_splits_every_engine_argument_from_the_app_fields(tiny_model):
                      "long_prefill_token_threshold": 64, "scheduling_policy": "priority",
                      "kernel_block_size": 4, "kernel_backend": "torch", "device": "cpu",
                      "disable_hybrid_kv_cache_manager": True, "quantization": "none",
+                     "kv_events_config": {"enable_kv_cache_events": True},
                      "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
                      "data_parallel_size": 2, "data_parallel_backend": "ray", "enable_expert_parallel": False,
                      "engine_core_process": False, "kv_load_failure_policy": "fail", "engine_step_timeout_s": 30.0,
