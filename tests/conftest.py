@@ -70,6 +70,7 @@ SHARED_APP_GROUPS = {
         "tests/cluster/test_serve_lora.py",
         "tests/cluster/test_serve_scoring.py",
         "tests/cluster/test_serve_tools.py",
+        "tests/cluster/test_serve_kv_routing.py",
     }),
     "shared_direct_app": frozenset({
         "tests/cluster/test_churn.py",

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cluster.control.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
 from cluster.pd.placement import FALLBACK_REASONS
-from cluster.replica.router import DECISIONS
+from cluster.replica.router_stats import DECISIONS
 from cluster.report import ReplicaReport
 from engine.metrics import names
 from engine.metrics.names import MetricDef
@@ -63,7 +63,7 @@ SCALING_SIGNALS: dict[str, MetricDef] = {
 
 
 class _RouterDecisions:
-    """The routers of this process (cluster.replica.router.DECISIONS), read at collection."""
+    """The routers of this process (cluster.replica.router_stats), read at collection."""
 
     def __init__(self, labels: dict[str, str]) -> None:
         self._labels = labels

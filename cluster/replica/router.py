@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections import Counter
 from dataclasses import dataclass
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from cluster.replica import router_stats
 from engine.engine_request import EngineRequest
 from engine.kv_cache.events import MEDIA, KVSnapshot
 from engine.kv_cache.kv_routing import DEFAULT_OVERLAP_WEIGHT, prompt_block_hashes
@@ -40,10 +40,10 @@ from engine.kv_cache.prefix_index import PrefixIndex, unpack
 
 WAITING_WEIGHT = 4
 ROUTER_MODES = ("least-loaded", "kv", "prefix-affinity", "round-robin")
-# Routing decisions of the routers in this process, by (deployment, reason): "kv_overlap" (a
-# cached prefix decided), "load", "prefix_affinity", "lora", "round_robin", "target" (a call
-# for one replica). The ingress's /metrics shows them (pdserve:router_decisions).
-DECISIONS: Counter[tuple[str, str]] = Counter()
+# How long a router counts a prompt's blocks as held by the replica it sent the prompt to,
+# before that replica's own report says so: its reports come every routing-stats period
+# (0.5 s by default) after it computed them, and a chat's next turn often comes sooner.
+PREDICTION_TTL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
         self._sent: dict[str, tuple[object, int]] = {}
         self._rng = random.Random()
         self._kv_index = PrefixIndex()
+        self._routing: dict[str, list[bytes]] = {}  # request id -> its block hashes, until routed
         self._turn = 0  # round robin
 
     def _candidate(self, replica: RunningReplica) -> Candidate:
@@ -161,6 +162,9 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
             return None
         choice = kv_rank([(c.key, c.load) for c in candidates], lambda k: self._kv_index.match(k, hashes),
                          len(hashes), self._kv_weight, self._rng)
+        if len(self._routing) > 4096:  # requests whose routing never completed
+            self._routing.clear()
+        self._routing[request.request_id] = hashes
         return choice.order, choice.reason
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -190,7 +194,7 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
             order = rank(candidates, affinity, self._affinity_slack, self._rng, lora)
             reason = "lora" if lora else "prefix_affinity" if affinity else "load"
         if request is not None:
-            DECISIONS[(name, reason)] += 1
+            router_stats.DECISIONS[(name, reason)] += 1
         # One replica per rank: Serve tries them in this order, skipping full ones.
         return [[by_key[k]] for k in order]
 
@@ -198,6 +202,10 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
         if pending_request is not None and (pending_request.kwargs or {}).get("replica") is not None:
             return  # a subscription or an abort adds no work
         key = replica_id.unique_id
+        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        hashes = self._routing.pop(request.request_id, None) if isinstance(request, EngineRequest) else None
+        if hashes:
+            self._kv_index.predict(key, hashes, PREDICTION_TTL_S)
         replica = self._replicas.get(replica_id)
         seq = (replica.routing_stats or {}).get("seq") if replica is not None else None
         prev_seq, sent = self._sent.get(key, (None, 0))

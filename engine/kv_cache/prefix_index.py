@@ -8,10 +8,16 @@ is not (it is then computed: routing never changes tokens).
 
 Memory is bounded per source (`max_blocks`): past it the oldest stored entries go first, as a
 pool's LRU would evict them.
+
+A router may also `predict` what a source will hold: the blocks of a prompt it just sent
+there, which the source tells of only after computing them (and a replica's report comes a
+period later). A prediction counts as a device block until it expires; the source's own
+events and snapshots never remove it, so a next turn sent at once still finds its history.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from engine.kv_cache.events import (
@@ -50,12 +56,13 @@ class Match:
 
 
 class _Source:
-    __slots__ = ("held", "seq")
+    __slots__ = ("held", "seq", "predicted")
 
     def __init__(self) -> None:
         # medium -> keys, insertion ordered (oldest first) so the bound drops the oldest.
         self.held: dict[str, dict[bytes, None]] = {m: {} for m in MEDIA}
         self.seq = 0
+        self.predicted: dict[bytes, float] = {}  # key -> monotonic time it expires
 
 
 class PrefixIndex:
@@ -76,6 +83,9 @@ class PrefixIndex:
 
     def replace(self, source, snapshot: KVSnapshot) -> None:
         s = _Source()
+        old = self._sources.get(source)
+        if old is not None:
+            s.predicted = old.predicted
         for medium, hashes in snapshot.held.items():
             s.held[medium] = dict.fromkeys(key(h) for h in hashes)
             self._trim(s.held[medium])
@@ -113,6 +123,18 @@ class PrefixIndex:
             return True
         return all(self.apply(source, batch) for batch in update)
 
+    def predict(self, source, block_hashes: list[bytes], ttl_s: float) -> None:
+        """`source` will hold these blocks (a request was just sent there), for `ttl_s`."""
+        s = self._sources.setdefault(source, _Source())
+        now = time.monotonic()
+        if len(s.predicted) > self.max_blocks:
+            s.predicted = {k: t for k, t in s.predicted.items() if t > now}
+        for h in block_hashes:
+            s.predicted.pop(key(h), None)
+            s.predicted[key(h)] = now + ttl_s
+        while len(s.predicted) > self.max_blocks:
+            del s.predicted[next(iter(s.predicted))]
+
     def _trim(self, held: dict[bytes, None]) -> None:
         while len(held) > self.max_blocks:
             del held[next(iter(held))]
@@ -132,10 +154,11 @@ class PrefixIndex:
         if s is None:
             return Match()
         device, host, shared = s.held["device"], s.held["host"], s.held["shared"]
+        predicted, now = s.predicted, time.monotonic()
         n = [0, 0, 0]
         for h in block_hashes:
             k = key(h)
-            if k in device:
+            if k in device or predicted.get(k, 0.0) > now:
                 n[0] += 1
             elif k in host:
                 n[1] += 1

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.replica.kv_digest import KVDigest
-from cluster.replica.router import DECISIONS, LeastLoadRouter
+from cluster.replica.router import LeastLoadRouter
+from cluster.replica.router_stats import DECISIONS
 from engine.errors import ParameterError
 from engine.kv_cache.events import KVSnapshot
 from engine.kv_cache.kv_routing import prompt_block_hashes
@@ -133,3 +134,19 @@ def test_app_config_router_flags(tiny_model):
         with pytest.raises(ParameterError) as e:
             tiny_app(tiny_model, "colocated", "m", "a", **fields)
         assert e.value.field == field
+
+
+def test_a_prompt_just_sent_counts_as_held_there_until_its_prediction_expires(monkeypatch):
+    import engine.kv_cache.prefix_index as prefix_index
+
+    a, b = _with_kv(FakeReplica("a"), 1), _with_kv(FakeReplica("b", running=1), 1)
+    router = _router([a, b])
+    pending = SimpleNamespace(args=[engine_request("r1", PROMPT)], kwargs={})
+    assert _names(asyncio.run(router.choose_replicas([a, b], pending))) == ["a", "b"]
+    router.on_request_routed(pending, b.replica_id, None)  # Serve sent it to b after all
+    # A next turn before b reports: b, though busier; a new digest of b does not drop it.
+    _with_kv(b, 2)
+    assert _choose(router, [a, b], PROMPT + [5, 6]) == ["b", "a"]
+    now = prefix_index.time.monotonic()
+    monkeypatch.setattr(prefix_index.time, "monotonic", lambda: now + 11.0)
+    assert _choose(router, [a, b], PROMPT + [5, 6]) == ["a", "b"]
