@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cluster.control.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
 from cluster.pd.placement import FALLBACK_REASONS
-from cluster.replica.router_stats import DECISIONS
+from cluster.replica import router_stats
 from cluster.report import ReplicaReport
 from engine.metrics import names
 from engine.metrics.names import MetricDef
@@ -70,7 +70,7 @@ class _RouterDecisions:
 
     def collect(self):
         family = _family(ROUTER_DECISIONS, [*self._labels, "deployment", "reason"])
-        for (deployment, reason), n in sorted(DECISIONS.items()):
+        for (deployment, reason), n in sorted(router_stats.DECISIONS.items()):
             family.add_metric([*self._labels.values(), deployment, reason], n)
         yield family
 

@@ -10,6 +10,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-# (deployment, reason) -> routing decisions: "kv_overlap" (a cached prefix decided), "load",
-# "prefix_affinity", "lora", "round_robin".
+# (deployment, reason) -> routing decisions: "kv_overlap" (the chosen replica holds part of the
+# prompt), "load", "prefix_affinity", "lora", "round_robin".
 DECISIONS: Counter[tuple[str, str]] = Counter()

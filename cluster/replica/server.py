@@ -53,6 +53,7 @@ class ReplicaGone(RuntimeError):
 
 
 class EngineServer(EngineHost):
+    _kv_digest: KVDigest | None = None  # set in __init__ when the engine records KV events
     _stopping = False  # once stopping, off the Coordinator's board: ingresses count it gone
     _reporter: asyncio.Task | None = None  # start_reporting's loop (direct streaming)
 

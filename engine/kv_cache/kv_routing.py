@@ -45,7 +45,7 @@ def prefill_cost(num_blocks: int, match: Match) -> float:
 @dataclass(frozen=True)
 class Choice:
     order: list  # candidate keys, best first
-    reason: str  # "kv_overlap": a cached prefix decided; "load": none did (no overlap anywhere)
+    reason: str  # "kv_overlap": the chosen one holds part of the prompt; "load": it holds none
     matched_blocks: int  # the chosen one's cached prefix
 
 
@@ -62,5 +62,4 @@ def rank(candidates: list[tuple[object, float]], match: Callable[[object], Match
     scored = sorted(candidates, key=cost)
     order = [k for k, _ in scored]
     best = matches[order[0]].blocks if order else 0
-    overlap = any(m.blocks for m in matches.values())
-    return Choice(order, "kv_overlap" if overlap else "load", best)
+    return Choice(order, "kv_overlap" if best else "load", best)
