@@ -120,7 +120,7 @@ def run_one(topology: str, mode: str, args) -> dict:
             "ttft1_p50": _pct([r[1] for r in records if r[0] == 0], 0.5),
             "ttft_p50": _pct([r[1] for r in later], 0.5), "ttft_p90": _pct([r[1] for r in later], 0.9),
             "cached": sum(r[3] for r in later) / max(1, sum(r[2] for r in later)),
-            "prompt_tokens": sum(r[2] for r in records),
+            "prompt_tokens": sum(r[2] for r in records) / max(1, len(records)),
             "shares": sorted((v / total for v in queried.values()), reverse=True)}
 
 
@@ -144,11 +144,12 @@ def main() -> None:
           f"{args.user_words} words, {args.max_tokens} tokens per answer, think {args.think_s} s")
     rows = [run_one(t, m, args) for t in args.topologies.split(",") for m in args.modes.split(",")]
     print(f"\n{'topology':<10} {'mode':<16} {'TTFT t1 p50':>11} {'TTFT t2+ p50':>12} {'p90':>7} "
-          f"{'cached t2+':>10} {'replica shares':>16} {'wall s':>7}")
+          f"{'cached t2+':>10} {'replica shares':>16} {'prompt tok':>10} {'wall s':>7}")
     for r in rows:
         shares = "/".join(f"{s:.0%}" for s in r["shares"])
         print(f"{r['topology']:<10} {r['mode']:<16} {r['ttft1_p50']:>11.3f} {r['ttft_p50']:>12.3f} "
-              f"{r['ttft_p90']:>7.3f} {r['cached']:>10.0%} {shares:>16} {r['wall_s']:>7.1f}")
+              f"{r['ttft_p90']:>7.3f} {r['cached']:>10.0%} {shares:>16} {r['prompt_tokens']:>10.0f} "
+              f"{r['wall_s']:>7.1f}")
     for topology in args.topologies.split(","):
         by_mode = {r["mode"]: r for r in rows if r["topology"] == topology}
         if "kv" in by_mode:

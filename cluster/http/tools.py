@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from cluster.http.openai_models import DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall
 from cluster.http.openai_models import ToolCall as MessageToolCall
+from cluster.http.strict_schema import strict
 from cluster.http.tool_parsers import ContentDelta, ToolCall, ToolCallDelta, ToolParser
 from cluster.http.tool_parsers.base import openai_call_id
 from engine.errors import ParameterError
@@ -135,11 +136,13 @@ class ToolPlan:
                 '<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n</tool_call>')
 
     def constraint(self) -> StructuredOutputsParams | None:
+        # Strict arguments (cluster.http.strict_schema): no keys beyond those a schema lists.
         if self.mode == "named":
-            return StructuredOutputsParams(json=next(t for t in self.tools if t.name == self.named).parameters)
+            return StructuredOutputsParams(json=strict(next(t for t in self.tools if t.name == self.named).parameters))
         if self.mode != "required":
             return None
-        item = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": t.parameters},
+        item = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name},
+                                                           "parameters": strict(t.parameters)},
                            "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]}
         array = {"type": "array", "minItems": 1, "items": item}
         if not self.parallel:

@@ -135,3 +135,26 @@ def test_streamed_deltas_assemble_to_the_whole_parse(choice, text):
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
         (c.name, json.loads(c.arguments)) for c in want_calls]
     assert all(c["id"] for c in calls) and streamer.calls == len(want_calls)
+
+
+def test_forced_calls_allow_no_keys_a_schema_does_not_list_unless_it_says_so():
+    """vLLM's grammar backend reads a bare object schema strictly: a model cannot add keys."""
+    city = {"type": "object", "properties": {"city": {"type": "string"},
+                                             "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+                                             "tags": {"type": "array", "items": {"type": "object",
+                                                                                 "properties": {"k": {}}}}},
+            "required": ["city"]}
+    loose = {"type": "object", "properties": {"x": {}}, "additionalProperties": True}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": city}},
+             {"type": "function", "function": {"name": "g", "parameters": loose}}]
+    named = _plan({"type": "function", "function": {"name": "f"}}, tools).constraint().json
+    jsonschema.validate({"city": "Paris", "where": {"lat": 1.5}, "tags": [{"k": 1}]}, named)
+    for extra in ({"city": "Paris", "country": "France"}, {"city": "P", "where": {"lat": 1, "lon": 2}},
+                  {"city": "P", "tags": [{"k": 1, "v": 2}]}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(extra, named)
+    assert "additionalProperties" not in city  # the request's own schema is untouched
+    required = _plan("required", tools).constraint().json
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "f", "parameters": {"city": "P", "more": 1}}], required)
+    jsonschema.validate([{"name": "g", "parameters": {"x": 1, "y": 2}}], required)  # it said so
