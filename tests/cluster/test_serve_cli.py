@@ -38,6 +38,18 @@ def test_without_model_the_packaged_smollm2_is_served_under_its_name(smollm2):
     assert cfg.model == smollm2 and cfg.model_name == "SmolLM2-135M-Instruct"
 
 
+def test_the_default_model_answers_agents_with_auto_tool_choice_unless_told_otherwise(smollm2, tiny_model):
+    def tools(*flags):
+        cfg = _config(build_parser().parse_args(["serve", *flags]))
+        return cfg.enable_auto_tool_choice, cfg.tool_call_parser
+
+    assert tools() == (True, "hermes")
+    assert tools("--no-enable-auto-tool-choice") == (False, None)
+    assert tools("--tool-call-parser", "mistral") == (False, "mistral")
+    assert tools("--model", tiny_model) == (False, None)  # any --model: vLLM's flags rule
+    assert tools("--model", tiny_model, "--enable-auto-tool-choice", "--tool-call-parser", "hermes") == (True, "hermes")
+
+
 def test_a_gguf_file_is_served_under_its_file_name(tiny_model, tmp_path):
     from tests.engine.gguf_factory import write_gguf
 
