@@ -108,7 +108,7 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest, cached_details: b
                          served.limits.max_image_pixels)
     text, ids = render(served.tokenizer, body, template_kwargs(served.tokenizer, body.chat_template_kwargs), plan)
     with rejecting(body):
-        request = served.request(ids, params, text, images, lora)
+        request = served.request(ids, params, text, images, lora, body.priority, body.cache_salt)
     ids = request.prompt_token_ids  # image placeholders expanded
     request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     model, n_logprobs = body.model, body.num_logprobs  # the base model's name or an adapter's

@@ -32,9 +32,11 @@ def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
         params = body.sampling_params()
         for p in body.prompts():
             if isinstance(p, str):
-                request = served.request(served.tokenizer.encode(p, add_special_tokens=True), params, p, lora=lora)
+                request = served.request(served.tokenizer.encode(p, add_special_tokens=True), params, p, lora=lora,
+                                         priority=body.priority, cache_salt=body.cache_salt)
             else:  # its text once its ids are known to be in the vocabulary (for echo)
-                request = served.request(list(p), params, lora=lora)
+                request = served.request(list(p), params, lora=lora, priority=body.priority,
+                                         cache_salt=body.cache_salt)
                 request = dataclasses.replace(request, prompt=served.tokenizer.decode(request.prompt_token_ids))
             processed.append(request)
     request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"

@@ -77,6 +77,10 @@ class _Sampling(BaseModel):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     request_id: str | None = None
+    # vLLM's: lower runs first under --scheduling-policy priority; a salt keeps this request's
+    # prefix-cache entries apart from other tenants'.
+    priority: int = 0
+    cache_salt: str | None = None
     # Structured outputs: vLLM's field, OpenAI's response_format, and the legacy guided_*.
     structured_outputs: dict | None = None
     response_format: dict | None = None

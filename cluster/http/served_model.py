@@ -19,6 +19,7 @@ from cluster.http.lora import LoRARegistry
 from cluster.http.openai_models import ErrorResponse
 from cluster.http.request_limits import RequestLimits
 from engine.engine_request import EngineRequest
+from engine.errors import ParameterError
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.processor import InputProcessor
@@ -39,6 +40,7 @@ class ServedModel:
     limits: RequestLimits = RequestLimits()  # the lists and sizes a body may carry
     max_prompts: int = 1024  # sequences per request (--max-pending-requests)
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
+    priority_scheduling: bool = False  # the engines order their queues by `priority` (--scheduling-policy)
 
     def check_model(self, model: str) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 for any other name."""
@@ -55,15 +57,21 @@ class ServedModel:
         self.limits.check(body, self.processor.vocab_size, self.max_prompts)
 
     def request(self, ids: list[int], params: SamplingParams, text: str | None = None, images: list | None = None,
-                lora: LoRARequest | None = None) -> EngineRequest:
+                lora: LoRARequest | None = None, priority: int = 0, cache_salt: str | None = None) -> EngineRequest:
         """The EngineRequest of one prompt, built here once for every engine it will meet:
         checked exactly as the engine checks it (a ParameterError otherwise), image
         placeholders expanded, and an unset max_tokens resolved by the one rule (the room left
         in the context). Its id is the ingress's to set when it runs."""
+        if priority and not self.priority_scheduling:
+            # vLLM's rule: a priority the engines would ignore is the user's mistake, said now.
+            raise ParameterError("priority", "priority must be 0 unless the server runs with "
+                                 "--scheduling-policy priority")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ParameterError("cache_salt", "cache_salt must be a non-empty string")
         prompt: dict = {"prompt_token_ids": ids, "prompt": text}
         if images:
             prompt["multi_modal_data"] = {"image": images}
-        return self.processor.process(prompt, params, lora_request=lora)
+        return self.processor.process(prompt, params, lora_request=lora, priority=priority, cache_salt=cache_salt)
 
 
 def _error_body(err: OpenAIError) -> ErrorResponse:

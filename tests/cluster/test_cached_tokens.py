@@ -73,3 +73,35 @@ def test_the_responses_api_always_reports_cached_input_tokens(served):
     again = client.responses.create(model=NAME, input=text, max_output_tokens=2)
     assert first.usage.input_tokens_details.cached_tokens == 0
     assert again.usage.input_tokens_details.cached_tokens == (again.usage.input_tokens - 1) // BLOCK * BLOCK > 0
+
+
+def test_a_cache_salt_keeps_a_tenants_prefix_apart(served):
+    """vLLM's cache_salt: the same prompt under another salt finds nothing cached; under its
+    own salt it does."""
+    s, details = served
+    if not details:
+        return
+    client = _client(s.url)
+    messages = [{"role": "user", "content": f"salted {TEXT}"}]
+
+    def cached(salt):
+        extra = {} if salt is None else {"cache_salt": salt}
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, temperature=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(None) == 0
+    assert cached("tenant-a") == 0 and cached("tenant-b") == 0  # not the unsalted entries
+    assert cached("tenant-a") > 0 and cached(None) > 0
+
+
+def test_priority_needs_the_priority_policy_and_a_salt_must_be_a_string(served):
+    import requests
+
+    s, _ = served
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for extra, param in (({"priority": 3}, "priority"), ({"cache_salt": ""}, "cache_salt")):
+        for route, b in (("chat/completions", body), ("completions", {"model": NAME, "prompt": "hi", "max_tokens": 2})):
+            r = requests.post(f"{s.url}/v1/{route}", json={**b, **extra}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = requests.post(f"{s.url}/v1/chat/completions", json={**body, "priority": 0}, timeout=60)
+    assert ok.status_code == 200

@@ -62,3 +62,13 @@ def test_another_models_name_is_a_404(served):
     with pytest.raises(OpenAIError) as e:
         served.check_model("gpt-4")
     assert e.value.status == 404 and e.value.param == "model"
+
+
+def test_priority_and_cache_salt_reach_the_engine_request(served):
+    params = SamplingParams(max_tokens=2)
+    prioritized = dataclasses.replace(served, priority_scheduling=True)
+    request = prioritized.request([5, 6, 7], params, priority=-3, cache_salt="tenant")
+    assert (request.priority, request.cache_salt) == (-3, "tenant")
+    with pytest.raises(ParameterError) as e:
+        served.request([5, 6, 7], params, priority=1)  # fcfs engines would ignore it
+    assert e.value.field == "priority"
