@@ -23,12 +23,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from cluster.http.structured_fields import GUIDED, response_format_params
 from engine.errors import ParameterError
 from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from engine.structured_output import StructuredOutputsParams
-
-# vLLM's legacy guided-decoding fields and the StructuredOutputsParams field each maps to.
-_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class StreamOptions(BaseModel):
@@ -141,7 +139,7 @@ class _Sampling(BaseModel):
         """The request fields that ask for structured output (response_format "text" does not)."""
         rf = self.response_format
         text = rf is None or rf.get("type", "text") == "text"
-        return [f for f in ("structured_outputs", "response_format", *_GUIDED)
+        return [f for f in ("structured_outputs", "response_format", *GUIDED)
                 if getattr(self, f) is not None and not (f == "response_format" and text)]
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
@@ -153,10 +151,10 @@ class _Sampling(BaseModel):
         if len(sources) > 1:
             raise ParameterError(sources[1], f"at most one of {', '.join(sources)} may be set")
         source = sources[0]
-        if source in _GUIDED:
-            return StructuredOutputsParams(**{_GUIDED[source]: getattr(self, source)})
+        if source in GUIDED:
+            return StructuredOutputsParams(**{GUIDED[source]: getattr(self, source)})
         if source == "response_format":
-            return _response_format_params(self.response_format)
+            return response_format_params(self.response_format)
         unknown = set(self.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object"}
         if unknown:
             raise ParameterError("structured_outputs", f"structured_outputs has unknown fields {sorted(unknown)}")
@@ -387,18 +385,3 @@ def _template_call(call: dict) -> dict:
         except (ValueError, RecursionError):
             pass  # not JSON (or nested past what the parser takes): the template gets the text as sent
     return {**call, "function": fn}
-
-
-def _response_format_params(rf: dict) -> StructuredOutputsParams:
-    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema",
-    "json_schema": {"name", "schema", "strict"}}."""
-    kind = rf.get("type")
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if kind != "json_schema":
-        raise ParameterError("response_format", "response_format.type must be 'text', 'json_object' or "
-                             f"'json_schema', got {kind!r}")
-    spec = rf.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-        raise ParameterError("response_format", "response_format.json_schema.schema must be a JSON schema object")
-    return StructuredOutputsParams(json=spec["schema"])
