@@ -120,8 +120,13 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest, cached_details: b
 
     def choice(j, out) -> ChatChoice:
         c = out.outputs[0]
-        content, calls = plan.parse(c.text) if plan is not None else (c.text, [])
-        message = ChatCompletionMessage(content=content, tool_calls=message_tool_calls(calls) if calls else None)
+        reasoning, answer = reasoner.split(c.text) if reasoner is not None else (None, c.text)
+        # Tool calls are parsed from the answer after the reasoning, as vLLM does.
+        content, calls = plan.parse(answer or "") if plan is not None else (answer, [])
+        if plan is not None and reasoner is not None and answer is None:
+            content = None
+        message = ChatCompletionMessage(reasoning_content=reasoning if body.include_reasoning else None,
+                                        content=content, tool_calls=message_tool_calls(calls) if calls else None)
         finish = plan.finish_reason(calls, c.finish_reason) if plan is not None else c.finish_reason
         return ChatChoice(index=j, message=message, logprobs=logprobs(c.token_ids, c.logprobs),
                           finish_reason=finish, stop_reason=c.stop_reason)
@@ -138,13 +143,25 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest, cached_details: b
     def deltas(j, out, finish) -> tuple[list[DeltaMessage | dict], str | None]:
         """This output's deltas (text, or tool-call pieces) and its finish reason. Text is a
         DeltaMessage's fields, made one by make_chunk's call."""
-        if plan is None:
+        if plan is None and reasoner is None:
             return ([{"content": out.delta_text}] if out.delta_text or finish is None else [{}]), finish
-        streamer = streamers[j]
-        parts = streamer.feed(out.delta_text) if out.delta_text else []
-        if finish is not None:
-            parts += streamer.finish()
-            finish = plan.finish_reason([None] * streamer.calls, finish)
+        pieces = [("content", out.delta_text)] if out.delta_text else []
+        if reasoner is not None:
+            pieces = thinking[j].feed(out.delta_text) if out.delta_text else []
+            if finish is not None:
+                pieces += thinking[j].finish()
+        parts: list = []
+        for kind, text in pieces:
+            if kind == "reasoning":
+                if body.include_reasoning:
+                    parts.append({"reasoning_content": text})
+            elif plan is None:
+                parts.append({"content": text})
+            else:
+                parts += streamers[j].feed(text)
+        if finish is not None and plan is not None:
+            parts += streamers[j].finish()
+            finish = plan.finish_reason([None] * streamers[j].calls, finish)
         return parts or ([{}] if finish is not None else []), finish
 
     def chunk(choices: list[dict], usage: Usage | None = None) -> ChatCompletionChunk:
@@ -180,6 +197,10 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest, cached_details: b
     # `n` > 1: n requests of the same prompt (engine.parallel_sampling); choice j is sample j.
     n = params.n
     streamers = [plan.streamer() for _ in range(n)] if plan is not None else []
+    # A grammar (structured outputs, a forced tool call) shapes the whole answer from its first
+    # token, so there is no thinking to split off (vLLM starts the grammar after </think>).
+    reasoner = served.reasoning_parser if params.structured_outputs is None else None
+    thinking = [reasoner.stream() for _ in range(n)] if reasoner is not None else []
     return Job(child_requests(request), request_id, body.stream, chunks, whole, n)
 
 

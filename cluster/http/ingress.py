@@ -58,6 +58,7 @@ from cluster.http.openai_models import (
     TokenizerInfoResponse,
 )
 from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.http.reasoning import get_reasoning_parser
 from cluster.http.responses import ResponsesRequest, responses_job
 from cluster.http.responses_models import Response as ResponsesResponse
 from cluster.http.runner import RequestRunner
@@ -125,6 +126,8 @@ class Ingress:
                               fmt.TokenText(tokenizer), engine_args.allowed_local_media_path,
                               tool_parser=(None if settings.tool_call_parser is None
                                            else get_tool_parser(settings.tool_call_parser)),
+                              reasoning_parser=(None if settings.reasoning_parser is None
+                                                else get_reasoning_parser(settings.reasoning_parser)),
                               enable_auto_tool_choice=settings.enable_auto_tool_choice,
                               loras=lora_registry(settings.served_model_name, settings.lora_modules, processor,
                                                   engine_args.enable_lora, settings.lora_runtime_updates),

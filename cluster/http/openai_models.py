@@ -129,6 +129,8 @@ class ToolCall(BaseModel):
 
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
+    # vLLM's: a reasoning model's thinking (--reasoning-parser); absent without a parser.
+    reasoning_content: str | None = absent()
     content: str | None
     tool_calls: list[ToolCall] | None = absent()
 
@@ -168,6 +170,7 @@ class DeltaToolCall(BaseModel):
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = absent()
+    reasoning_content: str | None = absent()
     content: str | None = absent()
     tool_calls: list[DeltaToolCall] | None = absent()
 

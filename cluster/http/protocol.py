@@ -317,6 +317,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True  # vLLM's: False drops reasoning_content (--reasoning-parser)
 
     def check_supported(self) -> None:
         if self.stream and self.prompt_logprobs is not None:

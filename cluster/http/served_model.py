@@ -36,6 +36,7 @@ class ServedModel:
     allowed_local_media_path: str | None = None  # where file:// images may come from
     tool_parser: type | None = None  # the tool-call parser class (cluster.http.tool_parsers)
     enable_auto_tool_choice: bool = False
+    reasoning_parser: object | None = None  # cluster.http.reasoning.ReasoningParser (--reasoning-parser)
     loras: LoRARegistry | None = None  # the served LoRA adapters (enable_lora), by name
     limits: RequestLimits = RequestLimits()  # the lists and sizes a body may carry
     max_prompts: int = 1024  # sequences per request (--max-pending-requests)

@@ -42,6 +42,7 @@ class IngressSettings:
     # Tool calling: "auto" tool choice allowed, and the parser that finds the calls.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # cluster.http.reasoning
     # LoRA (engine_args.enable_lora): adapters served from the start, and whether
     # /v1/load_lora_adapter and /v1/unload_lora_adapter may change them (cluster.http.lora).
     lora_modules: tuple[LoRAModule, ...] = ()

@@ -105,6 +105,7 @@ def build_app(cfg: AppConfig):
         enable_prompt_tokens_details=cfg.enable_prompt_tokens_details,
         direct=direct,
         enable_auto_tool_choice=cfg.enable_auto_tool_choice, tool_call_parser=cfg.tool_call_parser,
+        reasoning_parser=cfg.reasoning_parser,
         lora_modules=cfg.lora_module_list(), lora_runtime_updates=cfg.enable_lora_runtime_updating)
     return serve.deployment(Ingress, name="Ingress", max_ongoing_requests=cfg.max_pending_requests * 2,
                             graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,

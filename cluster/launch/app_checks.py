@@ -108,6 +108,10 @@ def check_bounds(cfg) -> None:
         if cfg.prefix_affinity and cfg.router_mode != "prefix-affinity":
             raise ParameterError("router_mode", f"prefix_affinity is router_mode 'prefix-affinity'; got "
                                  f"router_mode {cfg.router_mode!r} beside it")
+    if cfg.reasoning_parser is not None:
+        from cluster.http.reasoning import REASONING_PARSERS
+
+        check_choice("reasoning_parser", cfg.reasoning_parser, tuple(sorted(REASONING_PARSERS)))
     if not cfg.kv_overlap_score_weight >= 0:
         raise ParameterError("kv_overlap_score_weight", f"kv_overlap_score_weight must be >= 0, "
                              f"got {cfg.kv_overlap_score_weight}")

@@ -156,6 +156,7 @@ class AppConfig:
     # turns the model's text into tool_calls with this parser (cluster.http.tool_parsers).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # vLLM's: <think> text as reasoning_content (cluster.http.reasoning)
     # LoRA adapters served by name from the start (vLLM's --lora-modules: "name=path" or JSON
     # entries; needs enable_lora), and vLLM's run-time load/unload routes (cluster.http.lora).
     lora_modules: tuple[str, ...] = ()

@@ -80,6 +80,9 @@ def add_serve_parser(sub) -> None:
                    help='allow tool_choice "auto": the model decides, --tool-call-parser finds its calls '
                         "(default: off; on, with the hermes parser, for the default model when neither "
                         "flag is given)")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="a reasoning model's <think> text as reasoning_content: deepseek_r1 (the template "
+                        "opens <think>), qwen3 (the model writes it, or not with enable_thinking false)")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model family's tool-call format: hermes (Qwen2.5/Qwen3/Hermes), llama3_json, mistral")
     p.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
@@ -227,7 +230,7 @@ def _config(args: argparse.Namespace):
         prefix_affinity=args.prefix_affinity, router_mode=args.router_mode,
         kv_overlap_score_weight=args.kv_overlap_score_weight, disable_access_log=args.disable_access_log,
         direct_streaming=args.direct_streaming,
-        enable_auto_tool_choice=bool(auto_tools), tool_call_parser=parser,
+        enable_auto_tool_choice=bool(auto_tools), tool_call_parser=parser, reasoning_parser=args.reasoning_parser,
         lora_modules=tuple(args.lora_modules), enable_lora_runtime_updating=args.enable_lora_runtime_updating,
         max_local_prefill_length=args.max_local_prefill_length,
         enforce_disagg=args.enforce_disagg,

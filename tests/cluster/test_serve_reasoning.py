@@ -1,0 +1,113 @@
+"""--reasoning-parser over HTTP, read by the official openai client: a reasoning model's answer
+(here scripted, as the tiny test model writes no tags) comes back split into reasoning_content
+and content, whole and streamed alike, tool calls parsed from the answer after the thinking,
+include_reasoning false dropping the thinking."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from cluster.http.reasoning import get_reasoning_parser
+from tests.cluster.ingress_harness import make_ingress, serve_ingress
+
+NAME = "m"
+THINKING = "The user wants 2+2. That is 4."
+ANSWER = "The answer is 4."
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}}}}
+
+
+class ScriptedEngines:
+    """An EngineClient whose every answer is `text`, three characters per step."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    async def generate(self, request):
+        from engine.outputs import CompletionOutput, RequestOutput
+
+        text, ids = self.text, request.prompt_token_ids
+        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+        for k, piece in enumerate(pieces):
+            last = k == len(pieces) - 1
+            so_far = "".join(pieces[:k + 1])
+            yield RequestOutput(request.request_id, request.prompt, ids,
+                                [CompletionOutput(0, so_far, list(range(k + 1)), finish_reason="stop" if last else None)],
+                                finished=last, delta_text=piece, delta_token_ids=[k])
+            await asyncio.sleep(0)
+
+
+@pytest.fixture(scope="module", params=["deepseek_r1", "qwen3"])
+def served(request, tiny_model):
+    engines = ScriptedEngines()
+    ingress = make_ingress(tiny_model, name=NAME, engines=engines)
+    from cluster.http.tool_parsers import get_tool_parser
+
+    ingress.served = dataclasses.replace(ingress.served, reasoning_parser=get_reasoning_parser(request.param),
+                                         tool_parser=get_tool_parser("hermes"), enable_auto_tool_choice=True)
+    s = serve_ingress(ingress)
+    opening = "" if request.param == "deepseek_r1" else "<think>"  # deepseek's template opens it
+    yield s, engines, opening
+    s.stop()
+
+
+def _client(url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def _ask(client, **kw):
+    return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "2+2?"}],
+                                          max_tokens=64, **kw)
+
+
+def _streamed(client, **kw):
+    reasoning, content, calls, finish = "", "", [], None
+    for chunk in _ask(client, stream=True, **kw):
+        for c in chunk.choices:
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    return reasoning, content, calls, finish
+
+
+def test_thinking_and_answer_are_split_whole_and_streamed(served):
+    s, engines, opening = served
+    engines.text = f"{opening}{THINKING}</think>{ANSWER}"
+    client = _client(s.url)
+    message = _ask(client).choices[0].message
+    assert (message.model_extra["reasoning_content"], message.content) == (THINKING, ANSWER)
+    assert _streamed(client)[:2] == (THINKING, ANSWER)
+    # include_reasoning false: the answer alone.
+    quiet = _ask(client, extra_body={"include_reasoning": False}).choices[0].message
+    assert "reasoning_content" not in (quiet.model_extra or {}) and quiet.content == ANSWER
+    assert _streamed(client, extra_body={"include_reasoning": False})[:2] == ("", ANSWER)
+
+
+def test_tool_calls_are_parsed_from_the_answer_after_the_thinking(served):
+    s, engines, opening = served
+    # The thinking mentions a call that is not one: only the answer's call counts.
+    engines.text = f"{opening}I could write <tool_call> here.</think>{CALL}"
+    client = _client(s.url)
+    choice = _ask(client, tools=[TIME]).choices[0]
+    assert choice.message.model_extra["reasoning_content"] == "I could write <tool_call> here."
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_time"] and choice.finish_reason == "tool_calls"
+    reasoning, content, calls, finish = _streamed(client, tools=[TIME])
+    assert reasoning == "I could write <tool_call> here." and not content.strip()
+    assert [c.function.name for c in calls if c.function.name] == ["get_time"] and finish == "tool_calls"
+
+
+def test_an_answer_without_thinking(served):
+    s, engines, opening = served
+    engines.text = ANSWER
+    message = _ask(_client(s.url)).choices[0].message
+    if opening:  # qwen3: the model wrote no <think>: all answer
+        assert message.content == ANSWER and "reasoning_content" not in (message.model_extra or {})
+    else:  # deepseek_r1: its template opened <think>, and it never closed: all thinking
+        assert message.model_extra["reasoning_content"] == ANSWER and message.content is None
