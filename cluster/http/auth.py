@@ -1,5 +1,5 @@
-"""API keys: `Authorization: Bearer KEY` on every route but /health (load balancers probe it
-without one), and /metrics too unless --metrics-without-key. Deny by default: a route added
+"""API keys: `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on every route but
+/health (load balancers probe it without one), and /metrics too unless --metrics-without-key. Deny by default: a route added
 later, the OpenAPI pages and a path that matches no route all need the key, so no route is
 open by being forgotten. The path checked is the one the app routes on: under a Serve
 `route_prefix` other than `/` the request's path starts with the prefix (Starlette routes on
@@ -75,7 +75,10 @@ class _ApiKeyMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         check = self.current() if scope["type"] == "http" else None
         if check is not None and check.enabled and route_path(scope) not in check.open_paths:
-            header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            headers = dict(scope.get("headers") or [])
+            header = headers.get(b"authorization", b"").decode("latin-1")
+            if not header and b"x-api-key" in headers:  # Anthropic's SDK sends its key so
+                header = "Bearer " + headers[b"x-api-key"].decode("latin-1")
             if not check.allows(header):
                 body = ErrorResponse.of("Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                                         "invalid_request_error", None, "invalid_api_key")

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -78,10 +78,32 @@ def internal_error(e: BaseException) -> OpenAIError:
                        "internal_server_error")
 
 
+# Routes that answer errors in Anthropic's shape (cluster.http.anthropic_messages).
+ANTHROPIC_ROUTES = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_error_body(err: OpenAIError) -> dict:
+    """Anthropic's error shape, which its SDK reads."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(err.status, "api_error"), "message": err.message}}
+
+
+def _answer(request: Request, err: OpenAIError) -> Response:
+    """The error in the shape of the API the route speaks."""
+    path, root = request.scope.get("path", ""), request.scope.get("root_path") or ""
+    if root not in ("", "/") and path.startswith(root):
+        path = path[len(root):]
+    if path.startswith(ANTHROPIC_ROUTES):
+        return JSONResponse(anthropic_error_body(err), err.status, headers=err.headers)
+    return err.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
-        return exc.response()
+        return _answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -97,25 +119,25 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"missing required field '{param}'"
         else:
             message = f"invalid value for '{'.'.join(loc)}': {err.get('msg', 'invalid')}"
-        return OpenAIError(400, message, param=param).response()
+        return _answer(request, OpenAIError(400, message, param=param))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         """Anything unforeseen is still an OpenAI-shaped 500, never a bare text page."""
-        return internal_error(exc).response()
+        return _answer(request, internal_error(exc))
 
     @app.exception_handler(RecursionError)
     async def _too_deep(request: Request, exc: RecursionError) -> Response:
         """Only a request's own nesting (JSON arrays and objects in arrays and objects, often
         ~1000 deep) takes the ingress this deep: the client's fault, not the server's."""
-        return OpenAIError(400, "the request nests too deeply to process (JSON arrays or objects inside "
-                           "each other)").response()
+        return _answer(request, OpenAIError(400, "the request nests too deeply to process (JSON arrays or "
+                                            "objects inside each other)"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = _unparsable_body(exc.__cause__) or str(exc.detail)
-        return OpenAIError(exc.status_code, message, type_, headers=exc.headers).response()
+        return _answer(request, OpenAIError(exc.status_code, message, type_, headers=exc.headers))
 
 
 def _unparsable_body(cause: BaseException | None) -> str | None:

@@ -27,6 +27,7 @@ from ray import serve
 
 from cluster.http import openai_format as fmt
 from cluster.http import tokenize as tokenizer_routes
+from cluster.http.anthropic_messages import MessagesRequest, count_tokens, messages_job
 from cluster.http.auth import ApiKeyCheck, install_api_key_check
 from cluster.http.body_limits import BodyLimits, install_body_limits
 from cluster.http.cached_call import CachedCall
@@ -47,7 +48,7 @@ from cluster.http.lora import (
     UnloadLoRAAdapterRequest,
     lora_registry,
 )
-from cluster.http.metrics import AppMetrics
+from cluster.http.metrics import AppMetrics, push_forever
 from cluster.http.openai_models import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -78,12 +79,6 @@ from engine.outputs import RequestOutput
 from kvstore.store_actor import app_store
 
 logger = logging.getLogger(__name__)
-# How often an ingress replica whose request metrics changed sends them to the Coordinator
-# (a scrape of another replica shows them that stale at most; its own are always fresh). No
-# hand-over when a replica stops: Serve stops the Coordinator with the app, and a call to it
-# then waits out its bound, which would add that to every shutdown; a replaced replica's
-# requests of its last period are the only ones not counted.
-_METRICS_PUSH_S = 2.0
 # Bound on each call to the Coordinator (/health, /metrics, /status, the metrics push): Serve
 # holds a call to a deployment with no running replica (a Coordinator being replaced) until one
 # runs. Past it: a 503 with Retry-After. /scale may wait on Serve's controller: a longer bound.
@@ -220,7 +215,8 @@ class Ingress:
                               f"{self.max_pending} per request", param="n" if n > 1 else "prompt")
         token = self._admit(len(requests))
         if self._pusher is None:
-            self._pusher = detached_task(self._push_metrics())
+            self._pusher = detached_task(push_forever(self.metrics, lambda snapshot: self._ask_coordinator(
+                "report_ingress_metrics", self.ingress_id, snapshot)))
         # Engine ids are unique even when a client reuses its request_id (it stays the response id).
         suffix = uuid.uuid4().hex[:8]
         outputs = merged([self.runner.stream(i, dataclasses.replace(r, request_id=f"{job.request_id}-{i}-{suffix}"))
@@ -268,19 +264,6 @@ class Ingress:
         if wire.done:
             yield fmt.sse("[DONE]")
 
-    # ---- request metrics of several ingress replicas (cluster.control.metrics_merge) -------------
-    async def _push_metrics(self) -> None:
-        sent = 0
-        while True:
-            await asyncio.sleep(_METRICS_PUSH_S)  # a period, not a wait on an event
-            if self.metrics.answered != sent:
-                sent = self.metrics.answered
-                try:
-                    await self._ask_coordinator("report_ingress_metrics", self.ingress_id, self.metrics.snapshot())
-                except OpenAIError as e:  # a restarting coordinator: sent again at the next period
-                    sent = -1
-                    logger.debug("request metrics not sent: %s", e.message)
-
     async def _ask_coordinator(self, method: str, *args, timeout_s: float | None = None):
         timeout_s = self.coordinator_call_s if timeout_s is None else timeout_s
         try:
@@ -312,6 +295,16 @@ class Ingress:
     async def responses(self, body: ResponsesRequest) -> Response:
         await self._follow_loras(body.model)
         return await self.respond(responses_job(self.served, body))
+
+    # Anthropic's Messages API (cluster.http.anthropic_messages; errors in its shape: errors.py).
+    @app.post("/v1/messages")
+    async def messages(self, body: MessagesRequest) -> Response:
+        await self._follow_loras(body.model)
+        return await self.respond(messages_job(self.served, body))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(self, body: MessagesRequest) -> Response:
+        return JSONResponse(count_tokens(self.served, body))
 
     async def _follow_loras(self, model) -> None:
         if self.lora_follower is not None:

@@ -14,6 +14,8 @@ produced by prometheus_client.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import Counter as Tally
 
@@ -21,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cluster.control.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
+from cluster.http.errors import OpenAIError
 from cluster.pd.placement import FALLBACK_REASONS
 from cluster.replica import router_stats
 from cluster.report import ReplicaReport
@@ -28,6 +31,7 @@ from engine.metrics import names
 from engine.metrics.names import MetricDef
 from kvstore.kv_io import REFUSAL_REASONS, refusal_key
 
+logger = logging.getLogger(__name__)
 # Token-count histogram bounds when the ingress does not say its context length.
 DEFAULT_MAX_MODEL_LEN = 1 << 20
 
@@ -212,3 +216,26 @@ class AppMetrics:
         self._requests_of_all.snapshot = self.snapshot() if requests is None else requests
         self._replicas.reports = replica_reports
         return generate_latest(self._scrape)
+
+
+# How often an ingress replica whose request metrics changed sends them to the Coordinator
+# (a scrape of another replica shows them that stale at most; its own are always fresh). No
+# hand-over when a replica stops: Serve stops the Coordinator with the app, and a call to it
+# then waits out its bound, which would add that to every shutdown; a replaced replica's
+# requests of its last period are the only ones not counted.
+METRICS_PUSH_S = 2.0
+
+
+async def push_forever(metrics: AppMetrics, send, period_s: float = METRICS_PUSH_S) -> None:
+    """An ingress's request metrics to the Coordinator (cluster.control.metrics_merge), with
+    `send(snapshot)`, each period in which they changed."""
+    sent = 0
+    while True:
+        await asyncio.sleep(period_s)  # a period, not a wait on an event
+        if metrics.answered != sent:
+            sent = metrics.answered
+            try:
+                await send(metrics.snapshot())
+            except OpenAIError as e:  # a restarting coordinator: sent again at the next period
+                sent = -1
+                logger.debug("request metrics not sent: %s", e.message)

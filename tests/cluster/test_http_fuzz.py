@@ -48,6 +48,17 @@ def served(tiny_model):
           {key: SENT[key] for key in sorted(SENT)})
 
 
+def _assert_error_shape(path: str, response) -> None:
+    """OpenAI's error shape, or Anthropic's on its Messages routes."""
+    body = response.json()
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"], \
+            response.text[:500]
+        return
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], response.text[:500]
+
+
 def _stream_errors(text: str) -> list[dict]:
     """The error objects among an SSE body's `data:` events."""
     errors = []
@@ -70,15 +81,14 @@ def test_no_request_gets_a_5xx(case, served):
     SENT[key] = SENT.get(key, 0) + 1
     assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
     if response.status_code >= 400:
-        err = response.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["message"], response.text[:500]
+        _assert_error_shape(case.path, response)
     elif "text/event-stream" in response.headers.get("content-type", [""])[0]:
         failed = [e for e in _stream_errors(response.text) if int(e.get("code") or 500) >= 500]
         assert not failed, (case.body, failed)
 
 
 # ---- the generation operations against a real engine ----------------------------------------
-GENERATION = ("/v1/chat/completions", "/v1/completions")
+GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 REAL_MAX_MODEL_LEN = 128
 
 
@@ -106,8 +116,7 @@ def test_no_generation_request_gets_a_5xx_from_a_real_engine(case, real):
     response = case.call(base_url=served.url, timeout=120)
     assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
     if response.status_code >= 400:
-        err = response.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["message"], response.text[:500]
+        _assert_error_shape(case.path, response)
     elif "text/event-stream" in response.headers.get("content-type", [""])[0]:
         assert not _stream_errors(response.text), (case.body, response.text[:500])
     _assert_engine_idle(engine)
