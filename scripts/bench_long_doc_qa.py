@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 import time
 
 QUESTION = "\n\nQuestion: what is the main point of the document above? Answer in one sentence.\nAnswer:"
@@ -109,15 +110,23 @@ def main() -> int:
           f"{pool * args.block_size / (args.num_docs * len(docs[0])):.0%} of the documents); "
           f"host tier {args.kv_offloading_size:g} GiB on the 'on' side")
     times = {(side, r): [] for side in engines for r in (1, 2)}
+    computed = {}  # (side, round) -> prompt and output tokens the engine ran: noise-free
     for r in (1, 2):
+        before = {side: engine.core.num_scheduled_tokens for side, engine in engines.items()}
         for i, doc in enumerate(docs):
             for side, engine in engines.items():  # alternated: both see the same machine
                 times[side, r].append(ttft(engine, f"r{r}-d{i}", doc, params))
+                print(f"round {r} document {i} tier {side}: TTFT {times[side, r][-1]:.3f} s", file=sys.stderr,
+                      flush=True)
+        for side, engine in engines.items():
+            computed[side, r] = engine.core.num_scheduled_tokens - before[side]
     mean = {k: sum(v) / len(v) for k, v in times.items()}
-    print("| tier | round 1 mean TTFT s | round 2 mean TTFT s | round 2 / round 1 |")
-    print("| --- | --- | --- | --- |")
+    print("| tier | round 1 mean TTFT s | round 2 mean TTFT s | round 2 / round 1 | tokens computed, "
+          "round 1 / round 2 |")
+    print("| --- | --- | --- | --- | --- |")
     for side in engines:
-        print(f"| {side} | {mean[side, 1]:.3f} | {mean[side, 2]:.3f} | {mean[side, 2] / mean[side, 1]:.2f} |")
+        print(f"| {side} | {mean[side, 1]:.3f} | {mean[side, 2]:.3f} | {mean[side, 2] / mean[side, 1]:.2f} | "
+              f"{computed[side, 1]} / {computed[side, 2]} |")
     stats, load = core.kv_transfer_stats(), core.load()
     print(f"host tier: {stats['host_stores']} blocks stored, {stats['host_loads']} loaded "
           f"({stats['host_hit_tokens']} tokens), {stats['host_refused']} refused, {stats['host_evictions']} "
