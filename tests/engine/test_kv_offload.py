@@ -74,6 +74,9 @@ def test_second_round_loads_evicted_prefixes_from_host_with_outputs_equal_to_tra
     assert load.external_prefix_cache_hits >= sum(tier_cached) // 2
     assert stats["host_hit_tokens"] >= load.external_prefix_cache_hits and stats["host_refused"] == 0
     assert load.external_prefix_cache_queries == 2 * sum(len(p) for p in prompts)
+    metrics = {m.name: m.value for m in tier.get_metrics() if m.name.startswith("vllm:external_prefix_cache")}
+    assert metrics == {"vllm:external_prefix_cache_queries": load.external_prefix_cache_queries,
+                       "vllm:external_prefix_cache_hits": load.external_prefix_cache_hits}
     _assert_no_leaks(plain)
     _assert_no_leaks(tier)
 
@@ -113,6 +116,17 @@ def test_the_tier_keeps_within_its_size_least_recently_used_first_out(tiny_model
     _, cached = _round(llm, prompts[-1:])
     assert cached[0] > 0
     _assert_no_leaks(llm)
+
+
+def test_an_engine_core_process_gets_its_tier_too(tiny_model):
+    prompts = _prompts()
+    llm = LLM(tiny_model, kv_offloading_size=TIER_GB, engine_core_process=True, **ENGINE)
+    try:
+        first, _ = _round(llm, prompts)
+        second, cached = _round(llm, prompts)
+        assert second == first and cached == [(len(p) - 1) // BS * BS for p in prompts]
+    finally:
+        llm.shutdown()
 
 
 def test_prompt_logprobs_requests_compute_their_whole_prompt(tiny_model):
