@@ -104,8 +104,8 @@ KV_OFFLOADING_BACKENDS = ("native",)
 @dataclass(frozen=True)
 class KVOffloadConfig:
     """The engine's host KV tier (engine.kv_offload; vLLM's --kv-offloading-size): prefix
-    blocks kept in `size_gb` GiB of host memory (over all tensor-parallel ranks) after the
-    engine's own pool evicted them."""
+    blocks kept in `size_gb` GiB of host memory after the engine's own pool evicted them (per
+    engine core: data-parallel cores have one each)."""
 
     size_gb: float
     backend: str = "native"
