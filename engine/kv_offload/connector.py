@@ -219,17 +219,22 @@ class OffloadConnector(KVConnectorBase):
 
     def wait_for_save(self, metadata: OffloadMetadata | None) -> None:
         """Evict and copy out, in the order the scheduler side decided (after this step's
-        loads, so a block loaded now is never evicted before it is read)."""
-        if metadata is None:
+        loads, so a block loaded now is never evicted before it is read). The step's copies are
+        all started before the one wait for them, so host memory may exceed the tier's size
+        by one step's budget for that moment."""
+        if metadata is None or not metadata.ops:
             return
-        for block_hash, block_id in metadata.ops:
+        paged = self._paged
+        copies = [paged.copy_out(block_id) if block_id != EVICT else None for _, block_id in metadata.ops]
+        paged.synchronize()  # the checksums below read the copied bytes
+        for (block_hash, block_id), data in zip(metadata.ops, copies):
             if block_id == EVICT:
                 self.stats["host_evictions"] += block_hash in self.pool
                 self.pool.drop(block_hash)
                 continue
-            self.pool.put(block_hash, self._paged.copy_out(block_id))
+            self.pool.put(block_hash, data)
             self.stats["host_stores"] += 1
-            self.stats["host_bytes_out"] += self._paged.block_bytes
+            self.stats["host_bytes_out"] += paged.block_bytes
 
     def get_finished(self) -> KVConnectorOutput:
         finished, self._finished = self._finished, KVConnectorOutput()

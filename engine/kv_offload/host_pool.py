@@ -53,12 +53,19 @@ class PagedBlocks:
         self.block_bytes = k0[0].numel() * k0.element_size() * 2 * len(self.layers)
 
     def copy_out(self, block_id: int) -> torch.Tensor:
-        """One block's KV in host memory (pinned on CUDA, so the copy is a plain DMA)."""
-        out = torch.empty(self.block_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        """One block's KV in host memory (pinned on CUDA, so the copy is a plain DMA). On CUDA
+        the copy is asynchronous: `synchronize` before reading it."""
+        cuda = self.device.type == "cuda"
+        out = torch.empty(self.block_shape, dtype=self.dtype, pin_memory=cuda)
         for i, (k, v) in enumerate(self.layers):
-            out[i, 0].copy_(k[block_id])
-            out[i, 1].copy_(v[block_id])
+            out[i, 0].copy_(k[block_id], non_blocking=cuda)
+            out[i, 1].copy_(v[block_id], non_blocking=cuda)
         return out
+
+    def synchronize(self) -> None:
+        """Wait for the copies out started so far (one wait per step, not one per layer)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def copy_in(self, block_id: int, data: torch.Tensor) -> None:
         for i, (k, v) in enumerate(self.layers):
