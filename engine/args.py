@@ -20,10 +20,12 @@ from engine.config import (
     DTYPES,
     ENGINE_STEP_TIMEOUT_S,
     EXECUTOR_BACKENDS,
+    KV_OFFLOADING_BACKENDS,
     POLICIES,
     QUANTIZATION_METHODS,
     CacheConfig,
     EngineConfig,
+    KVOffloadConfig,
     ModelConfig,
     MultiModalConfig,
     ParallelConfig,
@@ -67,6 +69,11 @@ class EngineArgs:
     kv_events_config: dict | None = _arg(
         None, 'KV cache events for a KV-aware router, as a JSON object: {"enable_kv_cache_events": true} '
         '(publisher "null": pdserve\'s routers read them in-process; serve --router-mode kv turns them on)')
+    kv_offloading_size: float | None = _arg(None, "host memory in GiB for a second KV tier: prefix blocks "
+                                            "evicted from the KV cache are loaded from there instead of "
+                                            "recomputed (default: no tier)")
+    kv_offloading_backend: str = _arg("native", "how the host KV tier keeps its blocks",
+                                      KV_OFFLOADING_BACKENDS)
     # scheduler
     max_num_seqs: int = _arg(256, "most requests in one step")
     max_num_batched_tokens: int | None = _arg(None, "token budget of one step (default: 8192 on "
@@ -181,6 +188,7 @@ class EngineArgs:
             raise ParameterError("model", f"model must be a model directory or .gguf file, got {self.model!r}")
         # Read by the P/D connector (kvstore.connector), which no engine config carries.
         check_choice("kv_load_failure_policy", self.kv_load_failure_policy, LOAD_FAILURE_POLICIES)
+        check_choice("kv_offloading_backend", self.kv_offloading_backend, KV_OFFLOADING_BACKENDS)
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                               seed=self.seed, device=self.device, max_logprobs=self.max_logprobs,
@@ -220,6 +228,8 @@ class EngineArgs:
             speculative=SpeculativeConfig.from_user(self.speculative_config),
             lora=LoRAConfig.from_args(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras),
             engine_step_timeout_s=self.engine_step_timeout_s,
+            kv_offload=(None if self.kv_offloading_size is None
+                        else KVOffloadConfig(self.kv_offloading_size, self.kv_offloading_backend)),
         )
 
 

@@ -96,6 +96,32 @@ class CacheConfig:
         return self.kernel_block_size or self.block_size
 
 
+# How the host KV tier keeps its blocks (vLLM's --kv-offloading-backend): "native", the
+# engine's own host pool (engine.kv_offload).
+KV_OFFLOADING_BACKENDS = ("native",)
+
+
+@dataclass(frozen=True)
+class KVOffloadConfig:
+    """The engine's host KV tier (engine.kv_offload; vLLM's --kv-offloading-size): prefix
+    blocks kept in `size_gb` GiB of host memory after the engine's own pool evicted them (per
+    engine core: data-parallel cores have one each)."""
+
+    size_gb: float
+    backend: str = "native"
+
+    def __post_init__(self) -> None:
+        size = self.size_gb
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < float("inf"):
+            raise ParameterError("kv_offloading_size", f"kv_offloading_size is the host KV tier's size in GiB "
+                                 f"and must be > 0 (leave it unset for no tier), got {size!r}")
+        check_choice("kv_offloading_backend", self.backend, KV_OFFLOADING_BACKENDS)
+
+    @property
+    def size_bytes(self) -> int:
+        return int(self.size_gb * 2**30)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -249,6 +275,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # Multi-LoRA (engine.lora); None: enable_lora is off and requests name no adapter.
     lora: LoRAConfig | None = None
+    # The host KV tier (engine.kv_offload); None: off.
+    kv_offload: KVOffloadConfig | None = None
     # Seconds an engine step (or a silence of a core apart) may last before the engine is failed
     # as hung; 0: no bound.
     engine_step_timeout_s: float = ENGINE_STEP_TIMEOUT_S
@@ -260,7 +288,18 @@ class EngineConfig:
                 t == 0 or MIN_ENGINE_STEP_TIMEOUT_S <= t <= 86400):
             raise ParameterError("engine_step_timeout_s", f"engine_step_timeout_s must be 0 (no bound) or in "
                                  f"[{MIN_ENGINE_STEP_TIMEOUT_S:g}, 86400] seconds, got {t!r}")
+        if self.kv_offload is not None:
+            self._check_kv_offload()
         if self.lora is not None and self.parallel.tensor_parallel_size > 1:
             raise ParameterError("enable_lora", "enable_lora runs with tensor_parallel_size=1 (each "
                                  "data-parallel core or replica holds the whole model and its adapters), "
                                  f"got tensor_parallel_size={self.parallel.tensor_parallel_size}")
+
+    def _check_kv_offload(self) -> None:
+        if not self.cache.enable_prefix_caching:
+            raise ParameterError("kv_offloading_size", "kv_offloading_size keeps prefix-cache blocks in host "
+                                 "memory: it needs enable_prefix_caching")
+        if self.parallel.tensor_parallel_size > 1:
+            raise ParameterError("kv_offloading_size", "kv_offloading_size runs with tensor_parallel_size=1 "
+                                 f"(got {self.parallel.tensor_parallel_size}); each data-parallel core or "
+                                 "replica keeps a tier of its own")

@@ -21,6 +21,7 @@ from engine.kv_cache import KVCacheManager
 from engine.kv_cache.events import EngineKVEvents
 from engine.kv_cache.hybrid import kv_groups, split_blocks, window_blocks_bound
 from engine.kv_connector import KVConnectorFactory, KVConnectorRole
+from engine.kv_offload import with_offloading
 from engine.load import EngineLoad, SpecDecodeCounts, summed_counters
 from engine.lora.sched import LoRAUsage
 from engine.models.arch import ModelArch, load_arch
@@ -120,6 +121,8 @@ class EngineCore:
         worker_config = WorkerConfig(config, self.arch, self.device, self.dtype, self.max_model_len, sc, backend, dp)
         if executor_cls is None:
             executor_cls = executor_class(config.parallel.executor_backend)
+        # The host KV tier (engine.kv_offload) composes with whatever connector was given.
+        kv_connector_factory = with_offloading(config, self.arch, self.dtype, kv_connector_factory)
         self.executor = executor_cls(worker_config, kv_connector_factory)
         spec = config.speculative
         self.kv_groups = kv_groups(self.arch, disabled=cc.disable_hybrid_kv_cache_manager,
@@ -362,7 +365,7 @@ class EngineCore:
     def load(self, fresh: bool = True) -> EngineLoad:
         """Load figures for routing, health and metrics (`fresh` is for core clients whose
         cores run elsewhere: this one always reads its own)."""
-        kv, stats = self.kv_cache_manager, self.scheduler.spec_stats
+        kv, stats, remote = self.kv_cache_manager, self.scheduler.spec_stats, self.scheduler.remote_kv
         encoder = self.encoder_cache.stats if self.encoder_cache is not None else None
         return EngineLoad(
             waiting=len(self.scheduler.waiting),
@@ -371,6 +374,8 @@ class EngineCore:
             total_blocks=kv.num_blocks,
             prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits,
+            external_prefix_cache_queries=remote.queries if remote else 0,
+            external_prefix_cache_hits=remote.hits if remote else 0,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             num_scheduled_tokens=self.num_scheduled_tokens,

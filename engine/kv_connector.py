@@ -100,6 +100,11 @@ class KVConnectorBase(ABC):
         with delay_free_blocks the blocks stay allocated until the worker side reports the
         request in `finished_sending`; the params go out with the request's final output."""
 
+    def load_failure_policy(self, request_id: str) -> str:
+        """The failure policy of `request_id`'s load (a composite connector answers with the
+        policy of the connector that loads it)."""
+        return self.kv_load_failure_policy
+
     # ---- worker side --------------------------------------------------------------------
     @abstractmethod
     def register_kv_caches(self, kv_caches: list, layer_groups: list[int] | None = None) -> None:

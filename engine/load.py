@@ -74,6 +74,9 @@ class EngineLoad:
     total_blocks: int = 0
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0
+    # Prompt tokens looked up by the KV connector (P/D, host tier) and found there (loaded).
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_steps: int = 0  # steps that ran a forward pass
     num_scheduled_tokens: int = 0  # tokens those steps ran

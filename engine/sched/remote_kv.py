@@ -31,6 +31,9 @@ class RemoteKVTracker:
         self.sending: set[str] = set()
         # Requests whose remote KV load has completed (reported by the worker side).
         self.finished_recving: set[str] = set()
+        # Prompt tokens of admitted requests, and of those the connector matched (cumulative,
+        # vLLM's external prefix cache counters).
+        self.queries = self.hits = 0
 
     # ---- admission ----------------------------------------------------------------------
     def num_external_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
@@ -41,6 +44,9 @@ class RemoteKVTracker:
     def allocated(self, request: Request, num_external: int) -> None:
         """Blocks were allocated for `request`; its last `num_external` computed tokens are
         to be filled from outside."""
+        if request.num_cached_tokens < 0:  # its first admission: counted once
+            self.queries += request.num_tokens
+            self.hits += num_external
         self.connector.update_state_after_alloc(
             request, self.kv_cache_manager.get_group_block_ids(request.request_id), num_external)
 
@@ -81,9 +87,9 @@ class RemoteKVTracker:
         # First: the connector learns these loads are over (and released) before a failed one
         # finishes its request below, which would otherwise release its transfer a second time.
         self.connector.update_connector_output(kv_output)
-        recompute = self.connector.kv_load_failure_policy == "recompute"
         errors = []
         for request_id, reason in kv_output.failed_recving.items():
+            recompute = self.connector.load_failure_policy(request_id) == "recompute"
             if self._load_failed(request_id, recompute, fail_request):
                 errors.append(EngineCoreOutput(request_id, [], finish_reason="error", stop_reason=reason))
         return errors
