@@ -27,6 +27,10 @@ from cluster.http.responses_models import (
     OutputText,
     OutputTextDelta,
     OutputTextDone,
+    ReasoningItem,
+    ReasoningText,
+    ReasoningTextDelta,
+    ReasoningTextDone,
     Response,
     ResponseCompleted,
     ResponseCreated,
@@ -62,7 +66,10 @@ def adapt(chat: Job, shell: Shell) -> Job:
         choice = answer.choices[0]  # n is 1
         status = _status(choice.finish_reason)
         content, calls = choice.message.content, choice.message.tool_calls or []
-        output = [_Item(0, _new_id("msg"), text=content or "")] if content or not calls else []
+        reasoning = choice.message.reasoning_content
+        output = [_Item(0, _new_id("rs"), text=reasoning, reasoning=True)] if reasoning is not None else []
+        if content or not calls:
+            output.append(_Item(len(output), _new_id("msg"), text=content or ""))
         output += [_Item(len(output) + i, _new_id("fc"), (c.id, c.function.name), c.function.arguments)
                    for i, c in enumerate(calls)]
         # Every item but the last is whole; the last is what a length cut cut.
@@ -114,10 +121,14 @@ class _Item:
     id: str
     call: tuple[str, str] | None = None
     text: str = ""
+    reasoning: bool = False  # the thinking of a reasoning model (--reasoning-parser)
 
     def as_model(self, status: str) -> OutputItem:
         """The item as the Response lists it; "in_progress" is how it is announced, still empty."""
         text = "" if status == "in_progress" else self.text
+        if self.reasoning:
+            return ReasoningItem(id=self.id, status=status,
+                                 content=[] if status == "in_progress" else [ReasoningText(text=text)])
         if self.call is None:
             return OutputMessage(id=self.id, status=status,
                                content=[] if status == "in_progress" else [OutputText(text=text)])
@@ -158,6 +169,8 @@ class Events:
         events = []
         for choice in chunk.choices:  # one: n is 1
             delta = choice.delta
+            if delta.reasoning_content:
+                events += self._reasoning(delta.reasoning_content)
             if delta.content:
                 events += self._text(delta.content)
             for call in delta.tool_calls or ():
@@ -167,8 +180,11 @@ class Events:
         return events
 
     def end(self) -> list[ResponseEvent]:
-        # An answer with neither text nor a call is one empty message, as the whole response's.
-        events = self._open(_Item(0, _new_id("msg"))) if not self.output and self.open is None else []
+        # An answer with neither text nor a call (thinking at most) ends with one empty message,
+        # as the whole response's.
+        answered = any(not isinstance(i, ReasoningItem) for i in self.output) or (
+            self.open is not None and not self.open.reasoning)
+        events = [] if answered else self._close("completed") + self._open(_Item(len(self.output), _new_id("msg")))
         status = _status(self.finish)
         events += self._close(status)
         kind = ResponseIncomplete if status == "incomplete" else ResponseCompleted
@@ -178,9 +194,19 @@ class Events:
         """The `error` event that ends a stream whose request failed."""
         return self.event(ErrorEvent, code=err.code or err.type, message=err.message)
 
+    def _reasoning(self, delta: str) -> list[ResponseEvent]:
+        events = []
+        if self.open is None or not self.open.reasoning:
+            events = self._close("completed")
+            events += self._open(_Item(len(self.output), _new_id("rs"), reasoning=True))
+        item = self.open
+        item.text += delta
+        return events + [self.event(ReasoningTextDelta, item_id=item.id, output_index=item.index, content_index=0,
+                                    delta=delta)]
+
     def _text(self, delta: str) -> list[ResponseEvent]:
         events = []
-        if self.open is None or self.open.call is not None:
+        if self.open is None or self.open.call is not None or self.open.reasoning:
             events = self._close("completed")
             events += self._open(_Item(len(self.output), _new_id("msg")))
         item = self.open
@@ -206,7 +232,7 @@ class Events:
     def _open(self, item: _Item) -> list[ResponseEvent]:
         self.open = item
         events = [self.event(OutputItemAdded, output_index=item.index, item=item.as_model("in_progress"))]
-        if item.call is None:
+        if item.call is None and not item.reasoning:
             events.append(self.event(ContentPartAdded, item_id=item.id, output_index=item.index, content_index=0,
                                      part=OutputText(text="")))
         return events
@@ -216,7 +242,9 @@ class Events:
         if item is None:
             return []
         where = {"item_id": item.id, "output_index": item.index}
-        if item.call is None:
+        if item.reasoning:
+            events = [self.event(ReasoningTextDone, **where, content_index=0, text=item.text)]
+        elif item.call is None:
             events = [self.event(OutputTextDone, **where, content_index=0, text=item.text),
                       self.event(ContentPartDone, **where, content_index=0, part=OutputText(text=item.text))]
         else:

@@ -35,7 +35,22 @@ class FunctionToolCall(BaseModel):
     arguments: str  # a JSON object, as a string
 
 
-OutputItem = Annotated[OutputMessage | FunctionToolCall, Field(discriminator="type")]
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning model's thinking (--reasoning-parser), before the answer's items."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    status: ItemStatus
+    summary: list = []
+    content: list[ReasoningText]
+
+
+OutputItem = Annotated[OutputMessage | FunctionToolCall | ReasoningItem, Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):
@@ -173,6 +188,18 @@ class FunctionCallArgumentsDone(_InItemEvent):
     arguments: str
 
 
+class ReasoningTextDelta(_InItemEvent):
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    content_index: int
+    delta: str
+
+
+class ReasoningTextDone(_InItemEvent):
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    content_index: int
+    text: str
+
+
 class ErrorEvent(_Event):
     """What ends a stream whose request failed (no `data: [DONE]` follows)."""
 
@@ -184,4 +211,5 @@ class ErrorEvent(_Event):
 
 ResponseEvent = (ResponseCreated | ResponseInProgress | ResponseCompleted | ResponseIncomplete | OutputItemAdded
                  | OutputItemDone | ContentPartAdded | ContentPartDone | OutputTextDelta | OutputTextDone
-                 | FunctionCallArgumentsDelta | FunctionCallArgumentsDone | ErrorEvent)
+                 | FunctionCallArgumentsDelta | FunctionCallArgumentsDone | ReasoningTextDelta | ReasoningTextDone
+                 | ErrorEvent)

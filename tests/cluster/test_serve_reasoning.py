@@ -111,3 +111,25 @@ def test_an_answer_without_thinking(served):
         assert message.content == ANSWER and "reasoning_content" not in (message.model_extra or {})
     else:  # deepseek_r1: its template opened <think>, and it never closed: all thinking
         assert message.model_extra["reasoning_content"] == ANSWER and message.content is None
+
+
+def test_the_responses_api_returns_the_thinking_as_a_reasoning_item_whole_and_streamed(served):
+    s, engines, opening = served
+    engines.text = f"{opening}{THINKING}</think>{ANSWER}"
+    client = _client(s.url)
+    r = client.responses.create(model=NAME, input="2+2?", max_output_tokens=64)
+    assert [i.type for i in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == THINKING and r.output_text == ANSWER
+    events = list(client.responses.create(model=NAME, input="2+2?", max_output_tokens=64, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == THINKING
+    done = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert len(done) == 1 and done[0].text == THINKING and done[0].output_index == 0
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["reasoning", "message"] and final.output_text == ANSWER
+    # Thinking alone (cut by the length): a reasoning item and an empty message, both ways.
+    engines.text = f"{opening}{THINKING}"
+    whole = client.responses.create(model=NAME, input="2+2?", max_output_tokens=64)
+    streamed = list(client.responses.create(model=NAME, input="2+2?", max_output_tokens=64, stream=True))[-1].response
+    assert [i.type for i in whole.output] == [i.type for i in streamed.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == streamed.output[0].content[0].text == THINKING
