@@ -107,6 +107,7 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest, cached_details: b
     images = load_images(served.allowed_local_media_path, None if mm is None else mm.limit, body,
                          served.limits.max_image_pixels)
     text, ids = render(served.tokenizer, body, template_kwargs(served.tokenizer, body.chat_template_kwargs), plan)
+    params = _after_thinking(served, params, text)
     with rejecting(body):
         request = served.request(ids, params, text, images, lora, body.priority, body.cache_salt)
     ids = request.prompt_token_ids  # image placeholders expanded
@@ -197,11 +198,21 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest, cached_details: b
     # `n` > 1: n requests of the same prompt (engine.parallel_sampling); choice j is sample j.
     n = params.n
     streamers = [plan.streamer() for _ in range(n)] if plan is not None else []
-    # A grammar (structured outputs, a forced tool call) shapes the whole answer from its first
-    # token, so there is no thinking to split off (vLLM starts the grammar after </think>).
-    reasoner = served.reasoning_parser if params.structured_outputs is None else None
+    # A grammar from the first token (the model was not to think) leaves no thinking to split.
+    so = params.structured_outputs
+    reasoner = served.reasoning_parser if so is None or so.after_tokens else None
     thinking = [reasoner.stream() for _ in range(n)] if reasoner is not None else []
     return Job(child_requests(request), request_id, body.stream, chunks, whole, n)
+
+
+def _after_thinking(served: ServedModel, params: SamplingParams, prompt_text: str) -> SamplingParams:
+    """A reasoning model's grammar (structured outputs, a forced tool call) starts after its
+    `</think>`, as vLLM's does, when the prompt leaves the model to think."""
+    reasoner, so = served.reasoning_parser, params.structured_outputs
+    if reasoner is None or so is None or not reasoner.thinks_after(prompt_text):
+        return params
+    end = tuple(served.tokenizer.encode(reasoner.end, add_special_tokens=False))
+    return dataclasses.replace(params, structured_outputs=dataclasses.replace(so, after_tokens=end))
 
 
 def _with_tools(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:

@@ -24,6 +24,13 @@ START, END = "<think>", "</think>"
 class ReasoningParser:
     name: str
     starts_inside: bool  # the template opened <think>: the text begins as reasoning
+    end: str = END
+
+    def thinks_after(self, prompt_text: str) -> bool:
+        """Whether a model given this prompt thinks first: not when the template closed the
+        thinking itself (Qwen3's `enable_thinking: false` ends the prompt with an empty
+        `<think></think>`)."""
+        return not prompt_text.rstrip().endswith(END)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole answer; None for a part that is absent."""

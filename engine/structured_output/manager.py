@@ -17,7 +17,7 @@ from engine.structured_output.backend import (
     bitmask_words,
 )
 from engine.structured_output.params import StructuredOutputsParams
-from engine.structured_output.request import StructuredOutputRequest
+from engine.structured_output.request import StructuredOutputRequest, split_after
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,10 @@ class StructuredOutputManager:
     def grammar_init(self, params: StructuredOutputsParams, prior_tokens: list[int]) -> StructuredOutputRequest:
         """Start compiling a request's matcher; `prior_tokens` are output tokens it already
         has (sampled by another engine), replayed into the matcher."""
-        future: Future = self._pool.submit(self._create_grammar, params, list(prior_tokens))
-        return StructuredOutputRequest(params, future)
+        before_start, grammar_tokens = split_after(list(prior_tokens), params.after_tokens)
+        future: Future = self._pool.submit(self._create_grammar, params, grammar_tokens)
+        tail = list(prior_tokens)[-len(params.after_tokens):] if before_start else []
+        return StructuredOutputRequest(params, future, before_start, tail)
 
     def grammar_bitmask(self, requests: list, num_scheduled: dict[str, int]) -> tuple[dict[str, int], np.ndarray | None]:
         """({req_id: row}, [rows, words] int32) for the structured requests among the
@@ -108,6 +110,8 @@ class StructuredOutputManager:
             so_request = r.structured_output_request
             if so_request is None or r.num_computed_tokens + num_scheduled[r.request_id] < r.num_tokens:
                 continue
+            if so_request.before_start:
+                continue  # its constraint has not started: any token
             row_of[r.request_id] = len(grammars)
             grammars.append((so_request.grammar, len(grammars)))
         if not grammars:

@@ -28,9 +28,13 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # The constraint starts after these output tokens (a reasoning model's `</think>`, set by the
+    # server's reasoning parser, as vLLM starts its grammar after the reasoning): tokens before
+    # them and they themselves are free. None: from the first output token.
+    after_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        set_ = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        set_ = [f.name for f in fields(self) if f.name in _KINDS and getattr(self, f.name) not in (None, False)]
         if len(set_) != 1:
             raise ParameterError(_FIELD, "structured_outputs must set exactly one of "
                                  f"{', '.join(_KINDS)}; got {set_ or 'none'}")
@@ -48,6 +52,12 @@ class StructuredOutputsParams:
                                      f"non-empty strings, got {choice!r}")
             # Frozen means frozen: a caller's list cannot change the request after the fact.
             object.__setattr__(self, "choice", tuple(choice))
+        if self.after_tokens is not None:
+            after = self.after_tokens
+            if (not isinstance(after, (list, tuple)) or not after
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in after)):
+                raise ParameterError(_FIELD, f"structured_outputs.after_tokens must be token ids, got {after!r}")
+            object.__setattr__(self, "after_tokens", tuple(after))
         if self.json_object is not None and self.json_object is not True:
             raise ParameterError(_FIELD, f"structured_outputs.json_object must be true, got {self.json_object!r}")
 

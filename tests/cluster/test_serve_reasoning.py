@@ -26,10 +26,12 @@ class ScriptedEngines:
 
     def __init__(self) -> None:
         self.text = ""
+        self.last = None  # the last request, as the engine got it
 
     async def generate(self, request):
         from engine.outputs import CompletionOutput, RequestOutput
 
+        self.last = request
         text, ids = self.text, request.prompt_token_ids
         pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
         for k, piece in enumerate(pieces):
@@ -133,3 +135,26 @@ def test_the_responses_api_returns_the_thinking_as_a_reasoning_item_whole_and_st
     streamed = list(client.responses.create(model=NAME, input="2+2?", max_output_tokens=64, stream=True))[-1].response
     assert [i.type for i in whole.output] == [i.type for i in streamed.output] == ["reasoning", "message"]
     assert whole.output[0].content[0].text == streamed.output[0].content[0].text == THINKING
+
+
+def test_a_grammar_starts_after_the_thinking_when_the_model_is_to_think(served, tiny_model):
+    """As vLLM's: structured outputs (and forced tool calls) constrain the answer after
+    `</think>`; a prompt whose template closed the thinking already is constrained at once."""
+    from transformers import AutoTokenizer
+
+    s, engines, opening = served
+    engines.text = f'{opening}{THINKING}</think>{{"a": 1}}'
+    client = _client(s.url)
+    r = _ask(client, response_format={"type": "json_object"})
+    end = tuple(AutoTokenizer.from_pretrained(tiny_model).encode("</think>", add_special_tokens=False))
+    assert engines.last.sampling_params.structured_outputs.after_tokens == end
+    message = r.choices[0].message
+    assert (message.model_extra["reasoning_content"], message.content) == (THINKING, '{"a": 1}')
+    # The template closed the thinking (here: an assistant turn continued after an empty one).
+    engines.text = '{"a": 1}'
+    closed = client.chat.completions.create(
+        model=NAME, max_tokens=16, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\n\n</think>\n\n"}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert engines.last.sampling_params.structured_outputs.after_tokens is None
+    assert closed.choices[0].message.content == '{"a": 1}'

@@ -214,3 +214,25 @@ def test_request_waits_for_its_grammar_without_blocking_others(llm, prompts):
     while llm.engine.has_work():
         texts.update({o.request_id: o.outputs[0].text for o in llm.engine.step() if o.finished})
     assert_fullmatch(texts["held"], "held[0-9]")
+
+
+def test_a_constraint_with_after_tokens_starts_after_them(llm, prompts, tiny_model):
+    """A reasoning model's grammar starts after its `</think>` (after_tokens): the tokens up to
+    and including them are the unconstrained greedy ones, the rest the constrained greedy
+    continuation of that prefix (the masked-argmax reference)."""
+    prompt = prompts[2]["prompt_token_ids"]
+    free = _gen(llm, prompts[2:3], SamplingParams(temperature=0, max_tokens=6))[0].token_ids
+    after = tuple(free[2:4])  # a two-token "</think>" the model writes on its own
+    so = StructuredOutputsParams(regex=CODE_REGEX, after_tokens=after)
+    out = _gen(llm, prompts[2:3], SamplingParams(temperature=0, max_tokens=20, structured_outputs=so))[0]
+    assert out.token_ids[:4] == free[:4]
+    ref, _ = _reference_constrained_greedy(tiny_model, REGEX, prompt + free[:4], 16, llm.engine.eos_token_ids)
+    assert out.token_ids[4:] == ref
+    # A P/D decode engine replays the tokens sampled before it: the constraint's start is found
+    # among them, whether it came already or not yet.
+    from engine.structured_output.request import split_after
+
+    assert split_after(free[:5], after) == (False, free[4:5])
+    assert split_after(free[:3], after) == (True, [])
+    assert split_after(free[:3], None) == (False, free[:3])
+    _assert_idle(llm)
