@@ -56,6 +56,14 @@ KV_TRANSFER: dict[str, MetricDef] = {
     "bytes_in": MetricDef("pdserve:kv_transfer_bytes_in", "counter", "Bytes of KV loaded"),
     "load_seconds": MetricDef("pdserve:kv_transfer_load_seconds", "counter",
                               "Seconds spent loading KV (fetch to blocks written)"),
+    # The host KV tier's (engine.kv_offload; --kv-offloading-size).
+    "host_stores": MetricDef("pdserve:kv_offload_stores", "counter", "Blocks copied to the host KV tier"),
+    "host_loads": MetricDef("pdserve:kv_offload_loads", "counter", "Blocks loaded from the host KV tier"),
+    "host_hit_tokens": MetricDef("pdserve:kv_offload_hit_tokens", "counter",
+                                 "Prompt tokens loaded from the host KV tier instead of computed"),
+    "host_refused": MetricDef("pdserve:kv_offload_refused", "counter",
+                              "Host-tier loads refused (checksum, shape or dtype) and recomputed"),
+    "host_bytes_held": MetricDef("pdserve:kv_offload_bytes_held", "gauge", "Bytes the host KV tier holds"),
 }
 # The replica's own latency percentiles the autoscaler reads; absent until it has samples.
 SCALING_SIGNALS: dict[str, MetricDef] = {

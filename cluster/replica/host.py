@@ -125,6 +125,7 @@ class EngineHost:
         tp, dp = engine_args.tensor_parallel_size, engine_args.data_parallel_size
         config = engine_config_for_role(engine_args, role)
         cache = config.cache
+        self.kv_tier = config.kv_offload is not None  # its engine's connector has a host tier
         # Block size of the prefix blocks its engine tells of (KV events on), else None.
         self.kv_block_size = cache.block_size if cache.enable_kv_cache_events and cache.enable_prefix_caching else None
         self.transport = None
@@ -333,9 +334,9 @@ class EngineHost:
     async def kv_transfer_stats(self) -> dict:
         """Counters of the KV connector (exports, loads, bytes, load seconds), if any."""
         worker_side = self.connectors.get(KVConnectorRole.WORKER)
-        if worker_side is not None:
+        if worker_side is not None and not self.kv_tier:
             return dict(worker_side.stats)
-        if self.role == Role.COLOCATED:
+        if self.role == Role.COLOCATED and not self.kv_tier:
             return {}  # no connector anywhere
         ranks = self.engine.rank_actors()
         if ranks:
