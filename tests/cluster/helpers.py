@@ -301,10 +301,12 @@ def shared_app_config(model: str, mode: str, lora_a1: str):
     tokenizer's tokens), hermes tool parsing for tool_choice "auto", and LoRA with adapter a1
     served from the start and run-time loading; base-model requests run through the LoRA layers
     with no adapter, as they do on a vLLM server started with --enable-lora. Two replicas of the
-    routed role (prefill, or colocated) under KV-aware routing (--router-mode kv)."""
+    routed role (prefill, or colocated) under KV-aware routing (--router-mode kv), each engine
+    with a host KV tier (--kv-offloading-size)."""
     routed = {"prefill_replicas": 2} if mode == "pd" else {"colocated_replicas": 2}
     return tiny_app(model, mode, SHARED_NAME, f"shared-{mode}",
-                    engine={"max_model_len": 1024, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16},
+                    engine={"max_model_len": 1024, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16,
+                            "kv_offloading_size": 0.125},
                     enable_auto_tool_choice=True, tool_call_parser="hermes", lora_modules=(f"a1={lora_a1}",),
                     enable_lora_runtime_updating=True, router_mode="kv", **routed)
 

@@ -46,6 +46,9 @@ def test_each_next_turn_goes_to_the_replica_that_holds_its_history(client, app, 
     since = time.time()
     wait_for(lambda: _reported_since(app, role, since), f"both {role} replicas to report", 30)
     assert _hits(app, role) - hits == 3 * HISTORY
-    held = [r["kv_cached_blocks"]["device"] for r in replicas(app) if r["role"] == role]
-    assert sum(held) >= 3 * HISTORY // 16
+    held = [r["kv_cached_blocks"] for r in replicas(app) if r["role"] == role]
+    assert sum(h["device"] for h in held) >= 3 * HISTORY // 16
+    # Each engine's host tier took the histories' blocks too (write-through), and says so.
+    assert sum(h["host"] for h in held) >= 3 * HISTORY // 16
+    assert metric_value(app, "pdserve:kv_offload_stores_total", role=role) >= 3 * HISTORY // 16
     assert_no_leaks(app, shared_app.name, shared_app.roles)
