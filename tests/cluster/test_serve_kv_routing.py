@@ -12,7 +12,10 @@ from transformers import AutoTokenizer
 from tests.cluster.helpers import SHARED_NAME, assert_no_leaks, metric_value, replicas, wait_for
 from tests.engine.hf_reference import hf_greedy, random_prompts
 
-HISTORY = 5 * 16  # five full blocks of the shared app's block size
+# Sixteen full blocks of the shared app's block size: more than the load a replica can show for
+# the first turns just sent to it (4 per request sent since its last report), so the history
+# outweighs that load, as a real chat's history does.
+HISTORY = 16 * 16
 
 
 def _hits(app: str, role: str) -> float:
