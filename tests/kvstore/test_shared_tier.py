@@ -145,3 +145,12 @@ def test_a_tier_too_small_for_one_block_is_refused_naming_the_field(tiny_model, 
                                     kv_shared_tier_size=1e-9).create_engine_config()
     with pytest.raises(ParameterError, match="kv_shared_tier_size"):
         with_shared_tier(config, store, "A", None)
+
+
+def test_an_engine_without_a_cluster_runs_without_the_tier_and_says_so(tiny_model, caplog):
+    from engine import LLM
+
+    with caplog.at_level("WARNING", logger="engine.core"):
+        llm = LLM(tiny_model, max_model_len=256, block_size=BS, kv_shared_tier_size=TIER_GB)
+    assert "kv_shared_tier_size=0.01 is ignored" in caplog.text
+    assert llm.engine.core.executor.worker.kv_connector is None
