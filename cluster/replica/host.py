@@ -342,8 +342,8 @@ class EngineHost:
     async def kv_transfer_stats(self) -> dict:
         """Counters of the KV connector (exports, loads, bytes, load seconds), if any."""
         worker_side = self.connectors.get(KVConnectorRole.WORKER)
-        if worker_side is not None:
-            return dict(worker_side.stats)
+        if worker_side is not None and self._shared_store is None:
+            return dict(worker_side.stats)  # else the engine's connector has the tier's counters too
         if self.role == Role.COLOCATED and self._shared_store is None:
             return {}  # no connector anywhere
         ranks = self.engine.rank_actors()
