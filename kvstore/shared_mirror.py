@@ -101,13 +101,13 @@ class SharedIndex:
 
 def start_polling(owner: object, index: SharedIndex, store, interval_s: float = POLL_INTERVAL_S) -> threading.Thread:
     """Keep `index` in step with the store's directory for as long as `owner` lives (the
-    thread holds it weakly and ends once it is collected). An unreachable store empties the
-    mirror, so no load is even tried until it answers again."""
+    thread holds it weakly and ends once it is collected, or once Ray is shut down). An
+    unreachable store empties the mirror, so no load is even tried until it answers again."""
     alive = weakref.ref(owner)
 
     def poll() -> None:
         failing = False
-        while alive() is not None:
+        while alive() is not None and ray.is_initialized():
             try:
                 answer = ray.get(store.shared_keys.remote(index.version), timeout=POLL_TIMEOUT_S)
             except Exception as e:  # a dead or hung store: no shared hits until it is back

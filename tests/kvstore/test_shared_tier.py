@@ -140,6 +140,27 @@ def test_a_dead_store_ends_in_a_recompute_with_equal_tokens(tiny_model, store, r
     _assert_no_leaks(a, b)
 
 
+def test_a_request_aborted_while_its_blocks_are_fetched_gets_nothing_written(tiny_model, store,
+                                                                            prompt_and_expected):
+    prompt, expected = prompt_and_expected
+    a, b = _engine(tiny_model, store, "A"), _engine(tiny_model, store, "B")
+    _generate(a, prompt, "a")
+    _wait_listed(b, SHARED_TOKENS // BS)
+    b.add(b.process({"prompt_token_ids": prompt}, GREEDY, "gone"))
+    b.step()  # admitted: its load starts
+    assert _worker(b)._in_flight or _worker(b)._fetched
+    b.abort_request("gone")
+    b.step()  # the abandoned load is forgotten before anything is written
+    time.sleep(0.5)  # a fetch still running finishes into nothing
+    b.step()
+    assert not _worker(b)._in_flight and not _worker(b)._fetched
+    assert _worker(b).transfer_stats()["shared_loads"] == 0
+    _assert_no_leaks(b)
+    out = _generate(b, prompt, "again")  # the blocks it held are free and whole
+    assert list(out.outputs[0].token_ids) == list(expected)
+    _assert_no_leaks(a, b)
+
+
 def test_a_tier_too_small_for_one_block_is_refused_naming_the_field(tiny_model, store):
     config = EngineArgs.from_kwargs(tiny_model, max_model_len=256, block_size=BS,
                                     kv_shared_tier_size=1e-9).create_engine_config()
