@@ -6,16 +6,21 @@ a handle to the block's bytes (a Ray ObjectRef, wrapped in a list so the actor n
 it), never the bytes. Dropping an entry drops the directory's reference: once no reader holds
 one either, Ray frees the object.
 
-Every change bumps `version`, so a replica's mirror of the key set (kvstore.shared_tier) asks
-"anything new since version v?" and gets nothing back when nothing changed.
+Every block added or removed bumps `version`, so a replica's mirror of the key set
+(kvstore.shared_mirror) asks "anything new since version v?" and gets nothing back when
+nothing changed, the changes when the recent-change log still covers v, else the whole set.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+# Changes remembered for mirrors that ask for a delta (about 2 MB); one further behind gets
+# the whole key set.
+_LOG_LEN = 50_000
 
 
 @dataclass
@@ -31,7 +36,7 @@ class SharedBlock:
 
 class SharedDirectory:
     def __init__(self, capacity_bytes: int, lease_s: float = 600.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, log_len: int = _LOG_LEN) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
         if lease_s <= 0:
@@ -42,6 +47,8 @@ class SharedDirectory:
         self._blocks: OrderedDict[bytes, SharedBlock] = OrderedDict()  # least recently used first
         self.bytes_held = 0
         self.version = 0
+        # (version, hash, added?): the change that made `version`, oldest first.
+        self._log: deque[tuple[int, bytes, bool]] = deque(maxlen=log_len)
         self.counts = {"stored": 0, "duplicates": 0, "too_big": 0, "evicted": 0, "expired": 0,
                        "dropped": 0, "owner_dropped": 0, "hits": 0, "misses": 0}
 
@@ -65,13 +72,18 @@ class SharedDirectory:
             gone, old = self._blocks.popitem(last=False)
             self.bytes_held -= old.nbytes
             evicted.append(gone)
+            self._changed(gone, added=False)
         self.counts["evicted"] += len(evicted)
         block.deadline = self._clock() + self.lease_s
         self._blocks[block_hash] = block
         self.bytes_held += block.nbytes
         self.counts["stored"] += 1
-        self.version += 1
+        self._changed(block_hash, added=True)
         return evicted
+
+    def _changed(self, block_hash: bytes, added: bool) -> None:
+        self.version += 1
+        self._log.append((self.version, block_hash, added))
 
     def get(self, block_hashes: list[bytes]) -> list[SharedBlock | None]:
         """The entries of `block_hashes` (None where not held); a hit is used again, so it goes
@@ -96,9 +108,8 @@ class SharedDirectory:
             if block is not None:
                 self.bytes_held -= block.nbytes
                 gone.append(h)
-        if gone:
-            self.counts[count] += len(gone)
-            self.version += 1
+                self._changed(h, added=False)
+        self.counts[count] += len(gone)
         return gone
 
     def drop(self, block_hashes) -> list[bytes]:
@@ -114,11 +125,24 @@ class SharedDirectory:
         now = self._clock() + advance_s
         return self._remove([h for h, b in self._blocks.items() if b.deadline <= now], "expired")
 
-    def keys_since(self, version: int) -> tuple[int, list[bytes]] | None:
-        """(version, every held hash) if anything changed after `version`, else None."""
+    def keys(self) -> list[bytes]:
+        return list(self._blocks)
+
+    def changes_since(self, version: int) -> dict | None:
+        """What changed after `version`: None if nothing; {"version", "added", "removed"} when
+        the log still holds every change since; else {"version", "keys"}, the whole set."""
         if version == self.version:
             return None
-        return self.version, list(self._blocks)
+        log = self._log
+        if 0 <= version < self.version and log and log[0][0] <= version + 1:
+            changes: dict[bytes, bool] = {}  # the last change of each hash decides
+            for v, h, added in reversed(log):
+                if v <= version:
+                    break
+                changes.setdefault(h, added)
+            return {"version": self.version, "added": [h for h, a in changes.items() if a],
+                    "removed": [h for h, a in changes.items() if not a]}
+        return {"version": self.version, "keys": list(self._blocks)}
 
     def stats(self) -> dict:
         return {"blocks": len(self._blocks), "bytes": self.bytes_held, "capacity_bytes": self.capacity_bytes,

@@ -2,8 +2,9 @@
 scheduler side of kvstore.shared_tier.
 
 Admission looks a prompt up here, in memory: the engine thread never waits on the store
-actor. A background thread asks the store every POLL_INTERVAL_S whether the directory changed
-since the version it last saw, and replaces the key set when it did. A stale mirror only costs
+actor. A background thread asks the store every POLL_INTERVAL_S what the directory changed
+since the version it last saw, and applies the changes (or the whole key set, when it fell
+too far behind). A stale mirror only costs
 time: a block it still lists but the directory dropped fails its load, and the request
 computes its prompt instead.
 """
@@ -78,7 +79,14 @@ class SharedIndex:
             self._held = self._held - gone
         return []
 
-    def refresh(self, version: int, keys: list[bytes]) -> None:
+    def apply(self, changes: dict) -> None:
+        """An answer of SharedDirectory.changes_since."""
+        if "keys" in changes:
+            self.refresh(changes["version"], changes["keys"])
+        else:
+            self.refresh(changes["version"], (self._told - set(changes["removed"])) | set(changes["added"]))
+
+    def refresh(self, version: int, keys) -> None:
         """The directory's key set as of `version`: the mirror becomes it, and the events say
         what changed since they last spoke."""
         new = frozenset(keys)
@@ -109,7 +117,7 @@ def start_polling(owner: object, index: SharedIndex, store, interval_s: float = 
         failing = False
         while alive() is not None and ray.is_initialized():
             try:
-                answer = ray.get(store.shared_keys.remote(index.version), timeout=POLL_TIMEOUT_S)
+                answer = ray.get(store.shared_changes.remote(index.version), timeout=POLL_TIMEOUT_S)
             except Exception as e:  # a dead or hung store: no shared hits until it is back
                 if not failing:
                     logger.warning("shared KV tier: the store does not answer (%s); prompts compute", e)
@@ -118,7 +126,7 @@ def start_polling(owner: object, index: SharedIndex, store, interval_s: float = 
             else:
                 failing = False
                 if answer is not None:
-                    index.refresh(*answer)
+                    index.apply(answer)
             time.sleep(interval_s)  # a polling period, not synchronisation
 
     thread = threading.Thread(target=poll, name="shared-kv-mirror", daemon=True)

@@ -188,9 +188,9 @@ class KVStore:
                                         "shape": b.shape, "dtype": b.dtype, "owner": b.owner}
                 for b in self.shared.get(block_hashes)]
 
-    async def shared_keys(self, version: int) -> tuple[int, list[bytes]] | None:
-        """Every held hash if the directory changed after `version` (None: unchanged)."""
-        return None if self.shared is None else self.shared.keys_since(version)
+    async def shared_changes(self, version: int) -> dict | None:
+        """What the directory changed after `version` (SharedDirectory.changes_since)."""
+        return None if self.shared is None else self.shared.changes_since(version)
 
     async def shared_drop(self, block_hashes: list[bytes]) -> int:
         return len(self.shared.drop(block_hashes)) if self.shared is not None else 0

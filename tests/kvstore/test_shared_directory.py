@@ -34,7 +34,7 @@ def test_full_directory_evicts_least_recently_used_first():
         assert d.put(h, _block()) == []
     d.get([b"a"])  # a is used again: b is now the oldest
     assert d.put(b"d", _block()) == [b"b"]
-    assert set(d.keys_since(-1)[1]) == {b"a", b"c", b"d"}
+    assert set(d.keys()) == {b"a", b"c", b"d"}
     assert d.bytes_held == 300 and d.counts["evicted"] == 1
 
 
@@ -67,7 +67,7 @@ def test_a_leaving_owner_takes_its_blocks_with_it():
     d.put(b"b", _block(owner="B"))
     d.put(b"c", _block(owner="A"))
     assert sorted(d.drop_owner("A")) == [b"a", b"c"]
-    assert list(d.keys_since(-1)[1]) == [b"b"] and d.bytes_held == 100
+    assert d.keys() == [b"b"] and d.bytes_held == 100
 
 
 def test_unused_blocks_expire_when_their_lease_passes_and_a_hit_renews_it():
@@ -83,16 +83,38 @@ def test_unused_blocks_expire_when_their_lease_passes_and_a_hit_renews_it():
 
 def test_version_changes_with_the_key_set_only():
     d, _ = _dir()
-    assert d.keys_since(d.version) is None
+    assert d.changes_since(d.version) is None
     v0 = d.version
     d.put(b"a", _block())
-    assert d.keys_since(v0) == (d.version, [b"a"])
+    assert d.changes_since(v0) == {"version": d.version, "added": [b"a"], "removed": []}
     v1 = d.version
     d.get([b"a"])  # a hit reorders, the key set stays
-    assert d.keys_since(v1) is None
+    assert d.changes_since(v1) is None
     d.drop([b"a"])
-    assert d.keys_since(v1) == (d.version, [])
-    assert d.drop([b"a"]) == [] and d.keys_since(d.version) is None
+    assert d.changes_since(v1) == {"version": d.version, "added": [], "removed": [b"a"]}
+    assert d.drop([b"a"]) == [] and d.changes_since(d.version) is None
+
+
+def test_changes_since_a_version_give_each_block_its_last_change():
+    d, _ = _dir(capacity=200)
+    v0 = d.version
+    d.put(b"a", _block())
+    d.put(b"b", _block())
+    d.drop([b"a"])
+    d.put(b"c", _block())  # evicts nothing: a is gone
+    d.put(b"a", _block())  # evicts b
+    changes = d.changes_since(v0)
+    assert sorted(changes["added"]) == [b"a", b"c"] and changes["removed"] == [b"b"]
+
+
+def test_a_mirror_behind_the_change_log_gets_the_whole_key_set():
+    d = SharedDirectory(10_000, 60.0, FakeClock(), log_len=2)
+    for h in (b"a", b"b", b"c"):
+        d.put(h, _block())
+    assert d.changes_since(0) == {"version": 3, "keys": [b"a", b"b", b"c"]}
+    delta = d.changes_since(1)
+    assert delta["version"] == 3 and sorted(delta["added"]) == [b"b", b"c"] and delta["removed"] == []
+    assert d.changes_since(-1)["keys"] == [b"a", b"b", b"c"]  # a fresh mirror
 
 
 @pytest.mark.parametrize("capacity, lease_s", [(0, 1.0), (10, 0.0)])
@@ -113,6 +135,20 @@ def test_mirror_offers_only_what_the_directory_listed_and_tells_the_changes():
     index.refresh(2, [b"theirs"])
     assert index.take_events() == [BlockRemoved((b"mine",), SHARED)]
     assert index.version == 2 and index.hashes() == (b"theirs",)
+
+
+def test_mirror_follows_the_directory_through_deltas_and_whole_sets():
+    d, _ = _dir(capacity=1000)
+    index = SharedIndex(block_size=16)
+    index.apply(d.changes_since(index.version))  # a fresh mirror: the whole set
+    d.put(b"a", _block())
+    d.put(b"b", _block())
+    index.apply(d.changes_since(index.version))
+    d.drop([b"a"])
+    d.put(b"c", _block())
+    index.apply(d.changes_since(index.version))
+    assert set(index.hashes()) == set(d.keys()) == {b"b", b"c"} and index.version == d.version
+    assert d.changes_since(index.version) is None
 
 
 def test_mirror_stops_offering_a_block_whose_load_failed():
