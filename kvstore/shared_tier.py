@@ -19,6 +19,7 @@ the local hit. What differs is where blocks live:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -199,14 +200,20 @@ class SharedTierFactory:
     replica_id: str
     fetch_timeout_s: float = FETCH_TIMEOUT_S
     inner: KVConnectorFactory | None = None
+    host: KVConnectorFactory | None = None  # the engine's host tier, asked before this one
     provides_shared_tier = True  # read by EngineCore, which otherwise says the tier is off
+
+    def with_host_tier(self, host: KVConnectorFactory) -> SharedTierFactory:
+        """Called by the engine when it adds its host tier (engine.kv_offload.factory): a block
+        both tiers hold is a memcpy from host memory, a fetch from the object store here."""
+        return dataclasses.replace(self, host=host)
 
     def __call__(self, role: KVConnectorRole) -> KVConnectorBase:
         tier = SharedTierConnector(role, self.block_size, self.store_blocks_per_step, self.store,
                                    self.replica_id, self.fetch_timeout_s)
-        if self.inner is None:
-            return tier
-        return MultiConnector(role, [self.inner(role), tier])
+        # First match wins (MultiConnector): P/D, then the host tier, then the shared tier.
+        connectors = [f(role) for f in (self.inner, self.host) if f is not None] + [tier]
+        return connectors[0] if len(connectors) == 1 else MultiConnector(role, connectors)
 
 
 

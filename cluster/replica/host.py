@@ -156,8 +156,8 @@ class EngineHost:
                                                             config.cache.block_size, load_failure_policy)
                         return self.connectors[side]
 
-        # The cluster's shared KV tier composes after the P/D connector (and, inside the
-        # engine, before the host tier).
+        # The cluster's shared KV tier composes after the P/D connector (and the engine puts
+        # its host tier between the two).
         self._shared_store = store if config.kv_shared_tier is not None else None
         factory = with_shared_tier(config, store, self.replica_id, factory)
         try:

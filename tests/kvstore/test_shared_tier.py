@@ -161,6 +161,20 @@ def test_a_request_aborted_while_its_blocks_are_fetched_gets_nothing_written(tin
     _assert_no_leaks(a, b)
 
 
+def test_an_engine_with_both_tiers_asks_its_host_tier_first(tiny_model, store, prompt_and_expected):
+    from engine.kv_offload import MultiConnector, OffloadConnector
+
+    prompt, expected = prompt_and_expected
+    config = EngineArgs.from_kwargs(tiny_model, max_model_len=256, block_size=BS, kv_shared_tier_size=TIER_GB,
+                                    kv_offloading_size=TIER_GB).create_engine_config()
+    engine = LLMEngine(config, with_shared_tier(config, store, "A", None))
+    multi = engine.core.executor.worker.kv_connector
+    assert isinstance(multi, MultiConnector)
+    assert [type(c) for c in multi.connectors] == [OffloadConnector, SharedTierConnector]
+    assert list(_generate(engine, prompt, "a").outputs[0].token_ids) == list(expected)
+    _assert_no_leaks(engine)
+
+
 def test_a_tier_too_small_for_one_block_is_refused_naming_the_field(tiny_model, store):
     config = EngineArgs.from_kwargs(tiny_model, max_model_len=256, block_size=BS,
                                     kv_shared_tier_size=1e-9).create_engine_config()
