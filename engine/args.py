@@ -26,6 +26,7 @@ from engine.config import (
     CacheConfig,
     EngineConfig,
     KVOffloadConfig,
+    KVSharedTierConfig,
     ModelConfig,
     MultiModalConfig,
     ParallelConfig,
@@ -74,6 +75,9 @@ class EngineArgs:
                                             "recomputed (default: no tier)")
     kv_offloading_backend: str = _arg("native", "how the host KV tier keeps its blocks",
                                       KV_OFFLOADING_BACKENDS)
+    kv_shared_tier_size: float | None = _arg(None, "GiB of Ray's object store for a KV tier shared by an "
+                                             "app's replicas: a prefix one replica computed is loaded by "
+                                             "another (cluster-wide; serving only, default: no tier)")
     # scheduler
     max_num_seqs: int = _arg(256, "most requests in one step")
     max_num_batched_tokens: int | None = _arg(None, "token budget of one step (default: 8192 on "
@@ -230,6 +234,8 @@ class EngineArgs:
             engine_step_timeout_s=self.engine_step_timeout_s,
             kv_offload=(None if self.kv_offloading_size is None
                         else KVOffloadConfig(self.kv_offloading_size, self.kv_offloading_backend)),
+            kv_shared_tier=(None if self.kv_shared_tier_size is None
+                            else KVSharedTierConfig(self.kv_shared_tier_size)),
         )
 
 

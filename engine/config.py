@@ -102,6 +102,27 @@ KV_OFFLOADING_BACKENDS = ("native",)
 
 
 @dataclass(frozen=True)
+class KVSharedTierConfig:
+    """The cluster's shared KV tier (kvstore.shared_tier; `--kv-shared-tier-size`): prefix
+    blocks one replica computed, held for all of an app's replicas in `size_gb` GiB of Ray's
+    object store (cluster-wide: the first replica to open the tier sets it). The engine only
+    carries the setting: a replica host builds the tier; an engine without one (offline `LLM`)
+    logs that it is off."""
+
+    size_gb: float
+
+    def __post_init__(self) -> None:
+        size = self.size_gb
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < float("inf"):
+            raise ParameterError("kv_shared_tier_size", f"kv_shared_tier_size is the shared KV tier's size in "
+                                 f"GiB and must be > 0 (leave it unset for no tier), got {size!r}")
+
+    @property
+    def size_bytes(self) -> int:
+        return int(self.size_gb * 2**30)
+
+
+@dataclass(frozen=True)
 class KVOffloadConfig:
     """The engine's host KV tier (engine.kv_offload; vLLM's --kv-offloading-size): prefix
     blocks kept in `size_gb` GiB of host memory after the engine's own pool evicted them (per
@@ -277,6 +298,8 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     # The host KV tier (engine.kv_offload); None: off.
     kv_offload: KVOffloadConfig | None = None
+    # The cluster's shared KV tier (kvstore.shared_tier); None: off.
+    kv_shared_tier: KVSharedTierConfig | None = None
     # Seconds an engine step (or a silence of a core apart) may last before the engine is failed
     # as hung; 0: no bound.
     engine_step_timeout_s: float = ENGINE_STEP_TIMEOUT_S
@@ -290,10 +313,22 @@ class EngineConfig:
                                  f"[{MIN_ENGINE_STEP_TIMEOUT_S:g}, 86400] seconds, got {t!r}")
         if self.kv_offload is not None:
             self._check_kv_offload()
+        if self.kv_shared_tier is not None:
+            self._check_kv_shared_tier()
         if self.lora is not None and self.parallel.tensor_parallel_size > 1:
             raise ParameterError("enable_lora", "enable_lora runs with tensor_parallel_size=1 (each "
                                  "data-parallel core or replica holds the whole model and its adapters), "
                                  f"got tensor_parallel_size={self.parallel.tensor_parallel_size}")
+
+    def _check_kv_shared_tier(self) -> None:
+        if not self.cache.enable_prefix_caching:
+            raise ParameterError("kv_shared_tier_size", "kv_shared_tier_size shares prefix-cache blocks: it "
+                                 "needs enable_prefix_caching")
+        p = self.parallel
+        if p.tensor_parallel_size > 1 or p.data_parallel_size > 1 or p.engine_core_process:
+            raise ParameterError("kv_shared_tier_size", "kv_shared_tier_size runs with one engine core in the "
+                                 "replica's process (tensor_parallel_size=1, data_parallel_size=1, no "
+                                 "engine_core_process): the tier's connector calls the cluster from there")
 
     def _check_kv_offload(self) -> None:
         if not self.cache.enable_prefix_caching:

@@ -121,6 +121,11 @@ class EngineCore:
         worker_config = WorkerConfig(config, self.arch, self.device, self.dtype, self.max_model_len, sc, backend, dp)
         if executor_cls is None:
             executor_cls = executor_class(config.parallel.executor_backend)
+        if config.kv_shared_tier is not None and not getattr(kv_connector_factory, "provides_shared_tier", False):
+            # The shared tier lives in the cluster's KV store (kvstore.shared_tier), which a
+            # replica host builds; an engine on its own has no cluster to share with.
+            logger.warning("kv_shared_tier_size=%g is ignored: the shared KV tier needs a serving replica "
+                           "(pdserve serve); this engine has none", config.kv_shared_tier.size_gb)
         # The host KV tier (engine.kv_offload) composes with whatever connector was given.
         kv_connector_factory = with_offloading(config, self.arch, self.dtype, kv_connector_factory)
         self.executor = executor_cls(worker_config, kv_connector_factory)

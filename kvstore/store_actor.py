@@ -16,6 +16,7 @@ import ray
 from ray.util import metrics
 
 from kvstore.directory import StoreFullError, TransferDirectory
+from kvstore.shared_directory import SharedBlock, SharedDirectory
 from kvstore.shards import is_shard_of
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ class KVStore:
         self._transfer_bytes = metrics.Counter("pdserve_kv_transfer_bytes_total", "Bytes of KV transferred")
         # Consumers waiting in `lookup` for a registration still on its way.
         self._waiters: dict[str, asyncio.Event] = {}
+        # The shared KV tier's directory (kvstore.shared_tier), made by the first replica that
+        # opens it.
+        self.shared: SharedDirectory | None = None
 
     def _settle(self, transfer_id: str) -> None:
         """Wake the lookups waiting for `transfer_id` (registered, rejected or released)."""
@@ -138,6 +142,8 @@ class KVStore:
         return bool(entries)
 
     async def sweep(self, advance_s: float = 0.0) -> list[str]:
+        if self.shared is not None:
+            self.shared.sweep(advance_s)
         entries = self.directory.sweep(advance_s)
         await self._forget(entries)
         expired = [e.transfer_id for e in entries]
@@ -154,6 +160,47 @@ class KVStore:
         s = self.directory.stats()
         return {"live_transfers": s.live_transfers, "bytes": s.live_bytes, "registered": s.registered,
                 "released": s.released, "expired": s.expired, "rejected_full": s.rejected_full}
+
+    # ---- the shared KV tier (kvstore.shared_tier) ----------------------------------------
+    async def shared_open(self, capacity_bytes: int, lease_s: float = 600.0) -> int:
+        """Hold a shared tier of `capacity_bytes` (cluster-wide); the first replica to open it
+        sets its size, later ones join it. Returns the size in force."""
+        self._ensure_sweeper()
+        if self.shared is None:
+            self.shared = SharedDirectory(capacity_bytes, lease_s)
+        elif capacity_bytes != self.shared.capacity_bytes:
+            logger.warning("shared KV tier: a replica asked for %d bytes; the tier holds %d (set by the "
+                           "first replica)", capacity_bytes, self.shared.capacity_bytes)
+        return self.shared.capacity_bytes
+
+    async def shared_put(self, block_hash: bytes, location: list, nbytes: int, crc32: int, shape: tuple,
+                         dtype: str, owner: str) -> None:
+        """Register one block whose bytes `owner` put in the object store (`location`: [ref],
+        borrowed from then on). Callers do not wait: a block not held is just not found later."""
+        if self.shared is not None:
+            self.shared.put(block_hash, SharedBlock(location, nbytes, crc32, tuple(shape), dtype, owner, 0.0))
+
+    async def shared_get(self, block_hashes: list[bytes]) -> list[dict | None]:
+        """Where each block's bytes are, and what they must match (None: not held)."""
+        if self.shared is None:
+            return [None] * len(block_hashes)
+        return [None if b is None else {"refs": b.location, "nbytes": b.nbytes, "crc32": b.crc32,
+                                        "shape": b.shape, "dtype": b.dtype, "owner": b.owner}
+                for b in self.shared.get(block_hashes)]
+
+    async def shared_changes(self, version: int) -> dict | None:
+        """What the directory changed after `version` (SharedDirectory.changes_since)."""
+        return None if self.shared is None else self.shared.changes_since(version)
+
+    async def shared_drop(self, block_hashes: list[bytes]) -> int:
+        return len(self.shared.drop(block_hashes)) if self.shared is not None else 0
+
+    async def shared_drop_owner(self, owner: str) -> int:
+        """A replica leaves: its objects die with its process, so its entries go first."""
+        return len(self.shared.drop_owner(owner)) if self.shared is not None else 0
+
+    async def shared_stats(self) -> dict:
+        return self.shared.stats() if self.shared is not None else {}
 
 
 def store_name(app_name: str) -> str:

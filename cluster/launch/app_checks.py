@@ -47,6 +47,10 @@ def _direct_refusal(mode: str, api_server_count: int, prefix_affinity: bool, rol
         return ("leaves spreading requests over the replicas to the HTTP proxy: a router_mode other than "
                 "least-loaded (or prefix_affinity) needs pdserve's router between the ingress and the "
                 "colocated engines")
+    if role_args.kv_shared_tier_size is not None:
+        # kvstore.shared_tier: its connector calls the KV store from the engine's own process.
+        return ("runs the engine in a core process of the ingress, and kv_shared_tier_size needs the engine "
+                "in an engine replica's process: leave direct_streaming unset or false")
     tp, dp = role_args.tensor_parallel_size, role_args.data_parallel_size
     if tp > 1 or dp > 1:
         return (f"runs one engine core per {role} replica in a child process; got "

@@ -35,6 +35,7 @@ from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
 from kvstore.connector_factory import PDConnectorFactory
 from kvstore.handoff import ExportFailed, KVHandoff
+from kvstore.shared_tier import with_shared_tier
 from kvstore.transports.object_store import ObjectStoreTransport
 from kvstore.transports.relay import KVRelay, RelayConnectorFactory
 from kvstore.transports.torch_dist import TorchDistTransport
@@ -156,6 +157,10 @@ class EngineHost:
                                                             config.cache.block_size, load_failure_policy)
                         return self.connectors[side]
 
+        # The cluster's shared KV tier composes after the P/D connector (and the engine puts
+        # its host tier between the two).
+        self._shared_store = store if config.kv_shared_tier is not None else None
+        factory = with_shared_tier(config, store, self.replica_id, factory)
         try:
             self.engine: ServingEngine = engine_cls(config, factory)
         finally:
@@ -323,6 +328,10 @@ class EngineHost:
         self.engine.shutdown()
         if self.relay is not None:
             self.relay.close()
+        if self._shared_store is not None:
+            # Its process owns the objects of the blocks it shared: they go with it, and the
+            # directory stops offering them before a reader finds them gone.
+            self._shared_store.shared_drop_owner.remote(self.replica_id)
 
     def ping(self) -> str:
         return self.replica_id
@@ -334,9 +343,11 @@ class EngineHost:
     async def kv_transfer_stats(self) -> dict:
         """Counters of the KV connector (exports, loads, bytes, load seconds), if any."""
         worker_side = self.connectors.get(KVConnectorRole.WORKER)
-        if worker_side is not None and not self.kv_tier:
+        # With a host or shared tier the engine's connector holds the tiers' counters too.
+        tiers = self.kv_tier or self._shared_store is not None
+        if worker_side is not None and not tiers:
             return dict(worker_side.stats)
-        if self.role == Role.COLOCATED and not self.kv_tier:
+        if self.role == Role.COLOCATED and not tiers:
             return {}  # no connector anywhere
         ranks = self.engine.rank_actors()
         if ranks:

@@ -66,7 +66,9 @@ class EngineServer(EngineHost):
         self.app_name = app_name
         self.unique_id = ctx.replica_id.unique_id
         self.replica_id = f"{role}-{self.unique_id}"
-        store = None if role == Role.COLOCATED else app_store(app_name, **(store_kwargs or {}))
+        # A colocated replica needs the store only for the shared KV tier (kvstore.shared_tier).
+        needs_store = role != Role.COLOCATED or engine_args.kv_shared_tier_size is not None
+        store = app_store(app_name, **(store_kwargs or {})) if needs_store else None
         self.store = store
         # Serve replicas are not plain actors: the store moves their exports (store_pulls=False).
         # Handed-back KV waits for its load as long as a store transfer's lease would.

@@ -75,18 +75,26 @@ class OffloadConnector(KVConnectorBase):
         self.block_size = block_size
         self.store_blocks_per_step = store_blocks_per_step
         # scheduler side
-        self.index = HostIndex(capacity_blocks, block_size) if role == KVConnectorRole.SCHEDULER else None
+        self.index = self._make_index(capacity_blocks) if role == KVConnectorRole.SCHEDULER else None
         self._meta = OffloadMetadata()
         self._tracked: dict[str, _Tracked] = {}
         self._matches: dict[str, int] = {}  # request id -> first block of its host hit
         self._loading: dict[str, list[bytes]] = {}  # loads handed to the worker side
         self._refused: set[str] = set()  # requests whose load was refused: they compute
         # worker side
-        self.pool = HostPool(capacity_bytes) if role == KVConnectorRole.WORKER else None
+        self.pool = self._make_pool(capacity_bytes) if role == KVConnectorRole.WORKER else None
         self._paged: PagedBlocks | None = None
         self._finished = KVConnectorOutput()
         self.stats = {"host_stores": 0, "host_loads": 0, "host_hit_tokens": 0, "host_refused": 0,
                       "host_evictions": 0, "host_bytes_out": 0, "host_bytes_in": 0}
+
+    # A tier elsewhere (kvstore.shared_tier) keeps this scheduler side's decisions and brings
+    # its own index and worker side.
+    def _make_index(self, capacity_blocks: int) -> HostIndex:
+        return HostIndex(capacity_blocks, self.block_size)
+
+    def _make_pool(self, capacity_bytes: int) -> HostPool | None:
+        return HostPool(capacity_bytes)
 
     # ---- scheduler side -----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

@@ -7,6 +7,7 @@ process, data-parallel cores and every replica get one the same way.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -70,5 +71,10 @@ def with_offloading(config: EngineConfig, arch: ModelArch, dtype: torch.dtype,
         raise ParameterError("kv_offloading_size", f"kv_offloading_size={offload.size_gb:g} GiB holds no KV "
                              f"block of this model ({per_block} bytes each); give at least "
                              f"{per_block / 2**30:.6f} GiB")
-    return OffloadFactory(cc.block_size, capacity, offload.size_bytes,
-                          max(1, STORE_BYTES_PER_STEP // per_block), factory)
+    host = OffloadFactory(cc.block_size, capacity, offload.size_bytes, max(1, STORE_BYTES_PER_STEP // per_block))
+    # A factory whose own tier is slower than host memory (kvstore.shared_tier) places the host
+    # tier before it, so a block both hold is loaded from host memory.
+    compose = getattr(factory, "with_host_tier", None)
+    if compose is not None:
+        return compose(host)
+    return dataclasses.replace(host, inner=factory)

@@ -61,6 +61,9 @@ def test_invalid_fields_name_the_field(tiny_model, kw, field):
     ({"dtype": "int4"}, "dtype"),
     ({"scheduling_policy": "lifo"}, "scheduling_policy"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"kv_shared_tier_size": 0}, "kv_shared_tier_size"),
+    ({"kv_shared_tier_size": 1, "enable_prefix_caching": False}, "kv_shared_tier_size"),
+    ({"kv_shared_tier_size": 1, "data_parallel_size": 2}, "kv_shared_tier_size"),
 ])
 def test_invalid_engine_arguments_fail_in_the_config(tiny_model, kw, field):
     """Engine fields are checked by the engine's own configs, before any replica starts."""
@@ -95,6 +98,7 @@ def test_model_must_be_a_directory(tmp_path):
     ({"mode": "colocated", "prefix_affinity": True}, {}, "prefix_affinity"),
     ({"mode": "colocated"}, {"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
     ({"mode": "colocated"}, {"data_parallel_size": 2}, "data_parallel_size=2"),
+    ({"mode": "colocated"}, {"kv_shared_tier_size": 1}, "kv_shared_tier_size"),
 ])
 def test_direct_streaming_refuses_what_it_cannot_serve(tiny_model, kw, engine_kw, needle):
     with pytest.raises(ParameterError, match=needle) as e:
@@ -125,6 +129,8 @@ def test_direct_streaming_runs_the_engine_core_in_a_process_of_its_own(tiny_mode
     ({"mode": "colocated"}, {"tensor_parallel_size": 2}, False),
     ({"mode": "colocated"}, {"data_parallel_size": 2}, False),
     ({"mode": "colocated"}, {"distributed_executor_backend": "ray"}, False),  # ranks as Ray actors
+    ({"mode": "colocated"}, {"kv_shared_tier_size": 1}, False),  # the tier's connector is in a replica
+    ({"mode": "pd"}, {"kv_shared_tier_size": 1}, False),
 ])
 def test_direct_streaming_by_default_wherever_nothing_needs_an_engine_deployment(tiny_model, kw, engine_kw, direct):
     cfg = AppConfig(engine_args=EngineArgs(model=tiny_model, **engine_kw), **kw)
@@ -173,7 +179,7 @@ def test_from_flat_splits_every_engine_argument_from_the_app_fields(tiny_model):
                      "kernel_block_size": 4, "kernel_backend": "torch", "device": "cpu",
                      "disable_hybrid_kv_cache_manager": True, "quantization": "none",
                      "kv_events_config": {"enable_kv_cache_events": True}, "kv_offloading_size": None,
-                     "kv_offloading_backend": "native",
+                     "kv_offloading_backend": "native", "kv_shared_tier_size": None,
                      "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
                      "data_parallel_size": 2, "data_parallel_backend": "ray", "enable_expert_parallel": False,
                      "engine_core_process": False, "kv_load_failure_policy": "fail", "engine_step_timeout_s": 30.0,

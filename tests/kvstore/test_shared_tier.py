@@ -1,0 +1,191 @@
+"""The shared KV tier (kvstore.shared_tier) between two engines that share one KV store actor:
+a prompt engine A computed is loaded by engine B instead of computed, with greedy tokens equal
+to A's and Hugging Face's; a corrupt block and a dead store both end in a recompute with the
+same tokens; no engine block leaks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine import EngineArgs, SamplingParams
+from engine.errors import ParameterError
+from engine.kv_cache.events import SHARED
+from engine.llm_engine import LLMEngine
+from kvstore.shared_tier import SharedTierConnector, with_shared_tier
+from kvstore.store_actor import create_store
+from tests.engine.hf_reference import hf_greedy, random_prompts
+
+BS = 16
+MAX_NEW = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+TIER_GB = 0.01
+PROMPT_LEN = 150  # 9 full blocks past which one token is computed
+SHARED_TOKENS = (PROMPT_LEN - 1) // BS * BS
+
+
+def _engine(model: str, store, replica_id: str) -> LLMEngine:
+    config = EngineArgs.from_kwargs(model, max_model_len=256, block_size=BS, kv_shared_tier_size=TIER_GB,
+                                    kv_events_config={"enable_kv_cache_events": True}).create_engine_config()
+    return LLMEngine(config, with_shared_tier(config, store, replica_id, None))
+
+
+def _generate(engine: LLMEngine, prompt: list[int], rid: str, bound_s: float = 60.0):
+    engine.add(engine.process({"prompt_token_ids": prompt}, GREEDY, rid))
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out
+        time.sleep(0.001)  # waiting for a fetch thread: do not spin the core
+    raise AssertionError(f"{rid} did not finish in {bound_s} s")
+
+
+def _worker(engine: LLMEngine) -> SharedTierConnector:
+    return engine.core.executor.worker.kv_connector
+
+
+def _mirror(engine: LLMEngine):
+    return engine.core.scheduler.remote_kv.connector.index
+
+
+def _wait_listed(engine: LLMEngine, n: int, bound_s: float = 30.0) -> None:
+    """Until `engine`'s mirror lists `n` blocks (the other engine's stores have landed)."""
+    deadline = time.monotonic() + bound_s
+    while len(_mirror(engine)) < n:
+        assert time.monotonic() < deadline, f"the mirror lists {len(_mirror(engine))} of {n} blocks"
+        time.sleep(0.05)
+
+
+def _assert_no_leaks(*engines: LLMEngine) -> None:
+    for e in engines:
+        kv = e.core.kv_cache_manager
+        assert kv.get_num_free_blocks() == kv.num_blocks
+        assert not e.has_unfinished_requests()
+
+
+@pytest.fixture
+def store(ray_local):
+    store = create_store()
+    yield store
+    ray_local.kill(store)
+
+
+@pytest.fixture(scope="module")
+def prompt_and_expected(tiny_model):
+    [prompt] = random_prompts([PROMPT_LEN], 1000, seed=7)
+    return prompt, hf_greedy(tiny_model, [prompt], MAX_NEW)[0]
+
+
+def test_a_prompt_computed_on_one_engine_is_loaded_by_another_with_equal_tokens(tiny_model, store,
+                                                                                prompt_and_expected):
+    prompt, expected = prompt_and_expected
+    a, b = _engine(tiny_model, store, "A"), _engine(tiny_model, store, "B")
+    out_a = _generate(a, prompt, "a")
+    assert out_a.num_cached_tokens == 0
+    _wait_listed(b, SHARED_TOKENS // BS)
+    out_b = _generate(b, prompt, "b")
+    assert out_b.num_cached_tokens == SHARED_TOKENS
+    assert list(out_b.outputs[0].token_ids) == list(out_a.outputs[0].token_ids) == list(expected)
+    stats = _worker(b).transfer_stats()
+    assert stats["shared_loads"] == SHARED_TOKENS // BS and stats["shared_load_failures"] == 0
+    assert _worker(a).transfer_stats()["shared_stores"] >= SHARED_TOKENS // BS
+    # B tells a KV-aware router what the tier holds (SHARED medium), as its snapshot does.
+    assert len(b.core.kv_snapshot().held[SHARED]) >= SHARED_TOKENS // BS
+    _assert_no_leaks(a, b)
+
+
+def test_a_corrupt_shared_block_is_refused_and_the_prompt_recomputed(tiny_model, store, ray_local,
+                                                                     prompt_and_expected):
+    import torch
+
+    prompt, expected = prompt_and_expected
+    a, b = _engine(tiny_model, store, "A"), _engine(tiny_model, store, "B")
+    _generate(a, prompt, "a")
+    _wait_listed(b, SHARED_TOKENS // BS)
+    # One of the prompt's blocks now holds other bytes under its old checksum.
+    victim = _mirror(b).hashes()[0]
+    [entry] = ray_local.get(store.shared_get.remote([victim]))
+    good = ray_local.get(entry["refs"][0])
+    ray_local.get(store.shared_drop.remote([victim]))
+    ray_local.get(store.shared_put.remote(victim, [ray_local.put(torch.zeros_like(good))], entry["nbytes"],
+                                          entry["crc32"], entry["shape"], entry["dtype"], "A"))
+    before = b.core.num_scheduled_tokens
+    out_b = _generate(b, prompt, "b")
+    assert list(out_b.outputs[0].token_ids) == list(expected)
+    # Computed, not loaded (num_cached_tokens counts what its first admission expected to load).
+    assert b.core.num_scheduled_tokens - before >= PROMPT_LEN
+    stats = _worker(b).transfer_stats()
+    assert stats["shared_refused"] == 1 and stats["shared_loads"] == 0
+    # The corrupt copy is gone; the block is held again as B computed it.
+    [now] = ray_local.get(store.shared_get.remote([victim]))
+    assert now is None or (now["owner"] == "B" and bool((ray_local.get(now["refs"][0]) == good).all()))
+    _assert_no_leaks(a, b)
+
+
+def test_a_dead_store_ends_in_a_recompute_with_equal_tokens(tiny_model, store, ray_local, prompt_and_expected):
+    prompt, expected = prompt_and_expected
+    a, b = _engine(tiny_model, store, "A"), _engine(tiny_model, store, "B")
+    _generate(a, prompt, "a")
+    _wait_listed(b, SHARED_TOKENS // BS)
+    ray_local.kill(store)
+    before = b.core.num_scheduled_tokens
+    out_b = _generate(b, prompt, "b")
+    assert list(out_b.outputs[0].token_ids) == list(expected)
+    assert b.core.num_scheduled_tokens - before >= PROMPT_LEN  # computed: nothing came from the tier
+    # Its stores go nowhere and fail nothing: a second request on B hits its own pool.
+    again = _generate(b, prompt, "b2")
+    assert list(again.outputs[0].token_ids) == list(expected) and again.num_cached_tokens == SHARED_TOKENS
+    _assert_no_leaks(a, b)
+
+
+def test_a_request_aborted_while_its_blocks_are_fetched_gets_nothing_written(tiny_model, store,
+                                                                            prompt_and_expected):
+    prompt, expected = prompt_and_expected
+    a, b = _engine(tiny_model, store, "A"), _engine(tiny_model, store, "B")
+    _generate(a, prompt, "a")
+    _wait_listed(b, SHARED_TOKENS // BS)
+    b.add(b.process({"prompt_token_ids": prompt}, GREEDY, "gone"))
+    b.step()  # admitted: its load starts
+    assert _worker(b)._in_flight or _worker(b)._fetched
+    b.abort_request("gone")
+    b.step()  # the abandoned load is forgotten before anything is written
+    time.sleep(0.5)  # a fetch still running finishes into nothing
+    b.step()
+    assert not _worker(b)._in_flight and not _worker(b)._fetched
+    assert _worker(b).transfer_stats()["shared_loads"] == 0
+    _assert_no_leaks(b)
+    out = _generate(b, prompt, "again")  # the blocks it held are free and whole
+    assert list(out.outputs[0].token_ids) == list(expected)
+    _assert_no_leaks(a, b)
+
+
+def test_an_engine_with_both_tiers_asks_its_host_tier_first(tiny_model, store, prompt_and_expected):
+    from engine.kv_offload import MultiConnector, OffloadConnector
+
+    prompt, expected = prompt_and_expected
+    config = EngineArgs.from_kwargs(tiny_model, max_model_len=256, block_size=BS, kv_shared_tier_size=TIER_GB,
+                                    kv_offloading_size=TIER_GB).create_engine_config()
+    engine = LLMEngine(config, with_shared_tier(config, store, "A", None))
+    multi = engine.core.executor.worker.kv_connector
+    assert isinstance(multi, MultiConnector)
+    assert [type(c) for c in multi.connectors] == [OffloadConnector, SharedTierConnector]
+    assert list(_generate(engine, prompt, "a").outputs[0].token_ids) == list(expected)
+    _assert_no_leaks(engine)
+
+
+def test_a_tier_too_small_for_one_block_is_refused_naming_the_field(tiny_model, store):
+    config = EngineArgs.from_kwargs(tiny_model, max_model_len=256, block_size=BS,
+                                    kv_shared_tier_size=1e-9).create_engine_config()
+    with pytest.raises(ParameterError, match="kv_shared_tier_size"):
+        with_shared_tier(config, store, "A", None)
+
+
+def test_an_engine_without_a_cluster_runs_without_the_tier_and_says_so(tiny_model, caplog):
+    from engine import LLM
+
+    with caplog.at_level("WARNING", logger="engine.core"):
+        llm = LLM(tiny_model, max_model_len=256, block_size=BS, kv_shared_tier_size=TIER_GB)
+    assert "kv_shared_tier_size=0.01 is ignored" in caplog.text
+    assert llm.engine.core.executor.worker.kv_connector is None
