@@ -34,7 +34,13 @@ from engine.errors import ParameterError
 from engine.kv_cache.events import SHARED
 from engine.kv_cache.hybrid import kv_groups
 from engine.kv_connector import GroupBlockIds, KVConnectorBase, KVConnectorFactory, KVConnectorRole
-from engine.kv_offload.connector import EVICT, STORE_BYTES_PER_STEP, LoadSpec, OffloadConnector, OffloadMetadata
+from engine.kv_offload.connector import (
+    EVICT,
+    STORE_BYTES_PER_STEP,
+    LoadSpec,
+    OffloadConnector,
+    OffloadMetadata,
+)
 from engine.kv_offload.factory import block_bytes
 from engine.kv_offload.host_pool import RefusedBlock, checksum
 from engine.kv_offload.multi import MultiConnector

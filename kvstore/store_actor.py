@@ -16,8 +16,8 @@ import ray
 from ray.util import metrics
 
 from kvstore.directory import StoreFullError, TransferDirectory
-from kvstore.shared_directory import SharedBlock, SharedDirectory
 from kvstore.shards import is_shard_of
+from kvstore.shared_directory import SharedBlock, SharedDirectory
 
 logger = logging.getLogger(__name__)
 
