@@ -96,6 +96,9 @@ def engine_config_for_role(engine_args: EngineArgs, role: Role):
 
 
 class EngineHost:
+    kv_tier = False  # its engine's connector has a host tier (set in __init__)
+    _shared_store = None  # the app's KV store when the shared tier is on (set in __init__)
+
     def __init__(
         self,
         engine_args: EngineArgs,

@@ -111,6 +111,12 @@ def test_a_corrupt_shared_block_is_refused_and_the_prompt_recomputed(tiny_model,
     ray_local.get(store.shared_drop.remote([victim]))
     ray_local.get(store.shared_put.remote(victim, [ray_local.put(torch.zeros_like(good))], entry["nbytes"],
                                           entry["crc32"], entry["shape"], entry["dtype"], "A"))
+    # B's mirror past both changes (between them it would match only the blocks before the victim).
+    version = ray_local.get(store.shared_stats.remote())["version"]
+    deadline = time.monotonic() + 30
+    while _mirror(b).version < version:
+        assert time.monotonic() < deadline, "B's mirror did not follow the directory"
+        time.sleep(0.05)
     before = b.core.num_scheduled_tokens
     out_b = _generate(b, prompt, "b")
     assert list(out_b.outputs[0].token_ids) == list(expected)
