@@ -59,29 +59,44 @@ static inline int t1_value(int type, int i, int d) {
 #endif
 }
 
+/* Per type (0 Q4_K, 1 Q6_K): the activation index of each slot of a chunk, and the exponent
+ * of each vector; filled when the library loads. */
+static uint8_t t1_index[2][256];
+static int8_t t1_exp[2][256 / T1_LANES];
+static void __attribute__((constructor)) t1_tables(void) {
+    for (int t = 0; t < 2; t++)
+        for (int i = 0; i < 256 / T1_LANES; i++) {
+            t1_exp[t][i] = (int8_t)t1_exponent(t ? Q6_K : Q4_K, i);
+            for (int d = 0; d < T1_LANES; d++) t1_index[t][T1_LANES * i + d] = (uint8_t)t1_value(t ? Q6_K : Q4_K, i, d);
+        }
+}
+
 /* The chunks of x (K a multiple of 256), times 2^s; returns 2^-s, which the sums are scaled
  * back by. s brings max |x| to [1, 2) (within 2^+-64) so that x 2^(s - e) stays normal for
  * every activation the sums can notice, and nothing overflows; s = 0 for a zero or non-finite
  * row. Multiplying by a power of two rounds only where the result is subnormal. */
 static float t1_prep(int type, const float *x, int64_t K, x_chunk *out) {
+    v8 m = splat(0.0f); /* max |x| of the lanes, NaN skipped */
+    for (int64_t i = 0; i < K; i += 8) m = vmax(m, (v8)((v8i)load8(x + i) & 0x7FFFFFFF));
     float amax = 0.0f;
-    for (int64_t i = 0; i < K; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, m[i]);
     int s = amax > 0.0f && isfinite(amax) ? -ilogbf(amax) : 0;
     s = s < -64 ? -64 : s > 64 ? 64 : s;
+    const int t = type == Q6_K, run = t ? 16 : 32, first = !t && T1_LANES == 16 ? 8 : 0;
+    const uint8_t *index = t1_index[t];
     float pow2[256 / T1_LANES];
-    for (int i = 0; i < 256 / T1_LANES; i++) pow2[i] = ldexpf(1.0f, s - t1_exponent(type, i));
+    for (int i = 0; i < 256 / T1_LANES; i++) pow2[i] = ldexpf(1.0f, s - t1_exp[t][i]);
+    const float term = ldexpf(t ? -32.0f : -1.0f, s);
     for (int64_t c = 0; c < K / 256; c++) {
         const float *xc = x + 256 * c;
         x_chunk *o = out + c;
         for (int i = 0; i < 256 / T1_LANES; i++)
-            for (int d = 0; d < T1_LANES; d++)
-                o->x[T1_LANES * i + d] = xc[t1_value(type, i, d)] * pow2[i];
+            for (int d = 0; d < T1_LANES; d++) o->x[T1_LANES * i + d] = xc[index[T1_LANES * i + d]] * pow2[i];
         memset(o->term, 0, sizeof(o->term));
-        const int run = type == Q4_K ? 32 : 16, first = type == Q4_K && T1_LANES == 16 ? 8 : 0;
         for (int r = 0; r < 256 / run; r++) {
-            double sum = 0.0;
-            for (int i = 0; i < run; i++) sum += xc[run * r + i];
-            o->term[first + r] = (float)ldexp(type == Q4_K ? -sum : -32.0 * sum, s);
+            v8 sum = load8(xc + run * r) + load8(xc + run * r + 8);
+            if (run == 32) sum += load8(xc + run * r + 16) + load8(xc + run * r + 24);
+            o->term[first + r] = hsum(sum) * term;
         }
     }
     return ldexpf(1.0f, -s);
@@ -145,7 +160,6 @@ static inline __attribute__((always_inline)) void t1_q6_k(const uint8_t *p, cons
 }
 static inline float t1_sum(const __m512 acc[2]) { return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])); }
 #else
-static inline __m256 bcast8(__m256 v, int i) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i)); }
 static inline __m256 f8(const float *p) { return _mm256_loadu_ps(p); }
 
 static inline __attribute__((always_inline)) void t1_q4_k(const uint8_t *p, const x_chunk *X, __m256 acc[2]) {
@@ -154,6 +168,8 @@ static inline __attribute__((always_inline)) void t1_q4_k(const uint8_t *p, cons
     const __m256 m8 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scm, 8))),
                                     _mm256_set1_ps(_cvtsh_ss(ldh(p + 2))));
     acc[1] = _mm256_fmadd_ps(m8, f8(X->term), acc[1]);
+    float sv[8]; /* broadcast from memory: a load, where a permute takes a vector slot */
+    _mm256_storeu_ps(sv, s8);
     for (int j = 0; j < 4; j++) { /* 32 bytes: run 2 j in the low nibbles, 2 j + 1 high */
         const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * j));
         for (int h = 0; h < 2; h++) {
@@ -164,7 +180,7 @@ static inline __attribute__((always_inline)) void t1_q4_k(const uint8_t *p, cons
                 const __m256i q = e < 28 ? _mm256_and_si256(v, _mm256_set1_epi32(15 << e)) : _mm256_srli_epi32(v, 28);
                 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), f8(xv + 8 * k), a);
             }
-            acc[j % 2] = _mm256_fmadd_ps(a, bcast8(s8, 2 * j + h), acc[j % 2]);
+            acc[j % 2] = _mm256_fmadd_ps(a, _mm256_broadcast_ss(sv + 2 * j + h), acc[j % 2]);
         }
     }
 }
