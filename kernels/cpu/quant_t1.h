@@ -2,7 +2,7 @@
  * Q4_K_M file, for the avx512 and avx2 levels (quant.c's T = 1 path for them). Included by quant.c.
  *
  * Per 16 (AVX-512) or 8 (AVX2) weights only an and, an int-to-float conversion and one FMA
- * remain, no shuffle or shift:
+ * remain (no shuffle; Q6_K merges its high bits into the bytes first, a few ops per 64 values):
  *   - the scales come out of the inner sum: sum_i (s q_i + m) x_i = s sum_i q_i x_i + m sum_i x_i,
  *     with sum_i x_i per sub-block computed once per call (Q4_K's mins, Q6_K's offset 32);
  *   - the quants are not spread one per lane: a 32-bit lane of a load holds 4 bytes, and the
