@@ -22,6 +22,9 @@
 #include "vec.h"
 
 #include "quant_chunk.h"
+#ifdef __AVX2__
+#include "quant_t1.h"
+#endif
 
 #define NT 4                        /* weight rows decoded together (T > 1) */
 #define TT 64                       /* activation rows sharing one decode */
@@ -188,6 +191,21 @@ void quant_matmul_f32(const float *x, int64_t xs, const uint8_t *w, int64_t N, i
         for (int64_t t = 0; t < T; t++) quantize_row(type, x + t * xs, K, A + t * nch, nch);
     }
     const int nth = (int)MIN(N * rb >= PARALLEL_MIN_BYTES ? num_threads : 1, tiles);
+#ifdef T1_TYPE
+    if (method == 1 && T == 1 && T1_TYPE(type) && K % 256 == 0) {
+        x_chunk small_x[8], *X = nch <= 8 ? small_x : aligned_alloc(64, sizeof(x_chunk) * (size_t)nch);
+        const float unscale = t1_prep(type, x, K, X);
+        void (*const f)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, const x_chunk *, float, float *) =
+            type == Q4_K ? t1_rows_q4_k : t1_rows_q6_k;
+#pragma omp parallel num_threads(nth) if (nth > 1)
+        {
+            const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+            f(w, rb, tiles * i / n * NT, MIN(tiles * (i + 1) / n * NT, N), nch, X, unscale, y);
+        }
+        if (X != small_x) free(X);
+        return;
+    }
+#endif
     if (nth <= 1) {
         rows(type, method == 0, w, rb, N, 0, N, K, A, x, xs, T, y, ys);
     } else {

@@ -101,6 +101,21 @@ def test_every_quant_type_matches_the_dequantized_product(level):
         assert torch.equal(emb, case[1][[3, 0, 36]].float()), f"{level} {qtype}"
 
 
+def test_batch_one_k_quant_products_hold_for_activations_of_any_magnitude(level):
+    # At T = 1 the fp32 product of Q4_K / Q6_K rows scales the activations by powers of two
+    # (quant_t1.h): tiny, huge and mixed rows must keep the exact method's bound, relative to
+    # |x| @ |W|^T however small that is.
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 1024, generator=g)
+    spread = x * torch.pow(10.0, torch.empty(1, 1024).uniform_(-25, 25, generator=g))
+    for qtype in ("Q4_K", "Q6_K"):
+        qw, W, _ = _case(qtype, 24, 1024)
+        for what, xs in (("tiny", x * 1e-36), ("huge", x * 1e30), ("spread", spread), ("zero", x * 0)):
+            y = quant.quant_matmul(xs, qw, qtype, 1024, method="fp32").double()
+            ref, mag = xs.double() @ W.T, xs.double().abs() @ W.abs().T
+            assert ((y - ref).abs() <= 1e-5 * mag).all(), f"{level} {qtype} {what}"
+
+
 def test_attention_and_the_elementwise_kernels_match_the_references(level):
     q_lens, ctx_lens = [1, 3, 1], [33, 9, 17]
     q, kc, vc, table, qsl, seq_lens, dense = _paged_inputs(q_lens, ctx_lens, 8, 2, 64, 16, 12)

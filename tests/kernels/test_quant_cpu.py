@@ -137,7 +137,7 @@ def test_nothing_past_the_weight_is_read():
     import mmap
 
     page = mmap.PAGESIZE
-    for qtype, N, K in (("Q4_0", 4, 96), ("Q8_0", 3, 576), ("Q5_1", 9, 32), ("Q6_K", 2, 256)):
+    for qtype, N, K in (("Q4_0", 4, 96), ("Q8_0", 3, 576), ("Q5_1", 9, 32), ("Q6_K", 2, 256), ("Q4_K", 3, 256)):
         qw = random_qweight(qtype, N, K, seed=3)
         size = -(-qw.numel() // page) * page + page
         buf = mmap.mmap(-1, size)
@@ -146,7 +146,7 @@ def test_nothing_past_the_weight_is_read():
         guarded = torch.frombuffer(buf, dtype=torch.uint8, count=qw.numel(), offset=size - page - qw.numel())
         guarded = guarded.view(qw.shape)
         guarded.copy_(qw)
-        for T, method in ((1, "int8"), (5, "int8"), (5, "fp32")):
+        for T, method in ((1, "int8"), (1, "fp32"), (5, "int8"), (5, "fp32")):
             x = torch.randn(T, K)
             assert torch.equal(quant.quant_matmul(x, guarded, qtype, K, method=method),
                                quant.quant_matmul(x, qw, qtype, K, method=method))
