@@ -111,6 +111,7 @@ class ResponsesRequest(_Body):
     stream: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower runs first
     # Refused when set: nothing is stored or run in the background, and there are no logprobs.
     store: bool | None = None
     previous_response_id: str | None = None
@@ -174,7 +175,7 @@ class ResponsesRequest(_Body):
         """The chat request (a ChatCompletionRequest's JSON) that answers this one."""
         body = {"model": self.model, "messages": self.messages(), "request_id": response_id,
                 "max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "user": self.user, "stream": bool(self.stream)}
+                "user": self.user, "stream": bool(self.stream), "priority": self.priority}
         if self.stream:
             body["stream_options"] = {"include_usage": True}  # the final response's usage
         if self.tools:

@@ -4,6 +4,7 @@ StructuredOutputsParams (cluster.http.protocol picks which one a body uses)."""
 
 from __future__ import annotations
 
+from cluster.http.strict_schema import strict
 from engine.errors import ParameterError
 from engine.structured_output import StructuredOutputsParams
 
@@ -23,4 +24,7 @@ def response_format_params(rf: dict) -> StructuredOutputsParams:
     spec = rf.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise ParameterError("response_format", "response_format.json_schema.schema must be a JSON schema object")
-    return StructuredOutputsParams(json=spec["schema"])
+    # Read strictly, as vLLM's default grammar backend reads it (cluster.http.strict_schema),
+    # unless the request says `"strict": false`: then as JSON Schema itself reads it.
+    schema = spec["schema"] if spec.get("strict") is False else strict(spec["schema"])
+    return StructuredOutputsParams(json=schema)

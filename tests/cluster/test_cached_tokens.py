@@ -103,5 +103,7 @@ def test_priority_needs_the_priority_policy_and_a_salt_must_be_a_string(served):
         for route, b in (("chat/completions", body), ("completions", {"model": NAME, "prompt": "hi", "max_tokens": 2})):
             r = requests.post(f"{s.url}/v1/{route}", json={**b, **extra}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = requests.post(f"{s.url}/v1/responses", json={"model": NAME, "input": "hi", "priority": 3}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
     ok = requests.post(f"{s.url}/v1/chat/completions", json={**body, "priority": 0}, timeout=60)
     assert ok.status_code == 200

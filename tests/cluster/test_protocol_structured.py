@@ -21,7 +21,7 @@ def _both(**kw):
 @pytest.mark.parametrize("kw, expected", [
     (dict(structured_outputs={"regex": "a+"}), StructuredOutputsParams(regex="a+")),
     (dict(response_format={"type": "json_object"}), StructuredOutputsParams(json_object=True)),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": False}}),
      StructuredOutputsParams(json=SCHEMA)),
     (dict(guided_json=SCHEMA), StructuredOutputsParams(json=SCHEMA)),
     (dict(guided_regex="[0-9]+"), StructuredOutputsParams(regex="[0-9]+")),
@@ -31,6 +31,19 @@ def _both(**kw):
 def test_every_spelling_maps_to_the_same_params(kw, expected):
     for body in _both(**kw):
         assert body.sampling_params().structured_outputs == expected
+
+
+def test_a_json_schema_response_format_is_strict_unless_it_says_strict_false():
+    """vLLM's default grammar backend reads unspecified additionalProperties as false."""
+    from cluster.http.strict_schema import strict
+
+    def params(flag):
+        spec = {"name": "x", "schema": SCHEMA, **({} if flag is None else {"strict": flag})}
+        return ChatCompletionRequest(model="m", messages=MSG, response_format={"type": "json_schema", "json_schema": spec}
+                                     ).sampling_params().structured_outputs.json
+
+    assert params(None) == params(True) == strict(SCHEMA) == {**SCHEMA, "additionalProperties": False}
+    assert params(False) == SCHEMA
 
 
 def test_text_response_format_is_no_constraint():
