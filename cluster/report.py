@@ -31,8 +31,6 @@ class ReplicaReport:
         """What Serve's request router reads (cluster.replica.router): the queues, the report
         number (a router forgets what it sent since the last report) and the LoRA adapters the
         engine holds (routed to first, as Serve's model multiplexing does)."""
-        lora, e = self.engine.lora, self.engine
-        return {"waiting": e.waiting, "running": e.running, "seq": self.seq,
-                "loras": list(lora.held) if lora is not None else [],
-                # KV-aware routing's load, in blocks: those in use and the queued prompts' tokens.
-                "kv_used_blocks": e.total_blocks - e.free_blocks, "waiting_tokens": e.waiting_tokens}
+        lora = self.engine.lora
+        return {"waiting": self.engine.waiting, "running": self.engine.running, "seq": self.seq,
+                "loras": list(lora.held) if lora is not None else []}

@@ -374,7 +374,6 @@ class EngineCore:
         encoder = self.encoder_cache.stats if self.encoder_cache is not None else None
         return EngineLoad(
             waiting=len(self.scheduler.waiting),
-            waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
             running=len(self.scheduler.running),
             free_blocks=kv.get_num_free_blocks(),
             total_blocks=kv.num_blocks,

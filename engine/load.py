@@ -70,9 +70,6 @@ class LoRAFigures:
 class EngineLoad:
     waiting: int = 0
     running: int = 0
-    # Prompt tokens the waiting requests have yet to compute: what a KV-aware router counts as
-    # queued work, in the units of the prefill it would save (cluster.replica.router).
-    waiting_tokens: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
     prefix_cache_queries: int = 0  # tokens looked up

@@ -121,8 +121,6 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
         self._rng = random.Random()
         self._kv_index = PrefixIndex()
         self._routing: dict[str, list[bytes]] = {}  # request id -> its block hashes, until routed
-        # replica key -> (report sequence number, prompt blocks sent since): kv mode's load.
-        self._sent_blocks: dict[str, tuple[object, int]] = {}
         self._turn = 0  # round robin
 
     def _candidate(self, replica: RunningReplica) -> Candidate:
@@ -152,19 +150,6 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
                 self._kv_index.drop(key)  # a replica gone: its entries expire with it
         return block_size
 
-    def _kv_load(self, replica: RunningReplica, candidate: Candidate, block_size: int) -> float:
-        """A replica's load in the units of what a cache hit saves, blocks (as Dynamo's KV router
-        counts it): its KV blocks in use, its queued prompts' tokens, and the prompts this
-        router sent it since its last report. A request count would let a long shared prefix
-        outweigh any queue, and every conversation would pile onto its first replica."""
-        stats = replica.routing_stats or {}
-        if "kv_used_blocks" not in stats:
-            return candidate.load  # a replica that does not report blocks: the request count
-        seq, sent = self._sent_blocks.get(candidate.key, (None, 0))
-        if seq != stats.get("seq"):
-            sent = 0  # its report counts them
-        return stats["kv_used_blocks"] + stats.get("waiting_tokens", 0) / block_size + sent
-
     def _kv_order(self, request: EngineRequest, replicas: list[RunningReplica],
                   candidates: list[Candidate]) -> tuple[list[str], str] | None:
         block_size = self._follow_kv(replicas)
@@ -175,9 +160,8 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
                                      getattr(request, "mm_features", None))
         if not hashes:
             return None
-        loads = [self._kv_load(r, c, block_size) for r, c in zip(replicas, candidates)]
-        choice = kv_rank([(c.key, load) for c, load in zip(candidates, loads)],
-                         lambda k: self._kv_index.match(k, hashes), len(hashes), self._kv_weight, self._rng)
+        choice = kv_rank([(c.key, c.load) for c in candidates], lambda k: self._kv_index.match(k, hashes),
+                         len(hashes), self._kv_weight, self._rng)
         if len(self._routing) > 4096:  # requests whose routing never completed
             self._routing.clear()
         self._routing[request.request_id] = hashes
@@ -220,11 +204,9 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
         key = replica_id.unique_id
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
         hashes = self._routing.pop(request.request_id, None) if isinstance(request, EngineRequest) else None
+        if hashes:
+            self._kv_index.predict(key, hashes, PREDICTION_TTL_S)
         replica = self._replicas.get(replica_id)
         seq = (replica.routing_stats or {}).get("seq") if replica is not None else None
         prev_seq, sent = self._sent.get(key, (None, 0))
         self._sent[key] = (seq, (sent if prev_seq == seq else 0) + 1)
-        if hashes:
-            self._kv_index.predict(key, hashes, PREDICTION_TTL_S)
-            prev_seq, blocks = self._sent_blocks.get(key, (None, 0))
-            self._sent_blocks[key] = (seq, (blocks if prev_seq == seq else 0) + len(hashes) + 1)

@@ -150,27 +150,3 @@ def test_a_prompt_just_sent_counts_as_held_there_until_its_prediction_expires(mo
     now = prefix_index.time.monotonic()
     monkeypatch.setattr(prefix_index.time, "monotonic", lambda: now + 11.0)
     assert _choose(router, [a, b], PROMPT + [5, 6]) == ["a", "b"]
-
-
-def test_replicas_that_report_blocks_are_loaded_in_blocks_so_a_shared_prefix_does_not_pile_up():
-    """The load in blocks in use, queued prompt tokens and prompts sent since the last report:
-    a replica already busy with more blocks than the prompt's shared prefix saves loses it."""
-    def reporting(name, used, waiting_tokens=0):
-        replica = FakeReplica(name)
-        replica.routing_stats.update(kv_used_blocks=used, waiting_tokens=waiting_tokens)
-        return replica
-
-    a = _with_kv(reporting("a", used=3), 1, device=HASHES[:5])
-    b = _with_kv(reporting("b", used=0), 1)
-    assert _choose(_router([a, b]), [a, b]) == ["a", "b"]  # 1 + 3 against 6 + 0
-    a.routing_stats["waiting_tokens"] = 4 * BLOCK  # four more blocks queued: 1 + 7 against 6
-    assert _choose(_router([a, b]), [a, b]) == ["b", "a"]
-    # Prompts this router sent since the last report count as their blocks.
-    a.routing_stats["waiting_tokens"] = 0
-    router = _router([a, b])
-    other = SimpleNamespace(args=[engine_request("r9", list(range(500, 500 + 3 * BLOCK)))], kwargs={})
-    asyncio.run(router.choose_replicas([a, b], other))
-    router.on_request_routed(other, a.replica_id, None)  # 3 blocks + 1 more on a
-    assert _choose(router, [a, b]) == ["b", "a"]
-    a.routing_stats["seq"] = 2  # a reported since: its figures include them
-    assert _choose(router, [a, b]) == ["a", "b"]
