@@ -83,6 +83,7 @@ class CoresClient(ABC):
         # on): data-parallel routing reads it; a core whose events had a gap is re-read whole.
         self.kv_index = PrefixIndex()
         self._kv_stale: set[int] = set()
+        self._kv_union: tuple[tuple[int, ...], KVSnapshot] | None = None  # kv_snapshot's, by core seqs
 
     # ---- what each kind fills in --------------------------------------------------------
     @abstractmethod
@@ -263,9 +264,12 @@ class CoresClient(ABC):
         if not self.config.cache.enable_kv_cache_events:
             return None
         self.refresh_kv_index()
-        held = {m: tuple(dict.fromkeys(k for rank in range(self.size) for k in self.kv_index.held(rank, m)))
-                for m in MEDIA}
-        return KVSnapshot(sum(self.kv_index.seq(rank) or 0 for rank in range(self.size)), held)
+        seqs = tuple(self.kv_index.seq(rank) or 0 for rank in range(self.size))
+        if self._kv_union is None or self._kv_union[0] != seqs:  # built again only when a core moved
+            held = {m: tuple(dict.fromkeys(k for rank in range(self.size) for k in self.kv_index.held(rank, m)))
+                    for m in MEDIA}
+            self._kv_union = (seqs, KVSnapshot(sum(seqs), held))
+        return self._kv_union[1]
 
     def kv_transfer_stats(self) -> dict:
         return summed_counters(self._call_all("kv_transfer_stats"))

@@ -108,6 +108,7 @@ class EngineKVEvents:
     def __init__(self, kv_cache_manager, connector=None, max_batches: int = 4096) -> None:
         self._manager, self._connector = kv_cache_manager, connector
         self.log = KVEventLog(self.held, max_batches)
+        self._snapshot: KVSnapshot | None = None
         kv_cache_manager.publish_events(self.log)
 
     def held(self) -> dict[str, tuple[bytes, ...]]:
@@ -127,5 +128,9 @@ class EngineKVEvents:
         return self.log.since(seq)
 
     def snapshot(self) -> KVSnapshot:
+        """What the engine holds now; built again only when events moved the log (a serving
+        replica asks every routing-stats period, mostly of an idle or unchanged cache)."""
         self.end_step()
-        return KVSnapshot(self.log.seq, self.held())
+        if self._snapshot is None or self._snapshot.seq != self.log.seq:
+            self._snapshot = KVSnapshot(self.log.seq, self.held())
+        return self._snapshot
