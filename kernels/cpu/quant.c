@@ -24,6 +24,7 @@
 #include "quant_chunk.h"
 #ifdef __AVX2__
 #include "quant_t1.h"
+#include "quant_t1_b32.h"
 #endif
 
 #define NT 4                        /* weight rows decoded together (T > 1) */
@@ -201,6 +202,21 @@ void quant_matmul_f32(const float *x, int64_t xs, const uint8_t *w, int64_t N, i
         {
             const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
             f(w, rb, tiles * i / n * NT, MIN(tiles * (i + 1) / n * NT, N), nch, X, unscale, y);
+        }
+        if (X != small_x) free(X);
+        return;
+    }
+    if (method == 1 && T == 1 && B32_TYPE(type) && K % 32 == 0) {
+        const int64_t ng = (K / 32 + B32_BLOCKS(type) - 1) / B32_BLOCKS(type);
+        float small_x[48 * B32_GROUP(Q4_1)] __attribute__((aligned(64)));
+        float *X = ng <= 48 ? small_x : aligned_alloc(64, sizeof(float) * (size_t)(ng * B32_GROUP(type)));
+        const float unscale = b32_prep(type, x, K, ng, X);
+        void (*const f)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, const float *, float, float *) =
+            type == Q4_0 ? b32_rows_Q4_0 : type == Q4_1 ? b32_rows_Q4_1 : b32_rows_Q8_0;
+#pragma omp parallel num_threads(nth) if (nth > 1)
+        {
+            const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+            f(w, rb, tiles * i / n * NT, MIN(tiles * (i + 1) / n * NT, N), K, X, unscale, y);
         }
         if (X != small_x) free(X);
         return;

@@ -101,14 +101,14 @@ def test_every_quant_type_matches_the_dequantized_product(level):
         assert torch.equal(emb, case[1][[3, 0, 36]].float()), f"{level} {qtype}"
 
 
-def test_batch_one_k_quant_products_hold_for_activations_of_any_magnitude(level):
-    # At T = 1 the fp32 product of Q4_K / Q6_K rows scales the activations by powers of two
-    # (quant_t1.h): tiny, huge and mixed rows must keep the exact method's bound, relative to
-    # |x| @ |W|^T however small that is.
+def test_batch_one_products_hold_for_activations_of_any_magnitude(level):
+    # At T = 1 the fp32 product of Q4_K / Q6_K / Q4_0 / Q4_1 / Q8_0 rows scales the activations
+    # by powers of two (quant_t1.h, quant_t1_b32.h): tiny, huge and mixed rows must keep the
+    # exact method's bound, relative to |x| @ |W|^T however small that is.
     g = torch.Generator().manual_seed(11)
     x = torch.randn(1, 1024, generator=g)
     spread = x * torch.pow(10.0, torch.empty(1, 1024).uniform_(-25, 25, generator=g))
-    for qtype in ("Q4_K", "Q6_K"):
+    for qtype in ("Q4_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0"):
         qw, W, _ = _case(qtype, 24, 1024)
         for what, xs in (("tiny", x * 1e-36), ("huge", x * 1e30), ("spread", spread), ("zero", x * 0)):
             y = quant.quant_matmul(xs, qw, qtype, 1024, method="fp32").double()
