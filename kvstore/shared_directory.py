@@ -30,7 +30,7 @@ class SharedBlock:
     crc32: int
     shape: tuple[int, ...]
     dtype: str
-    owner: str  # replica whose process put (and owns) the object
+    owner: str  # whose process put (and owns) the object: a replica, or the store (ADOPTED)
     deadline: float
 
 
@@ -119,6 +119,18 @@ class SharedDirectory:
     def drop_owner(self, owner: str) -> list[bytes]:
         """Forget every block a replica put: its process owns their objects, which die with it."""
         return self._remove([h for h, b in self._blocks.items() if b.owner == owner], "owner_dropped")
+
+    def owned_by(self, owner: str) -> list[tuple[bytes, SharedBlock]]:
+        return [(h, b) for h, b in self._blocks.items() if b.owner == owner]
+
+    def relocate(self, block_hash: bytes, location: list, owner: str, was_owner: str) -> bool:
+        """Point a block at a copy of its bytes that `owner` holds, if `was_owner` still has
+        it (it may have been evicted or replaced meanwhile). The key set does not change."""
+        block = self._blocks.get(block_hash)
+        if block is None or block.owner != was_owner:
+            return False
+        block.location, block.owner = location, owner
+        return True
 
     def sweep(self, advance_s: float = 0.0) -> list[bytes]:
         """Drop every block whose lease has passed (as of `advance_s` seconds from now)."""

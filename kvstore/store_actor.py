@@ -22,6 +22,10 @@ from kvstore.shared_directory import SharedBlock, SharedDirectory
 logger = logging.getLogger(__name__)
 
 STORE_NAMESPACE = "pdserve"
+# The owner of shared-tier blocks the store copied from a leaving replica, and how long the
+# copies may take (a leaving replica waits for them; a tier of a few GB copies in seconds).
+ADOPTED = "kv-store"
+ADOPT_BOUND_S = 20.0
 
 
 class KVStore:
@@ -194,6 +198,29 @@ class KVStore:
 
     async def shared_drop(self, block_hashes: list[bytes]) -> int:
         return len(self.shared.drop(block_hashes)) if self.shared is not None else 0
+
+    async def shared_adopt(self, owner: str, bound_s: float = ADOPT_BOUND_S) -> dict[str, int]:
+        """A replica leaves on purpose: copy the blocks it put into objects this actor owns, so
+        they outlive its process. (Ray owns an object by the process that put it, and 2.56
+        removed ray.put's `_owner`, so ownership moves by a copy, on the same node when the
+        store and the replica share one.) A block not copied within `bound_s` is dropped."""
+        if self.shared is None:
+            return {"adopted": 0, "dropped": 0}
+        blocks = self.shared.owned_by(owner)
+
+        async def copy(block_hash: bytes, block) -> bool:
+            data = await block.location[0]
+            return self.shared.relocate(block_hash, [ray.put(data)], ADOPTED, owner)
+
+        tasks = [asyncio.ensure_future(copy(h, b)) for h, b in blocks]
+        done, pending = await asyncio.wait(tasks, timeout=bound_s) if tasks else (set(), set())
+        for task in pending:
+            task.cancel()
+        adopted = sum(1 for t in done if t.exception() is None and t.result())
+        # What was not copied (its bytes gone, or the bound passed) goes before a reader finds it.
+        dropped = len(self.shared.drop_owner(owner))
+        logger.info("shared KV tier: %d blocks of %s adopted, %d dropped", adopted, owner, dropped)
+        return {"adopted": adopted, "dropped": dropped}
 
     async def shared_drop_owner(self, owner: str) -> int:
         """A replica leaves: its objects die with its process, so its entries go first."""

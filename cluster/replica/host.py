@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import multiprocessing as mp
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -36,10 +37,12 @@ from kvstore.connector import PDConnector
 from kvstore.connector_factory import PDConnectorFactory
 from kvstore.handoff import ExportFailed, KVHandoff
 from kvstore.shared_tier import with_shared_tier
+from kvstore.store_actor import ADOPT_BOUND_S
 from kvstore.transports.object_store import ObjectStoreTransport
 from kvstore.transports.relay import KVRelay, RelayConnectorFactory
 from kvstore.transports.torch_dist import TorchDistTransport
 
+logger = logging.getLogger(__name__)
 _RANK_CALL_TIMEOUT_S = 30.0
 # How long a prefill's reply waits for its export to come through a core process's relay
 # (normally well under a millisecond behind the output); later, it goes to the store instead.
@@ -332,9 +335,15 @@ class EngineHost:
         if self.relay is not None:
             self.relay.close()
         if self._shared_store is not None:
-            # Its process owns the objects of the blocks it shared: they go with it, and the
-            # directory stops offering them before a reader finds them gone.
-            self._shared_store.shared_drop_owner.remote(self.replica_id)
+            # Its process owns the objects of the blocks it shared, which would go with it: the
+            # store copies them first (bounded), and stops offering what it could not copy
+            # before a reader finds it gone.
+            try:
+                ray.get(self._shared_store.shared_adopt.remote(self.replica_id, ADOPT_BOUND_S),
+                        timeout=ADOPT_BOUND_S + 5.0)
+            except Exception as e:  # the store gone or slow: its entries are dropped instead
+                logger.warning("shared KV tier: the store did not adopt %s's blocks (%s)", self.replica_id, e)
+                self._shared_store.shared_drop_owner.remote(self.replica_id)
 
     def ping(self) -> str:
         return self.replica_id

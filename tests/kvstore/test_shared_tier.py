@@ -1,20 +1,24 @@
 """The shared KV tier (kvstore.shared_tier) between two engines that share one KV store actor:
 a prompt engine A computed is loaded by engine B instead of computed, with greedy tokens equal
 to A's and Hugging Face's; a corrupt block and a dead store both end in a recompute with the
-same tokens; no engine block leaks."""
+same tokens; no engine block leaks; a leaving replica's blocks are copied by the store and
+outlive it."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+import ray
+import torch
 
 from engine import EngineArgs, SamplingParams
 from engine.errors import ParameterError
 from engine.kv_cache.events import SHARED
+from engine.kv_offload.host_pool import checksum
 from engine.llm_engine import LLMEngine
 from kvstore.shared_tier import SharedTierConnector, with_shared_tier
-from kvstore.store_actor import create_store
+from kvstore.store_actor import ADOPTED, create_store
 from tests.engine.hf_reference import hf_greedy, random_prompts
 
 BS = 16
@@ -195,3 +199,41 @@ def test_an_engine_without_a_cluster_runs_without_the_tier_and_says_so(tiny_mode
         llm = LLM(tiny_model, max_model_len=256, block_size=BS, kv_shared_tier_size=TIER_GB)
     assert "kv_shared_tier_size=0.01 is ignored" in caplog.text
     assert llm.engine.core.executor.worker.kv_connector is None
+
+
+@ray.remote(num_cpus=0)
+class _Sharer:
+    """A stand-in replica process: it owns the objects of the blocks it shares."""
+
+    def share(self, store, block_hash: bytes, data: torch.Tensor, owner: str) -> str:
+        ref = ray.put(data)
+        ray.get(store.shared_put.remote(block_hash, [ref], data.numel() * 4, checksum(data),
+                                        tuple(data.shape), str(data.dtype), owner))
+        return ref.hex()
+
+
+def _shared_by_a_process(store):
+    ray.get(store.shared_open.remote(1 << 22))
+    data = torch.arange(1 << 16, dtype=torch.float32).reshape(256, 256)  # in plasma: not inlined
+    sharer = _Sharer.remote()
+    return sharer, data, ray.get(sharer.share.remote(store, b"h1", data, "R1"))
+
+
+def test_a_leaving_replicas_blocks_are_adopted_by_the_store_and_outlive_it(store, ray_local):
+    sharer, data, put_ref = _shared_by_a_process(store)
+    assert ray.get(store.shared_adopt.remote("R1")) == {"adopted": 1, "dropped": 0}
+    ray_local.kill(sharer)
+    with pytest.raises(ray.exceptions.RayActorError):  # the kill is asynchronous: until it is done
+        ray.get(sharer.share.remote(store, b"h2", data, "R1"), timeout=60)
+    [found] = ray.get(store.shared_get.remote([b"h1"]))
+    # A copy the store owns (Ray finds an object through its owner's process), with equal bytes.
+    assert found is not None and found["owner"] == ADOPTED and found["refs"][0].hex() != put_ref
+    assert torch.equal(ray.get(found["refs"][0], timeout=30), data)
+    assert ray.get(store.shared_drop_owner.remote("R1")) == 0  # nothing of it is left to drop
+
+
+def test_blocks_the_store_cannot_adopt_in_time_are_dropped(store, ray_local):
+    sharer, _, _ = _shared_by_a_process(store)
+    assert ray.get(store.shared_adopt.remote("R1", 0.0)) == {"adopted": 0, "dropped": 1}
+    assert ray.get(store.shared_get.remote([b"h1"])) == [None]
+    ray_local.kill(sharer)
