@@ -133,7 +133,8 @@ class ToolPlan:
         return ("You may call one or more functions to help with the user's request. The functions are:\n"
                 f"<tools>\n{listed}\n</tools>\n"
                 "To call a function, answer with one block per call:\n"
-                '<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n</tool_call>')
+                '<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n</tool_call>\n'
+                "Each call's result comes back in <tool_response></tool_response>; answer the user with it.")
 
     def constraint(self) -> StructuredOutputsParams | None:
         # Strict arguments (cluster.http.strict_schema): no keys beyond those a schema lists.
@@ -256,9 +257,21 @@ def supports_tools(tokenizer) -> bool:
 
 def plain_conversation(conv: list[dict], plan: ToolPlan | None) -> list[dict]:
     """The conversation for a template without tool support: the tools (when shown) in a
-    system message, each earlier call written out as the hermes text the model was asked for."""
+    system message, each earlier call written out as the hermes text the model was asked for,
+    and the results of calls as hermes writes them: a user turn of <tool_response> blocks (a
+    "tool" role the template does not know leaves a small model calling the tool again)."""
     out = []
     for m in conv:
+        if "tool_call_id" in m:
+            content = m["content"]
+            if isinstance(content, list):  # text parts
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1].get("tool_results"):  # results of one turn's calls: one user turn
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + block}
+            else:
+                out.append({"role": "user", "content": block, "tool_results": True})
+            continue
         if m.get("tool_calls"):
             calls = "".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
                                                           "arguments": c["function"].get("arguments", {})},
@@ -266,9 +279,8 @@ def plain_conversation(conv: list[dict], plan: ToolPlan | None) -> list[dict]:
                             for c in m["tool_calls"])
             text = m.get("content") if isinstance(m.get("content"), str) else ""
             m = {"role": m["role"], "content": (text + "\n" if text else "") + calls}
-        elif "tool_call_id" in m:
-            m = {"role": m["role"], "content": m["content"]}
         out.append(m)
+    out = [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
     if plan is not None and plan.template_tools() is not None:
         prompt = plan.system_prompt()
         if out and out[0]["role"] == "system" and isinstance(out[0]["content"], str):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.models.default_model import DEFAULT_MODEL_TOOL_PARSER
 from tests.cluster.helpers import ENGINE, assert_no_leaks
 from tests.engine.so_oracles import COUNTRY_SCHEMA, FRANCE_QUESTION, assert_valid_json
 
@@ -21,9 +22,10 @@ def app(deploy, smollm2):
     from engine import EngineArgs
 
     warm_tokenizer_cache(smollm2)  # as `pdserve serve` does: replicas then skip the conversion
-    # No served_model_name: the default model is served under its own name.
+    # No served_model_name: the default model is served under its own name; with the tool flags
+    # `pdserve serve` turns on for it when given no --model.
     cfg = AppConfig(engine_args=EngineArgs(model=smollm2, **ENGINE), mode="colocated", app_name=APP,
-                    replica_num_cpus=0)
+                    replica_num_cpus=0, enable_auto_tool_choice=True, tool_call_parser=DEFAULT_MODEL_TOOL_PARSER)
     return deploy(cfg)
 
 
@@ -61,11 +63,10 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 def test_tool_calls_on_a_template_without_tool_support(app):
     """SmolLM2's template shows no tools: they reach the model in a system message; a required
-    call still validates, and "auto" needs the server's --enable-auto-tool-choice."""
+    call still validates, named and streamed."""
     import json
 
     import jsonschema
-    import requests
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
@@ -82,8 +83,37 @@ def test_tool_calls_on_a_template_without_tool_support(app):
     streamed = "".join(tc.function.arguments or "" for chunk in client.chat.completions.create(stream=True, **named)
                        for ch in chunk.choices for tc in ch.delta.tool_calls or [] if tc.function)
     assert json.loads(streamed) == json.loads(plain[0].function.arguments)
-    body = {"model": NAME, "messages": ask, "tools": [WEATHER_TOOL], "tool_choice": "auto"}
-    err = requests.post(f"{app}/v1/chat/completions", json=body, timeout=30)
-    assert err.status_code == 400 and err.json()["error"]["param"] == "tool_choice"
-    assert "--enable-auto-tool-choice" in err.json()["error"]["message"]
+    assert_no_leaks(app, APP, {"colocated"})
+
+
+def test_the_openai_agents_sdk_runs_a_tool_using_agent_to_a_final_answer(app):
+    """A real agent client: the first turn must call the tool, the SDK then sends tool_choice
+    "auto" with the tool's result (what needs auto tool choice on), and the run ends in an
+    answer rather than in the SDK's turn limit."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # the SDK would send traces to OpenAI's servers
+    asked = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        asked.append(city)
+        return f"It is sunny and 21 degrees Celsius in {city}."
+
+    client = AsyncOpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
+    agent = Agent(name="weather", instructions="Answer with the weather the tool reports.", tools=[get_weather],
+                  model=OpenAIChatCompletionsModel(model=NAME, openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=64))
+    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert asked and all(isinstance(c, str) and c for c in asked), asked
+    assert isinstance(result.final_output, str) and result.final_output.strip(), result.final_output
     assert_no_leaks(app, APP, {"colocated"})
