@@ -39,6 +39,8 @@ class PDConnectorFactory:
     # producer puts them itself (a Serve replica's ranks: see ObjectStoreTransport).
     store_pulls: bool = True
     rank: int | None = None  # set by for_rank: the worker side of that rank
+    # The model's KV heads, all ranks' (a consumer rank re-shards by head, kvstore.reshard).
+    num_kv_heads: int | None = None
 
     def for_rank(self, rank: int) -> PDConnectorFactory:
         return dataclasses.replace(self, rank=rank)
@@ -52,4 +54,5 @@ class PDConnectorFactory:
         if self.rank is not None:
             transport = ShardTransport(transport, self.rank)
         return PDConnector(side, self.pd_role, transport, self.replica_id, self.block_size,
-                           self.load_failure_policy, self.tensor_parallel_size)
+                           self.load_failure_policy, self.tensor_parallel_size, rank=self.rank or 0,
+                           num_kv_heads=self.num_kv_heads)

@@ -31,6 +31,7 @@ from engine.engine_request import EngineRequest
 from engine.kv_cache.events import KVSnapshot
 from engine.kv_connector import KVConnectorRole
 from engine.load import EngineLoad, summed_counters
+from engine.models.arch import load_arch
 from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
 from kvstore.connector_factory import PDConnectorFactory
@@ -144,7 +145,8 @@ class EngineHost:
             pd_role = role.pd_role
             if tp > 1 or dp > 1:
                 factory = self._remote_factory(transport, pd_role, store, config.cache.block_size,
-                                               load_failure_policy, tp, transport_timeout_s)
+                                               load_failure_policy, tp, transport_timeout_s,
+                                               load_arch(config.model.model).num_kv_heads)
             else:
                 self.transport = self._make_transport(transport, store, transport_timeout_s)
                 if config.parallel.engine_core_process:
@@ -176,7 +178,7 @@ class EngineHost:
             self.handoff_transport.inbox.ttl_s = handoff_ttl_s
 
     def _remote_factory(self, transport: str, pd_role: str, store, block_size: int, load_failure_policy: str,
-                        tp: int, timeout_s: float) -> PDConnectorFactory:
+                        tp: int, timeout_s: float, num_kv_heads: int) -> PDConnectorFactory:
         """Tensor or data parallel: the connector's sides live in other actors (each rank moves
         its own heads; each data-parallel core schedules its own requests), which build them
         from this recipe."""
@@ -184,7 +186,7 @@ class EngineHost:
             raise ValueError(f"tensor or data parallelism with P/D moves KV through the 'object_store' "
                              f"transport; got {transport!r}")
         return PDConnectorFactory(pd_role, store, self.replica_id, block_size, load_failure_policy, tp,
-                                  timeout_s, store_pulls=self.store_pulls)
+                                  timeout_s, store_pulls=self.store_pulls, num_kv_heads=num_kv_heads)
 
     async def _ask_ranks(self, ranks: list, method: str) -> list:
         calls = [getattr(r, method).remote() for r in ranks]

@@ -12,6 +12,7 @@ import torch
 from engine.kv_transfer_params import KVTransferParams
 from kvstore.handoff import ExportFailed, Handbacks, Inbox
 from kvstore.kv_io import MalformedKV
+from kvstore.shards import base_transfer_id
 
 logger = logging.getLogger(__name__)
 _WARMUP_TIMEOUT_S = 30.0
@@ -81,8 +82,10 @@ class LocalTransport(KVTransport):
         on_done(kv if kv is not None else TransferError(reason or f"transfer {tid!r} not found"))
 
     def release(self, params: KVTransferParams) -> None:
+        """Drops the transfer and its shards, as the store does (kvstore.directory)."""
         with self._lock:
-            self._data.pop(params.transfer_id, None)
+            for tid in [t for t in self._data if base_transfer_id(t) == params.transfer_id]:
+                del self._data[tid]
 
     @property
     def live_transfers(self) -> int:
