@@ -125,8 +125,8 @@ class AppConfig:
     # same). More threads than CPUs lets replicas sharing a node use each other's idle cores.
     replica_num_threads: int | None = None
     replica_num_gpus: float | None = None  # None: see num_gpus
-    # Tensor-parallel size of each P/D role (None: engine_args.tensor_parallel_size). Each rank
-    # moves its own heads of the prompt KV, so the two must be equal (refused otherwise).
+    # Tensor-parallel size of each P/D role (None: engine_args.tensor_parallel_size). They may
+    # differ: decode ranks re-shard the prefill ranks' KV by head (kvstore.reshard).
     prefill_tensor_parallel_size: int | None = None
     decode_tensor_parallel_size: int | None = None
     # Data-parallel engine cores of each P/D role's replica (None: engine_args.data_parallel_size).
