@@ -44,7 +44,7 @@ from engine.kv_transfer_params import KVTransferParams
 from engine.request import Request, RequestStatus
 from engine.sched.output import KVConnectorOutput, SchedulerOutput
 from kvstore.kv_io import REFUSAL_REASONS, MalformedKV, gather_kv, refusal_key, scatter_kv
-from kvstore.reshard import ShardPiece, join_pieces, plan_pieces
+from kvstore.reshard import ShardPiece, join_pieces, plan_pieces, readers
 from kvstore.transports.base import KVTransport
 
 logger = logging.getLogger(__name__)
@@ -299,9 +299,13 @@ class PDConnector(KVConnectorBase):
             if self._wakeup is not None:
                 self._wakeup()
 
+        shared = readers(self.num_kv_heads, spec.params.tensor_parallel_size, self.tensor_parallel_size)
         for index, piece in enumerate(load.pieces):
             params = dataclasses.replace(spec.params, transfer_id=piece.transfer_id(spec.params.transfer_id))
-            self.transport.fetch_async(params, lambda result, i=index: on_done(result, i))
+            # Other ranks of this decode read it too: a producer that hands each export out once
+            # keeps it for them (kvstore.transports.torch_dist). One reader: the plain call.
+            extra = {"readers": shared[piece.shard]} if shared[piece.shard] > 1 else {}
+            self.transport.fetch_async(params, lambda result, i=index: on_done(result, i), **extra)
 
     def _write(self, rid: str, load: _Load) -> None:
         spec, result = load.spec, load.result

@@ -76,6 +76,15 @@ def plan_pieces(num_kv_heads: int, producer_tp: int, consumer_rank: int, consume
     return tuple(pieces)
 
 
+def readers(num_kv_heads: int, producer_tp: int, consumer_tp: int) -> dict[int | None, int]:
+    """How many consumer ranks read each producer shard that any reads (by `ShardPiece.shard`)."""
+    counts: dict[int | None, int] = {}
+    for rank in range(consumer_tp):
+        for shard in {p.shard for p in plan_pieces(num_kv_heads, producer_tp, rank, consumer_tp)}:
+            counts[shard] = counts.get(shard, 0) + 1
+    return counts
+
+
 def join_pieces(pieces: tuple[ShardPiece, ...], shards: list[torch.Tensor], num_kv_heads: int, producer_tp: int,
                 layers: int, head_dim: int, dtype: torch.dtype, num_tokens: int) -> torch.Tensor:
     """The consumer rank's KV [layers, 2, num_tokens, its kv heads, head_dim] from the fetched

@@ -29,8 +29,8 @@ class ShardTransport(KVTransport):
     def abandon(self, transfer_id: str, reason: str) -> None:
         self.inner.abandon(shard_transfer_id(transfer_id, self.rank), reason)
 
-    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None]) -> None:
-        self.inner.fetch_async(params, on_done)
+    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None], readers: int = 1) -> None:
+        self.inner.fetch_async(params, on_done, readers)
 
     def release(self, params: KVTransferParams) -> None:
         self.inner.release(params)

@@ -1,6 +1,8 @@
 """P/D between tensor-parallel sizes that differ, on local Ray over gloo: a prefill of 2 ranks
-into a decode of 1, and a prefill of 1 into a decode of 2 (the small preset: 8 heads, 4 KV
-heads). Each decode rank re-shards the prefill's KV to its own heads (kvstore.reshard).
+into a decode of 1 (object store), and a prefill of 1 into a decode of 2 (torch_dist) (the small
+preset: 8 heads, 4 KV heads). Each decode rank re-shards the prefill's KV to its own heads
+(kvstore.reshard). Both directions over the object store, 16 prompts each, behind Serve:
+scripts/pd_unequal_tp.py.
 
 Oracles: Hugging Face greedy tokens; the decode's connector counters (every prompt loaded on
 every rank, none refused, none failed, so no prompt was recomputed); no block, transfer or export
@@ -32,16 +34,20 @@ def small_model(model_factory):
 
 @pytest.fixture(scope="module")
 def engines(ray_local, small_model):
+    """engine(role, tp, transport) -> a host actor, started on first use and kept for the module."""
     ray = ray_local
     store = create_store()
     hosts = {}
-    for role in ("prefill", "decode"):
-        for tp in (1, 2):
+
+    def engine(role: str, tp: int, transport: str):
+        if (role, tp, transport) not in hosts:
             args = EngineArgs(small_model, tensor_parallel_size=tp, **ENGINE)
             # "fail": a load that went wrong is an error here, never a silent recompute.
-            hosts[role, tp] = start_host_actor(args, role, store=store, load_failure_policy="fail")
-    ray.get([h.ping.remote() for h in hosts.values()])
-    yield ray, store, hosts
+            hosts[role, tp, transport] = start_host_actor(args, role, store=store, transport=transport,
+                                                          load_failure_policy="fail")
+        return hosts[role, tp, transport]
+
+    yield ray, store, engine
     ray.get([h.shutdown.remote() for h in hosts.values()])  # their ranks' placement groups too
     for actor in (*hosts.values(), store):
         ray.kill(actor)
@@ -52,11 +58,14 @@ def expected(small_model):
     return hf_greedy(small_model, PROMPTS, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+# One direction per transport (each pair starts its own engines): the store's objects, which
+# any number of decode ranks may read, from two prefill ranks into one decode rank; torch_dist,
+# whose producer sends each export to each of its readers, from one prefill rank into two.
+@pytest.mark.parametrize("prefill_tp,decode_tp,transport", [(2, 1, "object_store"), (1, 2, "torch_dist")])
 def test_unequal_tensor_parallel_pd_equals_transformers_with_no_transfer_refused(
-        engines, small_model, expected, prefill_tp, decode_tp):
-    ray, store, hosts = engines
-    prefill, decode = hosts["prefill", prefill_tp], hosts["decode", decode_tp]
+        engines, small_model, expected, prefill_tp, decode_tp, transport):
+    ray, store, engine = engines
+    prefill, decode = engine("prefill", prefill_tp, transport), engine("decode", decode_tp, transport)
     before = ray.get(decode.kv_transfer_stats.remote())
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 

@@ -15,7 +15,7 @@ from engine.kv_transfer_params import KVTransferParams
 from engine.sched.output import KVConnectorOutput
 from kvstore.connector import LoadSpec, PDConnector, PDConnectorMetadata
 from kvstore.kv_io import MalformedKV, gather_kv, refusal_key, scatter_kv
-from kvstore.reshard import check_pd_sizes, join_pieces, plan_pieces
+from kvstore.reshard import check_pd_sizes, join_pieces, plan_pieces, readers
 from kvstore.shards import shard_transfer_id
 from kvstore.transports import LocalTransport
 from kvstore.transports.sharded import ShardTransport
@@ -82,6 +82,13 @@ def test_equal_sizes_read_their_own_shard_whole_and_a_one_rank_prefill_is_not_sh
     assert (piece.shard, piece.start, piece.stop, piece.transfer_id("t")) == (None, 2, 4, "t")
     shard = _kv(2)
     assert join_pieces(plan_pieces(4, 2, 1, 2), [shard], 4, 2, LAYERS, D, shard.dtype, TOKENS) is shard
+
+
+def test_readers_count_the_decode_ranks_that_fetch_each_shard():
+    assert readers(4, 2, 2) == {0: 1, 1: 1}
+    assert readers(4, 1, 2) == {None: 2}  # both halves come from the one whole transfer
+    assert readers(4, 2, 4) == {0: 2, 1: 2}
+    assert readers(2, 4, 1) == {0: 1, 2: 1}  # each head once, from the first rank holding it
 
 
 @pytest.mark.parametrize("heads,producer_tp,consumer_tp", [(4, 2, 1), (4, 1, 2), (2, 4, 1), (2, 1, 4)])
