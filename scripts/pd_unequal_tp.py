@@ -7,8 +7,8 @@ size and a decode of another, each way, on local Ray (CPU: gloo).
 For each pair it deploys the app (`prefill_tensor_parallel_size`, `decode_tensor_parallel_size`),
 sends the prompts as greedy completions, and checks each answer against Hugging Face
 transformers' greedy text, and the app's /metrics: KV loads (one per decode rank per prompt),
-load failures and refused transfers (both 0: no prompt was recomputed or refused). PASS or FAIL,
-and a JSON report.
+load failures and refused transfers (both 0: no prompt was recomputed or refused), and that the
+KV store holds no transfer afterwards. PASS or FAIL, and a JSON report.
 """
 
 from __future__ import annotations
@@ -61,6 +61,20 @@ def _counters(url: str) -> dict[str, float]:
     return {k: _metric(url, f"pdserve:kv_transfer_{k}_total") for k in ("loads", "load_failures", "refused")}
 
 
+def _live_transfers(app: str, bound_s: float = 30.0) -> int:
+    """The app's KV store's live transfers once every release has reached it (bounded: a
+    decode's release is fire-and-forget)."""
+    import ray
+
+    from kvstore.store_actor import find_app_store
+
+    store = find_app_store(app)
+    deadline = time.monotonic() + bound_s
+    while (live := ray.get(store.stats.remote())["live_transfers"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return live
+
+
 def _wait_health(url: str, bound_s: float = 900.0) -> None:
     import requests
 
@@ -105,14 +119,15 @@ def run_pair(url: str, model: str, prefill_tp: int, decode_tp: int, prompts: lis
         while (moved := {k: v - before[k] for k, v in _counters(url).items()})["loads"] < want \
                 and time.monotonic() < deadline:
             time.sleep(1.0)
+        live = _live_transfers(app)
     finally:
         serve.delete(app)
     equal = sum(t == e for t, e in zip(texts, expected))
     return {"prefill_tp": prefill_tp, "decode_tp": decode_tp, "prompts": len(prompts), "equal_to_hf": equal,
             "kv_loads": moved["loads"], "kv_loads_expected": want, "load_failures": moved["load_failures"],
-            "refused": moved["refused"], "seconds": round(seconds, 2),
+            "refused": moved["refused"], "live_transfers_after": live, "seconds": round(seconds, 2),
             "ok": equal == len(prompts) and moved["loads"] == want and moved["load_failures"] == 0
-            and moved["refused"] == 0,
+            and moved["refused"] == 0 and live == 0,
             "mismatches": [{"prompt": p, "got": t, "hf": e} for p, t, e in zip(prompts, texts, expected) if t != e]}
 
 
