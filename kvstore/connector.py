@@ -223,7 +223,7 @@ class PDConnector(KVConnectorBase):
         self._local_hits.pop(rid, None)
         if params is not None and params.loads_remote_kv:
             if rid in self._loaded:
-                self._loaded.discard(rid)  # released by the worker side already
+                self._loaded.discard(rid)  # released already, once its load was reported
             else:
                 # Loading, or never got blocks: the worker side drops the load (and releases).
                 self._loading.pop(rid, None)
