@@ -28,8 +28,8 @@ class KVTransferParams:
     source: str | None = None
     transport: str | None = None
     num_prior_output_tokens: int = 0
-    # Ranks of the producer: each exported the shard of its own heads (kvstore.shards), which
-    # only a consumer of as many ranks can load.
+    # Ranks of the producer: each exported the shard of its own heads (kvstore.shards); a
+    # consumer of any size fetches the shards that hold its ranks' heads (kvstore.reshard).
     tensor_parallel_size: int = 1
     # The LoRA adapter the prompt's KV was computed with (None: the base model): a consumer
     # running another adapter must not load it (kvstore.connector recomputes instead).

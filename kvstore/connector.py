@@ -14,9 +14,12 @@ scheduled. A failed fetch, or KV refused as malformed (kvstore.kv_io.check_kv: b
 is written, never cast), is an error for that request ("fail") or a local recompute of the
 prompt ("recompute"); a request never runs on partial or wrong KV.
 
-Release: a transfer a consumer request names is released exactly once, by this connector's
-worker side: after its load (done or failed), or when the request finishes without loading
-(aborted first, or its prompt found in the local prefix cache).
+Release: a transfer a consumer request names is released exactly once: after its load (done
+or failed), or when the request finishes without loading (aborted first, or its prompt found
+in the local prefix cache). A one-rank consumer's worker side releases it. A tensor-parallel
+consumer's ranks may read the same producer shard (kvstore.reshard), so no rank may release
+what another still fetches: its scheduler side releases the whole transfer (every shard)
+once every rank has reported the load, which the executor's merged report tells it.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from engine.kv_transfer_params import KVTransferParams
 from engine.request import Request, RequestStatus
 from engine.sched.output import KVConnectorOutput, SchedulerOutput
 from kvstore.kv_io import REFUSAL_REASONS, MalformedKV, gather_kv, refusal_key, scatter_kv
-from kvstore.transports.base import KVTransport, TransferError
+from kvstore.reshard import ShardPiece, join_pieces, plan_pieces, readers
+from kvstore.transports.base import KVTransport
 
 logger = logging.getLogger(__name__)
 
@@ -79,16 +83,22 @@ class PDConnectorMetadata(KVConnectorMetadata):
 class _Load:
     spec: LoadSpec
     started: float
-    result: object = None  # tensor, exception, or None while in flight
+    pieces: tuple[ShardPiece, ...] = ()  # the producer shards this rank's heads come from
+    shards: dict[int, object] = field(default_factory=dict)  # piece index -> tensor or exception
+    result: object = None  # a list of tensors (one per piece), an exception, or None in flight
 
 
 class PDConnector(KVConnectorBase):
-    """One side (`side`) of the P/D connector of a replica whose P/D role is `pd_role`."""
+    """One side (`side`) of the P/D connector of a replica whose P/D role is `pd_role`. Its
+    worker side is rank `rank` of `tensor_parallel_size`; `num_kv_heads`: the model's KV heads
+    (all ranks'), which a one-rank consumer reads from its cache."""
 
     def __init__(self, side: KVConnectorRole, pd_role: str, transport: KVTransport, replica_id: str,
                  block_size: int, load_failure_policy: str = DEFAULT_LOAD_FAILURE_POLICY,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, rank: int = 0, num_kv_heads: int | None = None) -> None:
         super().__init__(side)
+        if tensor_parallel_size > 1 and num_kv_heads is None:
+            raise ValueError("a tensor-parallel connector needs the model's num_kv_heads")
         if pd_role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {pd_role!r}")
         if load_failure_policy not in LOAD_FAILURE_POLICIES:
@@ -99,6 +109,11 @@ class PDConnector(KVConnectorBase):
         self.replica_id = replica_id
         self.block_size = block_size
         self.tensor_parallel_size = tensor_parallel_size
+        self.rank = rank
+        self.num_kv_heads = num_kv_heads
+        # Who releases a consumer's transfers (module docstring): the scheduler side of a
+        # tensor-parallel consumer, else the worker side.
+        self._scheduler_releases = tensor_parallel_size > 1
         self.kv_load_failure_policy = load_failure_policy
         # scheduler side
         self._meta = PDConnectorMetadata()
@@ -107,7 +122,7 @@ class PDConnector(KVConnectorBase):
         # per KV cache group, the request's own params).
         self._producing: dict[str, tuple[int, list[list[int]], KVTransferParams]] = {}
         self._exported: dict[str, KVTransferParams] = {}  # saved, for request_finished
-        self._loading: set[str] = set()  # loads handed to the worker side, not reported yet
+        self._loading: dict[str, KVTransferParams] = {}  # loads handed to the worker side, not reported yet
         self._loaded: set[str] = set()  # consumer requests whose transfer is dealt with
         # worker side
         self._kv_caches: list = []
@@ -137,6 +152,7 @@ class PDConnector(KVConnectorBase):
             n = 0
         if n <= 0:  # the local prefix cache already covers the transfer (or it is not ours)
             self._meta.releases.append(params)
+            self._release(params, scheduler_side=True)
             self._loaded.add(rid)
             return 0, False
         self._local_hits[rid] = num_computed_tokens
@@ -154,7 +170,7 @@ class PDConnector(KVConnectorBase):
         start = self._local_hits.pop(rid)
         self._meta.loads.append(LoadSpec(rid, request.kv_transfer_params, tuple(tuple(ids) for ids in block_ids),
                                          start, start + num_external_tokens))
-        self._loading.add(rid)
+        self._loading[rid] = request.kv_transfer_params
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
         """Adds a save for every producer whose prompt's last chunk runs in this step."""
@@ -196,8 +212,10 @@ class PDConnector(KVConnectorBase):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The scheduler saw the worker side's report: those loads are over."""
         for rid in (*output.finished_recving, *output.failed_recving):
-            self._loading.discard(rid)
+            params = self._loading.pop(rid, None)
             self._loaded.add(rid)
+            if params is not None:  # every rank has reported: none reads the transfer any more
+                self._release(params, scheduler_side=True)
 
     def request_finished(self, request: Request, block_ids: GroupBlockIds) -> tuple[bool, KVTransferParams | None]:
         rid = request.request_id
@@ -205,11 +223,12 @@ class PDConnector(KVConnectorBase):
         self._local_hits.pop(rid, None)
         if params is not None and params.loads_remote_kv:
             if rid in self._loaded:
-                self._loaded.discard(rid)  # released by the worker side already
+                self._loaded.discard(rid)  # released already, once its load was reported
             else:
-                # Loading, or never got blocks: the worker side drops the load and releases.
-                self._loading.discard(rid)
+                # Loading, or never got blocks: the worker side drops the load (and releases).
+                self._loading.pop(rid, None)
                 self._meta.abandoned.append((rid, params))
+                self._release(params, scheduler_side=True)
         self._producing.pop(rid, None)
         transfer = self._exported.pop(rid, None)
         if transfer is None or request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -219,10 +238,17 @@ class PDConnector(KVConnectorBase):
         # The export was copied out in the step that computed it: the blocks may go now.
         return False, transfer
 
+    def _release(self, params: KVTransferParams, scheduler_side: bool) -> None:
+        """Release a consumer's transfer from the side that owns its release (module docstring)."""
+        if scheduler_side == self._scheduler_releases:
+            self.transport.release(params)
+
     # ---- worker side --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list, layer_groups: list[int] | None = None) -> None:
         self._kv_caches = kv_caches
         self._layer_groups = layer_groups
+        if self.num_kv_heads is None and kv_caches:
+            self.num_kv_heads = kv_caches[0][0].shape[2]  # one rank: its cache holds every head
 
     def set_wakeup(self, callback: Callable[[], None]) -> None:
         self._wakeup = callback
@@ -234,9 +260,9 @@ class PDConnector(KVConnectorBase):
             for rid, params in metadata.abandoned:
                 with self._lock:
                     self._loads.pop(rid, None)
-                self.transport.release(params)
+                self._release(params, scheduler_side=False)
             for params in metadata.releases:
-                self.transport.release(params)
+                self._release(params, scheduler_side=False)
             for spec in metadata.loads:
                 self._start_fetch(spec)
         with self._lock:
@@ -247,32 +273,51 @@ class PDConnector(KVConnectorBase):
             self._write(rid, load)
 
     def _start_fetch(self, spec: LoadSpec) -> None:
+        """Fetch the producer shards that hold this rank's KV heads (kvstore.reshard); the load's
+        result is their tensors once all arrived, or the first failure."""
         load = _Load(spec, time.monotonic())
         with self._lock:
             self._loads[spec.request_id] = load
-        if spec.params.tensor_parallel_size != self.tensor_parallel_size:
-            # Each producer rank exported its own heads: the shards fit only as many ranks.
-            load.result = TransferError(
-                f"the prefill ran with tensor_parallel_size={spec.params.tensor_parallel_size} and this "
-                f"decode replica with {self.tensor_parallel_size}; P/D needs the same size on both roles")
+        try:
+            load.pieces = plan_pieces(self.num_kv_heads, spec.params.tensor_parallel_size, self.rank,
+                                      self.tensor_parallel_size)
+        except MalformedKV as e:
+            load.result = e
             return
 
-        def on_done(result, rid=spec.request_id):
+        def on_done(result, index: int, rid=spec.request_id):
             with self._lock:
-                if self._loads.get(rid) is load:
+                if self._loads.get(rid) is not load or load.result is not None:
+                    return
+                load.shards[index] = result
+                if isinstance(result, BaseException):
                     load.result = result
+                elif len(load.shards) == len(load.pieces):
+                    load.result = [load.shards[i] for i in range(len(load.pieces))]
+                else:
+                    return
             if self._wakeup is not None:
                 self._wakeup()
 
-        self.transport.fetch_async(spec.params, on_done)
+        shared = readers(self.num_kv_heads, spec.params.tensor_parallel_size, self.tensor_parallel_size)
+        for index, piece in enumerate(load.pieces):
+            params = dataclasses.replace(spec.params, transfer_id=piece.transfer_id(spec.params.transfer_id))
+            # Other ranks of this decode read it too: a producer that hands each export out once
+            # keeps it for them (kvstore.transports.torch_dist). One reader: the plain call.
+            extra = {"readers": shared[piece.shard]} if shared[piece.shard] > 1 else {}
+            self.transport.fetch_async(params, lambda result, i=index: on_done(result, i), **extra)
 
     def _write(self, rid: str, load: _Load) -> None:
         spec, result = load.spec, load.result
         try:
             if isinstance(result, BaseException):
                 raise result
-            # Checks the KV against the transfer's params and this cache before writing any of it.
-            scatter_kv(self._kv_caches, spec.block_ids, spec.start, spec.end, self.block_size, result,
+            k0 = self._kv_caches[0][0]
+            # Each shard is checked against the heads its producer rank holds, and the joined KV
+            # against the transfer's params and this cache, before any of it is written.
+            kv = join_pieces(load.pieces, result, self.num_kv_heads, spec.params.tensor_parallel_size,
+                             len(self._kv_caches), k0.shape[3], k0.dtype, spec.params.num_tokens)
+            scatter_kv(self._kv_caches, spec.block_ids, spec.start, spec.end, self.block_size, kv,
                        spec.params.num_tokens, self._layer_groups)
         except Exception as e:  # never run on partial, missing or malformed KV
             if isinstance(e, MalformedKV):
@@ -284,9 +329,9 @@ class PDConnector(KVConnectorBase):
         else:
             self._finished.finished_recving.add(rid)
             self.stats["loads"] += 1
-            self.stats["bytes_in"] += result.numel() * result.element_size()
+            self.stats["bytes_in"] += kv.numel() * kv.element_size()
             self.stats["load_seconds"] += time.monotonic() - load.started
-        self.transport.release(spec.params)
+        self._release(spec.params, scheduler_side=False)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete whole requests before they are scheduled: nothing to wait for."""

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+import torch
 
 from engine.kv_connector import KVConnectorRole
 from kvstore.connector import PDConnector
 from kvstore.transports.object_store import ObjectStoreTransport
 from kvstore.transports.sharded import ShardTransport
+from kvstore.transports.torch_dist import TorchDistTransport
 
 
 def _current_actor():
@@ -39,6 +41,9 @@ class PDConnectorFactory:
     # producer puts them itself (a Serve replica's ranks: see ObjectStoreTransport).
     store_pulls: bool = True
     rank: int | None = None  # set by for_rank: the worker side of that rank
+    # The model's KV heads, all ranks' (a consumer rank re-shards by head, kvstore.reshard).
+    num_kv_heads: int | None = None
+    transport: str = "object_store"  # or "torch_dist" (plain actors: store_pulls)
 
     def for_rank(self, rank: int) -> PDConnectorFactory:
         return dataclasses.replace(self, rank=rank)
@@ -47,9 +52,15 @@ class PDConnectorFactory:
         if side is KVConnectorRole.WORKER and self.rank is None and self.tensor_parallel_size > 1:
             raise RuntimeError("the worker side of a tensor-parallel connector is built per rank (for_rank)")
         name = self.replica_id if self.rank is None else f"{self.replica_id}.rank{self.rank}"
-        transport = ObjectStoreTransport(self.store, name, _current_actor if self.store_pulls else None,
-                                         fetch_timeout_s=self.transport_timeout_s)
+        if self.transport == "torch_dist":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            transport = TorchDistTransport(self.store, name, _current_actor, device_type=device,
+                                           timeout_s=self.transport_timeout_s)
+        else:
+            transport = ObjectStoreTransport(self.store, name, _current_actor if self.store_pulls else None,
+                                             fetch_timeout_s=self.transport_timeout_s)
         if self.rank is not None:
             transport = ShardTransport(transport, self.rank)
         return PDConnector(side, self.pd_role, transport, self.replica_id, self.block_size,
-                           self.load_failure_policy, self.tensor_parallel_size)
+                           self.load_failure_policy, self.tensor_parallel_size, rank=self.rank or 0,
+                           num_kv_heads=self.num_kv_heads)

@@ -67,8 +67,14 @@ def check_kv(kv: object, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num
     """Raise MalformedKV unless `kv` is a whole transfer of `num_tokens` tokens for these
     caches: [layers, 2, num_tokens, Hkv, D] in their dtype (any device: it is copied over)."""
     k0 = kv_caches[0][0]
-    layers, heads = len(kv_caches), tuple(k0.shape[2:])
-    want = f"[{layers}, 2, {num_tokens}, {', '.join(map(str, heads))}] {str(k0.dtype).removeprefix('torch.')}"
+    check_kv_layout(kv, len(kv_caches), tuple(k0.shape[2:]), k0.dtype, num_tokens)
+
+
+def check_kv_layout(kv: object, layers: int, heads: tuple[int, ...], dtype: torch.dtype, num_tokens: int) -> None:
+    """Raise MalformedKV unless `kv` is [layers, 2, num_tokens, *heads] in `dtype`; `heads` is
+    (kv heads, head size) of a cache, or of one producer rank's shard (kvstore.reshard)."""
+    heads = tuple(heads)
+    want = f"[{layers}, 2, {num_tokens}, {', '.join(map(str, heads))}] {str(dtype).removeprefix('torch.')}"
     if not isinstance(kv, torch.Tensor):
         raise MalformedKV("shape", f"got a {type(kv).__name__}, not a tensor {want}")
     shape = tuple(kv.shape)
@@ -85,9 +91,9 @@ def check_kv(kv: object, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num
         raise MalformedKV("shape", f"KV heads x head size {list(shape[3:])}, this cache has {list(heads)} ({want})")
     if shape[2] != num_tokens:
         raise MalformedKV("tokens", f"KV of {shape[2]} tokens, its transfer has {num_tokens} ({want})")
-    if kv.dtype != k0.dtype:
+    if kv.dtype != dtype:
         raise MalformedKV("dtype", f"KV in {str(kv.dtype).removeprefix('torch.')}, this cache in "
-                                   f"{str(k0.dtype).removeprefix('torch.')} (never cast: {want})")
+                                   f"{str(dtype).removeprefix('torch.')} (never cast: {want})")
 
 
 def request_slots(block_ids: list[int], start: int, end: int, block_size: int, device) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Tensor-parallel P/D: every rank moves its own shard of a transfer.
 
 A rank's KV cache holds only its heads, so a prefill replica of tp ranks exports one shard per
-rank and decode rank r loads shard r (equal tensor-parallel sizes on both sides: the head
-split is then the same). Shard r of transfer T is a transfer of its own in the KV store,
+rank, and each decode rank loads the shards that hold its own heads (shard r at equal sizes;
+kvstore.reshard for the others). Shard r of transfer T is a transfer of its own in the KV store,
 named `shard_transfer_id(T, r)`; releasing T releases every shard of it (cluster-side flows
 know only T), and once T is released no shard of it can register any more.
 """

@@ -33,7 +33,9 @@ from engine.args import EngineArgs
 from engine.errors import ParameterError, check_choice, check_int
 from engine.kv_cache.kv_routing import DEFAULT_OVERLAP_WEIGHT
 from engine.kv_connector import LOAD_FAILURE_POLICIES
+from engine.models.arch import load_arch
 from engine.models.default_model import require_model_dir, served_name
+from kvstore.reshard import check_pd_sizes
 
 MODES = ("pd", "colocated")
 # Least time between two streamed messages of an engine replica to an ingress (Ray Serve
@@ -123,8 +125,8 @@ class AppConfig:
     # same). More threads than CPUs lets replicas sharing a node use each other's idle cores.
     replica_num_threads: int | None = None
     replica_num_gpus: float | None = None  # None: see num_gpus
-    # Tensor-parallel size of each P/D role (None: engine_args.tensor_parallel_size). Each rank
-    # moves its own heads of the prompt KV, so the two must be equal (refused otherwise).
+    # Tensor-parallel size of each P/D role (None: engine_args.tensor_parallel_size). They may
+    # differ: decode ranks re-shard the prefill ranks' KV by head (kvstore.reshard).
     prefill_tensor_parallel_size: int | None = None
     decode_tensor_parallel_size: int | None = None
     # Data-parallel engine cores of each P/D role's replica (None: engine_args.data_parallel_size).
@@ -208,13 +210,12 @@ class AppConfig:
                          self.role_engine_args(self.direct_role))
         if self.engine_args.engine_core_process:
             check_core_process([self.role_engine_args(role) for role in self.targets()])
-        if self.mode == "pd" and self.tensor_parallel_size(Role.PREFILL) != self.tensor_parallel_size(Role.DECODE):
-            raise ParameterError(
-                "decode_tensor_parallel_size",
-                f"decode_tensor_parallel_size={self.tensor_parallel_size(Role.DECODE)} must equal "
-                f"prefill_tensor_parallel_size={self.tensor_parallel_size(Role.PREFILL)}: each rank moves its "
-                "own shard of the KV heads, which only a decode replica split the same way can load",
-            )
+        if self.mode == "pd":
+            # Decode ranks re-shard the prefill ranks' KV by head (kvstore.reshard): any sizes may pair.
+            arch = load_arch(self.model)
+            check_pd_sizes(arch.num_heads, arch.num_kv_heads, {
+                "prefill_tensor_parallel_size": self.tensor_parallel_size(Role.PREFILL),
+                "decode_tensor_parallel_size": self.tensor_parallel_size(Role.DECODE)})
 
     def lora_module_list(self) -> tuple[LoRAModule, ...]:
         if isinstance(self.lora_modules, str):

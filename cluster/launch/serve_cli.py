@@ -124,7 +124,8 @@ def add_serve_parser(sub) -> None:
                    help="GPUs the engine replica actor itself reserves (default on a CUDA machine: 1; with "
                         "tensor parallel over Ray actors 0, each rank actor reserves its own GPU)")
     p.add_argument("--prefill-tensor-parallel-size", type=int, default=None,
-                   help="ranks of each prefill replica (default: --tensor-parallel-size); must equal the decode's")
+                   help="ranks of each prefill replica (default: --tensor-parallel-size); may differ from the "
+                        "decode's")
     p.add_argument("--decode-tensor-parallel-size", type=int, default=None,
                    help="ranks of each decode replica (default: --tensor-parallel-size)")
     p.add_argument("--prefill-data-parallel-size", type=int, default=None,

@@ -32,6 +32,7 @@ from engine.engine_request import EngineRequest
 from engine.kv_cache.events import KVSnapshot
 from engine.kv_connector import KVConnectorRole
 from engine.load import EngineLoad, summed_counters
+from engine.models.arch import load_arch
 from engine.outputs import RequestOutput
 from kvstore.connector import PDConnector
 from kvstore.connector_factory import PDConnectorFactory
@@ -147,7 +148,8 @@ class EngineHost:
             pd_role = role.pd_role
             if tp > 1 or dp > 1:
                 factory = self._remote_factory(transport, pd_role, store, config.cache.block_size,
-                                               load_failure_policy, tp, transport_timeout_s)
+                                               load_failure_policy, tp, dp, transport_timeout_s,
+                                               load_arch(config.model.model).num_kv_heads)
             else:
                 self.transport = self._make_transport(transport, store, transport_timeout_s)
                 if config.parallel.engine_core_process:
@@ -179,15 +181,17 @@ class EngineHost:
             self.handoff_transport.inbox.ttl_s = handoff_ttl_s
 
     def _remote_factory(self, transport: str, pd_role: str, store, block_size: int, load_failure_policy: str,
-                        tp: int, timeout_s: float) -> PDConnectorFactory:
+                        tp: int, dp: int, timeout_s: float, num_kv_heads: int) -> PDConnectorFactory:
         """Tensor or data parallel: the connector's sides live in other actors (each rank moves
         its own heads; each data-parallel core schedules its own requests), which build them
-        from this recipe."""
-        if transport != "object_store":
-            raise ValueError(f"tensor or data parallelism with P/D moves KV through the 'object_store' "
-                             f"transport; got {transport!r}")
+        from this recipe. torch_dist: each rank actor is a peer of its own (tensor parallel
+        only; data-parallel cores move KV through the object store)."""
+        if transport != "object_store" and dp > 1:
+            raise ValueError(f"data parallelism with P/D moves KV through the 'object_store' transport; "
+                             f"got {transport!r}")
         return PDConnectorFactory(pd_role, store, self.replica_id, block_size, load_failure_policy, tp,
-                                  timeout_s, store_pulls=self.store_pulls)
+                                  timeout_s, store_pulls=self.store_pulls, num_kv_heads=num_kv_heads,
+                                  transport=transport)
 
     async def _ask_ranks(self, ranks: list, method: str) -> list:
         calls = [getattr(r, method).remote() for r in ranks]
@@ -283,8 +287,8 @@ class EngineHost:
     async def open_pair(self, consumer_id: str) -> None:
         await asyncio.to_thread(self.transport.open_pair, consumer_id)
 
-    async def send_kv(self, transfer_id: str, consumer_id: str, tag: int) -> None:
-        await asyncio.to_thread(self.transport.send, transfer_id, consumer_id, tag)
+    async def send_kv(self, transfer_id: str, consumer_id: str, tag: int, readers: int = 1) -> None:
+        await asyncio.to_thread(self.transport.send, transfer_id, consumer_id, tag, readers)
 
     def drop_export(self, transfer_id: str) -> None:
         if self.transport is not None:

@@ -43,6 +43,14 @@ def check_tp_size(arch: ModelArch, tp: int, expert_parallel: bool = False) -> No
         raise ParameterError(field, f"{field}={tp} must divide intermediate_size={arch.intermediate_size}")
 
 
+def kv_head_range(rank: int, size: int, num_kv_heads: int) -> range:
+    """The KV heads rank `rank` of `size` holds: an even split when there are at least as many
+    heads as ranks, else head rank * num_kv_heads // size, replicated on consecutive ranks (the
+    ranks whose query heads read it). P/D re-sharding (kvstore.reshard) reads the same rule."""
+    start = rank * num_kv_heads // size
+    return range(start, start + max(1, num_kv_heads // size))
+
+
 def check_ep_size(arch: ModelArch, ep_size: int) -> None:
     """Raise ParameterError unless `arch` has experts that split whole over `ep_size` ranks
     (under enable_expert_parallel, ep_size = data_parallel_size x tensor_parallel_size)."""
@@ -88,11 +96,11 @@ class ShardLayout:
 
     @property
     def num_kv_heads(self) -> int:
-        return max(1, self.arch.num_kv_heads // self.size)
+        return len(kv_head_range(self.rank, self.size, self.arch.num_kv_heads))
 
     @property
     def kv_head_start(self) -> int:
-        return self.rank * self.arch.num_kv_heads // self.size
+        return kv_head_range(self.rank, self.size, self.arch.num_kv_heads).start
 
     @property
     def intermediate_size(self) -> int:

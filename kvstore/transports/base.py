@@ -12,6 +12,7 @@ import torch
 from engine.kv_transfer_params import KVTransferParams
 from kvstore.handoff import ExportFailed, Handbacks, Inbox
 from kvstore.kv_io import MalformedKV
+from kvstore.shards import base_transfer_id
 
 logger = logging.getLogger(__name__)
 _WARMUP_TIMEOUT_S = 30.0
@@ -30,7 +31,9 @@ class KVTransport(ABC):
     None of them may block the engine thread on a remote call: `publish` hands the bytes
     over and registers them without waiting for the store's answer (a refusal reaches the
     consumer through its lookup); `fetch_async` calls `on_done(tensor or exception)` from any
-    thread; `release` is fire-and-forget.
+    thread; `release` is fire-and-forget. `readers` (passed only when above 1): how many ranks
+    of a tensor-parallel consumer fetch the same transfer (kvstore.reshard), for a transport
+    whose producer hands an export out once per fetch.
     """
 
     name = "base"
@@ -45,7 +48,7 @@ class KVTransport(ABC):
         """The producer could not export `transfer_id`: tell whoever will look it up why."""
 
     @abstractmethod
-    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None]) -> None: ...
+    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None], readers: int = 1) -> None: ...
 
     @abstractmethod
     def release(self, params: KVTransferParams) -> None: ...
@@ -73,7 +76,7 @@ class LocalTransport(KVTransport):
         with self._lock:
             self._abandoned[transfer_id] = reason
 
-    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None]) -> None:
+    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None], readers: int = 1) -> None:
         tid = params.transfer_id
         with self._lock:
             kv = self._data.get(tid)
@@ -81,8 +84,10 @@ class LocalTransport(KVTransport):
         on_done(kv if kv is not None else TransferError(reason or f"transfer {tid!r} not found"))
 
     def release(self, params: KVTransferParams) -> None:
+        """Drops the transfer and its shards, as the store does (kvstore.directory)."""
         with self._lock:
-            self._data.pop(params.transfer_id, None)
+            for tid in [t for t in self._data if base_transfer_id(t) == params.transfer_id]:
+                del self._data[tid]
 
     @property
     def live_transfers(self) -> int:
@@ -131,7 +136,7 @@ class StoreBackedTransport(KVTransport):
         if not self.handbacks.offer(transfer_id, ExportFailed(reason)):
             self.store.abandon.remote(transfer_id, reason)
 
-    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None]) -> None:
+    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None], readers: int = 1) -> None:
         handed = self.inbox.claim(params.transfer_id)
         if isinstance(handed, ExportFailed):
             on_done(TransferError(handed.reason))
@@ -139,10 +144,10 @@ class StoreBackedTransport(KVTransport):
         if handed is not None:  # its bytes, or their refusal (kvstore.handoff)
             on_done(handed)
             return
-        threading.Thread(target=self._fetch, args=(params, on_done), daemon=True,
+        threading.Thread(target=self._fetch, args=(params, on_done, readers), daemon=True,
                          name=f"kv-fetch-{params.transfer_id}").start()
 
-    def _fetch(self, params: KVTransferParams, on_done) -> None:
+    def _fetch(self, params: KVTransferParams, on_done, readers: int) -> None:
         import ray
 
         tid = params.transfer_id
@@ -154,14 +159,15 @@ class StoreBackedTransport(KVTransport):
                 raise TransferError(f"transfer {tid!r} is unknown (expired or released)")
             if "error" in entry:
                 raise TransferError(entry["error"])
-            on_done(self._receive(params, entry))
+            on_done(self._receive(params, entry, readers))
         except Exception as e:  # a refusal keeps its reason (the connector counts it)
             on_done(e if isinstance(e, (TransferError, MalformedKV)) else TransferError(f"{type(e).__name__}: {e}"))
 
     @abstractmethod
-    def _receive(self, params: KVTransferParams, entry: dict) -> torch.Tensor:
+    def _receive(self, params: KVTransferParams, entry: dict, readers: int) -> torch.Tensor:
         """Get the bytes of a transfer the store knows (runs on the fetch thread); raise
-        MalformedKV if they do not match the meta registered with them."""
+        MalformedKV if they do not match the meta registered with them. `readers`: see
+        KVTransport."""
 
     def release(self, params: KVTransferParams) -> None:
         if not self.inbox.forget(params.transfer_id):

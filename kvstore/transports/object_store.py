@@ -48,7 +48,8 @@ class ObjectStoreTransport(StoreBackedTransport):
             self.store.register.remote(transfer_id, self.replica_id, self._self_handle_fn(), nbytes, num_tokens,
                                        meta=meta)
 
-    def _receive(self, params: KVTransferParams, entry: dict) -> torch.Tensor:
+    def _receive(self, params: KVTransferParams, entry: dict, readers: int) -> torch.Tensor:
+        # The store's object may be read any number of times: `readers` changes nothing.
         kv = ray.get(entry["refs"][0], timeout=self.timeout_s)
         if kv is None:
             raise TransferError(f"transfer {params.transfer_id!r} had no data at its producer")

@@ -1,8 +1,7 @@
-"""Rank r's view of a transport under tensor-parallel P/D (see kvstore.shards)."""
+"""Rank r's view of a transport under tensor-parallel P/D (see kvstore.shards, kvstore.reshard)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -13,21 +12,16 @@ from kvstore.transports.base import KVTransport
 
 
 class ShardTransport(KVTransport):
-    """Rank `rank`'s view of a transport: the connector names whole transfers, this maps
-    them to the rank's shard. The store's calls back into the rank (take_export,
-    drop_export) already carry shard ids and go to `inner` unchanged."""
+    """Rank `rank`'s view of a transport. As a producer it exports shard `rank` of each
+    transfer the connector names. As a consumer the connector names the producer shards it
+    reads itself (kvstore.reshard: they depend on both roles' sizes), so fetches and releases
+    go to `inner` unchanged, as do the store's calls back into the rank (take_export,
+    drop_export), which already carry shard ids."""
 
     def __init__(self, inner: KVTransport, rank: int) -> None:
         self.inner = inner
         self.rank = rank
         self.name = inner.name
-
-    def _shard(self, params: KVTransferParams) -> KVTransferParams:
-        if params.tensor_parallel_size == 1:
-            # A one-rank producer's transfer is not sharded (this consumer refuses to load
-            # it, kvstore.connector, but releases it by its own name).
-            return params
-        return dataclasses.replace(params, transfer_id=shard_transfer_id(params.transfer_id, self.rank))
 
     def publish(self, transfer_id: str, kv: torch.Tensor, num_tokens: int) -> None:
         self.inner.publish(shard_transfer_id(transfer_id, self.rank), kv, num_tokens)
@@ -35,11 +29,11 @@ class ShardTransport(KVTransport):
     def abandon(self, transfer_id: str, reason: str) -> None:
         self.inner.abandon(shard_transfer_id(transfer_id, self.rank), reason)
 
-    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None]) -> None:
-        self.inner.fetch_async(self._shard(params), on_done)
+    def fetch_async(self, params: KVTransferParams, on_done: Callable[[object], None], readers: int = 1) -> None:
+        self.inner.fetch_async(params, on_done, readers)
 
     def release(self, params: KVTransferParams) -> None:
-        self.inner.release(self._shard(params))
+        self.inner.release(params)
 
     def warm_up(self, producer: bool) -> None:
         self.inner.warm_up(producer)

@@ -6,6 +6,11 @@ can come and go while the cluster scales. The producer keeps each export in its 
 its device) and registers only its whereabouts in the KV store; the consumer posts a receive
 and asks the producer (a Ray call) to send. Unsent exports are dropped when the store
 releases or expires the transfer.
+
+Under tensor parallel every rank is a peer of its own (its own rendezvous, named
+"<replica>.rank<r>" in the entry's meta), so a consumer rank pairs with each producer rank it
+reads from. An export several consumer ranks read (kvstore.reshard: a decode of more ranks than
+its prefill) is sent once to each of them before it leaves the producer's outbox.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ class TorchDistTransport(StoreBackedTransport):
         # one rendezvous, not race several rank-1 joiners into it.
         self._pair_locks: dict[str, threading.Lock] = {}
         self._tags = itertools.count(1)
+        self._sends: dict[str, int] = {}  # exports sent to some, not all, of their readers
 
     # ---- pair groups --------------------------------------------------------------------
     def _ensure_rendezvous(self) -> tuple[str, int]:
@@ -120,13 +126,20 @@ class TorchDistTransport(StoreBackedTransport):
         # The consumer sizes its receive buffer from the entry's meta, so the bytes always
         # match its shape and dtype (kvstore.kv_io.check_kv then holds them to the cache). No
         # crc32: on NCCL the bytes never leave device memory, where it would cost a copy out.
-        meta = {"host": host, "port": port, "shape": list(kv.shape), "dtype": str(kv.dtype).removeprefix("torch.")}
+        meta = {"host": host, "port": port, "shape": list(kv.shape), "dtype": str(kv.dtype).removeprefix("torch."),
+                "peer": self.replica_id}
         self.store.register.remote(transfer_id, self.replica_id, self._self_handle_fn(), nbytes, num_tokens,
                                    meta=meta, pull=False)
 
-    def send(self, transfer_id: str, consumer_id: str, tag: int) -> None:
+    def send(self, transfer_id: str, consumer_id: str, tag: int, readers: int = 1) -> None:
+        """Send an export to one of its `readers`; the last send takes it out of the outbox."""
         with self._lock:
-            kv = self._outbox.pop(transfer_id, None)
+            kv = self._outbox.get(transfer_id)
+            sent = self._sends.pop(transfer_id, 0) + 1
+            if sent >= readers:
+                self._outbox.pop(transfer_id, None)
+            elif kv is not None:
+                self._sends[transfer_id] = sent
             group = self._pairs.get(consumer_id)
         if kv is None:
             raise TransferError(f"transfer {transfer_id!r} is not (or no longer) held by {self.replica_id}")
@@ -134,20 +147,26 @@ class TorchDistTransport(StoreBackedTransport):
             raise TransferError(f"no process group with {consumer_id}")
         group.send([kv], 1, tag).wait(self.timeout)
 
+    def drop_export(self, transfer_id: str) -> None:
+        with self._lock:
+            self._sends.pop(transfer_id, None)
+        super().drop_export(transfer_id)
+
     # ---- consumer -----------------------------------------------------------------------
-    def _receive(self, params: KVTransferParams, entry: dict) -> torch.Tensor:
+    def _receive(self, params: KVTransferParams, entry: dict, readers: int) -> torch.Tensor:
         tid = params.transfer_id
         producer = entry["producer"]
         meta = entry["meta"]
-        group = self._pair_with(producer, params.source, meta["host"], meta["port"])
+        peer = meta["peer"]  # the producer, or its tensor-parallel rank
+        group = self._pair_with(producer, peer, meta["host"], meta["port"])
         buf = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]), device=self.device)
         tag = next(self._tags)
         work = group.recv([buf], 0, tag)
         try:
-            ray.get(producer.send_kv.remote(tid, self.replica_id, tag), timeout=self.timeout.total_seconds())
+            ray.get(producer.send_kv.remote(tid, self.replica_id, tag, readers), timeout=self.timeout.total_seconds())
         except Exception:
             with self._lock:  # the pair is unusable with a receive left pending
-                self._pairs.pop(params.source, None)
+                self._pairs.pop(peer, None)
             raise
         work.wait(self.timeout)
         return buf

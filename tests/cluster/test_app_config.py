@@ -334,12 +334,19 @@ def test_error_body():
 @pytest.mark.parametrize("flat", [
     {"prefill_tensor_parallel_size": 2},  # decode falls back to tensor_parallel_size=1
     {"tensor_parallel_size": 2, "decode_tensor_parallel_size": 1},
+    {"decode_tensor_parallel_size": 2},
 ])
-def test_pd_with_unequal_tensor_parallel_sizes_is_refused_at_start_naming_both(tiny_model, flat):
-    with pytest.raises(ParameterError, match="decode_tensor_parallel_size=1 must equal "
-                                             "prefill_tensor_parallel_size=2") as exc:
-        AppConfig.from_flat({"model": tiny_model, "mode": "pd", **flat})
-    assert exc.value.field == "decode_tensor_parallel_size"
+def test_pd_takes_unequal_tensor_parallel_sizes(tiny_model, flat):
+    cfg = AppConfig.from_flat({"model": tiny_model, "mode": "pd", **flat})
+    assert cfg.tensor_parallel_size("prefill") != cfg.tensor_parallel_size("decode")
+
+
+def test_pd_sizes_that_do_not_split_the_heads_are_refused_naming_both_and_the_head_count(smollm2):
+    with pytest.raises(ParameterError, match="prefill_tensor_parallel_size=2 and decode_tensor_parallel_size=1: "
+                                             "prefill_tensor_parallel_size=2 does not divide "
+                                             "num_attention_heads=9") as exc:
+        AppConfig.from_flat({"model": smollm2, "mode": "pd", "prefill_tensor_parallel_size": 2})
+    assert exc.value.field == "prefill_tensor_parallel_size"
 
 
 def test_pd_roles_take_their_tensor_parallel_size_and_rank_actors_by_default(tiny_model):

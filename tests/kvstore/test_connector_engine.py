@@ -286,17 +286,6 @@ def test_the_requester_can_name_the_transfer(pd_pair, tiny_model):
     _assert_no_leaks(p, transport=transport)
 
 
-def test_kv_from_a_prefill_of_another_tensor_parallel_size_fails_the_load_naming_both():
-    from kvstore.connector import LoadSpec, PDConnectorMetadata
-
-    worker = PDConnector(KVConnectorRole.WORKER, "consumer", LocalTransport(), "d0", 16)
-    params = KVTransferParams(transfer_id="t", num_tokens=20, block_size=16, tensor_parallel_size=2)
-    worker.start_load_kv(PDConnectorMetadata(loads=[LoadSpec("r", params, ((0, 1),), 0, 20)]))
-    worker.start_load_kv(PDConnectorMetadata())  # the next step writes (here: fails) it
-    failed = worker.get_finished().failed_recving
-    assert "tensor_parallel_size=2 and this decode replica with 1" in failed["r"]
-
-
 def test_speculating_decode_engine_keeps_greedy_tokens_and_accepts_drafts(tiny_model):
     """P/D with n-gram speculation on the decode side only (as actors/worker.py configures
     the roles): tokens equal transformers', drafts are accepted, nothing leaks."""

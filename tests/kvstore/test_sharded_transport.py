@@ -1,4 +1,5 @@
-"""A rank's view of a transport: its shard of a sharded transfer, the whole of an unsharded one."""
+"""A rank's view of a transport: it exports its own shard; as a consumer it fetches and releases
+what the connector names (the producer shards its heads come from, kvstore.reshard)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,18 @@ from kvstore.transports import LocalTransport
 from kvstore.transports.sharded import ShardTransport
 
 
-def test_rank_publishes_fetches_and_releases_its_own_shard():
+def test_rank_publishes_its_own_shard_and_fetches_what_it_is_told():
     inner = LocalTransport()
-    rank1 = ShardTransport(inner, 1)
-    rank1.publish("t", "kv-of-rank-1", 4)
+    ShardTransport(inner, 1).publish("t", "kv-of-rank-1", 4)
     got = []
-    rank1.fetch_async(KVTransferParams(transfer_id="t", num_tokens=4, tensor_parallel_size=2), got.append)
+    ShardTransport(inner, 0).fetch_async(KVTransferParams(transfer_id="t#rank1", num_tokens=4), got.append)
     assert got == ["kv-of-rank-1"]
-    rank1.release(KVTransferParams(transfer_id="t", num_tokens=4, tensor_parallel_size=2))
-    assert inner.live_transfers == 0
 
 
-def test_a_transfer_from_a_one_rank_prefill_is_released_by_its_own_name():
+def test_releasing_a_whole_transfer_releases_its_shards():
     inner = LocalTransport()
-    inner.publish("t", "whole", 4)
-    ShardTransport(inner, 0).release(KVTransferParams(transfer_id="t", num_tokens=4))
-    assert inner.live_transfers == 0
+    for rank in range(2):
+        ShardTransport(inner, rank).publish("t", f"kv-of-rank-{rank}", 4)
+    inner.publish("u", "another", 4)
+    ShardTransport(inner, 0).release(KVTransferParams(transfer_id="t", num_tokens=4, tensor_parallel_size=2))
+    assert inner.live_transfers == 1
