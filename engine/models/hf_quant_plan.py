@@ -111,6 +111,11 @@ class HFQuantPlan:
                 m.out_features, m.in_features)
             self._kept.update((f"{mod}.weight", v) for mod, v in packed.items())
 
+    @property
+    def kept_modules(self) -> int:
+        """How many of the checkpoint's quantized modules stay quantized."""
+        return len(self._kept)
+
     def _pack(self, module: str) -> tuple | None:
         w = self.group_quant(module)
         if self.scheme.int8_activations:

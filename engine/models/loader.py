@@ -22,11 +22,12 @@ import torch
 from safetensors import safe_open
 
 from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
+from engine.errors import ParameterError
 from engine.models.arch import ModelArch
 from engine.models.gguf_file import find_gguf
 from engine.models.gguf_plan import QuantPlan
 from engine.models.gguf_weights import gguf_tensors
-from engine.models.hf_quant_config import hf_scheme
+from engine.models.hf_quant_config import HF_METHODS, hf_scheme
 from engine.models.hf_quant_plan import HFQuantPlan
 from engine.models.llama import CausalLM
 from engine.models.llava import LlavaCausalLM, load_vision_arch
@@ -92,7 +93,7 @@ def load_model(
     with torch.device("meta"):
         model = (CausalLM(arch, ops, max_positions, tp, ep) if vision is None
                  else LlavaCausalLM(arch, vision, ops, max_positions, tp, ep)).to(dtype)
-    hf_quant = _hf_quantized(model_dir, gguf, model, device, quantization)
+    hf_quant = _hf_quantized(model_dir, gguf, model, device, dtype, quantization)
     quant = hf_quant if hf_quant is not None else _plan_quantized(gguf, arch, model, device, quantization)
     model = model.to_empty(device=device)
     # The rope table is derived, not loaded: rebuild it in fp32 (to_empty left it empty).
@@ -172,11 +173,14 @@ def _plan_quantized(gguf: str | None, arch: ModelArch, model: torch.nn.Module, d
 
 
 def _hf_quantized(model_dir: str, gguf: str | None, model: torch.nn.Module, device: torch.device,
-                  quantization: str | None) -> HFQuantPlan | None:
+                  dtype: torch.dtype, quantization: str | None) -> HFQuantPlan | None:
     """For a safetensors checkpoint with a quantization_config: its reader
     (engine.models.hf_quant_plan), with the projections kept quantized (none on a GPU, or
     with quantization="none") each given its weight in place of a dense one."""
     if gguf is not None:
+        if quantization in HF_METHODS:
+            raise ParameterError("quantization", f"quantization={quantization!r} names a safetensors checkpoint's "
+                                                 "quantization_config; a GGUF file takes 'gguf' or 'none'")
         return None
     scheme = hf_scheme(model_dir, quantization)
     if scheme is None:
@@ -191,7 +195,7 @@ def _hf_quantized(model_dir: str, gguf: str | None, model: torch.nn.Module, devi
     why = ("int8 weights, int8 dynamic per-token activations" if scheme.int8_activations
            else "repacked exactly into GGUF blocks, fp32 products")
     logger.info("%s weights: %d of %d quantized projections kept (%s), the rest dequantized to %s at load",
-                scheme.method, len(plan.weights), len(plan.modules), why, "fp32" if device.type == "cpu" else "dtype")
+                scheme.method, plan.kept_modules, len(plan.modules), why, dtype)
     return plan
 
 
