@@ -68,13 +68,14 @@ def _write(src: str, out: str, tensors: dict, qconfig: dict | None) -> str:
 
 
 def write_quantized(src: str, out: str, method: str, bits: int = 4, group: int = 128, sym: bool = True,
-                    desc_act: bool = False, seed: int = 0) -> tuple[str, str]:
-    """(quantized checkpoint dir, dense fp32 oracle dir) of the dense model in `src`.
+                    desc_act: bool = False, seed: int = 0, oracle: bool = True) -> tuple[str, str | None]:
+    """(quantized checkpoint dir, dense fp32 oracle dir or None without `oracle`) of the
+    dense model in `src`.
     method: gptq, awq, ct (compressed-tensors pack-quantized int4, or int-quantized int8 W8A8
     when bits == 8)."""
     dense = {k: v.float() for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
     gen = torch.Generator().manual_seed(seed)
-    quant, oracle = {}, dict(dense)
+    quant, dequantized = {}, dict(dense)
     for name, w in dense.items():
         module = name.removesuffix(".weight")
         if not name.endswith(".weight") or module.rpartition(".")[2] not in PROJECTIONS:
@@ -87,7 +88,7 @@ def write_quantized(src: str, out: str, method: str, bits: int = 4, group: int =
             g_idx = g_idx[torch.randperm(k, generator=gen)]
         scale_dtype = torch.bfloat16 if method == "ct" else torch.float16
         q, zeros, scales = _rtn(w, bits, gs, sym, g_idx, scale_dtype)
-        oracle[name] = scales.float()[:, g_idx] * (q - zeros[:, g_idx]).float()
+        dequantized[name] = scales.float()[:, g_idx] * (q - zeros[:, g_idx]).float()
         if method == "gptq":
             quant[f"{module}.qweight"] = _pack(q.T, bits, 0)
             quant[f"{module}.qzeros"] = _pack(zeros.T - 1, bits, 1)  # v1: zero - 1
@@ -112,7 +113,7 @@ def write_quantized(src: str, out: str, method: str, bits: int = 4, group: int =
             quant[f"{module}.weight"] = (q - 128).to(torch.int8)
             quant[f"{module}.weight_scale"] = scales
     qconfig = _config(method, bits, group, sym, desc_act)
-    return _write(src, out, quant, qconfig), _write(src, out + "-dense", oracle, None)
+    return _write(src, out, quant, qconfig), _write(src, out + "-dense", dequantized, None) if oracle else None
 
 
 def _config(method: str, bits: int, group: int, sym: bool, desc_act: bool) -> dict:
