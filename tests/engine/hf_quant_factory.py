@@ -68,11 +68,12 @@ def _write(src: str, out: str, tensors: dict, qconfig: dict | None) -> str:
 
 
 def write_quantized(src: str, out: str, method: str, bits: int = 4, group: int = 128, sym: bool = True,
-                    desc_act: bool = False, seed: int = 0, oracle: bool = True) -> tuple[str, str | None]:
+                    desc_act: bool = False, seed: int = 0, oracle: bool = True, v2: bool = False,
+                    w8a8: bool = True) -> tuple[str, str | None]:
     """(quantized checkpoint dir, dense fp32 oracle dir or None without `oracle`) of the
     dense model in `src`.
-    method: gptq, awq, ct (compressed-tensors pack-quantized int4, or int-quantized int8 W8A8
-    when bits == 8)."""
+    method: gptq (v1 format, or gptq_v2 with `v2`), awq, ct (compressed-tensors pack-quantized
+    int4, or int-quantized int8 when bits == 8: W8A8, or W8A16 without `w8a8`)."""
     dense = {k: v.float() for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
     gen = torch.Generator().manual_seed(seed)
     quant, dequantized = {}, dict(dense)
@@ -91,7 +92,7 @@ def write_quantized(src: str, out: str, method: str, bits: int = 4, group: int =
         dequantized[name] = scales.float()[:, g_idx] * (q - zeros[:, g_idx]).float()
         if method == "gptq":
             quant[f"{module}.qweight"] = _pack(q.T, bits, 0)
-            quant[f"{module}.qzeros"] = _pack(zeros.T - 1, bits, 1)  # v1: zero - 1
+            quant[f"{module}.qzeros"] = _pack(zeros.T - (0 if v2 else 1), bits, 1)  # v1: zero - 1
             quant[f"{module}.scales"] = scales.T.contiguous()
             quant[f"{module}.g_idx"] = g_idx.to(torch.int32)
         elif method == "awq":
@@ -112,21 +113,21 @@ def write_quantized(src: str, out: str, method: str, bits: int = 4, group: int =
         else:
             quant[f"{module}.weight"] = (q - 128).to(torch.int8)
             quant[f"{module}.weight_scale"] = scales
-    qconfig = _config(method, bits, group, sym, desc_act)
+    qconfig = _config(method, bits, group, sym, desc_act, v2, w8a8)
     return _write(src, out, quant, qconfig), _write(src, out + "-dense", dequantized, None) if oracle else None
 
 
-def _config(method: str, bits: int, group: int, sym: bool, desc_act: bool) -> dict:
+def _config(method: str, bits: int, group: int, sym: bool, desc_act: bool, v2: bool, w8a8: bool) -> dict:
     if method == "gptq":
         return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym,
-                "checkpoint_format": "gptq"}
+                "checkpoint_format": "gptq_v2" if v2 else "gptq"}
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     weights = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False,
                "strategy": "group" if group > 0 else "channel", "group_size": group if group > 0 else None,
                "actorder": "group" if desc_act else None}
     acts = None
-    if bits == 8:
+    if bits == 8 and w8a8:
         acts = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized" if bits == 4 else "int-quantized",
             "quantization_status": "compressed", "ignore": ["lm_head"],

@@ -39,9 +39,11 @@ CASES = {
     "gptq-4bit-sym-g128": dict(method="gptq", bits=4, group=128, sym=True),
     "gptq-4bit-asym-desc_act-g32": dict(method="gptq", bits=4, group=32, sym=False, desc_act=True),
     "gptq-8bit-sym-channel": dict(method="gptq", bits=8, group=-1, sym=True),
+    "gptq_v2-4bit-asym-g64": dict(method="gptq", bits=4, group=64, sym=False, v2=True),
     "awq-g64": dict(method="awq", group=64, sym=False),
     "ct-w4a16-sym-g128": dict(method="ct", group=128, sym=True),
     "ct-w4a16-asym-g64": dict(method="ct", group=64, sym=False),
+    "ct-w8a16-8bit-channel": dict(method="ct", bits=8, group=-1, sym=True, w8a8=False),
     "ct-w8a8-channel": dict(method="ct", bits=8, group=-1, sym=True),
 }
 
@@ -79,6 +81,20 @@ def test_repacked_blocks_decode_bit_for_bit_to_the_checkpoints_dequantization(ch
         assert torch.equal(blocks, dense[f"{module}.weight"] if perm is None else dense[f"{module}.weight"][:, perm])
         assert qtype == ("Q8_0" if "8bit" in name else "Q4_0" if "-sym" in name else "Q5_0")
         assert (perm is not None) == ("desc_act" in name)
+
+
+def test_weights_no_block_type_holds_exactly_are_not_repacked():
+    from engine.models.hf_quant_unpack import GroupQuant
+
+    g = torch.Generator().manual_seed(1)
+    q, zeros = torch.randint(0, 16, (4, 64), generator=g, dtype=torch.int16), torch.full((4, 2), 8, dtype=torch.int16)
+    scales = torch.rand(4, 2, generator=g).half()
+    assert to_blocks(GroupQuant(q, zeros, scales, torch.arange(64) // 32))[0] == "Q4_0"
+    assert to_blocks(GroupQuant(q, zeros, scales.float() + 1e-4, torch.arange(64) // 32)) is None  # not fp16
+    assert to_blocks(GroupQuant(q, torch.full((4, 4), 8, dtype=torch.int16), torch.rand(4, 4).half(),
+                                torch.arange(64) // 16)) is None  # groups of 16 cut a block
+    wide = torch.randint(0, 256, (4, 64), generator=g, dtype=torch.int16)
+    assert to_blocks(GroupQuant(wide, torch.zeros(4, 2, dtype=torch.int16), scales, torch.arange(64) // 32)) is None
 
 
 def test_awq_unpacks_as_autoawqs_own_dequantizer(checkpoints):
