@@ -55,6 +55,10 @@ class Int8Weight:
             raise ValueError(f"int8 rows [{start}, {stop}) need {stop - start} scales, got {tuple(scale.shape)}")
         self.segments.append(Int8Segment(start, stop, weight.T.contiguous(), scale.contiguous()))
         self.segments.sort(key=lambda s: s.start)
+        if len(self.segments) > 1 and self.covered():
+            # One GEMM per call for a fused projection (q, k, v share the rounded activations).
+            self.segments = [Int8Segment(0, self.out_features, torch.cat([s.weight_t for s in self.segments], dim=1),
+                                         torch.cat([s.scale for s in self.segments]))]
 
     def covered(self) -> bool:
         at = 0
