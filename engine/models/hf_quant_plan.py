@@ -94,19 +94,20 @@ class HFQuantPlan:
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
         quantized, fills = defaultdict(list), defaultdict(int)
         for name in [n for n in self._where if n not in self._parts] + [f"{m}.weight" for m in self.modules]:
-            for param, _, src in destinations(name):
+            for param, rows, src in destinations(name):
                 fills[param] += 1
                 if name.removesuffix(".weight") in self.modules:
-                    quantized[param].append((name.removesuffix(".weight"), src))
+                    quantized[param].append((name.removesuffix(".weight"), rows, src))
         for param, parts in quantized.items():
-            # Every piece quantized (a fused parameter whose q is but v is not stays dense) and
-            # split, if at all, by output rows.
-            if param not in linears or len(parts) != fills[param] or any(s is not None and s[0] == 1 for _, s in parts):
+            # Every piece quantized (a fused parameter whose q is but v is not stays dense),
+            # every row filled (not a head's vocabulary padding) and split, if at all, by rows.
+            m = linears.get(param)
+            if (m is None or len(parts) != fills[param] or any(s is not None and s[0] == 1 for _, _, s in parts)
+                    or sum(m.out_features if r is None else r[1] - r[0] for _, r, _ in parts) != m.out_features):
                 continue
-            packed = {m: self._pack(m) for m, _ in parts}
+            packed = {mod: self._pack(mod) for mod, _, _ in parts}
             if any(v is None for v in packed.values()):
                 continue
-            m = linears[param]
             self.weights[param] = (Int8Weight if self.scheme.int8_activations else QuantWeight)(
                 m.out_features, m.in_features)
             self._kept.update((f"{mod}.weight", v) for mod, v in packed.items())

@@ -43,6 +43,7 @@ CASES = {
     "awq-g64": dict(method="awq", group=64, sym=False),
     "ct-w4a16-sym-g128": dict(method="ct", group=128, sym=True),
     "ct-w4a16-asym-g64": dict(method="ct", group=64, sym=False),
+    "ct-w4a16-sym-desc_act-g32": dict(method="ct", group=32, sym=True, desc_act=True),
     "ct-w8a16-8bit-channel": dict(method="ct", bits=8, group=-1, sym=True, w8a8=False),
     "ct-w8a8-channel": dict(method="ct", bits=8, group=-1, sym=True),
 }
