@@ -210,3 +210,21 @@ def test_an_unsupported_checkpoint_fails_at_load_naming_the_setting(checkpoints,
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ParameterError, match="quantization_config.bits = 2"):
         LLM(str(tmp_path), max_model_len=128)
+
+
+def test_tensor_parallel_ranks_keep_their_rows_and_dequantize_split_columns(checkpoints, monkeypatch):
+    from engine import executor as executor_registry
+    from tests.engine.tp_threads import ThreadExecutor
+
+    quantized, oracle = checkpoints["gptq-4bit-asym-desc_act-g32"]
+    monkeypatch.setitem(executor_registry.EXECUTORS.factories, "mp", ThreadExecutor)
+    two = LLM(quantized, tensor_parallel_size=2, max_model_len=128)
+    try:
+        for worker in two.engine.core.executor.workers:
+            kept = {n for n, m in worker.runner.model.named_modules() if getattr(m, "quant", None) is not None}
+            # Column-parallel rows split whole; a row-parallel shard splits act-ordered columns.
+            assert kept == {f"layers.{i}.{p}" for i in (0, 1) for p in ("self_attn.qkv_proj", "mlp.gate_up_proj")}
+        prompts = random_prompts([5, 33], 500, seed=4)
+        assert _tokens(two, prompts) == hf_greedy(oracle, prompts, GREEDY.max_tokens)
+    finally:
+        two.shutdown()
