@@ -48,13 +48,19 @@ def _refuse(field: str, value, allowed) -> ParameterError:
 
 
 def read_quantization_config(model_dir: str) -> dict | None:
-    """The checkpoint's `quantization_config` (config.json, or a LLaVA's text_config), or None."""
+    """The checkpoint's `quantization_config` (config.json, or a LLaVA's text_config), else an
+    AutoGPTQ checkpoint's quantize_config.json (older ones have only that), or None."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         return None
     with open(path) as f:
         cfg = json.load(f)
-    return cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    qc = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    legacy = os.path.join(model_dir, "quantize_config.json")
+    if qc is None and os.path.isfile(legacy):
+        with open(legacy) as f:
+            qc = {"quant_method": "gptq", **json.load(f)}
+    return qc
 
 
 def hf_scheme(model_dir: str, quantization: str | None) -> HFQuantScheme | None:

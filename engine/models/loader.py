@@ -195,7 +195,7 @@ def _hf_quantized(model_dir: str, gguf: str | None, model: torch.nn.Module, devi
     why = ("int8 weights, int8 dynamic per-token activations" if scheme.int8_activations
            else "repacked exactly into GGUF blocks, fp32 products")
     logger.info("%s weights: %d of %d quantized projections kept (%s), the rest dequantized to %s at load",
-                scheme.method, plan.kept_modules, len(plan.modules), why, dtype)
+                scheme.method, plan.kept_modules, len(plan.modules), why, str(dtype).removeprefix("torch."))
     return plan
 
 

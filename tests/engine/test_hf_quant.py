@@ -132,8 +132,9 @@ def _tokens(llm, prompts):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("name", ["gptq-4bit-asym-desc_act-g32", "gptq-8bit-sym-channel", "awq-g64",
-                                  "ct-w4a16-sym-g128"])
+# One model per packing (GPTQ with act-order, AWQ, compressed-tensors); the other cases' weights
+# reach the same kept blocks, checked bit for bit above.
+@pytest.mark.parametrize("name", ["gptq-4bit-asym-desc_act-g32", "awq-g64", "ct-w4a16-sym-g128"])
 def test_kept_quantized_from_the_config_alone_with_transformers_greedy_tokens(checkpoints, name):
     quantized, oracle = checkpoints[name]
     llm = LLM(quantized, max_model_len=128)
@@ -228,3 +229,9 @@ def test_tensor_parallel_ranks_keep_their_rows_and_dequantize_split_columns(chec
         assert _tokens(two, prompts) == hf_greedy(oracle, prompts, GREEDY.max_tokens)
     finally:
         two.shutdown()
+
+
+def test_an_autogptq_quantize_config_json_is_read_when_config_json_has_none(tmp_path):
+    (tmp_path / "quantize_config.json").write_text(json.dumps({"bits": 8, "group_size": 128, "desc_act": True}))
+    scheme = hf_scheme(_config_dir(tmp_path, None), None)
+    assert (scheme.method, scheme.bits, scheme.zero_offset) == ("gptq", 8, 1)
