@@ -8,6 +8,7 @@ compressed-tensors checkpoint itself; unsupported configs are refused by name.""
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -155,9 +156,12 @@ def test_quantization_none_dequantizes_to_the_same_tokens(checkpoints):
     assert _tokens(llm, prompts) == hf_greedy(oracle, prompts, GREEDY.max_tokens)
 
 
-def test_w8a8_keeps_int8_weights_within_a_near_tie_of_transformers(checkpoints):
+def test_w8a8_keeps_int8_weights_within_a_near_tie_of_transformers(checkpoints, caplog):
     quantized, _ = checkpoints["ct-w8a8-channel"]
-    llm = LLM(quantized, max_model_len=128)
+    with caplog.at_level(logging.INFO, logger="engine.models.loader"):
+        llm = LLM(quantized, max_model_len=128)
+    assert ("compressed-tensors weights: 14 of 14 quantized projections kept (int8 weights, int8 dynamic "
+            "per-token activations)") in caplog.text
     kept = [m for m in _model(llm).modules() if getattr(m, "quant", None) is not None]
     assert len(kept) == 2 * 4 and all(isinstance(m.quant, Int8Weight) for m in kept)
     prompts = random_prompts([4, 30, 61], 500, seed=3)
