@@ -99,6 +99,24 @@ def test_weights_no_block_type_holds_exactly_are_not_repacked():
     assert to_blocks(GroupQuant(wide, torch.zeros(4, 2, dtype=torch.int16), scales, torch.arange(64) // 32)) is None
 
 
+def test_gptq_v1_reads_a_stored_zero_of_15_as_16_as_its_kernels_do():
+    # auto-gptq's v1 packing stores zero - 1 in 4 bits, so a zero point of 0 wraps to 15 and its
+    # kernels read back 15 + 1 = 16: the checkpoint's dequantization is scale * (q - 16).
+    from engine.models.hf_quant_unpack import from_gptq
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 16, (64, 8), generator=g)  # [K, N]
+    qweight = (q.view(8, 8, 8) << (4 * torch.arange(8))[None, :, None]).sum(dim=1)  # [K / 8, N]
+    qweight = torch.where(qweight >= 2**31, qweight - 2**32, qweight).to(torch.int32)
+    qzeros = torch.full((2, 1), -1, dtype=torch.int32)  # every nibble 15
+    scales = torch.rand(2, 8, generator=g).half()
+    w = from_gptq({"qweight": qweight, "qzeros": qzeros, "scales": scales}, 4, 1)
+    ref = scales.float().repeat_interleave(32, 0).T * (q.T.float() - 16)
+    assert torch.equal(w.dequantize(), ref)
+    qtype, data, _ = to_blocks(w)
+    assert qtype == "Q5_0" and torch.equal(dequantize(data.reshape(-1), qtype, (8, 64)), ref)
+
+
 def test_awq_unpacks_as_autoawqs_own_dequantizer(checkpoints):
     from awq.utils.packing_utils import dequantize_gemm
 
