@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
 from engine.errors import ParameterError
+from engine.models import fused_decode
 from engine.models.gguf_quants import dequantize
 from engine.models.hf_quant_config import hf_scheme
 from engine.models.hf_quant_plan import HFQuantPlan
@@ -159,6 +160,8 @@ def test_kept_quantized_from_the_config_alone_with_transformers_greedy_tokens(ch
     llm = LLM(quantized, max_model_len=128)
     kept = [m for m in _model(llm).modules() if getattr(m, "quant", None) is not None]
     assert len(kept) == 2 * 4 and all(m.weight is None and isinstance(m.quant, QuantWeight) for m in kept)
+    # Without act-order the decode steps run as one C call, as a GGUF file's do.
+    assert (fused_decode.why_not(_model(llm)) is None) == ("desc_act" not in name)
     prompts = random_prompts([4, 30, 61], 500, seed=3)
     # compressed-tensors loads in transformers itself (its own decompressor); GPTQ and AWQ need
     # GPU packages there, so their oracle is the dense checkpoint of the same weights.
