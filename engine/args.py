@@ -55,8 +55,10 @@ class EngineArgs:
     device: str = _arg("auto", "device to run on (auto: CUDA when available)", DEVICES)
     max_logprobs: int = _arg(20, "most logprobs and prompt logprobs a request may ask for")
     quantization: str | None = _arg(None, "how weights are held: gguf keeps a GGUF file's blocks and "
-                                    "multiplies by them (the default for a .gguf model), none "
-                                    "dequantizes them at load", QUANTIZATION_METHODS)
+                                    "multiplies by them (the default for a .gguf model); gptq, awq, "
+                                    "compressed-tensors name a checkpoint's quantization_config "
+                                    "method (the default: the checkpoint's); none dequantizes at load",
+                                    QUANTIZATION_METHODS)
     # cache
     block_size: int = _arg(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _arg(True, "reuse the KV of shared prompt prefixes")

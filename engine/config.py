@@ -10,7 +10,8 @@ from engine.lora.config import LoRAConfig
 from engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATION_METHODS = ("gguf", "none")  # engine.models.quant_linear
+# engine.models.quant_linear (gguf), engine.models.hf_quant_config (the checkpoint's method)
+QUANTIZATION_METHODS = ("gguf", "gptq", "awq", "compressed-tensors", "none")
 POLICIES = ("fcfs", "priority")
 # What the engine is for (vLLM's usage context): it picks defaults, never behaviour.
 USAGE_CONTEXTS = ("offline", "serving")

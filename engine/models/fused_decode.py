@@ -32,7 +32,7 @@ def _segments(linear) -> list | None:
         return None
     from kernels.cpu import quant
 
-    if not all(quant.supported(s.qtype, q.in_features) for s in q.segments):
+    if not all(quant.supported(s.qtype, q.in_features) and getattr(s, "perm", None) is None for s in q.segments):
         return None
     return [(s.start, s.qtype, s.data) for s in q.segments]
 

@@ -22,10 +22,13 @@ import torch
 from safetensors import safe_open
 
 from engine.distributed import SINGLE_EP, SINGLE_RANK, EPGroup, TPGroup
+from engine.errors import ParameterError
 from engine.models.arch import ModelArch
 from engine.models.gguf_file import find_gguf
 from engine.models.gguf_plan import QuantPlan
 from engine.models.gguf_weights import gguf_tensors
+from engine.models.hf_quant_config import HF_METHODS, hf_scheme
+from engine.models.hf_quant_plan import HFQuantPlan
 from engine.models.llama import CausalLM
 from engine.models.llava import LlavaCausalLM, load_vision_arch
 from engine.models.parallel import ShardLayout, check_ep_size
@@ -90,7 +93,8 @@ def load_model(
     with torch.device("meta"):
         model = (CausalLM(arch, ops, max_positions, tp, ep) if vision is None
                  else LlavaCausalLM(arch, vision, ops, max_positions, tp, ep)).to(dtype)
-    quant = _plan_quantized(gguf, arch, model, device, quantization)
+    hf_quant = _hf_quantized(model_dir, gguf, model, device, dtype, quantization)
+    quant = hf_quant if hf_quant is not None else _plan_quantized(gguf, arch, model, device, quantization)
     model = model.to_empty(device=device)
     # The rope table is derived, not loaded: rebuild it in fp32 (to_empty left it empty).
     model.cos_sin = cos_sin_cache(
@@ -104,7 +108,8 @@ def load_model(
     loaded: set[str] = set()
     # Quantized projections have no dense parameter, but their pieces map as if they had.
     targets = params if quant is None else {**params, **dict.fromkeys(quant.weights)}
-    for name, read in _checkpoint_tensors(model_dir, arch):
+    tensors = _checkpoint_tensors(model_dir, arch) if hf_quant is None else hf_quant.tensors()
+    for name, read in tensors:
         for param_name, rows, src in _destinations(_text_name(name), layout, targets):
             if quant is not None and param_name in quant.weights:
                 qw = quant.weights[param_name]
@@ -164,6 +169,33 @@ def _plan_quantized(gguf: str | None, arch: ModelArch, model: torch.nn.Module, d
         module.weight = None
         module.quant = qw
     logger.info("GGUF weights: %d projections keep their quantized blocks, %s", len(plan.weights), why)
+    return plan
+
+
+def _hf_quantized(model_dir: str, gguf: str | None, model: torch.nn.Module, device: torch.device,
+                  dtype: torch.dtype, quantization: str | None) -> HFQuantPlan | None:
+    """For a safetensors checkpoint with a quantization_config: its reader
+    (engine.models.hf_quant_plan), with the projections kept quantized (none on a GPU, or
+    with quantization="none") each given its weight in place of a dense one."""
+    if gguf is not None:
+        if quantization in HF_METHODS:
+            raise ParameterError("quantization", f"quantization={quantization!r} names a safetensors checkpoint's "
+                                                 "quantization_config; a GGUF file takes 'gguf' or 'none'")
+        return None
+    scheme = hf_scheme(model_dir, quantization)
+    if scheme is None:
+        return None
+    plan = HFQuantPlan(checkpoint_files(model_dir), scheme, keep=quantization != "none")
+    params = dict(model.named_parameters())
+    plan.plan(model, lambda name: _destinations(_text_name(name), model.layout, params), device)
+    for name, qw in plan.weights.items():
+        module = model.get_submodule(name.rpartition(".")[0])
+        module.weight = None
+        module.quant = qw
+    why = ("int8 weights, int8 dynamic per-token activations" if scheme.int8_activations
+           else "repacked exactly into GGUF blocks, fp32 products")
+    logger.info("%s weights: %d of %d quantized projections kept (%s), the rest dequantized to %s at load",
+                scheme.method, plan.kept_modules, len(plan.modules), why, str(dtype).removeprefix("torch."))
     return plan
 
 

@@ -3,7 +3,8 @@ weight and multiplies by it.
 
 - dense, the default: an fp32/bf16 `weight` parameter (oneDNN-packed on CPU,
   engine.models.cpu_linear);
-- gguf: the weight stays in the GGUF file's blocks. A projection is a stack of row segments,
+- gguf: the weight stays in GGUF blocks (a GGUF file's, or a GPTQ/AWQ/compressed-tensors int4
+  or int8 checkpoint's repacked into them exactly at load, engine.models.hf_quant_unpack). A projection is a stack of row segments,
   each of one block type, because a fused projection may mix them (a Q4_K_M file stores attn_v
   in Q6_K beside Q4_K q and k). Each segment is multiplied by a kernel that reads the blocks
   (kernels.cpu.quant on CPU), so a step reads the file's bytes, not 4-8x as many fp32 ones.
@@ -99,6 +100,9 @@ class QuantSegment:
     stop: int
     qtype: str
     data: torch.Tensor  # uint8 [stop - start, row bytes], the rows' blocks as the file stores them
+    # int64 [in_features]: the input columns in block order (a GPTQ act-order checkpoint's
+    # groups sorted, engine.models.hf_quant_unpack); None: the natural order.
+    perm: torch.Tensor | None = None
 
 
 @dataclass
@@ -110,12 +114,14 @@ class QuantWeight:
     segments: list[QuantSegment] = field(default_factory=list)
     device: torch.device | None = None  # where the blocks live (None: where they are read, CPU)
 
-    def add(self, start: int, stop: int, qtype: str, data: torch.Tensor) -> None:
+    def add(self, start: int, stop: int, qtype: str, data: torch.Tensor, perm: torch.Tensor | None = None) -> None:
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[0] != stop - start:
             raise ValueError(f"quantized rows [{start}, {stop}) need uint8 [{stop - start}, row bytes], "
                              f"got {data.dtype} {tuple(data.shape)}")
         data = data.contiguous() if self.device is None else data.to(self.device).contiguous()
-        self.segments.append(QuantSegment(start, stop, qtype, data))
+        if perm is not None and (self.device is not None and self.device.type != "cpu" or perm.shape != (self.in_features,)):
+            raise ValueError(f"a column order is {self.in_features} indices on CPU, got {tuple(perm.shape)}")
+        self.segments.append(QuantSegment(start, stop, qtype, data, perm))
         self.segments.sort(key=lambda s: s.start)
 
     def covered(self) -> bool:
@@ -137,7 +143,8 @@ class QuantWeight:
         if flat.device.type == "cpu":
             flat = flat.float().contiguous()
             quant = _kernels()
-            parts = [quant.quant_matmul(flat, s.data, s.qtype, self.in_features) for s in self.segments]
+            parts = [quant.quant_matmul(flat if s.perm is None else flat[:, s.perm], s.data, s.qtype, self.in_features)
+                     for s in self.segments]
         else:
             parts = self.triton_parts(flat.contiguous())
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
@@ -161,6 +168,10 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The dense fp32 weight (tests, and the reference the kernels are held to)."""
-        rows = [dequantize(s.data.reshape(-1), s.qtype, (s.stop - s.start, self.in_features))
-                for s in self.segments]
+        rows = []
+        for s in self.segments:
+            w = dequantize(s.data.reshape(-1), s.qtype, (s.stop - s.start, self.in_features))
+            if s.perm is not None:
+                w = torch.empty_like(w).index_copy_(1, s.perm, w)  # back to the natural column order
+            rows.append(w)
         return torch.cat(rows, dim=0)

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,9 @@ _RESTYPES = {"decode_stack_scratch": _I64}  # the rest return nothing
 _lib: ctypes.CDLL | None = None
 _lib_level: str | None = None
 _tried = False
+# Tensor-parallel ranks in threads load their models at once: the first call builds while the
+# others wait, rather than reading `_tried` set and `_lib` not yet loaded (None: no kernels).
+_lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}
 
 
@@ -149,6 +153,13 @@ def load(level: str) -> ctypes.CDLL:
 def library() -> ctypes.CDLL | None:
     """The compiled kernels of isa_level(), or None where they cannot be built (the references
     run instead)."""
+    if _tried:
+        return _lib
+    with _lock:
+        return _load_library()
+
+
+def _load_library() -> ctypes.CDLL | None:
     global _lib, _lib_level, _tried
     if _tried:
         return _lib
@@ -156,17 +167,19 @@ def library() -> ctypes.CDLL | None:
         _tried = True
         return None
     level = isa_level()  # a bad PDSERVE_CPU_ISA is the user's to fix: raised, not swallowed
-    _tried = True
     if _compiler() is None:
+        _tried = True
         logger.warning("no C compiler found: the CPU path runs the torch references (slower)")
         return None
     try:
-        _lib = load(level)
+        lib = load(level)
     except (OSError, subprocess.SubprocessError) as e:
+        _tried = True
         logger.warning("native CPU kernels unavailable (%s): the torch references run instead",
                        getattr(e, "stderr", "") or e)
         return None
-    _lib_level = level
+    _lib, _lib_level = lib, level
+    _tried = True  # last: the unlocked fast path reads _lib once this is set
     best = runnable_levels()[0]
     logger.info("native CPU kernels: ISA level %s%s", level,
                 f" (forced by {ENV}; this CPU runs {best})" if level != best else "")
