@@ -12,6 +12,7 @@ from engine.config import EngineConfig, SchedulerConfig
 from engine.distributed import SINGLE_DP, DPPlacement
 from engine.executor.kv_aggregate import KVOutputAggregator
 from engine.models.arch import ModelArch
+from engine.pooling.config import PoolingModel
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -47,6 +48,7 @@ class WorkerConfig:
     scheduler: SchedulerConfig  # max_num_batched_tokens resolved for the device
     kernel_backend: str  # "triton" or "torch"
     dp: DPPlacement = SINGLE_DP  # this engine core's place among the data-parallel cores
+    pooling: PoolingModel | None = None  # a pooling model's rules (engine.pooling); None: generates
 
     @property
     def use_cuda_graphs(self) -> bool:
