@@ -58,3 +58,42 @@ def hf_pooled(model_dir: str, prompt: list[int], pooling_type: str, normalize: b
 
 def cosine(a, b) -> float:
     return torch.nn.functional.cosine_similarity(torch.as_tensor(a).float(), torch.as_tensor(b).float(), dim=0).item()
+
+
+def make_classifier(model_dir: str, out_dir: str, num_labels: int = 1, seed: int = 0) -> str:
+    """A random *ForSequenceClassification (a cross-encoder: the LM's body and a score head,
+    `num_labels` outputs) of the made model's family and shape, with its tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.architectures = [config.architectures[0].replace("ForCausalLM", "ForSequenceClassification")]
+    config.num_labels = num_labels
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_classifier(model_dir: str):
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_classifier_scores(model_dir: str, prompt: list[int]) -> torch.Tensor:
+    """transformers' scores of one prompt: sigmoid of a one-label head, else softmax."""
+    with torch.no_grad():
+        logits = _hf_classifier(model_dir)(torch.tensor([prompt])).logits[0].float()
+    return torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, dim=-1)
+
+
+def hf_token_scores(model_dir: str, prompt: list[int], token_ids: list[int]) -> float:
+    """An LLM as a yes/no reranker, as Qwen3-Reranker is used: softmax over the logits of the
+    ("no", "yes") tokens at the last position; the "yes" probability."""
+    from tests.engine.hf_reference import _hf_model
+
+    with torch.no_grad():
+        logits = _hf_model(model_dir)(torch.tensor([prompt])).logits[0, -1].float()
+    return torch.softmax(logits[token_ids], dim=-1)[1].item()

@@ -1,0 +1,139 @@
+"""The pooling routes' jobs: `POST /v1/embeddings`, `/v1/score`, `/rerank` and `/v1/rerank`
+(docs/pooling.md#endpoints). Each input is one pooling EngineRequest (prefill only), built
+and checked here as the engine will check it, so bad input is a 400 naming its field; the
+ingress runs them as any job's requests (in P/D on a Prefill replica: cluster.http.runner)."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+
+import numpy as np
+
+from cluster.http.errors import OpenAIError, rejecting
+from cluster.http.pooling_models import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    PoolingUsage,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+)
+from cluster.http.served_model import Job, ServedModel
+from engine.engine_request import EngineRequest
+from engine.errors import ParameterError
+from engine.outputs import RequestOutput
+from engine.pooling.outputs import score_prompt
+from engine.pooling.params import PoolingParams
+from engine.sampling_params import SamplingParams
+
+ENCODING_FORMATS = ("float", "base64")
+_ONE_STEP = SamplingParams(max_tokens=1)  # a pooling request never samples (engine.processor)
+
+
+def _pooling_task(served: ServedModel, task: str, route: str) -> None:
+    pooling = served.processor.pooling
+    if pooling is None:
+        raise OpenAIError(400, f"{route}: the model `{served.model_name}` generates text; it is not a pooling "
+                          "model (serve one with --runner pooling)", param="model", code="model_not_supported")
+    if pooling.task != task:
+        what = "embeddings (--convert embed)" if task == "embed" else "scores (a classifier: --convert classify)"
+        raise OpenAIError(400, f"{route}: the model `{served.model_name}` is a pooling model for "
+                          f"{pooling.task}, not {what}", param="model", code="model_not_supported")
+
+
+def _request(served: ServedModel, prompt, params: PoolingParams, priority: int) -> EngineRequest:
+    if priority and not served.priority_scheduling:
+        raise ParameterError("priority", "priority must be 0 unless the server runs with --scheduling-policy priority")
+    return served.processor.process(prompt if isinstance(prompt, (str, dict)) else {"prompt_token_ids": prompt},
+                                    _ONE_STEP, priority=priority, pooling_params=params)
+
+
+def _usage(finals: list[RequestOutput]) -> PoolingUsage:
+    n = sum(len(out.prompt_token_ids) for out in finals)
+    return PoolingUsage(prompt_tokens=n, total_tokens=n)
+
+
+def _no_stream(_):
+    raise AssertionError("pooling jobs are not streamed")
+
+
+def embedding_job(served: ServedModel, body: EmbeddingRequest) -> Job:
+    served.check_model(body.model)
+    _pooling_task(served, "embed", "/v1/embeddings")
+    with rejecting(body):
+        if body.encoding_format not in ENCODING_FORMATS:
+            raise ParameterError("encoding_format", f"encoding_format must be one of {ENCODING_FORMATS}, "
+                                 f"got {body.encoding_format!r}")
+        params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
+        inputs = body.inputs()
+        if len(inputs) > served.max_prompts:
+            raise ParameterError("prompt", f"input holds {len(inputs)} items; at most {served.max_prompts}")
+        requests = [_request(served, x, params, body.priority) for x in inputs]
+    request_id = body.request_id or f"embd-{uuid.uuid4().hex}"
+    as_base64 = body.encoding_format == "base64"
+
+    def whole(finals: list[RequestOutput]) -> EmbeddingResponse:
+        data = []
+        for i, out in enumerate(finals):
+            vec = out.pooled.float()
+            value = base64.b64encode(vec.numpy().astype("<f4").tobytes()).decode() if as_base64 else vec.tolist()
+            data.append(EmbeddingData(index=i, embedding=value))
+        return EmbeddingResponse(id=request_id, created=int(time.time()), model=body.model, data=data,
+                                 usage=_usage(finals))
+
+    return Job(requests, request_id, False, _no_stream, whole)
+
+
+def _pair_requests(served: ServedModel, body, pairs: list[tuple[str, str]]) -> list[EngineRequest]:
+    if len(pairs) > served.max_prompts:
+        raise ParameterError("prompt", f"the request holds {len(pairs)} pairs; at most {served.max_prompts}")
+    return [_request(served, score_prompt(served.tokenizer, q, d), PoolingParams(), body.priority) for q, d in pairs]
+
+
+def score_job(served: ServedModel, body: ScoreRequest) -> Job:
+    served.check_model(body.model)
+    _pooling_task(served, "classify", "/v1/score")
+    with rejecting(body):
+        pairs = body.pairs()
+        if not pairs:
+            raise ParameterError("prompt", "text_2 must hold at least one text, and text_1 one text or as many as "
+                                 "text_2")
+        requests = _pair_requests(served, body, pairs)
+    request_id = body.request_id or f"score-{uuid.uuid4().hex}"
+
+    def whole(finals: list[RequestOutput]) -> ScoreResponse:
+        data = [ScoreData(index=i, score=float(out.pooled[0])) for i, out in enumerate(finals)]
+        return ScoreResponse(id=request_id, created=int(time.time()), model=body.model, data=data,
+                             usage=_usage(finals))
+
+    return Job(requests, request_id, False, _no_stream, whole)
+
+
+def rerank_job(served: ServedModel, body: RerankRequest) -> Job:
+    served.check_model(body.model)
+    _pooling_task(served, "classify", "/rerank")
+    with rejecting(body):
+        if not body.documents:
+            raise ParameterError("prompt", "documents must hold at least one document")
+        if body.top_n is not None and body.top_n < 0:
+            raise ParameterError("top_n", f"top_n must be >= 0 (0: every document), got {body.top_n}")
+        requests = _pair_requests(served, body, [(body.query, d) for d in body.documents])
+    request_id = body.request_id or f"rerank-{uuid.uuid4().hex}"
+    top_n = body.top_n or len(body.documents)
+
+    def whole(finals: list[RequestOutput]) -> RerankResponse:
+        scores = np.array([float(out.pooled[0]) for out in finals])
+        order = np.argsort(-scores, kind="stable")[:top_n]  # ties keep the documents' order
+        results = [RerankResult(index=int(i), relevance_score=float(scores[i]),
+                                document=RerankDocument(text=body.documents[i]) if body.return_documents else None)
+                   for i in order]
+        return RerankResponse(id=request_id, model=body.model, results=results, usage=_usage(finals))
+
+    return Job(requests, request_id, False, _no_stream, whole)
