@@ -23,7 +23,7 @@ def qwen3(model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def app(deploy, qwen3):
-    return deploy(tiny_app(qwen3, "pd", NAME, APP, engine={"runner": "pooling"}))
+    return deploy(tiny_app(qwen3, "pd", NAME, APP, engine={"runner": "pooling", "engine_core_process": True}))
 
 
 def test_embeddings_match_transformers_through_the_openai_client(app, qwen3):
