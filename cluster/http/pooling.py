@@ -37,7 +37,10 @@ ENCODING_FORMATS = ("float", "base64")
 _ONE_STEP = SamplingParams(max_tokens=1)  # a pooling request never samples (engine.processor)
 
 
-def _pooling_task(served: ServedModel, task: str, route: str) -> None:
+def _pooling_task(served: ServedModel, model: str, task: str, route: str) -> None:
+    if served.check_model(model) is not None:
+        raise OpenAIError(400, f"{route}: LoRA adapters do not apply to pooling requests; name the base model "
+                          f"`{served.model_name}`", param="model")
     pooling = served.processor.pooling
     if pooling is None:
         raise OpenAIError(400, f"{route}: the model `{served.model_name}` generates text; it is not a pooling "
@@ -65,8 +68,7 @@ def _no_stream(_):
 
 
 def embedding_job(served: ServedModel, body: EmbeddingRequest) -> Job:
-    served.check_model(body.model)
-    _pooling_task(served, "embed", "/v1/embeddings")
+    _pooling_task(served, body.model, "embed", "/v1/embeddings")
     with rejecting(body):
         if body.encoding_format not in ENCODING_FORMATS:
             raise ParameterError("encoding_format", f"encoding_format must be one of {ENCODING_FORMATS}, "
@@ -98,8 +100,7 @@ def _pair_requests(served: ServedModel, body, pairs: list[tuple[str, str]]) -> l
 
 
 def score_job(served: ServedModel, body: ScoreRequest) -> Job:
-    served.check_model(body.model)
-    _pooling_task(served, "classify", "/v1/score")
+    _pooling_task(served, body.model, "classify", "/v1/score")
     with rejecting(body):
         pairs = body.pairs()
         if not pairs:
@@ -117,8 +118,7 @@ def score_job(served: ServedModel, body: ScoreRequest) -> Job:
 
 
 def rerank_job(served: ServedModel, body: RerankRequest) -> Job:
-    served.check_model(body.model)
-    _pooling_task(served, "classify", "/rerank")
+    _pooling_task(served, body.model, "classify", "/rerank")
     with rejecting(body):
         if not body.documents:
             raise ParameterError("prompt", "documents must hold at least one document")
