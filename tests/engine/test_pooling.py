@@ -57,6 +57,8 @@ def test_mean_pooling_from_sentence_transformers_config_matches_transformers(mea
     prompts = random_prompts(LENGTHS, 1000, seed=32)
     for p, out in zip(prompts, llm.embed(_ids(prompts), use_tqdm=False)):
         assert cosine(out.outputs.embedding, hf_pooled(mean_model, p, "MEAN")) >= 0.9999
+    one = llm.embed(_ids(prompts[-1:]), use_tqdm=False)[0]  # alone: two 256-token chunks, nothing beside
+    assert cosine(one.outputs.embedding, hf_pooled(mean_model, prompts[-1], "MEAN")) >= 0.9999
     # sentence-transformers' own encode of texts (its tokenization, pooling and Normalize).
     texts = [" ".join(corpus_lines()[i:i + n]) for i, n in ((0, 1), (5, 3), (20, 12))]
     ref = SentenceTransformer(mean_model, device="cpu").encode(texts, convert_to_tensor=True)
@@ -103,3 +105,26 @@ def test_a_pooling_model_does_not_generate_and_a_generating_one_does_not_pool(qw
         pooling.embed(_ids(full[1:]), use_tqdm=False)
     with pytest.raises(ParameterError, match="generates text"):
         LLM(qwen3, max_model_len=64).embed("hello", use_tqdm=False)
+
+
+def test_sentence_transformers_pooling_modes_and_modules_are_read_or_refused(tmp_path):
+    import json
+
+    from engine.pooling.config import sentence_transformers_pooling
+
+    (tmp_path / "1_Pooling").mkdir()
+    modules = [{"path": "", "type": "sentence_transformers.models.Transformer"},
+               {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    for mode, expected in (("pooling_mode_cls_token", "CLS"), ("pooling_mode_lasttoken", "LAST")):
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({mode: True, "pooling_mode_max_tokens": False}))
+        assert sentence_transformers_pooling(str(tmp_path)) == (expected, False)  # no Normalize module
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(ParameterError, match="pooling_mode_max_tokens") as e:
+        sentence_transformers_pooling(str(tmp_path))
+    assert e.value.field == "model"
+    modules.append({"path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ParameterError, match="Dense"):
+        sentence_transformers_pooling(str(tmp_path))
+    assert sentence_transformers_pooling(str(tmp_path / "1_Pooling")) is None  # no modules.json
