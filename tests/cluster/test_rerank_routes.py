@@ -1,16 +1,17 @@
-"""/v1/score, /rerank and /v1/rerank on a cross-encoder served colocated: each (query,
-document) pair is one pooling request; scores against transformers' classifier within 1e-4,
-results ordered by relevance with their index, OpenAI's error shape for bad input."""
+"""/v1/score, /rerank and /v1/rerank on a cross-encoder: the ingress's real app (uvicorn, no
+Serve: tests/cluster/ingress_harness.py) over a real in-process engine of the model, colocated.
+Each (query, document) pair is one pooling request; scores against transformers' classifier
+within 1e-4, results ordered by relevance with their index, OpenAI's error shape for bad input,
+and every KV block free afterwards."""
 
 from __future__ import annotations
 
 import pytest
 import requests
 
-from tests.cluster.helpers import assert_no_leaks, tiny_app
+from tests.cluster.ingress_harness import make_ingress, serve_ingress
 from tests.engine.pooling_factory import hf_classifier_scores, make_classifier
 
-APP = "reranktest"
 NAME = "tiny-rerank"
 QUERY = "where does the river run"
 DOCS = ["The river ran quietly past the mill.", "A cat slept.", "Mountains rise over the plain.",
@@ -23,8 +24,19 @@ def cross_encoder(model_factory, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def app(deploy, cross_encoder):
-    return deploy(tiny_app(cross_encoder, "colocated", NAME, APP))
+def engine(cross_encoder):
+    from engine import AsyncLLM, EngineArgs
+
+    llm = AsyncLLM.from_engine_args(EngineArgs(cross_encoder, max_model_len=256, num_kv_blocks=64))
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def app(cross_encoder, engine):
+    served = serve_ingress(make_ingress(cross_encoder, name=NAME, engines=engine))
+    yield served.url
+    served.stop()
 
 
 def _expected(model_dir: str) -> list[float]:
@@ -51,7 +63,7 @@ def test_rerank_orders_the_documents_by_transformers_scores(app, cross_encoder, 
     assert len(bare["results"]) == 4 and all(x.get("document") is None for x in bare["results"])
 
 
-def test_score_answers_each_pair_in_order(app, cross_encoder):
+def test_score_answers_each_pair_in_order(app, cross_encoder, engine):
     expected = _expected(cross_encoder)
     r = requests.post(f"{app}/v1/score", json={"model": NAME, "text_1": QUERY, "text_2": DOCS}, timeout=60)
     assert r.status_code == 200, r.text
@@ -59,7 +71,8 @@ def test_score_answers_each_pair_in_order(app, cross_encoder):
     assert [d["index"] for d in body["data"]] == [0, 1, 2, 3] and body["data"][0]["object"] == "score"
     assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-4)
     assert body["usage"]["prompt_tokens"] > 0
-    assert_no_leaks(app, APP, {"colocated"})
+    core = engine.engine.core
+    assert not core.has_unfinished_requests() and core.num_free_blocks() == core.num_kv_blocks
 
 
 @pytest.mark.parametrize("route,body,param", [
