@@ -55,10 +55,11 @@ class WorkerConfig:
         # Collectives are not captured into graphs: a sharded model decodes eagerly (and the
         # expert exchange's sizes change every step).
         parallel = self.engine.parallel
-        # LoRA's per-step token -> slot mapping is not a captured input either.
+        # LoRA's per-step token -> slot mapping is not a captured input either. A pooling engine
+        # never decodes: nothing would replay the graphs.
         return (self.device.type == "cuda" and self.kernel_backend == "triton" and not self.engine.enforce_eager
                 and parallel.tensor_parallel_size == 1 and parallel.expert_parallel_size == 1
-                and self.engine.lora is None)
+                and self.engine.lora is None and self.pooling is None)
 
 
 class Executor(ABC):
