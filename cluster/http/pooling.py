@@ -29,7 +29,7 @@ from cluster.http.served_model import Job, ServedModel
 from engine.engine_request import EngineRequest
 from engine.errors import ParameterError
 from engine.outputs import RequestOutput
-from engine.pooling.outputs import score_prompt
+from engine.pooling.outputs import score_inputs
 from engine.pooling.params import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -37,7 +37,8 @@ ENCODING_FORMATS = ("float", "base64")
 _ONE_STEP = SamplingParams(max_tokens=1)  # a pooling request never samples (engine.processor)
 
 
-def _pooling_task(served: ServedModel, model: str, task: str, route: str) -> None:
+def _pooling_task(served: ServedModel, model: str, task: str | None, route: str) -> str:
+    """The served pooling model's task; a 400 unless it is `task` (None: any)."""
     if served.check_model(model) is not None:
         raise OpenAIError(400, f"{route}: LoRA adapters do not apply to pooling requests; name the base model "
                           f"`{served.model_name}`", param="model")
@@ -45,10 +46,11 @@ def _pooling_task(served: ServedModel, model: str, task: str, route: str) -> Non
     if pooling is None:
         raise OpenAIError(400, f"{route}: the model `{served.model_name}` generates text; it is not a pooling "
                           "model (serve one with --runner pooling)", param="model", code="model_not_supported")
-    if pooling.task != task:
-        what = "embeddings (--convert embed)" if task == "embed" else "scores (a classifier: --convert classify)"
+    if task is not None and pooling.task != task:
         raise OpenAIError(400, f"{route}: the model `{served.model_name}` is a pooling model for "
-                          f"{pooling.task}, not {what}", param="model", code="model_not_supported")
+                          f"{pooling.task}, not embeddings (--convert embed)", param="model",
+                          code="model_not_supported")
+    return pooling.task
 
 
 def _request(served: ServedModel, prompt, params: PoolingParams, priority: int) -> EngineRequest:
@@ -93,24 +95,27 @@ def embedding_job(served: ServedModel, body: EmbeddingRequest) -> Job:
     return Job(requests, request_id, False, _no_stream, whole)
 
 
-def _pair_requests(served: ServedModel, body, pairs: list[tuple[str, str]]) -> list[EngineRequest]:
-    if len(pairs) > served.max_prompts:
-        raise ParameterError("prompt", f"the request holds {len(pairs)} pairs; at most {served.max_prompts}")
-    return [_request(served, score_prompt(served.tokenizer, q, d), PoolingParams(), body.priority) for q, d in pairs]
+def _pair_requests(served: ServedModel, body, task: str, firsts: list[str], seconds: list[str]):
+    """(the requests, their pooled outputs -> each pair's score): engine.pooling.outputs.score_inputs."""
+    prompts, scores = score_inputs(served.tokenizer, task, firsts, seconds)
+    if len(prompts) > served.max_prompts:
+        raise ParameterError("prompt", f"the request holds {len(seconds)} pairs ({len(prompts)} inputs); at most "
+                             f"{served.max_prompts} inputs")
+    return [_request(served, p, PoolingParams(), body.priority) for p in prompts], scores
 
 
 def score_job(served: ServedModel, body: ScoreRequest) -> Job:
-    _pooling_task(served, body.model, "classify", "/v1/score")
+    task = _pooling_task(served, body.model, None, "/v1/score")
     with rejecting(body):
-        pairs = body.pairs()
-        if not pairs:
+        firsts, seconds = body.texts()
+        if not seconds or len(firsts) not in (1, len(seconds)):
             raise ParameterError("prompt", "text_2 must hold at least one text, and text_1 one text or as many as "
                                  "text_2")
-        requests = _pair_requests(served, body, pairs)
+        requests, scores = _pair_requests(served, body, task, firsts, seconds)
     request_id = body.request_id or f"score-{uuid.uuid4().hex}"
 
     def whole(finals: list[RequestOutput]) -> ScoreResponse:
-        data = [ScoreData(index=i, score=float(out.pooled[0])) for i, out in enumerate(finals)]
+        data = [ScoreData(index=i, score=s) for i, s in enumerate(scores([out.pooled for out in finals]))]
         return ScoreResponse(id=request_id, created=int(time.time()), model=body.model, data=data,
                              usage=_usage(finals))
 
@@ -118,18 +123,18 @@ def score_job(served: ServedModel, body: ScoreRequest) -> Job:
 
 
 def rerank_job(served: ServedModel, body: RerankRequest) -> Job:
-    _pooling_task(served, body.model, "classify", "/rerank")
+    task = _pooling_task(served, body.model, None, "/rerank")
     with rejecting(body):
         if not body.documents:
             raise ParameterError("prompt", "documents must hold at least one document")
         if body.top_n is not None and body.top_n < 0:
             raise ParameterError("top_n", f"top_n must be >= 0 (0: every document), got {body.top_n}")
-        requests = _pair_requests(served, body, [(body.query, d) for d in body.documents])
+        requests, scores_of = _pair_requests(served, body, task, [body.query], body.documents)
     request_id = body.request_id or f"rerank-{uuid.uuid4().hex}"
     top_n = body.top_n or len(body.documents)
 
     def whole(finals: list[RequestOutput]) -> RerankResponse:
-        scores = np.array([float(out.pooled[0]) for out in finals])
+        scores = np.array(scores_of([out.pooled for out in finals]))
         order = np.argsort(-scores, kind="stable")[:top_n]  # ties keep the documents' order
         results = [RerankResult(index=int(i), relevance_score=float(scores[i]),
                                 document=RerankDocument(text=body.documents[i]) if body.return_documents else None)

@@ -51,12 +51,9 @@ class ScoreRequest(_PoolingBody):
     text_2: str | list[str]
     prompt_field: ClassVar[str] = "text_2"
 
-    def pairs(self) -> list[tuple[str, str]]:
-        first = [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
-        second = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
-        if len(first) == 1:
-            first = first * len(second)
-        return list(zip(first, second)) if len(first) == len(second) else []
+    def texts(self) -> tuple[list[str], list[str]]:
+        return ([self.text_1] if isinstance(self.text_1, str) else list(self.text_1),
+                [self.text_2] if isinstance(self.text_2, str) else list(self.text_2))
 
 
 class RerankRequest(_PoolingBody):

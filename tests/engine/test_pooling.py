@@ -82,6 +82,16 @@ def test_cls_pooling_override_and_matryoshka_dimensions(qwen3):
     assert e.value.field == "dimensions"
 
 
+def test_score_with_an_embedding_model_is_the_cosine_of_the_embeddings(qwen3):
+    llm = LLM(qwen3, runner="pooling")
+    a, b = random_prompts([12, 30], 1000, seed=35)
+    docs = [{"prompt_token_ids": b}, {"prompt_token_ids": a}]
+    outs = llm.score({"prompt_token_ids": a}, docs, use_tqdm=False)
+    ref = hf_pooled(qwen3, a, "LAST")
+    assert outs[0].outputs.score == pytest.approx(cosine(ref, hf_pooled(qwen3, b, "LAST")), abs=1e-4)
+    assert outs[1].outputs.score == pytest.approx(1.0, abs=1e-5) and outs[1].prompt_token_ids == a
+
+
 def test_bad_pooling_requests_name_the_field(qwen3):
     with pytest.raises(ParameterError, match="Matryoshka") as e:
         LLM(qwen3, runner="pooling").embed("hello", PoolingParams(dimensions=8), use_tqdm=False)
