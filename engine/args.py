@@ -35,6 +35,7 @@ from engine.config import (
 from engine.errors import ParameterError, check_choice
 from engine.kv_connector import DEFAULT_LOAD_FAILURE_POLICY, LOAD_FAILURE_POLICIES
 from engine.lora.config import LoRAConfig
+from engine.pooling.config import CONVERTS, RUNNERS, PoolingSetting
 from engine.spec_decode.config import SpeculativeConfig
 
 
@@ -59,6 +60,17 @@ class EngineArgs:
                                     "compressed-tensors name a checkpoint's quantization_config "
                                     "method (the default: the checkpoint's); none dequantizes at load",
                                     QUANTIZATION_METHODS)
+    # pooling (docs/pooling.md)
+    runner: str = _arg("auto", "generate text, or pool each prompt into an embedding or scores (auto: pooling "
+                       "for a *ForSequenceClassification checkpoint or --convert embed/classify)", RUNNERS)
+    convert: str = _arg("auto", "what a pooling model answers: embed (embeddings) or classify (scores: a "
+                        "classifier checkpoint, or an LLM's classifier_from_token logits)", CONVERTS)
+    pooler_config: dict | None = _arg(
+        None, 'override the model\'s pooling, as a JSON object: {"pooling_type": "LAST"|"MEAN"|"CLS", '
+        '"normalize": true, "dimensions": N} (default: the sentence-transformers config, else LAST, normalized)')
+    hf_overrides: dict | None = _arg(
+        None, 'config keys a pooling model reads, as a JSON object: classifier_from_token (["no", "yes"]), '
+        'is_matryoshka, matryoshka_dimensions, architectures, num_labels')
     # cache
     block_size: int = _arg(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _arg(True, "reuse the KV of shared prompt prefixes")
@@ -238,6 +250,7 @@ class EngineArgs:
                         else KVOffloadConfig(self.kv_offloading_size, self.kv_offloading_backend)),
             kv_shared_tier=(None if self.kv_shared_tier_size is None
                             else KVSharedTierConfig(self.kv_shared_tier_size)),
+            pooling=PoolingSetting.from_args(self.runner, self.convert, self.pooler_config, self.hf_overrides),
         )
 
 

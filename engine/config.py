@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import ParameterError, check_choice, check_int
 from engine.lora.config import LoRAConfig
+from engine.pooling.config import PoolingSetting
 from engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -304,6 +305,9 @@ class EngineConfig:
     # Seconds an engine step (or a silence of a core apart) may last before the engine is failed
     # as hung; 0: no bound.
     engine_step_timeout_s: float = ENGINE_STEP_TIMEOUT_S
+    # --runner / --convert / --pooler-config / --hf-overrides (engine.pooling); whether this
+    # engine pools depends on the model too (PoolingSetting.is_pooling).
+    pooling: PoolingSetting = field(default_factory=PoolingSetting)
 
     def __post_init__(self) -> None:
         check_choice("kernel_backend", self.kernel_backend, BACKENDS)

@@ -30,6 +30,7 @@ from engine.models.llava import load_vision_arch
 from engine.models.loader import resolve_dtype
 from engine.models.parallel import check_ep_size, check_tp_size
 from engine.multimodal.encoder_cache import EncoderCacheManager
+from engine.pooling.config import engine_pooling
 from engine.request import Request, RequestStatus
 from engine.sched.output import EngineCoreOutput
 from engine.sched.scheduler import Scheduler
@@ -118,7 +119,9 @@ class EngineCore:
         if backend == "auto":
             backend = kernels.default_backend(self.device.type)
         self.kernel_backend = backend
-        worker_config = WorkerConfig(config, self.arch, self.device, self.dtype, self.max_model_len, sc, backend, dp)
+        self.pooling = engine_pooling(config.pooling, mc.model, self.arch.hidden_size)  # None: it generates
+        worker_config = WorkerConfig(config, self.arch, self.device, self.dtype, self.max_model_len, sc, backend, dp,
+                                     self.pooling)
         if executor_cls is None:
             executor_cls = executor_class(config.parallel.executor_backend)
         if config.kv_shared_tier is not None and not getattr(kv_connector_factory, "provides_shared_tier", False):

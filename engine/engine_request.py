@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from engine.kv_transfer_params import KVTransferParams
 from engine.lora.request import LoRARequest
 from engine.multimodal.features import MultiModalFeatures
+from engine.pooling.params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -37,6 +38,8 @@ class EngineRequest:
     priority: int = 0  # lower runs first (--scheduling-policy priority)
     cache_salt: str | None = None  # separates prefix-cache entries of different tenants
     arrival_time: float = field(default_factory=time.time)  # wall clock, at the front end
+    # A pooling request (engine.pooling): prefill only, its answer a vector, never a token.
+    pooling_params: PoolingParams | None = None
 
     @property
     def max_tokens(self) -> int:

@@ -13,6 +13,14 @@ from engine.lora.request import LoRARequest
 from engine.metrics import Metric
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import child_request_id, child_requests, merge_children
+from engine.pooling.outputs import (
+    PoolingRequestOutput,
+    ScoringOutput,
+    classification_output,
+    embedding_output,
+    score_inputs,
+)
+from engine.pooling.params import PoolingParams
 from engine.processor import PromptType
 from engine.sampling_params import SamplingParams
 
@@ -89,6 +97,51 @@ class LLM:
         finished = self._run(queued, use_tqdm)
         return [finished[rid] if children == [rid] else merge_children(rid, [finished[c] for c in children])
                 for rid, children in requests]
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Each prompt's embedding (`outputs.embedding`), from an engine with runner="pooling"
+        (convert="embed"); `pooling_params.dimensions` shortens a Matryoshka model's."""
+        return [embedding_output(o) for o in self._pool(prompts, pooling_params, use_tqdm)]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Each prompt's class probabilities (`outputs.probs`), from a classify model."""
+        return [classification_output(o) for o in self._pool(prompts, None, use_tqdm)]
+
+    def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType],
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Relevance of each (data_1, data_2) pair (`outputs.score`): one data_1 against every
+        data_2, or pairs of equal-length lists. A classify model (a cross-encoder, or an LLM with
+        classifier_from_token) scores each pair as one prompt; an embedding model answers the
+        cosine similarity of the two texts' embeddings (texts or prompt dicts; a classify model's
+        pairs are texts, encoded as the tokenizer encodes a pair)."""
+        first = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
+        second = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
+        if len(first) not in (1, len(second)) or not second:
+            raise ParameterError("data_2", f"data_1 must be one text or as many as data_2 ({len(second)}), "
+                                 f"got {len(first)}")
+        pooling = self.engine.processor.pooling
+        prompts, scores = score_inputs(self.engine.tokenizer, pooling.task if pooling else "classify", first, second)
+        outs = self._pool(prompts, None, use_tqdm)
+        pairs = outs if len(outs) == len(second) else outs[-len(second):]  # embeddings: a pair's second text
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(s))
+                for o, s in zip(pairs, scores([o.pooled for o in outs]))]
+
+    def _pool(self, prompts, pooling_params: PoolingParams | None, use_tqdm: bool) -> list[RequestOutput]:
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = pooling_params or PoolingParams()
+        ids: list[str] = []
+        try:
+            for prompt in prompts:
+                self._counter += 1
+                request = self.engine.process(prompt, SamplingParams(max_tokens=1), f"offline-{self._counter}",
+                                              pooling_params=params)
+                ids.append(self.engine.add(request))
+        except ValueError:
+            self.engine.abort_request(ids)
+            raise
+        finished = self._run(ids, use_tqdm)
+        return [finished[rid] for rid in ids]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}

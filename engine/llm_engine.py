@@ -18,6 +18,7 @@ from engine.models.llava import load_vision_arch
 from engine.multimodal.processor import MultiModalProcessor
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.pooling.config import engine_pooling
 from engine.processor import InputProcessor, PromptType
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -40,7 +41,8 @@ def input_processor(config: EngineConfig, tokenizer, max_model_len: int, arch: M
     mm = None if vision is None else MultiModalProcessor(
         model_dir, vision, tokenizer, config.multimodal.limit_mm_per_prompt)
     return InputProcessor(tokenizer, max_model_len, arch.vocab_size, eos_token_ids(model_dir, tokenizer), mm,
-                          max_logprobs=config.model.max_logprobs, lora_check=LoRAChecker(config.lora, arch))
+                          max_logprobs=config.model.max_logprobs, lora_check=LoRAChecker(config.lora, arch),
+                          pooling=engine_pooling(config.pooling, model_dir, arch.hidden_size, tokenizer))
 
 
 class LLMEngine:

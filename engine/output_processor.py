@@ -113,6 +113,7 @@ class OutputProcessor:
                     # Only the first output carries it (the queue time is known by then).
                     metrics=_metrics(state.request) if first else {},
                     prompt_logprobs=state.prompt_logprobs,
+                    pooled=co.pooled,
                 )
             )
             if finished:

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import torch
+
 from engine.kv_transfer_params import KVTransferParams
 from engine.multimodal.features import MultiModalFeatures
 
@@ -58,6 +60,8 @@ class RequestOutput:
     multi_modal_features: MultiModalFeatures | None = None
     # When the request asked (SamplingParams.prompt_logprobs): set from the first output on.
     prompt_logprobs: PromptLogprobs | None = None
+    # A pooling request's answer (engine.pooling): its embedding or scores, fp32, when finished.
+    pooled: torch.Tensor | None = None
 
     def after(self, earlier: RequestOutput) -> RequestOutput:
         """This output with `earlier`'s deltas in front: two steps' outputs as one (a stream
@@ -89,6 +93,7 @@ class RequestDelta:
     metrics: dict | None = None
     # Only in the request's first delta (the prompt's logprobs travel once).
     prompt_logprobs: PromptLogprobs | None = None
+    pooled: torch.Tensor | None = None  # a pooling request's answer, in its last delta
 
     @classmethod
     def of(cls, out: RequestOutput) -> RequestDelta:
@@ -98,7 +103,7 @@ class RequestDelta:
         return cls(out.request_id, list(out.delta_token_ids), out.delta_text, out.delta_logprobs, out.finished,
                    c.finish_reason if out.finished else None, c.stop_reason if out.finished else None,
                    out.num_cached_tokens, out.kv_transfer_params if out.finished else None, out.metrics or None,
-                   out.prompt_logprobs if first else None)
+                   out.prompt_logprobs if first else None, out.pooled)
 
     def merge(self, later: RequestDelta) -> None:
         """Fold a later delta of the same request into this one (coalescing)."""
@@ -112,6 +117,7 @@ class RequestDelta:
         if later.metrics:
             self.metrics = {**(self.metrics or {}), **later.metrics}
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        self.pooled = later.pooled if later.pooled is not None else self.pooled
 
 
 class DeltaAccumulator:
@@ -135,4 +141,4 @@ class DeltaAccumulator:
         c = CompletionOutput(0, self.text, self.token_ids, d.finish_reason, d.stop_reason, self.logprobs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [c], d.finished,
                              d.num_cached_tokens, d.text, d.token_ids, d.logprobs, d.kv_transfer_params,
-                             d.metrics or {}, prompt_logprobs=self.prompt_logprobs)
+                             d.metrics or {}, prompt_logprobs=self.prompt_logprobs, pooled=d.pooled)

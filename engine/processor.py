@@ -12,6 +12,8 @@ from engine.kv_transfer_params import KVTransferParams
 from engine.lora.request import LoRARequest
 from engine.multimodal.features import MultiModalFeatures
 from engine.multimodal.processor import FIELD as MM_FIELD
+from engine.pooling.config import PoolingModel
+from engine.pooling.params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output import validate as validate_structured_outputs
 
@@ -22,7 +24,8 @@ PromptType = str | dict
 
 class InputProcessor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: list[int],
-                 mm_processor=None, max_logprobs: int = 20, lora_check=None) -> None:
+                 mm_processor=None, max_logprobs: int = 20, lora_check=None,
+                 pooling: PoolingModel | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
         # engine.multimodal.processor.MultiModalProcessor for an image model, else None.
@@ -32,6 +35,8 @@ class InputProcessor:
         self.eos_token_ids = tuple(eos_token_ids)
         # engine.lora.check.LoRAChecker: a request's adapter is read and checked here.
         self.lora_check = lora_check
+        # A pooling model's rules (engine.pooling): it takes pooling requests only.
+        self.pooling = pooling
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -59,6 +64,7 @@ class InputProcessor:
         cache_salt: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> EngineRequest:
         """The one place a request is tokenized, its images processed and its default
         max_tokens resolved (the room left in the context). `prompt`: text, or vLLM's prompt
@@ -66,15 +72,17 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ParameterError("sampling_params", f"sampling_params must be SamplingParams, got {type(params).__name__}")
         text, ids, mm_features = self._tokenize_with_media(prompt)
-        room = self._check_prompt(ids)
-        if params.max_tokens is None:
+        room = self._check_prompt(ids, pooling=pooling_params is not None)
+        if pooling_params is not None:
+            params = dataclasses.replace(params, max_tokens=1)  # never generates: only checks look at it
+        elif params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=room)
         params = dataclasses.replace(params, _eos_token_ids=self.eos_token_ids,
                                      _bad_words_token_ids=self._bad_words_ids(params.bad_words))
         request = EngineRequest(
             request_id=request_id or uuid.uuid4().hex, prompt_token_ids=ids, sampling_params=params, prompt=text,
             lora_request=lora_request, mm_features=mm_features, kv_transfer_params=kv_transfer_params,
-            priority=priority, cache_salt=cache_salt,
+            priority=priority, cache_salt=cache_salt, pooling_params=pooling_params,
         )
         self._check_built(request)  # the prompt was checked above
         if params.structured_outputs is not None:
@@ -88,7 +96,7 @@ class InputProcessor:
         if not isinstance(request, EngineRequest):
             raise ParameterError("request", f"request must be an EngineRequest, got {type(request).__name__}")
         self._check_ids(request.prompt_token_ids)
-        self._check_prompt(request.prompt_token_ids)
+        self._check_prompt(request.prompt_token_ids, pooling=request.pooling_params is not None)
         self._check_built(request)
 
     def _check_built(self, request: EngineRequest) -> None:
@@ -97,7 +105,8 @@ class InputProcessor:
         n, room = len(ids), self.max_model_len - len(ids)
         if params.max_tokens is None:
             raise ParameterError("max_tokens", "max_tokens must be resolved by the input processor (it was None)")
-        if params.max_tokens > room:
+        self._check_pooling(request.pooling_params)
+        if params.max_tokens > room and request.pooling_params is None:
             raise ParameterError(
                 "max_tokens", f"max_tokens must be <= {room} for this prompt: prompt ({n} tokens) + max_tokens "
                 f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})"
@@ -118,18 +127,32 @@ class InputProcessor:
                 raise ParameterError("lora_request", "this engine takes no LoRA adapters")
             self.lora_check(request.lora_request)
 
-    def _check_prompt(self, ids: list[int]) -> int:
-        """The room the prompt leaves in the context (a ParameterError if none)."""
+    def _check_pooling(self, params: PoolingParams | None) -> None:
+        if params is None and self.pooling is not None:
+            raise ParameterError("model", f"this model is a pooling model ({self.pooling.task}): it answers "
+                                 "embeddings or scores, not generated text (it runs with --runner pooling)")
+        if params is None:
+            return
+        if self.pooling is None:
+            raise ParameterError("model", "this model generates text; embeddings and scores need a pooling "
+                                 "model (--runner pooling, --convert embed or classify)")
+        if not isinstance(params, PoolingParams):
+            raise ParameterError("pooling_params", f"pooling_params must be PoolingParams, got {type(params).__name__}")
+        self.pooling.check_dimensions(params.dimensions)
+
+    def _check_prompt(self, ids: list[int], pooling: bool = False) -> int:
+        """The room the prompt leaves in the context (a ParameterError if none; a pooling
+        prompt generates nothing, so it may fill the context)."""
         n = len(ids)
         if n == 0:
             raise ParameterError("prompt", "prompt must not be empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ParameterError("prompt", f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        if n >= self.max_model_len:
+        if n > self.max_model_len or (n == self.max_model_len and not pooling):
             raise ParameterError(
                 "prompt", f"prompt is {n} tokens but max_model_len is {self.max_model_len}: the prompt must "
-                f"be at most {self.max_model_len - 1} tokens"
+                f"be at most {self.max_model_len - (not pooling)} tokens"
             )
         return self.max_model_len - n
 

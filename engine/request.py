@@ -10,6 +10,7 @@ from engine.engine_request import EngineRequest
 from engine.kv_transfer_params import KVTransferParams
 from engine.lora.request import LoRARequest
 from engine.multimodal.features import MultiModalFeatures
+from engine.pooling.params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output.request import StructuredOutputRequest
 
@@ -72,6 +73,8 @@ class Request:
     mm_features: MultiModalFeatures | None = None
     # The adapter it runs with (engine.lora); None: the base model.
     lora_request: LoRARequest | None = None
+    # Pooling (engine.pooling): finishes when its prompt is computed, with a vector.
+    pooling_params: PoolingParams | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -98,7 +101,7 @@ class Request:
                    sampling_params=request.sampling_params, max_tokens=request.sampling_params.max_tokens,
                    priority=request.priority, cache_salt=request.cache_salt,
                    kv_transfer_params=request.kv_transfer_params, mm_features=request.mm_features,
-                   lora_request=request.lora_request)
+                   lora_request=request.lora_request, pooling_params=request.pooling_params)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -24,6 +24,7 @@ import pyarrow as pa
 from engine.args import EngineArgs
 from engine.errors import ParameterError, check_int
 from engine.models.default_model import require_model_dir
+from engine.pooling.params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens", "num_generated_tokens",
@@ -31,9 +32,13 @@ OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens", 
 # Per-row sampling columns a dataset may carry (None / null means: the job's default).
 PARAM_COLUMNS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
                  "stop", "stop_token_ids")
+# A pooling engine's rows (--runner pooling, docs/pooling.md): its vector per task instead.
+POOLING_COLUMNS = {"embed": ("embedding", "num_prompt_tokens", "error"),
+                   "classify": ("probs", "num_prompt_tokens", "error")}
 _OUTPUT_SCHEMA = {"generated_text": pa.string(), "generated_token_ids": pa.list_(pa.int64()),
                   "num_prompt_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
-                  "finish_reason": pa.string(), "error": pa.string()}
+                  "finish_reason": pa.string(), "error": pa.string(),
+                  "embedding": pa.list_(pa.float32()), "probs": pa.list_(pa.float32())}
 
 
 def row_params(defaults: SamplingParams, row: dict) -> SamplingParams:
@@ -68,6 +73,8 @@ class EnginePredictor:
         self.feeder = EngineFeeder(self.llm.engine)
         self.prompt_column = prompt_column
         self.defaults = sampling or SamplingParams()
+        self.pooling = self.llm.engine.processor.pooling  # None: the engine generates
+        self.columns = OUTPUT_COLUMNS if self.pooling is None else POOLING_COLUMNS[self.pooling.task]
 
     def _prepare(self, batch: pa.Table):
         """(outputs to fill, row indexes sent, their futures): rows that fail here (bad type,
@@ -75,7 +82,7 @@ class EnginePredictor:
         if self.prompt_column not in batch.column_names:
             raise ValueError(f"input has no {self.prompt_column!r} column (columns: {batch.column_names})")
         rows = batch.to_pylist()
-        out = {c: [None] * len(rows) for c in OUTPUT_COLUMNS}
+        out = {c: [None] * len(rows) for c in self.columns}
         todo, requests = [], []
         for i, row in enumerate(rows):
             prompt = row[self.prompt_column]
@@ -84,8 +91,12 @@ class EnginePredictor:
                                    f"got {type(prompt).__name__}")
                 continue
             try:
-                request = self.llm.engine.process(prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt},
-                                                  row_params(self.defaults, row), self.feeder.next_id())
+                prompt = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+                if self.pooling is not None:
+                    request = self.llm.engine.process(prompt, SamplingParams(max_tokens=1), self.feeder.next_id(),
+                                                      pooling_params=PoolingParams())
+                else:
+                    request = self.llm.engine.process(prompt, row_params(self.defaults, row), self.feeder.next_id())
             except (ValueError, TypeError) as e:
                 out["error"][i] = str(e)
                 continue
@@ -93,23 +104,25 @@ class EnginePredictor:
             requests.append(request)
         return out, todo, self.feeder.submit(requests) if requests else []
 
-    @staticmethod
-    def _fill(out: dict, i: int, future) -> None:
+    def _fill(self, out: dict, i: int, future) -> None:
         try:
             res = future.result()
         except ValueError as e:  # the row's prompt or parameters (ParameterError included)
             out["error"][i] = str(e)
             return
+        out["num_prompt_tokens"][i] = len(res.prompt_token_ids)
+        if self.pooling is not None:
+            out[self.columns[0]][i] = res.pooled.tolist()
+            return
         c = res.outputs[0]
         out["generated_text"][i] = c.text
         out["generated_token_ids"][i] = list(c.token_ids)
-        out["num_prompt_tokens"][i] = len(res.prompt_token_ids)
         out["num_generated_tokens"][i] = len(c.token_ids)
         out["finish_reason"][i] = c.finish_reason
 
     @staticmethod
     def _table(batch: pa.Table, out: dict) -> pa.Table:
-        for name in OUTPUT_COLUMNS:
+        for name in out:
             column = pa.array(out[name], type=_OUTPUT_SCHEMA[name])
             if name in batch.column_names:  # re-running over an earlier output replaces it
                 batch = batch.set_column(batch.column_names.index(name), name, column)

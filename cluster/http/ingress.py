@@ -2,19 +2,17 @@
 
 A route turns its body into a Job (cluster/http/chat.py, cluster/http/completions.py: tokenized,
 chat template included, and validated exactly as the engine will, so bad input is a 400 before
-any engine sees it); the ingress admits the job, runs each of its requests
-(cluster/pd/: on its own engine with direct streaming, else on the engine
-replicas, prefill then decode in P/D) and streams or returns the answer. Leaving a request
-early (client disconnect, error) cancels it on the engines, which frees its KV blocks and its
-transfer. Errors: cluster/http/errors.py. The path of one request:
-docs/architecture.md#the-path-of-one-request.
+any engine sees it); the ingress admits the job, runs each of its requests (cluster/pd/: on its
+own engine with direct streaming, else on the engine replicas, prefill then decode in P/D) and
+streams or returns the answer. Leaving a request early (client disconnect, error) cancels it on
+the engines, which frees its KV blocks and its transfer. Errors: cluster/http/errors.py. The
+path of one request: docs/architecture.md#the-path-of-one-request.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the body models as real types
 # (Serve's class-based ingress re-wraps the methods, and string annotations are not resolved).
 import asyncio
 import dataclasses
-import logging
 import os
 import time
 import uuid
@@ -26,6 +24,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 
 from cluster.http import openai_format as fmt
+from cluster.http import pooling
+from cluster.http import pooling_models as pm
 from cluster.http import tokenize as tokenizer_routes
 from cluster.http.anthropic_messages import MessagesRequest, count_tokens, messages_job
 from cluster.http.auth import ApiKeyCheck, install_api_key_check
@@ -78,7 +78,6 @@ from engine.llm_engine import load_processor
 from engine.outputs import RequestOutput
 from kvstore.store_actor import app_store
 
-logger = logging.getLogger(__name__)
 # Bound on each call to the Coordinator (/health, /metrics, /status, the metrics push): Serve
 # holds a call to a deployment with no running replica (a Coordinator being replaced) until one
 # runs. Past it: a 503 with Retry-After. /scale may wait on Serve's controller: a longer bound.
@@ -144,7 +143,6 @@ class Ingress:
         self.report_period_s = direct.report_period_s if direct is not None else None
         self.engines: EngineClient = (self.direct if self.direct is not None else
                                       ReplicaStreams(decode if self.mode == "pd" else prefill, self.ingress_id))
-        engines = self.engines
         self.metrics = AppMetrics(self.served.model_name, self.mode)
         self._pusher: asyncio.Task | None = None  # sends self.metrics to the Coordinator on change
         placement = pd = None
@@ -153,8 +151,8 @@ class Ingress:
             placement = PrefillPlacement(settings.local_prefill, counts, settings.prefill_fallback, counts.live)
             # With this replica's own decode engine, prompt KV comes back in the prefill's reply.
             inbox = self.direct.kv_inbox() if self.direct is not None else None
-            pd = ServePD(prefill, engines, app_store(settings.app_name), settings.load_failure_policy, inbox)
-        self.runner = RequestRunner(engines, self.metrics, self.served.loras, placement, pd)
+            pd = ServePD(prefill, self.engines, app_store(settings.app_name), settings.load_failure_policy, inbox)
+        self.runner = RequestRunner(self.engines, self.metrics, self.served.loras, placement, pd)
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
         self.created = settings.created or int(time.time())
         if self.direct is not None:
@@ -305,6 +303,20 @@ class Ingress:
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(self, body: MessagesRequest) -> Response:
         return JSONResponse(count_tokens(self.served, body))
+
+    # Pooling models (cluster/http/pooling.py, docs/pooling.md#endpoints): embeddings and scores.
+    @app.post("/v1/embeddings", response_model=pm.EmbeddingResponse)
+    async def embeddings(self, body: pm.EmbeddingRequest) -> Response:
+        return await self.respond(pooling.embedding_job(self.served, body))
+
+    @app.post("/v1/score", response_model=pm.ScoreResponse)
+    async def score(self, body: pm.ScoreRequest) -> Response:
+        return await self.respond(pooling.score_job(self.served, body))
+
+    @app.post("/rerank", response_model=pm.RerankResponse)
+    @app.post("/v1/rerank", response_model=pm.RerankResponse)
+    async def rerank(self, body: pm.RerankRequest) -> Response:
+        return await self.respond(pooling.rerank_job(self.served, body))
 
     async def _follow_loras(self, model) -> None:
         if self.lora_follower is not None:

@@ -93,6 +93,8 @@ class RequestRunner:
 
     def _outputs(self, request: EngineRequest, route: Route | None) -> AsyncIterator[RequestOutput]:
         if route is not None and route.remote:
+            if request.pooling_params is not None:  # prefill only: the Prefill replica answers it
+                return self.pd.pool(request, route.timeout_s)
             return self.pd.generate(request, route.timeout_s)
         return self.engines.generate(request)
 

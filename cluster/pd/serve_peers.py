@@ -121,6 +121,18 @@ class ServePD:
         peers = ServePeers(self.prefill_handle, self.decode, self.store, self.inbox, prefill_timeout_s)
         return pd_flow(peers, request, self.load_failure_policy)
 
+    async def pool(self, request: EngineRequest, prefill_timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
+        """A pooling request (an embedding, a score) needs only its prompt's prefill: it runs
+        whole on a Prefill replica and its answer is the call's reply; no KV moves. Left
+        early, the call is cancelled on its replica."""
+        peers = ServePeers(self.prefill_handle, self.decode, self.store, None, prefill_timeout_s)
+        finished = False
+        try:
+            yield await peers.prefill(request)
+            finished = True
+        finally:
+            await peers.cleanup(request.request_id, None, unfinished=not finished)
+
     async def abort(self, request_id: str) -> None:
         """On the decode engine. A prefill call still running is cancelled when the request's
         stream is closed, as every caller of `generate` does."""

@@ -12,6 +12,7 @@ from engine.config import EngineConfig, SchedulerConfig
 from engine.distributed import SINGLE_DP, DPPlacement
 from engine.executor.kv_aggregate import KVOutputAggregator
 from engine.models.arch import ModelArch
+from engine.pooling.config import PoolingModel
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -47,16 +48,18 @@ class WorkerConfig:
     scheduler: SchedulerConfig  # max_num_batched_tokens resolved for the device
     kernel_backend: str  # "triton" or "torch"
     dp: DPPlacement = SINGLE_DP  # this engine core's place among the data-parallel cores
+    pooling: PoolingModel | None = None  # a pooling model's rules (engine.pooling); None: generates
 
     @property
     def use_cuda_graphs(self) -> bool:
         # Collectives are not captured into graphs: a sharded model decodes eagerly (and the
         # expert exchange's sizes change every step).
         parallel = self.engine.parallel
-        # LoRA's per-step token -> slot mapping is not a captured input either.
+        # LoRA's per-step token -> slot mapping is not a captured input either. A pooling engine
+        # never decodes: nothing would replay the graphs.
         return (self.device.type == "cuda" and self.kernel_backend == "triton" and not self.engine.enforce_eager
                 and parallel.tensor_parallel_size == 1 and parallel.expert_parallel_size == 1
-                and self.engine.lora is None)
+                and self.engine.lora is None and self.pooling is None)
 
 
 class Executor(ABC):

@@ -137,9 +137,11 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return KVCacheBlocks(), 0
-        if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
-            # Its prompt logprobs need every prompt position's logits: computed, not looked up
-            # (vLLM does the same). Its blocks are still cached for others.
+        if request.pooling_params is not None or (
+                request.sampling_params.prompt_logprobs is not None and not request.output_token_ids):
+            # Its prompt logprobs (or pooling: engine.pooling.pooler) need every prompt position's
+            # hidden states: computed, not looked up (vLLM does the same). Its blocks are still
+            # cached for others.
             return KVCacheBlocks(), 0
         extend_block_hashes(
             request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,

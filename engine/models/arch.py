@@ -29,6 +29,8 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": dict(qkv_bias=None, qk_norm=True),
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# A supported LM's *ForSequenceClassification (a cross-encoder): served by a pooling engine.
+_CLASSIFIER = "ForSequenceClassification"
 # MLP activations (the gate's, in a gated MLP): SiLU (SwiGLU) and tanh-approximated GELU (GeGLU).
 SUPPORTED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", LONGROPE, FREQ_FACTORS)
@@ -126,6 +128,12 @@ def arch_from_dict(cfg: dict) -> ModelArch:
             raise ValueError(f"unsupported LLaVA language model {text.get('model_type')!r}; "
                              f"supported: {sorted(_TEXT_FAMILIES)}")
         return arch_from_dict({**text, "architectures": [family]})
+    classifier = next((a for a in archs if a.endswith(_CLASSIFIER)), None)
+    if classifier is not None:
+        # A classifier checkpoint is its LM's body with a score head (read by engine.pooling)
+        # in place of the LM head: the body loads as the LM's, with no head of its own.
+        lm = classifier[: -len(_CLASSIFIER)] + "ForCausalLM"
+        return arch_from_dict({**cfg, "architectures": [lm], "tie_word_embeddings": True})
     name = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if name is None:
         raise ValueError(

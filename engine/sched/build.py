@@ -31,6 +31,7 @@ def build_scheduler_output(new_reqs: list[Request], running_reqs: list[Request],
             mm_features=None if r.mm_features is None else r.mm_features.without_pixels(),
             window_block_ids=kv_cache_manager.get_window_block_ids(r.request_id),
             lora_request=r.lora_request,
+            pooling_params=r.pooling_params,
         )
         for r in new_reqs
     ]

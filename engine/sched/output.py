@@ -11,6 +11,7 @@ from engine.kv_transfer_params import KVTransferParams
 from engine.lora.request import LoRARequest
 from engine.multimodal.features import MultiModalFeatures
 from engine.outputs import Logprob, PromptLogprobs
+from engine.pooling.params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -35,6 +36,7 @@ class NewRequestData:
     # block where blocks fell out of the window; None without one.
     window_block_ids: list[int] | None = None
     lora_request: LoRARequest | None = None  # its adapter (engine.lora), None: the base model
+    pooling_params: PoolingParams | None = None  # a pooling request (engine.pooling) never samples
 
 
 @dataclass
@@ -108,6 +110,8 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] | None = None
     # Prompt logprobs of the positions this step computed, by request (in position order).
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] | None = None
+    # Pooling requests whose prompt this step finished: their embedding or scores (fp32, CPU).
+    pooler_output: dict[str, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,7 @@ class EngineCoreOutput:
     kv_transfer_params: KVTransferParams | None = None
     # The whole prompt's, with the request's first token (None for a request that did not ask).
     prompt_logprobs: PromptLogprobs | None = None
+    pooled: torch.Tensor | None = None  # a pooling request's answer, with its finish
 
     @property
     def finished(self) -> bool:

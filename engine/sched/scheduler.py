@@ -330,6 +330,7 @@ class Scheduler:
             outputs += self.remote_kv.apply(runner_output.kv_connector_output,
                                             lambda rid: self.finish_requests(rid, RequestStatus.FINISHED_ERROR))
         scored = runner_output.prompt_logprobs  # prompt positions scored this step, by request
+        pooled = runner_output.pooler_output  # pooling requests whose prompt is done (engine.pooling)
         for idx, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -339,6 +340,12 @@ class Scheduler:
                 request.spec_token_ids = runner_output.spec_token_ids[idx]
             if scored and req_id in scored:
                 request.prompt_logprob_entries += scored[req_id]
+            if pooled and req_id in pooled:  # its answer: it ends, its blocks freed, with no token
+                request.status = RequestStatus.FINISHED_STOPPED
+                self.running.remove(request)
+                self._free_request(request)
+                outputs.append(EngineCoreOutput(req_id, [], "stop", pooled=pooled[req_id]))
+                continue
             if not new_ids:
                 continue  # a prefill chunk: nothing to report yet
             prompt_logprobs = None  # the prompt's, sent once with its first token
@@ -372,18 +379,10 @@ class Scheduler:
                 finish_reason = request.status.finish_reason
                 self.running.remove(request)
                 kv_params = self._free_request(request)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=kept,
-                    finish_reason=finish_reason,
-                    stop_reason=request.stop_reason,
-                    new_logprobs=logprobs,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    kv_transfer_params=kv_params,
-                    prompt_logprobs=prompt_logprobs,
-                )
-            )
+            outputs.append(EngineCoreOutput(
+                request_id=req_id, new_token_ids=kept, finish_reason=finish_reason, stop_reason=request.stop_reason,
+                new_logprobs=logprobs, num_cached_tokens=max(request.num_cached_tokens, 0),
+                kv_transfer_params=kv_params, prompt_logprobs=prompt_logprobs))
         return outputs
 
     # ---- introspection ------------------------------------------------------------------

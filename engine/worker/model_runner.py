@@ -17,6 +17,8 @@ from engine.lora.runner import LoRARunner
 from engine.models.arch import ModelArch
 from engine.models.attention_metadata import AttentionMetadata
 from engine.models.loader import load_model
+from engine.pooling.config import PoolingModel
+from engine.pooling.pooler import Pooler
 from engine.sample import Sampler
 from engine.sample.rejection_sampler import rejection_sample
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -54,6 +56,7 @@ class ModelRunner:
         speculative: SpeculativeConfig | None = None,
         quantization: str | None = None,
         lora: LoRAConfig | None = None,
+        pooling: PoolingModel | None = None,
     ) -> None:
         self.arch = arch
         self.tp = tp
@@ -97,6 +100,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # Image models only: encoder outputs by image hash, merged into prefill embeddings.
         self.encoder = EncoderRunner(self.model, device) if hasattr(self.model, "encode_images") else None
+        # A pooling model (engine.pooling): its requests end at their prompt with a vector.
+        self.pooler = None if pooling is None else Pooler.load(pooling, model_dir, dtype, device)
 
     def kv_bytes_per_block(self) -> int:
         a = self.arch
@@ -171,9 +176,12 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)  # [T, hidden]
             if self._drafts_by_model:
                 self.proposer.run_step(input_ids, positions, meta)
-        prompt_lps = None
+        prompt_lps = pooled = None
         if ib.prompt_logprob_reqs:
             prompt_lps = self._prompt_logprobs(hidden, req_ids, rows, num_sched)
+        if self.pooler is not None and self.pooler.params:
+            pooled = self.pooler.step(hidden, req_ids, ib.num_computed_tokens[rows], num_sched,
+                                      ib.num_prompt_tokens[rows], self.query_start_loc.np, self.model.compute_logits)
         ib.num_computed_tokens[rows] += num_sched
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprob_lists: list[list[dict[int, float]] | None] = [None] * len(req_ids)
@@ -193,7 +201,7 @@ class ModelRunner:
         has_logprobs = any(lp is not None for lp in logprob_lists)
         return ModelRunnerOutput(req_ids, sampled_lists, logprob_lists if has_logprobs else None,
                                  encoder_seconds=encoder_seconds, spec_token_ids=self._propose(rows, sample_idx),
-                                 prompt_logprobs=prompt_lps)
+                                 prompt_logprobs=prompt_lps, pooler_output=pooled if self.tp.is_driver else None)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, req_ids: list[str], rows: np.ndarray,
                          num_sched: np.ndarray) -> dict[str, list] | None:
@@ -292,6 +300,8 @@ class ModelRunner:
         for req_id in so.preempted_req_ids:
             # Keep the RNG: a resumed seeded request continues its random stream.
             ib.remove_request(req_id, keep_generator=True)
+        if self.pooler is not None:
+            self.pooler.update(so)
         for new in so.scheduled_new_reqs:
             ib.add_request(
                 new.req_id,
@@ -341,6 +351,8 @@ class ModelRunner:
             self.window_step_block_table.np[:R, :nb] = ib.window_block_table.table.np[rows, :nb]
         # Sample only where the step reaches the end of the known tokens (not mid-prompt).
         sample_mask = seq_lens >= ib.num_tokens[rows]
+        if self.pooler is not None and self.pooler.params:
+            sample_mask &= ~self.pooler.mask([ib.req_ids[r] for r in rows])  # pooling never samples
         # A verifying request needs logits at its last 1 + drafts positions, one per draft
         # and one for the token after them all.
         per = np.where(sample_mask, num_drafts + 1, 0)

@@ -86,6 +86,7 @@ class Worker:
             speculative=ec.speculative,
             quantization=ec.model.quantization,
             lora=ec.lora,
+            pooling=config.pooling,
         )
         self.kv_connector = (kv_connector_factory(KVConnectorRole.WORKER)
                              if kv_connector_factory is not None else None)

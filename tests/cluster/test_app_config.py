@@ -186,7 +186,9 @@ def test_from_flat_splits_every_engine_argument_from_the_app_fields(tiny_model):
                      "enable_lora": False, "max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 5,
                      "limit_mm_per_prompt": '{"image": 2}', "encoder_cache_size": 64,
                      "max_num_encoder_input_tokens": 32, "allowed_local_media_path": "/srv/media",
-                     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+                     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
+                     "runner": "pooling", "convert": "embed", "pooler_config": {"pooling_type": "MEAN"},
+                     "hf_overrides": {"is_matryoshka": True}}
     assert set(engine_values) | {"model"} == set(EngineArgs.field_names())  # the test covers them all
     cfg = AppConfig.from_flat({"model": tiny_model, "mode": "colocated", "max_replicas": 3, **engine_values})
     assert cfg.engine_args == EngineArgs(model=tiny_model, **engine_values)

@@ -160,3 +160,18 @@ def test_one_actor_keeps_rows_of_several_batches_in_its_engine(ray_local, tiny_m
         assert r["error"] is None
         assert r["generated_token_ids"] == list(o.outputs[0].token_ids)
         assert r["generated_text"] == o.outputs[0].text
+
+
+def test_a_pooling_engine_fills_an_embedding_column(model_factory):
+    from tests.engine.pooling_factory import cosine, hf_pooled
+
+    model = model_factory("qwen3")
+    predictor = EnginePredictor(EngineArgs(model=model, runner="pooling", **ENGINE), "prompt")
+    rows = [{"id": 0, "prompt": [5, 6, 7, 8]}, {"id": 1, "prompt": []}, {"id": 2, "prompt": [9] * 40}]
+    out = asyncio.run(predictor(pa.Table.from_pylist(rows))).to_pylist()
+    predictor.feeder.close(timeout=30)
+    assert [r["id"] for r in out] == [0, 1, 2] and "generated_text" not in out[0]
+    for r in (out[0], out[2]):
+        assert r["error"] is None and r["num_prompt_tokens"] == len(r["prompt"])
+        assert cosine(r["embedding"], hf_pooled(model, r["prompt"], "LAST")) >= 0.9999
+    assert out[1]["embedding"] is None and "empty" in out[1]["error"]

@@ -216,3 +216,30 @@ def test_an_engine_failure_ends_a_held_subscription_at_once():
 
     first = asyncio.run(main())
     assert [d.token_ids for d in first] == [[1]]
+
+
+def test_a_pooling_requests_vector_crosses_the_deltas(tiny_model):
+    from engine.pooling import PoolingParams
+
+    pooling = AsyncLLM.from_engine_args(EngineArgs(tiny_model, runner="pooling", **ENGINE))
+    prompts = random_prompts([3, 70], 1000, seed=61)
+    expected = LLM(tiny_model, runner="pooling", **ENGINE).embed([{"prompt_token_ids": p} for p in prompts],
+                                                                  use_tqdm=False)
+
+    async def main():
+        hub, accs, finals = StepHub(0.0, linger_s=0.2), {}, {}
+        for i, ids in enumerate(prompts):
+            accs[f"p{i}"] = DeltaAccumulator(f"p{i}", None, ids, False)
+            request = pooling.process({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), f"p{i}",
+                                      pooling_params=PoolingParams())
+            await pooling.submit(request, hub.sink("ingress-a", f"p{i}"))
+        async for batch in hub.subscribe("ingress-a", pooling.abort):
+            for d in pickle.loads(pickle.dumps(batch)):  # as the channel carries them
+                finals[d.request_id] = accs[d.request_id].add(d)
+        return [finals[f"p{i}"] for i in range(len(prompts))]
+
+    try:
+        for got, want in zip(asyncio.run(main()), expected):
+            assert got.finished and got.pooled.tolist() == pytest.approx(want.outputs.embedding, abs=1e-6)
+    finally:
+        pooling.shutdown()
