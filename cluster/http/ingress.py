@@ -49,6 +49,7 @@ from cluster.http.lora import (
     lora_registry,
 )
 from cluster.http.metrics import AppMetrics, push_forever
+from cluster.http.migration import ReplicaResume, resume_here
 from cluster.http.openai_models import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -74,6 +75,7 @@ from cluster.replica.server import EngineServer
 from cluster.roles import Role
 from cluster.tasks import detached_task
 from engine.engine_client import EngineClient
+from engine.engine_request import EngineRequest
 from engine.llm_engine import load_processor
 from engine.outputs import RequestOutput
 from kvstore.store_actor import app_store
@@ -154,7 +156,12 @@ class Ingress:
             # With this replica's own decode engine, prompt KV comes back in the prefill's reply.
             inbox = self.direct.kv_inbox() if self.direct is not None else None
             pd = ServePD(prefill, engines, app_store(settings.app_name), settings.load_failure_policy, inbox)
-        self.runner = RequestRunner(engines, self.metrics, self.served.loras, placement, pd)
+        # Where a request whose engine died or hung goes on (docs/pd.md#decode-migration): another
+        # ingress replica's own engine, or the routed engine replicas.
+        resume = (engines.generate if self.direct is None else
+                  ReplicaResume(serve.get_deployment_handle("Ingress", settings.app_name), self.ingress_id))
+        self.runner = RequestRunner(engines, self.metrics, self.served.loras, placement, pd,
+                                    resume if settings.migration_limit else None, settings.migration_limit)
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
         self.created = settings.created or int(time.time())
         if self.direct is not None:
@@ -184,6 +191,11 @@ class Ingress:
         # This replica's own engine raises once it (or its core) died; routed replicas are
         # Serve's to check.
         await self.engines.check_health()
+
+    async def resume(self, request: EngineRequest, avoid: str) -> AsyncIterator[RequestOutput]:
+        """A request migrated from ingress replica `avoid`, whose engine failed, on this one's."""
+        async for out in resume_here(self.direct, request, avoid, self.ingress_id):
+            yield out
 
     def inter_deployment_calls(self) -> str:
         """"grpc" or "actor": how this replica's calls to other deployments travel."""
