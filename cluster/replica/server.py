@@ -189,10 +189,11 @@ class EngineServer(EngineHost):
 
     def processes(self) -> dict:
         """This replica's pid and its engine core processes' (--engine-core-process; none
-        when the core runs in the replica's own process), for operators and tests."""
+        when the core runs in the replica's own process), and its id as its reports name it
+        (/status), for operators and tests."""
         import os
 
-        return {"replica": os.getpid(), "engine_cores": self.engine_core_pids()}
+        return {"replica": os.getpid(), "engine_cores": self.engine_core_pids(), "id": self.replica_id}
 
     async def report(self) -> ReplicaReport:
         """This replica's figures now (unnumbered)."""
