@@ -192,9 +192,9 @@ class Ingress:
         # Serve's to check.
         await self.engines.check_health()
 
-    async def resume(self, request: EngineRequest, avoid: str) -> AsyncIterator[RequestOutput]:
+    async def resume(self, request: EngineRequest, avoid: str, caller=None) -> AsyncIterator[RequestOutput]:
         """A request migrated from ingress replica `avoid`, whose engine failed, on this one's."""
-        async for out in resume_here(self.direct, request, avoid, self.ingress_id):
+        async for out in resume_here(self.direct, request, avoid, self.ingress_id, caller):
             yield out
 
     def inter_deployment_calls(self) -> str:

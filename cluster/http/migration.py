@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 
+from cluster.replica.caller_watch import watch_handle, while_caller_lives
 from cluster.replica.errors import ReplicaError
 from engine.engine_request import EngineRequest
 from engine.errors import EngineDeadError, ParameterError
@@ -140,10 +141,11 @@ class ReplicaResume:
     def __init__(self, handle, own_id: str, tries: int = 4, backoff_s: float = 0.1) -> None:
         self.handle, self.own_id = handle.options(stream=True), own_id
         self.tries, self.backoff_s = tries, backoff_s
+        self.caller = watch_handle(handle)  # so the replica running it ends it if this one dies
 
     async def __call__(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         for attempt in range(self.tries):
-            stream = self.handle.resume.remote(request, self.own_id)
+            stream = self.handle.resume.remote(request, self.own_id, self.caller)
             try:
                 first = await stream.__anext__()
                 break
@@ -166,17 +168,19 @@ class ReplicaResume:
             stream.cancel()  # left early (client gone): aborted on that replica's engine
 
 
-async def resume_here(engine, request: EngineRequest, avoid: str, own_id: str) -> AsyncIterator[RequestOutput]:
+async def resume_here(engine, request: EngineRequest, avoid: str, own_id: str,
+                      caller=None) -> AsyncIterator[RequestOutput]:
     """The body of an ingress replica's `resume` call: the migrated request on this replica's
     own `engine` (None: none here), sent back as deltas (the caller keeps the cumulative state,
-    so no message grows with the prompt or the output)."""
+    so no message grows with the prompt or the output); aborted there once `caller` (the
+    calling replica's actor handle, when it sent one) died (cluster.replica.caller_watch)."""
     if engine is None or avoid == own_id:
         raise MigrationRefused(f"replica {own_id} cannot take a request migrated from {avoid}")
     try:
         await engine.check_health()
     except Exception as e:
         raise MigrationRefused(f"replica {own_id}'s engine failed: {e}") from e
-    async for out in engine.generate(request):
+    async for out in while_caller_lives(engine.generate(request), caller):
         c = out.outputs[0]
         yield dataclasses.replace(out, prompt_token_ids=[], prompt=None,
                                   outputs=[CompletionOutput(0, "", [], c.finish_reason, c.stop_reason, None)])

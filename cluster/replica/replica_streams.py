@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 
 import ray
 
+from cluster.replica.caller_watch import watch_handle
 from cluster.replica.errors import ReplicaError
 from cluster.tasks import detached_task
 from engine.engine_request import EngineRequest
@@ -53,6 +54,10 @@ class ReplicaStreams:
         self.handle = handle
         self.stream_handle = handle.options(stream=True)
         self.ingress_id = ingress_id
+        # Sent with each subscription when our calls are Ray actor calls, so an engine replica
+        # ends our requests if we die (cluster.replica.caller_watch).
+        caller = watch_handle(handle)
+        self._watch = {} if caller is None else {"caller": caller}
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> its deltas (or an error)
         self._where: dict[str, str] = {}  # request id -> replica holding it
         self._subs: dict[str, asyncio.Task] = {}  # replica -> its subscription's pump
@@ -153,7 +158,7 @@ class ReplicaStreams:
         error: BaseException | None = None
         got = 0
         try:
-            stream = self.stream_handle.subscribe.remote(self.ingress_id, replica=replica)
+            stream = self.stream_handle.subscribe.remote(self.ingress_id, replica=replica, **self._watch)
             async for batch in stream:
                 got += 1
                 self.messages += 1

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 
 from ray import serve
 
+from cluster.replica.caller_watch import while_caller_lives
 from cluster.replica.host import EngineHost
 from cluster.replica.kv_digest import KVDigest
 from cluster.replica.latency import LatencyWindow
@@ -135,10 +136,12 @@ class EngineServer(EngineHost):
             raise
         return self.unique_id
 
-    async def subscribe(self, ingress_id: str, replica: str):
-        """Stream of lists of RequestDeltas for `ingress_id` (a Serve streaming method)."""
+    async def subscribe(self, ingress_id: str, replica: str, caller=None):
+        """Stream of lists of RequestDeltas for `ingress_id` (a Serve streaming method); its
+        requests here are aborted once `caller` (the ingress's actor handle, when it sent one)
+        died (cluster.replica.caller_watch)."""
         self._check_target(replica)
-        async for batch in self.hub.subscribe(ingress_id, super().abort):
+        async for batch in while_caller_lives(self.hub.subscribe(ingress_id, super().abort), caller):
             yield batch
 
     def _latency_observer(self) -> Callable[[RequestOutput], None]:

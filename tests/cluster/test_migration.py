@@ -171,3 +171,68 @@ def test_the_continuation_carries_the_produced_tokens_as_prior_output():
     assert (cont.sampling_params.max_tokens, cont.sampling_params.min_tokens) == (7, 1)
     assert cont.sampling_params.prompt_logprobs is None and cont.kv_transfer_params.num_prior_output_tokens == 3
     assert not m.allows()  # the limit, 1, is reached
+
+
+class _Streams:
+    """A DeploymentHandle stand-in for `Ingress.resume`: its calls answer, in turn, a refusal
+    (MigrationRefused, as the replica the request left answers) or a stream of `outputs`."""
+
+    def __init__(self, *answers) -> None:
+        self.answers, self.calls = list(answers), []
+        self.resume = self
+
+    def options(self, stream: bool):
+        return self
+
+    def remote(self, request, avoid, caller):
+        self.calls.append(_Call(self.answers.pop(0)))
+        return self.calls[-1]
+
+
+class _Call:
+    def __init__(self, answer) -> None:
+        self.answer, self.cancelled, self.given = answer, False, 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        if self.given == len(self.answer):
+            raise StopAsyncIteration
+        self.given += 1
+        return self.answer[self.given - 1]
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_migrated_request_is_routed_past_refusals_and_cancelled_on_its_replica_when_left():
+    from cluster.http.migration import MigrationRefused, ReplicaResume
+    from engine.outputs import CompletionOutput, RequestOutput
+    from tests.cluster.helpers import engine_request
+
+    def out(i):
+        return RequestOutput("r", None, [], [CompletionOutput(0, "", [])], False, delta_token_ids=[i])
+
+    refused = MigrationRefused("replica ingress-a cannot take a request migrated from ingress-a")
+    handle = _Streams(refused, [out(1), out(2), out(3)])
+
+    async def leave_after_one():
+        stream = ReplicaResume(handle, "ingress-a", backoff_s=0.001)(engine_request())
+        first = await stream.__anext__()
+        await stream.aclose()  # the client went away
+        return first
+
+    assert asyncio.run(leave_after_one()).delta_token_ids == [1]
+    assert [c.cancelled for c in handle.calls] == [True, True]  # the one it ran on: aborted there
+
+    nowhere = _Streams(*[refused] * 4)
+
+    async def refused_everywhere():
+        return [o async for o in ReplicaResume(nowhere, "ingress-a", backoff_s=0.001)(engine_request())]
+
+    with pytest.raises(MigrationRefused):
+        asyncio.run(refused_everywhere())
+    assert len(nowhere.calls) == 4
