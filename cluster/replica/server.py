@@ -122,9 +122,10 @@ class EngineServer(EngineHost):
                                     stream_interval_s=self.stream_interval_s)
 
     # ---- per-step messages (cluster.replica.step_channel) ----------------------------------------
-    async def submit(self, request: EngineRequest, ingress_id: str) -> str:
+    async def submit(self, request: EngineRequest, ingress_id: str, avoid: list[str] | None = None) -> str:
         """Queue a request whose outputs go to `ingress_id`'s subscription; returns this
-        replica's id, which the ingress names in `subscribe` and `abort`."""
+        replica's id, which the ingress names in `subscribe` and `abort`. `avoid` is the
+        router's (cluster.replica.router: replicas it passed over)."""
         request_id = request.request_id
         sink = self.hub.sink(ingress_id, request_id)
         self._observers[request_id] = self._latency_observer()
