@@ -5,12 +5,11 @@ Without Serve: the ingress's runner over two real engines, the first failing aft
 outputs (its stream raises what a dead core, a dead replica or the step watchdog raises). The
 client's outputs must be the uninterrupted run's, token for token and character for character
 (greedy with logprobs and a stop string's hold-back, seeded sampling, a JSON schema), each
-failure counted by reason, and past the limit the failure is the client's 503.
+failure counted by reason, and past the limit the failure is the client's 503. A migrated
+request's call to another ingress replica is routed again past refusals, and cancelled there
+when the client leaves.
 
-Behind Serve, on the shared P/D app with direct streaming (scaled to two decode replicas for
-the test, and back): six requests (greedy, seeded, JSON schema; streamed and not) on one ingress
-replica, whose engine core is killed mid-stream: each answer is the healthy server's, greedy
-Hugging Face's, usage whole, and every one counted.
+Behind Serve: tests/cluster/test_serve_migration.py.
 """
 
 from __future__ import annotations
