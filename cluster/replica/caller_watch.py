@@ -1,12 +1,12 @@
 """A stream whose caller died ends at once (docs/pd.md#a-caller-that-dies).
 
 A Serve streaming call made over gRPC (Serve's throughput mode, pdserve's default) is
-cancelled on the replica running it as soon as its caller's process dies (0.1 s measured), and
+cancelled on the replica running it as soon as its caller's process dies (0.12 s measured), and
 the replica's generator closes, which aborts the engine requests behind it. Made as a Ray actor
-call (RAY_SERVE_THROUGHPUT_OPTIMIZED=0) it is not: the generator went on for as long as it was
-watched (20 s), so a dead ingress's requests would decode to `max_tokens` for nobody. Such a
-caller sends its own actor handle with the call, and the replica asks it every `period_s` whether
-it lives (`__ray_ready__`, answered by Ray itself, never queued behind the caller's work).
+call (RAY_SERVE_THROUGHPUT_OPTIMIZED=0) it is not: a dead ingress's request decoded to its
+`max_tokens` for nobody (18.7 s measured). Such a caller sends its own actor handle with the
+call, and the replica asks it every `period_s` whether it lives (`__ray_ready__`, answered by
+Ray itself, never queued behind the caller's work): 1.3 s measured.
 """
 
 from __future__ import annotations
