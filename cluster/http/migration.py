@@ -156,6 +156,9 @@ class ReplicaResume:
                 if attempt == self.tries - 1:
                     raise MigrationRefused(f"{type(e).__name__}: {e}") from e
                 await asyncio.sleep(self.backoff_s * 2 ** attempt)  # Serve's router sees the replica state change
+            except BaseException:  # left while it was being placed (the client went away)
+                stream.cancel()
+                raise
         try:
             yield first
             async for out in stream:

@@ -25,6 +25,7 @@ from cluster.replica.errors import ReplicaError
 from engine import AsyncLLM, EngineArgs, SamplingParams
 from engine.errors import EngineDeadError
 from engine.structured_output.params import StructuredOutputsParams
+from tests.cluster.helpers import until
 
 LONG_STRING_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 60}},
                       "required": ["text"]}
@@ -235,3 +236,24 @@ def test_a_migrated_request_is_routed_past_refusals_and_cancelled_on_its_replica
     with pytest.raises(MigrationRefused):
         asyncio.run(refused_everywhere())
     assert len(nowhere.calls) == 4
+
+
+def test_a_migrated_request_left_while_it_is_being_placed_is_cancelled_there():
+    from cluster.http.migration import ReplicaResume
+    from tests.cluster.helpers import engine_request
+
+    class _Never(_Call):
+        async def __anext__(self):
+            await asyncio.get_running_loop().create_future()  # the replica has not answered yet
+
+    handle = _Streams(None)
+    handle.remote = lambda request, avoid, caller: handle.calls.append(_Never(None)) or handle.calls[-1]
+
+    async def leave():
+        task = asyncio.ensure_future(ReplicaResume(handle, "ingress-a")(engine_request()).__anext__())
+        await until(lambda: handle.calls, "the call to go out")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(leave(), 30))
+    assert [c.cancelled for c in handle.calls] == [True]
