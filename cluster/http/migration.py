@@ -25,9 +25,10 @@ from engine.outputs import CompletionOutput, RequestOutput
 
 DEFAULT_MIGRATION_LIMIT = 3  # Dynamo's default
 MAX_MIGRATION_LIMIT = 100
-# Why a request migrated (the `reason` of pdserve:request_migrations_total): its engine replica
-# died or became unreachable; its engine died (a core process or a rank gone) in a live replica;
-# its engine hung (the step watchdog failed it, docs/operations.md#engine-hang-watchdog).
+# Why a request migrated (the `reason` of pdserve:request_migrations_total): an engine replica
+# it was running on by a call (routed engines, or the replica it had migrated to) failed or
+# became unreachable; the ingress's own engine died (a core process or a rank gone); an engine
+# hung (the step watchdog failed it, docs/operations.md#engine-hang-watchdog).
 MIGRATION_REASONS = ("replica_died", "engine_died", "engine_hung")
 # The step watchdog's message names its bound (engine.core_client.watchdog).
 _HUNG_MARK = "engine_step_timeout_s"
