@@ -287,7 +287,12 @@ def run_churn(url: str, app_name: str, model: str, duration_s: float, every_s: f
         time.sleep(1.0)  # replicas report every routing-stats period; polled, bounded
     end = processes(root)
     t = load.tally
-    fallbacks = _fallbacks(url)
+    from scripts.serve_bench.client import counters_by_reason
+
+    # Prompts a decode replica prefilled for a prefill replica that could not, and requests
+    # that went on on another engine replica when theirs died or hung.
+    counted = counters_by_reason(url, {"pd_fallbacks": "pdserve:pd_fallback_total",
+                                       "migrations": "pdserve:request_migrations_total"})
     rss = rss_report(warm, end)
     bad = {k: n for k, n in t.unrecovered.items() if not k.endswith("+retry-after")}
     bad.update({k: n for k, n in t.attempt_failures.items() if k.startswith("4") or k == "timeout"})
@@ -296,25 +301,11 @@ def run_churn(url: str, app_name: str, model: str, duration_s: float, every_s: f
               "requests": t.requests, "first_try": t.first_try, "retried_ok": t.retried_ok, "failed": t.failed,
               "wrong_200": t.wrong_200, "wrong_examples": t.wrong, "attempt_failures": dict(t.attempt_failures),
               "failure_examples": t.examples,
-              "unacceptable_failures": bad, "pd_fallbacks": fallbacks, "leak": recovered, "rss": rss,
+              "unacceptable_failures": bad, **counted, "leak": recovered, "rss": rss,
               "rss_bound": f"end <= {RSS_GROWTH} x warm + {RSS_SLACK_MIB:g} MiB"}
     report["ok"] = (t.wrong_200 == 0 and not bad and recovered is None and all(r["ok"] for r in rss)
                     and t.requests > 0)
     return report
-
-
-def _fallbacks(url: str) -> dict[str, float]:
-    """pdserve:pd_fallback_total by reason (prompts the decode replicas prefilled for a prefill
-    replica that could not), {} when /metrics does not answer."""
-    import requests
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        text = requests.get(f"{url}/metrics", timeout=30).text
-    except requests.RequestException:
-        return {}
-    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name == "pdserve:pd_fallback_total"}
 
 
 def _start_app(args) -> tuple[str, str]:
@@ -340,7 +331,8 @@ def _start_app(args) -> tuple[str, str]:
     engine = EngineArgs(model=args.model or default_model(), engine_core_process=True,
                         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks)
     cfg = AppConfig(engine_args=engine, mode="pd", served_model_name="churn", app_name=args.app_name,
-                    direct_streaming=True, replica_num_cpus=0, health_check_period_s=1.0)
+                    direct_streaming=True, replica_num_cpus=0, health_check_period_s=1.0,
+                    decode_replicas=args.decode_replicas)
     serve.run(build_app(cfg), name=args.app_name, route_prefix="/", blocking=False, external_scaler_enabled=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -372,6 +364,7 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--num-kv-blocks", type=int, default=256)
     p.add_argument("--num-cpus", type=int, default=2)
+    p.add_argument("--decode-replicas", type=int, default=1, help="2 or more: a killed one's requests migrate")
     p.add_argument("--app-name", default="churn")
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "churn.json"), help="the report, as JSON")
     args = p.parse_args()

@@ -75,6 +75,7 @@ SHARED_APP_GROUPS = {
     "shared_direct_app": frozenset({
         "tests/cluster/test_churn.py",
         "tests/cluster/test_pd_fallback.py",
+        "tests/cluster/test_serve_migration.py",
         "tests/cluster/test_serve_pd.py",
         "tests/cluster/test_serve_pd_direct.py",
         "tests/cluster/test_serve_spec.py",

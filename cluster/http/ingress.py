@@ -23,8 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
+from cluster.http import lora, pooling
 from cluster.http import openai_format as fmt
-from cluster.http import pooling
+from cluster.http import openai_models as om
 from cluster.http import pooling_models as pm
 from cluster.http import tokenize as tokenizer_routes
 from cluster.http.anthropic_messages import MessagesRequest, count_tokens, messages_job
@@ -42,22 +43,8 @@ from cluster.http.errors import (
     rejecting,
     replica_error,
 )
-from cluster.http.lora import (
-    LoadLoRAAdapterRequest,
-    LoRAFollower,
-    UnloadLoRAAdapterRequest,
-    lora_registry,
-)
 from cluster.http.metrics import AppMetrics, push_forever
-from cluster.http.openai_models import (
-    ChatCompletionResponse,
-    CompletionResponse,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeResponse,
-    TokenizerInfoResponse,
-)
+from cluster.http.migration import ReplicaResume, resume_here
 from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.http.reasoning import get_reasoning_parser
 from cluster.http.responses import ResponsesRequest, responses_job
@@ -74,6 +61,7 @@ from cluster.replica.server import EngineServer
 from cluster.roles import Role
 from cluster.tasks import detached_task
 from engine.engine_client import EngineClient
+from engine.engine_request import EngineRequest
 from engine.llm_engine import load_processor
 from engine.outputs import RequestOutput
 from kvstore.store_actor import app_store
@@ -123,7 +111,7 @@ class Ingress:
                               reasoning_parser=(None if settings.reasoning_parser is None
                                                 else get_reasoning_parser(settings.reasoning_parser)),
                               enable_auto_tool_choice=settings.enable_auto_tool_choice,
-                              loras=lora_registry(settings.served_model_name, settings.lora_modules, processor,
+                              loras=lora.lora_registry(settings.served_model_name, settings.lora_modules, processor,
                                                   engine_args.enable_lora, settings.lora_runtime_updates),
                               limits=settings.request_limits, max_prompts=settings.max_pending_requests,
                               prompt_tokens_details=settings.enable_prompt_tokens_details,
@@ -132,7 +120,7 @@ class Ingress:
         CompletionRequest.max_prompts = self.max_pending  # this process's bound, counted while parsing
         self._share_coordinator_calls()
         loras = self.served.loras  # run-time adapter changes of other ingress replicas, followed
-        self.lora_follower = (LoRAFollower(loras, lambda: self._ask_coordinator("lora_table", timeout_s=2.0))
+        self.lora_follower = (lora.LoRAFollower(loras, lambda: self._ask_coordinator("lora_table", timeout_s=2.0))
                               if loras is not None and loras.runtime_updates else None)
         self.ingress_id = f"ingress-{serve.get_replica_context().replica_id.unique_id}"
         # --direct-streaming: this replica's own engine (an EngineServer in this process) runs
@@ -152,7 +140,12 @@ class Ingress:
             # With this replica's own decode engine, prompt KV comes back in the prefill's reply.
             inbox = self.direct.kv_inbox() if self.direct is not None else None
             pd = ServePD(prefill, self.engines, app_store(settings.app_name), settings.load_failure_policy, inbox)
-        self.runner = RequestRunner(self.engines, self.metrics, self.served.loras, placement, pd)
+        # Where a request whose engine died or hung goes on (docs/pd.md#decode-migration): another
+        # ingress replica's own engine, or the routed engine replicas.
+        resume = (self.engines.generate if self.direct is None else
+                  ReplicaResume(serve.get_deployment_handle("Ingress", settings.app_name), self.ingress_id))
+        self.runner = RequestRunner(self.engines, self.metrics, self.served.loras, placement, pd,
+                                    resume if settings.migration_limit else None, settings.migration_limit)
         self._pending: dict[object, int] = {}  # admission token -> prompts it holds
         self.created = settings.created or int(time.time())
         if self.direct is not None:
@@ -182,6 +175,11 @@ class Ingress:
         # This replica's own engine raises once it (or its core) died; routed replicas are
         # Serve's to check.
         await self.engines.check_health()
+
+    async def resume(self, request: EngineRequest, avoid: str, caller=None) -> AsyncIterator[RequestOutput]:
+        """A request migrated from ingress replica `avoid`, whose engine failed, on this one's."""
+        async for out in resume_here(self.direct, request, avoid, self.ingress_id, caller):
+            yield out
 
     def inter_deployment_calls(self) -> str:
         """"grpc" or "actor": how this replica's calls to other deployments travel."""
@@ -275,12 +273,12 @@ class Ingress:
     # A route's `response_model` documents its JSON answer in /openapi.json; the route returns
     # a Response it built (the JSON, or an SSE stream with "stream": true), which FastAPI sends
     # as it is.
-    @app.post("/v1/completions", response_model=CompletionResponse)
+    @app.post("/v1/completions", response_model=om.CompletionResponse)
     async def completions(self, body: CompletionRequest) -> Response:
         await self._follow_loras(body.model)
         return await self.respond(completion_job(self.served, body))
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    @app.post("/v1/chat/completions", response_model=om.ChatCompletionResponse)
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         await self._follow_loras(body.model)
         if body.image_urls():
@@ -324,15 +322,15 @@ class Ingress:
 
     # vLLM's tokenizer routes: the ingress's tokenizer answers, no engine is asked.
     @app.post("/tokenize")
-    async def tokenize(self, body: tokenizer_routes.TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, body: tokenizer_routes.TokenizeRequest) -> om.TokenizeResponse:
         return tokenizer_routes.tokenize(self.served, body)
 
     @app.post("/detokenize")
-    async def detokenize(self, body: tokenizer_routes.DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, body: tokenizer_routes.DetokenizeRequest) -> om.DetokenizeResponse:
         return tokenizer_routes.detokenize(self.served, body)
 
     @app.get("/tokenizer_info")
-    async def tokenizer_info(self) -> TokenizerInfoResponse:
+    async def tokenizer_info(self) -> om.TokenizerInfoResponse:
         return tokenizer_routes.tokenizer_info(self.served)
 
     @app.get("/health")
@@ -345,17 +343,17 @@ class Ingress:
         return Response(status_code=200)
 
     @app.get("/v1/models")
-    async def models(self) -> ModelList:
+    async def models(self) -> om.ModelList:
         served = self.served
         adapters = [] if served.loras is None else served.loras.models(self.created, served.processor.max_model_len)
-        base = ModelCard(id=served.model_name, created=self.created, root=served.model_dir, parent=None,
+        base = om.ModelCard(id=served.model_name, created=self.created, root=served.model_dir, parent=None,
                          max_model_len=served.processor.max_model_len)
-        return ModelList(data=[base, *adapters])
+        return om.ModelList(data=[base, *adapters])
 
     # vLLM's run-time LoRA routes (docs/lora.md#serving): on with --enable-lora-runtime-updating or
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; they change this ingress replica's adapters.
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+    async def load_lora_adapter(self, body: lora.LoadLoRAAdapterRequest) -> Response:
         loras = self._runtime_loras()
         with rejecting(body):
             loras.add(body.lora_name, body.lora_path)
@@ -367,7 +365,7 @@ class Ingress:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+    async def unload_lora_adapter(self, body: lora.UnloadLoRAAdapterRequest) -> Response:
         await self._runtime_loras().unload(body.lora_name)
         await self._ask_coordinator("lora_set", body.lora_name, None)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cluster.control.metrics_merge import Snapshot, SnapshotCollector, snapshot_of
 from cluster.http.errors import OpenAIError
+from cluster.http.migration import MIGRATION_REASONS
 from cluster.pd.placement import FALLBACK_REASONS
 from cluster.replica import router_stats
 from cluster.report import ReplicaReport
@@ -41,6 +42,9 @@ LOCAL_PREFILLS = MetricDef("pdserve:local_prefills", "counter",
 PD_FALLBACKS = MetricDef("pdserve:pd_fallback", "counter",
                          "P/D prompts prefilled on their decode replica because no prefill replica could take "
                          "them soon, by reason (decode-only fallback)")
+MIGRATIONS = MetricDef("pdserve:request_migrations", "counter",
+                       "Requests that went on on another engine replica because theirs died or hung, by reason "
+                       "(decode migration)")
 ROUTER_DECISIONS = MetricDef("pdserve:router_decisions", "counter",
                              "Replicas chosen by this ingress's request routers, by deployment and reason "
                              "(kv_overlap, load, prefix_affinity, lora, round_robin)")
@@ -186,6 +190,9 @@ class AppMetrics:
         if mode == "pd":
             for reason in FALLBACK_REASONS:  # every reason shows, at 0 until it happens
                 self._fallbacks.labels(**self._labels, reason=reason)
+        self._migrations = counter(MIGRATIONS, ("reason",))
+        for reason in MIGRATION_REASONS:
+            self._migrations.labels(**self._labels, reason=reason)
         self.registry.register(_RouterDecisions(self._labels))
         self.answered = 0  # requests recorded (tells the ingress its snapshot changed)
         # What a scrape renders: the request metrics of every ingress replica, then the engines'.
@@ -213,6 +220,9 @@ class AppMetrics:
 
     def pd_fallback(self, reason: str) -> None:
         self._fallbacks.labels(**self._labels, reason=reason).inc()
+
+    def request_migration(self, reason: str) -> None:
+        self._migrations.labels(**self._labels, reason=reason).inc()
 
     def snapshot(self) -> Snapshot:
         """This replica's request metrics, as plain data (cluster.control.metrics_merge)."""

@@ -13,31 +13,46 @@ its transfer.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import nullcontext
 
 from cluster.http.errors import OpenAIError
 from cluster.http.lora import LoRARegistry
 from cluster.http.metrics import AppMetrics
+from cluster.http.migration import (
+    DEFAULT_MIGRATION_LIMIT,
+    Migration,
+    MigrationRefused,
+    Resume,
+    migration_reason,
+)
 from cluster.http.streams import RequestClock
 from cluster.pd.placement import PrefillPlacement, PrefillUnavailable, Route
 from cluster.pd.serve_peers import ServePD
 from cluster.replica.errors import ReplicaError
 from engine.engine_client import EngineClient
 from engine.engine_request import EngineRequest
+from engine.errors import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.structured_output.backend import GRAMMAR_FAILURE
+
+logger = logging.getLogger(__name__)
 
 
 class RequestRunner:
     def __init__(self, engines: EngineClient, metrics: AppMetrics, loras: LoRARegistry | None = None,
-                 placement: PrefillPlacement | None = None, pd: ServePD | None = None) -> None:
+                 placement: PrefillPlacement | None = None, pd: ServePD | None = None,
+                 resume: Resume | None = None, migration_limit: int = DEFAULT_MIGRATION_LIMIT) -> None:
         """`engines`: where a request runs whole (this ingress's own engine, or routed engine
         replicas). P/D: `placement` decides where each prompt prefills and `pd` runs the
         ones it sends to a prefill replica (cluster.pd.serve_peers.ServePD, or any object
-        with its `generate(request, prefill_timeout_s)`)."""
+        with its `generate(request, prefill_timeout_s)`). `resume`: where a request whose
+        engine failed goes on (cluster.http.migration), at most `migration_limit` times;
+        None: nowhere, the failure is the client's 503."""
         self.engines, self.metrics, self.loras = engines, metrics, loras
         self.placement, self.pd = placement, pd
+        self.resume, self.migration_limit = resume, migration_limit
 
     async def stream(self, index: int, request: EngineRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) for each of the request's cumulative outputs. An engine-side failure
@@ -47,6 +62,8 @@ class RequestRunner:
         clock = RequestClock(self.metrics, len(request.prompt_token_ids))
         status, route, outputs = "error", None, None
         lora = request.lora_request
+        migration = Migration(request, self.migration_limit)
+        failure = None  # the engine failure the request last migrated from
         try:
             with self.loras.using(lora) if self.loras is not None and lora is not None else nullcontext():
                 route = self._route(request)
@@ -59,6 +76,7 @@ class RequestRunner:
                             clock.output(out)
                             if out.finished and out.outputs[0].finish_reason == "error":
                                 raise _failure(out.outputs[0].stop_reason)
+                            migration.seen(out)
                             yield index, out
                         break
                     except PrefillUnavailable as e:
@@ -70,6 +88,21 @@ class RequestRunner:
                         route.fall_back(e)
                         self.metrics.pd_fallback(e.reason)
                         outputs = self.engines.generate(request)
+                    except (ReplicaError, EngineDeadError) as e:
+                        # Its engine died or hung: the request goes on elsewhere from what the
+                        # client has (docs/pd.md#decode-migration), or the client gets its 503.
+                        reason = migration_reason(e)
+                        if isinstance(e, MigrationRefused):
+                            # No other replica could take it: the client hears why it left.
+                            raise ReplicaError(f"{failure} (no other replica took the request: {e})") from e
+                        if reason is None or self.resume is None or not migration.allows():
+                            raise
+                        failure = e
+                        await outputs.aclose()
+                        self.metrics.request_migration(reason)
+                        logger.warning("request %s migrates (%s, %d of at most %d): %s", request.request_id,
+                                       reason, migration.count + 1, migration.limit, e)
+                        outputs = migration.resumed(self.resume(migration.continuation()))
             status = "ok"
         except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"

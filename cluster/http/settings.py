@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from cluster.http.body_limits import BodyLimits
 from cluster.http.lora import LoRAModule
+from cluster.http.migration import DEFAULT_MIGRATION_LIMIT
 from cluster.http.request_limits import RequestLimits
 from cluster.pd.placement import LocalPrefillRule, PrefillFallback
 from engine.args import EngineArgs
@@ -34,6 +35,7 @@ class IngressSettings:
     created: int = 0
     local_prefill: LocalPrefillRule = field(default_factory=LocalPrefillRule)
     prefill_fallback: PrefillFallback = field(default_factory=PrefillFallback)  # decode-only fallback
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT  # migrations of a request whose engine failed (0: none)
     # SHA-256 digests only: the keys themselves never enter the Serve config or its logs.
     api_key_digests: tuple[str, ...] = ()
     metrics_without_key: bool = False  # /metrics open even with keys set

@@ -100,6 +100,7 @@ def build_app(cfg: AppConfig):
         mode=cfg.mode, engine_args=cfg.engine_args, served_model_name=cfg.model_name, app_name=cfg.app_name,
         max_pending_requests=cfg.max_pending_requests, load_failure_policy=cfg.load_failure_policy,
         body_limits=cfg.body_limits(), request_limits=cfg.request_limits(), prefill_fallback=cfg.prefill_fallback(),
+        migration_limit=cfg.migration_limit,
         created=int(time.time()), local_prefill=LocalPrefillRule(cfg.local_prefill_queue, cfg.max_local_prefill_length),
         api_key_digests=tuple(digest(k) for k in keys_from(cfg.api_keys)), metrics_without_key=cfg.metrics_without_key,
         enable_prompt_tokens_details=cfg.enable_prompt_tokens_details,

@@ -5,6 +5,7 @@ its numbers and choices. Each refusal names its field, before Ray starts. AppCon
 
 from __future__ import annotations
 
+from cluster.http.migration import check_migration_limit
 from cluster.roles import Role
 from engine.args import EngineArgs
 from engine.errors import ParameterError, check_choice, check_int
@@ -107,6 +108,7 @@ def check_bounds(cfg) -> None:
         check_int("replica_num_threads", cfg.replica_num_threads)
     if cfg.replica_num_gpus is not None and cfg.replica_num_gpus < 0:
         raise ParameterError("replica_num_gpus", f"replica_num_gpus must be >= 0, got {cfg.replica_num_gpus}")
+    check_migration_limit(cfg.migration_limit)
     if cfg.router_mode is not None:
         check_choice("router_mode", cfg.router_mode, ROUTER_MODES)
         if cfg.prefix_affinity and cfg.router_mode != "prefix-affinity":

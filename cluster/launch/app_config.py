@@ -17,6 +17,7 @@ from cluster.control.capacity import auto_replica_cpus
 from cluster.control.coordinator import SCALE_TIMEOUT_S
 from cluster.http.body_limits import MAX_REQUEST_BODY_BYTES, REQUEST_BODY_TIMEOUT_S, BodyLimits
 from cluster.http.lora import LoRAModule
+from cluster.http.migration import DEFAULT_MIGRATION_LIMIT
 from cluster.http.request_limits import RequestLimits
 from cluster.launch.app_checks import (
     check_bounds,
@@ -116,6 +117,7 @@ class AppConfig:
     enforce_disagg: bool = False
     prefill_timeout_s: float = PREFILL_TIMEOUT_S  # the least time a prefill call gets (0: no bound)
     max_prefill_queue_size: int = MAX_PREFILL_QUEUE_SIZE  # prompts per prefill replica (0: no bound)
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT  # Dynamo's: a request's engine fails, it goes on elsewhere
     routing_stats_period_s: float = 0.5
     # CPUs Ray reserves per engine replica, which are also its torch threads (Ray sets
     # OMP_NUM_THREADS to them). None: 1 with GPUs; on CPU the cluster's CPUs shared among the
@@ -176,8 +178,7 @@ class AppConfig:
                 self.engine_args, kv_load_failure_policy=self.load_failure_policy))
         object.__setattr__(self, "load_failure_policy", self.engine_args.kv_load_failure_policy)
         for name in ("prefill_replicas", "decode_replicas", "colocated_replicas", "api_server_count",
-                     "max_pending_requests",
-                     "max_ongoing_requests", "max_replicas"):
+                     "max_pending_requests", "max_ongoing_requests", "max_replicas"):
             check_int(name, getattr(self, name))
         check_int("local_prefill_queue", self.local_prefill_queue, minimum=0)
         check_int("max_local_prefill_length", self.max_local_prefill_length, minimum=0)

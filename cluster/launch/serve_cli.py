@@ -114,6 +114,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-prefill-queue-size", type=int, default=None, metavar="N",
                    help="P/D: with N prompts per prefill replica in flight, the next falls back to its decode "
                         "replica (0: no bound; default: AppConfig.max_prefill_queue_size, 32)")
+    p.add_argument("--migration-limit", type=int, default=None, metavar="N",
+                   help="a request whose engine replica dies or hangs goes on on another one, at most N times "
+                        "(0: it fails with 503; default: AppConfig.migration_limit, 3)")
     p.add_argument("--replica-cpus", type=float, default=None,
                    help="CPUs Ray reserves per engine replica, also its torch threads (default: 1 with GPUs; on "
                         "CPU the cluster's CPUs shared among the engine replicas, at most one node's)")
@@ -212,7 +215,7 @@ def _config(args: argparse.Namespace):
         extra["local_prefill_queue"] = args.local_prefill_queue
     if args.max_request_body_bytes is not None:
         extra["max_request_body_bytes"] = args.max_request_body_bytes
-    for name in ("prefill_timeout_s", "max_prefill_queue_size"):
+    for name in ("prefill_timeout_s", "max_prefill_queue_size", "migration_limit"):
         if getattr(args, name) is not None:
             extra[name] = getattr(args, name)
     return AppConfig(

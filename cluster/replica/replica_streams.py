@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import ray
 
+from cluster.replica.caller_watch import watch_handle
 from cluster.replica.errors import ReplicaError
 from cluster.tasks import detached_task
 from engine.engine_request import EngineRequest
@@ -32,6 +34,9 @@ logger = logging.getLogger(__name__)
 _SUBMIT_WAIT_S = 30.0
 # Resubmissions of a request whose replica left the routing table before any output came back.
 _MAX_RESUBMITS = 2
+# How long submits pass over a replica whose subscription failed (its engine died or hung):
+# Serve replaces it after three failed health checks (5 s apart by default).
+AVOID_FAILED_S = 30.0
 
 
 class ReplicaUnrouted(ReplicaError):
@@ -53,10 +58,15 @@ class ReplicaStreams:
         self.handle = handle
         self.stream_handle = handle.options(stream=True)
         self.ingress_id = ingress_id
+        # Sent with each subscription when our calls are Ray actor calls, so an engine replica
+        # ends our requests if we die (cluster.replica.caller_watch).
+        caller = watch_handle(handle)
+        self._watch = {} if caller is None else {"caller": caller}
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> its deltas (or an error)
         self._where: dict[str, str] = {}  # request id -> replica holding it
         self._subs: dict[str, asyncio.Task] = {}  # replica -> its subscription's pump
         self._closing = False  # close() called: a cancelled pump ends instead of listening again
+        self._failed: dict[str, float] = {}  # replica -> until when submits avoid it (its engine failed)
         self.messages = 0  # received, for tests and benchmarks
         self.deltas = 0
 
@@ -140,7 +150,11 @@ class ReplicaStreams:
         health-check (an unhealthy one is replaced, and routed around until then)."""
 
     async def _submit(self, request: EngineRequest) -> str:
-        return await self.handle.submit.remote(request, self.ingress_id)
+        now = time.monotonic()
+        self._failed = {r: until for r, until in self._failed.items() if until > now}
+        # The router passes over replicas that failed lately (a migrated request goes elsewhere).
+        avoid = {"avoid": sorted(self._failed)} if self._failed else {}
+        return await self.handle.submit.remote(request, self.ingress_id, **avoid)
 
     def _ensure_subscribed(self, replica: str, idle_closes: int = 0) -> None:
         if replica not in self._subs:
@@ -153,7 +167,7 @@ class ReplicaStreams:
         error: BaseException | None = None
         got = 0
         try:
-            stream = self.stream_handle.subscribe.remote(self.ingress_id, replica=replica)
+            stream = self.stream_handle.subscribe.remote(self.ingress_id, replica=replica, **self._watch)
             async for batch in stream:
                 got += 1
                 self.messages += 1
@@ -175,6 +189,8 @@ class ReplicaStreams:
             logger.warning("subscription to replica %s failed: %s", replica, error)
             # ReplicaGone: the call naming this replica reached another one (cluster.replica.server).
             unrouted = "ReplicaGone" in f"{type(error).__name__}: {error}"
+            if not unrouted:
+                self._failed[replica] = time.monotonic() + AVOID_FAILED_S
             for rid in mine:
                 self._where.pop(rid, None)
                 q = self._queues.get(rid)

@@ -176,6 +176,13 @@ class LeastLoadRouter(FIFOMixin, RequestRouter):
             # A call for one replica (a subscription or an abort). If it is gone, any replica
             # takes the call and refuses it, so the caller learns at once (never waits).
             return [[by_key[target]]] if target in by_key else [candidate_replicas[:1]]
+        avoid = (pending_request.kwargs or {}).get("avoid") if pending_request is not None else None
+        if avoid:
+            # Replicas whose engine failed under the caller's requests (a migrated request must
+            # not land there again): passed over while any other is a candidate.
+            kept = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
+            candidate_replicas = kept or candidate_replicas
+            by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
         affinity = lora = None
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
         candidates = [self._candidate(r) for r in candidate_replicas]

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 
 from ray import serve
 
+from cluster.replica.caller_watch import while_caller_lives
 from cluster.replica.host import EngineHost
 from cluster.replica.kv_digest import KVDigest
 from cluster.replica.latency import LatencyWindow
@@ -121,9 +122,10 @@ class EngineServer(EngineHost):
                                     stream_interval_s=self.stream_interval_s)
 
     # ---- per-step messages (cluster.replica.step_channel) ----------------------------------------
-    async def submit(self, request: EngineRequest, ingress_id: str) -> str:
+    async def submit(self, request: EngineRequest, ingress_id: str, avoid: list[str] | None = None) -> str:
         """Queue a request whose outputs go to `ingress_id`'s subscription; returns this
-        replica's id, which the ingress names in `subscribe` and `abort`."""
+        replica's id, which the ingress names in `subscribe` and `abort`. `avoid` is the
+        router's (cluster.replica.router: replicas it passed over)."""
         request_id = request.request_id
         sink = self.hub.sink(ingress_id, request_id)
         self._observers[request_id] = self._latency_observer()
@@ -135,10 +137,12 @@ class EngineServer(EngineHost):
             raise
         return self.unique_id
 
-    async def subscribe(self, ingress_id: str, replica: str):
-        """Stream of lists of RequestDeltas for `ingress_id` (a Serve streaming method)."""
+    async def subscribe(self, ingress_id: str, replica: str, caller=None):
+        """Stream of lists of RequestDeltas for `ingress_id` (a Serve streaming method); its
+        requests here are aborted once `caller` (the ingress's actor handle, when it sent one)
+        died (cluster.replica.caller_watch)."""
         self._check_target(replica)
-        async for batch in self.hub.subscribe(ingress_id, super().abort):
+        async for batch in while_caller_lives(self.hub.subscribe(ingress_id, super().abort), caller):
             yield batch
 
     def _latency_observer(self) -> Callable[[RequestOutput], None]:
@@ -189,10 +193,11 @@ class EngineServer(EngineHost):
 
     def processes(self) -> dict:
         """This replica's pid and its engine core processes' (--engine-core-process; none
-        when the core runs in the replica's own process), for operators and tests."""
+        when the core runs in the replica's own process), and its id as its reports name it
+        (/status), for operators and tests."""
         import os
 
-        return {"replica": os.getpid(), "engine_cores": self.engine_core_pids()}
+        return {"replica": os.getpid(), "engine_cores": self.engine_core_pids(), "id": self.replica_id}
 
     async def report(self) -> ReplicaReport:
         """This replica's figures now (unnumbered)."""

@@ -213,6 +213,24 @@ def steps_by_role(metrics_text: str) -> dict[str, float]:
     return steps
 
 
+def counters_by_reason(url: str, names: dict[str, str]) -> dict[str, dict[str, float]]:
+    """{key: {reason: value}} of each counter `names[key]` on /metrics (summed over its other
+    labels); every dict empty when /metrics does not answer."""
+    out: dict[str, dict[str, float]] = {key: {} for key in names}
+    try:
+        status, body = http_get(f"{url}/metrics", timeout_s=30.0)
+    except OSError:
+        return out
+    key_of = {name: key for key, name in names.items()}
+    for family in text_string_to_metric_families(body if status == 200 else ""):
+        for sample in family.samples:
+            if sample.name in key_of:
+                counts = out[key_of[sample.name]]
+                reason = sample.labels.get("reason", "")
+                counts[reason] = counts.get(reason, 0.0) + sample.value
+    return out
+
+
 def first_model_id(url: str) -> str:
     """The first model id listed by GET /v1/models."""
     try:

@@ -212,7 +212,8 @@ def client(app):
 def shared_direct_app(deploy, tiny_model):
     """The P/D app with direct streaming and every engine core in a child process, shared by the
     modules that kill, stop and scale its processes (test_churn, test_pd_fallback,
-    test_serve_pd_direct; each leaves it serving with every role back, one replica each), by
+    test_serve_migration, test_serve_pd_direct; each leaves it serving with every role back,
+    one replica each), by
     test_serve_pd's requests and by test_serve_spec as its app without speculation: four app
     starts fewer."""
     from tests.cluster.helpers import shared_direct_app_config

@@ -39,6 +39,9 @@ def test_two_kills_under_load_leave_no_wrong_answer_no_unexplained_failure_no_le
     from cluster.pd.placement import FALLBACK_REASONS
 
     assert set(report["pd_fallbacks"]) == set(FALLBACK_REASONS)  # counted by reason, each shown
+    from cluster.http.migration import MIGRATION_REASONS
+
+    assert set(report["migrations"]) == set(MIGRATION_REASONS)
     # And the server it recovered to answers every prompt with transformers' text.
     from tests.cluster.helpers import openai_client
 

@@ -28,6 +28,7 @@ class StandInReplicas:
         self.plan = list(plan)
         self.behaviour: dict[str, object] = {}
         self.submits: list[str] = []
+        self.avoided: list[list[str] | None] = []  # each submit's replicas for the router to pass over
         self.kv_params: list[object] = []  # each submit's kv_transfer_params
         self.aborts: list[tuple[str, str]] = []
         self.submit = SimpleNamespace(remote=self._submit)
@@ -37,7 +38,8 @@ class StandInReplicas:
     def options(self, stream: bool = False):
         return self
 
-    async def _submit(self, request, ingress_id):
+    async def _submit(self, request, ingress_id, avoid=None):
+        self.avoided.append(avoid)
         kv_transfer_params = request.kv_transfer_params
         replica, behaviour = self.plan.pop(0)
         self.submits.append(replica)
@@ -159,3 +161,23 @@ def test_a_subscription_cancelled_from_outside_is_opened_again():
     out = _run(handle)
     assert len(handle.contexts) == 2  # listened again, and the request got its tokens
     assert out.finished and out.outputs[0].token_ids == [7, 8]
+
+
+def test_a_replica_whose_engine_failed_is_passed_over_by_the_next_submits_but_a_leaving_one_is_not():
+    async def main():
+        handle = StandInReplicas([("A", RuntimeError("engine failed: EngineDeadError('core exited')")),
+                                  ("B", _done("r2")), ("C", RuntimeError("ReplicaGone: C is gone")), ("D", _done("r3"))])
+        streams = ReplicaStreams(handle, "ingress-test")
+        for request_id in ("r1", "r2", "r3"):
+            try:
+                async for _ in streams.generate(engine_request(request_id, PROMPT_IDS, SamplingParams(max_tokens=2))):
+                    pass
+            except ReplicaError:
+                assert request_id == "r1"  # A failed under it: the client's 503, or a migration
+        await streams.close()
+        return handle
+
+    handle = asyncio.run(asyncio.wait_for(main(), 30))
+    assert handle.submits == ["A", "B", "C", "D"]
+    # A failed: the router is told to pass it over; C only left routing (resubmitted, not avoided).
+    assert handle.avoided == [None, ["A"], ["A"], ["A"]]

@@ -282,6 +282,15 @@ def test_choose_replicas_only_among_candidates():
     assert _names(_choose(router, reps[:2])) == ["b", "a"]
 
 
+def test_replicas_to_avoid_are_passed_over_unless_no_other_is_left():
+    reps = [FakeReplica("a", running=0), FakeReplica("b", running=3), FakeReplica("c", running=5)]
+    router = _router(reps)
+    avoid = SimpleNamespace(args=[engine_request("r", [1, 2])], kwargs={"avoid": ["a"]})
+    assert _names(_choose(router, reps, avoid)) == ["b", "c"]
+    everywhere = SimpleNamespace(args=[engine_request("r", [1, 2])], kwargs={"avoid": ["a", "b", "c"]})
+    assert _names(_choose(router, reps, everywhere)) == ["a", "b", "c"]
+
+
 def test_replica_without_stats_counts_as_idle():
     reps = [FakeReplica("a", running=1), FakeReplica("b", running=3)]
     reps[1].routing_stats = {}

@@ -72,6 +72,8 @@ def test_flags_reach_the_app_config(tiny_model):
     assert look.autoscale["look_back_period_s"] == 4.0
     assert not cfg.disable_access_log and cfg.api_server_count == 1
     assert _config(build_parser().parse_args(["serve", "--model", tiny_model, "--api-server-count", "2"])).api_server_count == 2
+    assert _config(build_parser().parse_args(["serve", "--model", tiny_model])).migration_limit == 3  # Dynamo's
+    assert _config(build_parser().parse_args(["serve", "--model", tiny_model, "--migration-limit", "0"])).migration_limit == 0
     assert _config(build_parser().parse_args(["serve", "--model", tiny_model, "--disable-access-log"])).disable_access_log
     assert cfg.replica_num_cpus is None  # sized from the cluster once Ray is up (cluster.control.capacity)
     given = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--replica-cpus", "3"]))
