@@ -146,15 +146,13 @@ class AppConfig:
     # The ingress's one line per HTTP request in Serve's replica log (like uvicorn's access log
     # in vLLM, on by default). The internal calls between deployments are never logged.
     disable_access_log: bool = False
-    # Each ingress replica runs its own engine (its core in a child process) instead of
-    # calling an engine deployment, so a streamed token takes no hop between replicas (Ray
-    # Serve LLM's direct streaming; vLLM's API server + engine core): the colocated engine, or
-    # in P/D the decode engine (prefills still go to the Prefill deployment). The proxy
-    # spreads requests over the replicas; `colocated_replicas` or `decode_replicas` counts
-    # them (cluster.replica.server). None: on unless something needs an engine deployment behind the
-    # ingress (api_server_count > 1, prefix_affinity in colocated mode, tensor or data
-    # parallel of that role); True insists
-    # (and refuses those), False keeps the engine deployment.
+    # Each ingress replica runs its own engine (its core in a child process) instead of calling
+    # an engine deployment, so a streamed token takes no hop between replicas (Ray Serve LLM's
+    # direct streaming; vLLM's API server + engine core): the colocated engine, or in P/D the
+    # decode engine (prefills still go to the Prefill deployment); `colocated_replicas` or
+    # `decode_replicas` counts them (cluster.replica.server). None: on unless something needs an
+    # engine deployment behind the ingress (api_server_count > 1, prefix_affinity in colocated
+    # mode, tensor or data parallel of that role); True insists (and refuses those), False not.
     direct_streaming: bool | None = None
     # Tool calling (vLLM's --enable-auto-tool-choice / --tool-call-parser): "auto" tool choice
     # turns the model's text into tool_calls with this parser (cluster.http.tool_parsers).
