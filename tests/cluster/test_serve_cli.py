@@ -134,7 +134,7 @@ def test_speculative_config_reaches_the_engine_args(tiny_model):
     (["--block-size", "0"], "block_size"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--shutdown-timeout-s", "0"], "shutdown_timeout_s"),
-    (["--decode-tensor-parallel-size", "2"], "decode_tensor_parallel_size"),  # prefill's is 1
+    (["--decode-tensor-parallel-size", "3"], "decode_tensor_parallel_size"),  # 3 does not divide 4 heads
     (["--engine-core-process", "--tensor-parallel-size", "2"], "engine_core_process"),  # P/D (the default)
     (["--mode", "colocated", "--engine-core-process", "--data-parallel-size", "2"], "engine_core_process"),
     (["--mode", "colocated", "--engine-core-process", "--tensor-parallel-size", "2"], "engine_core_process"),
