@@ -48,13 +48,14 @@ class ImageSource(_Body):
         named by the 400 a malformed source gets."""
         if self.type == "url":
             if not self.url:
-                raise OpenAIError(400, f"{where}.url: a url image source needs a url", param="messages")
+                raise OpenAIError(400, f"{where}.url: a url image source needs a url", param=f"{where}.url")
             return self.url
         if self.media_type not in MEDIA_TYPES:
             raise OpenAIError(400, f"{where}.media_type must be one of {', '.join(MEDIA_TYPES)}, got "
-                              f"{self.media_type!r}", param="messages")
+                              f"{self.media_type!r}", param=f"{where}.media_type")
         if not self.data:
-            raise OpenAIError(400, f"{where}.data: a base64 image source needs its data", param="messages")
+            raise OpenAIError(400, f"{where}.data: a base64 image source needs its data",
+                              param=f"{where}.data")
         return f"data:{self.media_type};base64,{self.data}"
 
     def field(self) -> str:
@@ -203,7 +204,8 @@ def messages_job(served: ServedModel, body: MessagesRequest) -> Job:
                  len(chat.requests[0].prompt_token_ids))
 
 
-def _about_image_blocks(err: OpenAIError, chat_request: ChatCompletionRequest, body: MessagesRequest) -> OpenAIError:
+def _about_image_blocks(err: OpenAIError, chat_request: ChatCompletionRequest,
+                        body: MessagesRequest) -> OpenAIError:
     """Chat's error about its k-th image part, said of the k-th image block: Anthropic's error
     shape has no `param`, so the message names the block's field instead of chat's part."""
     chat_fields = [param for param, _ in chat_request.image_urls()]

@@ -142,7 +142,8 @@ class ToolPlan:
         # Strict arguments (cluster.http.strict_schema): no keys beyond those a schema lists.
         args = strict if self.strict_schemas else dict  # dict: a copy of the schema as given
         if self.mode == "named":
-            return StructuredOutputsParams(json=args(next(t for t in self.tools if t.name == self.named).parameters))
+            named = next(t for t in self.tools if t.name == self.named)
+            return StructuredOutputsParams(json=args(named.parameters))
         if self.mode != "required":
             return None
         item = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name},
