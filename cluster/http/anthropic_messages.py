@@ -32,14 +32,35 @@ class TextBlock(_Body):
     text: str
 
 
+# The image types Anthropic's API takes in a base64 source.
+MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
 class ImageSource(_Body):
     type: Literal["base64", "url"]
     media_type: str | None = None
     data: str | None = None
     url: str | None = None
 
-    def data_url(self) -> str:
-        return (self.url or "") if self.type == "url" else f"data:{self.media_type};base64,{self.data}"
+    def chat_url(self, where: str) -> str:
+        """The chat image part's URL: a data URL of a base64 source, a url source's own URL
+        (data: and file:// as chat takes them). `where`: this source's path in the request,
+        named by the 400 a malformed source gets."""
+        if self.type == "url":
+            if not self.url:
+                raise OpenAIError(400, f"{where}.url: a url image source needs a url", param=f"{where}.url")
+            return self.url
+        if self.media_type not in MEDIA_TYPES:
+            raise OpenAIError(400, f"{where}.media_type must be one of {', '.join(MEDIA_TYPES)}, got "
+                              f"{self.media_type!r}", param=f"{where}.media_type")
+        if not self.data:
+            raise OpenAIError(400, f"{where}.data: a base64 image source needs its data",
+                              param=f"{where}.data")
+        return f"data:{self.media_type};base64,{self.data}"
+
+    def field(self) -> str:
+        """The source field that carries the image (what a decoding error names)."""
+        return "url" if self.type == "url" else "data"
 
 
 class ImageBlock(_Body):
@@ -117,14 +138,22 @@ class MessagesRequest(_Body):
             out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                     for b in blocks if isinstance(b, ToolResultBlock)]
             parts = [{"type": "text", "text": b.text} if isinstance(b, TextBlock)
-                     else {"type": "image_url", "image_url": {"url": b.source.data_url()}}
-                     for b in blocks if isinstance(b, TextBlock | ImageBlock)]
+                     else {"type": "image_url",
+                           "image_url": {"url": b.source.chat_url(f"messages[{i}].content[{j}].source")}}
+                     for j, b in enumerate(blocks) if isinstance(b, TextBlock | ImageBlock)]
             if any(isinstance(b, ToolUseBlock) for b in blocks):
                 raise OpenAIError(400, f"messages[{i}]: a user turn cannot hold tool_use blocks", param="messages")
             if parts:
                 only_text = all(p["type"] == "text" for p in parts)
                 out.append({"role": "user", "content": "".join(p["text"] for p in parts) if only_text else parts})
         return out
+
+    def image_fields(self) -> list[str]:
+        """The path of each image block's data (or url), in conversation order: the order of
+        the chat request's image parts, so chat's k-th image error is about the k-th of these."""
+        return [f"messages[{i}].content[{j}].source.{b.source.field()}"
+                for i, m in enumerate(self.messages) if m.role == "user" and isinstance(m.content, list)
+                for j, b in enumerate(m.content) if isinstance(b, ImageBlock)]
 
     def chat_body(self, message_id: str) -> dict:
         if self.thinking is not None and self.thinking.get("type") not in (None, "disabled"):
@@ -166,14 +195,40 @@ def messages_job(served: ServedModel, body: MessagesRequest) -> Job:
     if body.max_tokens is None or body.max_tokens < 1:
         raise OpenAIError(400, f"max_tokens is required and must be >= 1, got {body.max_tokens}", param="max_tokens")
     message_id = f"msg_{uuid.uuid4().hex}"
-    chat = chat_job(served, _chat_request(body, message_id), cached_details=True)
+    chat_request = _chat_request(body, message_id)
+    try:
+        chat = chat_job(served, chat_request, cached_details=True)
+    except OpenAIError as e:
+        raise _about_image_blocks(e, chat_request, body) from None
     return adapt(chat, message_id, body.model, tuple(body.stop_sequences or ()),
                  len(chat.requests[0].prompt_token_ids))
 
 
+def _about_image_blocks(err: OpenAIError, chat_request: ChatCompletionRequest,
+                        body: MessagesRequest) -> OpenAIError:
+    """Chat's error about its k-th image part, said of the k-th image block: Anthropic's error
+    shape has no `param`, so the message names the block's field instead of chat's part."""
+    chat_fields = [param for param, _ in chat_request.image_urls()]
+    if err.param not in chat_fields:
+        return err
+    field = body.image_fields()[chat_fields.index(err.param)]
+    reason = err.message.removeprefix(_CHAT_FIELD).removeprefix(":").strip()
+    return OpenAIError(err.status, f"{field}: {reason}", err.type, param=field)
+
+
+_CHAT_FIELD = "image_url.url"  # how chat's image errors begin (engine.multimodal.media)
+
+
 def count_tokens(served: ServedModel, body: MessagesRequest) -> dict:
-    """`POST /v1/messages/count_tokens`: the prompt's tokens as the chat template renders it."""
+    """`POST /v1/messages/count_tokens`: the prompt's tokens as the chat template renders it,
+    each image as the placeholder tokens it expands to."""
     chat_request = _chat_request(body, "count", max_tokens=1)
     served.check_model(chat_request.model)
+    if chat_request.image_urls():  # the expansion needs the decoded image: the chat request, built
+        no_tools = _chat_request(body, "count", max_tokens=1, tools=None, tool_choice=None, stream=False)
+        try:
+            return {"input_tokens": len(chat_job(served, no_tools).requests[0].prompt_token_ids)}
+        except OpenAIError as e:
+            raise _about_image_blocks(e, no_tools, body) from None
     _, ids = render(served.tokenizer, chat_request, template_kwargs(served.tokenizer, None))
     return {"input_tokens": len(ids)}

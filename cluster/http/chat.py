@@ -98,10 +98,10 @@ def chat_job(served: ServedModel, body: ChatCompletionRequest, cached_details: b
     lora = served.check_model(body.model)
     with rejecting(body):
         served.check_limits(body)
-        params = body.sampling_params()
+        params = body.sampling_params(served.strict_schemas)
         body.check_tool_messages()
         plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, served.tool_parser,
-                           served.enable_auto_tool_choice)
+                           served.enable_auto_tool_choice, served.strict_schemas)
         params = _with_tools(params, plan)
     mm = served.processor.mm_processor
     images = load_images(served.allowed_local_media_path, None if mm is None else mm.limit, body,

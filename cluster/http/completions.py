@@ -29,7 +29,7 @@ def completion_job(served: ServedModel, body: CompletionRequest) -> Job:
     processed = []
     with rejecting(body):
         served.check_limits(body)
-        params = body.sampling_params()
+        params = body.sampling_params(served.strict_schemas)
         for p in body.prompts():
             if isinstance(p, str):
                 request = served.request(served.tokenizer.encode(p, add_special_tokens=True), params, p, lora=lora,

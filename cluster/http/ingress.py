@@ -115,7 +115,8 @@ class Ingress:
                                                   engine_args.enable_lora, settings.lora_runtime_updates),
                               limits=settings.request_limits, max_prompts=settings.max_pending_requests,
                               prompt_tokens_details=settings.enable_prompt_tokens_details,
-                              priority_scheduling=engine_args.scheduling_policy == "priority")
+                              priority_scheduling=engine_args.scheduling_policy == "priority",
+                              strict_schemas=settings.structured_outputs_config.strict_schemas)
         self.max_pending = settings.max_pending_requests
         CompletionRequest.max_prompts = self.max_pending  # this process's bound, counted while parsing
         self._share_coordinator_calls()

@@ -106,9 +106,11 @@ class _Sampling(BaseModel):
     def engine_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, strict_schemas: bool = True) -> SamplingParams:
         """This request's SamplingParams; raises ParameterError naming the field when a
-        feature is unsupported (`n` > 1 included) or a value is out of range."""
+        feature is unsupported (`n` > 1 included) or a value is out of range.
+        `strict_schemas`: the server's reading of response_format schemas
+        (cluster.http.structured_config)."""
         self.check_supported()
         return SamplingParams(
             n=self.n,
@@ -132,7 +134,7 @@ class _Sampling(BaseModel):
             bad_words=self.bad_words,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.structured_outputs_params(),
+            structured_outputs=self.structured_outputs_params(strict_schemas),
         )
 
     def _structured_sources(self) -> list[str]:
@@ -142,7 +144,7 @@ class _Sampling(BaseModel):
         return [f for f in ("structured_outputs", "response_format", *GUIDED)
                 if getattr(self, f) is not None and not (f == "response_format" and text)]
 
-    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+    def structured_outputs_params(self, strict_schemas: bool = True) -> StructuredOutputsParams | None:
         """The one constraint this request asks for; ParameterError when it asks for more than
         one or the one is malformed (the field is `structured_outputs`, mapped by `param`)."""
         sources = self._structured_sources()
@@ -154,7 +156,7 @@ class _Sampling(BaseModel):
         if source in GUIDED:
             return StructuredOutputsParams(**{GUIDED[source]: getattr(self, source)})
         if source == "response_format":
-            return response_format_params(self.response_format)
+            return response_format_params(self.response_format, strict_schemas)
         unknown = set(self.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object"}
         if unknown:
             raise ParameterError("structured_outputs", f"structured_outputs has unknown fields {sorted(unknown)}")

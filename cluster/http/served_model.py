@@ -42,6 +42,8 @@ class ServedModel:
     max_prompts: int = 1024  # sequences per request (--max-pending-requests)
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
     priority_scheduling: bool = False  # the engines order their queues by `priority` (--scheduling-policy)
+    # Schemas without additionalProperties allow no other key (--structured-outputs-config).
+    strict_schemas: bool = True
 
     def check_model(self, model: str) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 for any other name."""

@@ -9,6 +9,7 @@ from cluster.http.body_limits import BodyLimits
 from cluster.http.lora import LoRAModule
 from cluster.http.migration import DEFAULT_MIGRATION_LIMIT
 from cluster.http.request_limits import RequestLimits
+from cluster.http.structured_config import StructuredOutputsConfig
 from cluster.pd.placement import LocalPrefillRule, PrefillFallback
 from engine.args import EngineArgs
 
@@ -45,6 +46,7 @@ class IngressSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # cluster.http.reasoning
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # LoRA (engine_args.enable_lora): adapters served from the start, and whether
     # /v1/load_lora_adapter and /v1/unload_lora_adapter may change them (cluster.http.lora).
     lora_modules: tuple[LoRAModule, ...] = ()

@@ -12,9 +12,10 @@ from engine.structured_output import StructuredOutputsParams
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def response_format_params(rf: dict) -> StructuredOutputsParams:
+def response_format_params(rf: dict, strict_schemas: bool = True) -> StructuredOutputsParams:
     """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema",
-    "json_schema": {"name", "schema", "strict"}}."""
+    "json_schema": {"name", "schema", "strict"}}. `strict_schemas`: the server's reading
+    (--structured-outputs-config, cluster.http.structured_config)."""
     kind = rf.get("type")
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)
@@ -25,6 +26,8 @@ def response_format_params(rf: dict) -> StructuredOutputsParams:
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise ParameterError("response_format", "response_format.json_schema.schema must be a JSON schema object")
     # Read strictly, as vLLM's default grammar backend reads it (cluster.http.strict_schema),
-    # unless the request says `"strict": false`: then as JSON Schema itself reads it.
-    schema = spec["schema"] if spec.get("strict") is False else strict(spec["schema"])
+    # unless the request says `"strict": false` or the server reads schemas leniently: then as
+    # JSON Schema itself reads it.
+    lenient = spec.get("strict") is False or not strict_schemas
+    schema = spec["schema"] if lenient else strict(spec["schema"])
     return StructuredOutputsParams(json=schema)

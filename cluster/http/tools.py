@@ -93,10 +93,11 @@ class ToolPlan:
     named: str | None = None
     parallel: bool = True
     parser: ToolParser | None = None  # auto only
+    strict_schemas: bool = True  # the server's reading of argument schemas (cluster.http.structured_config)
 
     @classmethod
     def of(cls, tools_raw: list | None, tool_choice, parallel: bool | None, parser_cls: type | None,
-           auto_enabled: bool) -> ToolPlan | None:
+           auto_enabled: bool, strict_schemas: bool = True) -> ToolPlan | None:
         """The request's plan, or None when it has no tools (a tool_choice alone is checked)."""
         if not tools_raw:
             if tool_choice not in (None, "none", "auto"):
@@ -121,7 +122,8 @@ class ToolPlan:
         elif choice not in ("none", "auto", "required"):
             raise ParameterError("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a named "
                                  f"function, got {choice!r}")
-        return cls(tools, choice, named, parallel is not False, parser_cls() if choice == "auto" else None)
+        return cls(tools, choice, named, parallel is not False, parser_cls() if choice == "auto" else None,
+                   strict_schemas)
 
     # ---- what the model sees --------------------------------------------------------------
     def template_tools(self) -> list[dict] | None:
@@ -138,12 +140,14 @@ class ToolPlan:
 
     def constraint(self) -> StructuredOutputsParams | None:
         # Strict arguments (cluster.http.strict_schema): no keys beyond those a schema lists.
+        args = strict if self.strict_schemas else dict  # dict: a copy of the schema as given
         if self.mode == "named":
-            return StructuredOutputsParams(json=strict(next(t for t in self.tools if t.name == self.named).parameters))
+            named = next(t for t in self.tools if t.name == self.named)
+            return StructuredOutputsParams(json=args(named.parameters))
         if self.mode != "required":
             return None
         item = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name},
-                                                           "parameters": strict(t.parameters)},
+                                                           "parameters": args(t.parameters)},
                            "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]}
         array = {"type": "array", "minItems": 1, "items": item}
         if not self.parallel:

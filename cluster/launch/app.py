@@ -21,6 +21,7 @@ from cluster.control.coordinator import DEPLOYMENTS, Coordinator
 from cluster.http.auth import digest, keys_from
 from cluster.http.ingress import Ingress
 from cluster.http.settings import DirectSettings, IngressSettings
+from cluster.http.structured_config import StructuredOutputsConfig
 from cluster.launch.app_config import AppConfig
 from cluster.launch.open_doors import check_open_admin, serve_http_host
 from cluster.pd.placement import LocalPrefillRule
@@ -107,6 +108,7 @@ def build_app(cfg: AppConfig):
         direct=direct,
         enable_auto_tool_choice=cfg.enable_auto_tool_choice, tool_call_parser=cfg.tool_call_parser,
         reasoning_parser=cfg.reasoning_parser,
+        structured_outputs_config=StructuredOutputsConfig.of(cfg.structured_outputs_config),
         lora_modules=cfg.lora_module_list(), lora_runtime_updates=cfg.enable_lora_runtime_updating)
     return serve.deployment(Ingress, name="Ingress", max_ongoing_requests=cfg.max_pending_requests * 2,
                             graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,

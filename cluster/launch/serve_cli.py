@@ -83,6 +83,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="a reasoning model's <think> text as reasoning_content: deepseek_r1 (the template "
                         "opens <think>), qwen3 (the model writes it, or not with enable_thinking false)")
+    p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help='how JSON schemas are read, as vLLM\'s flag: {"backend": "guidance"} lets an object '
+                        "schema without additionalProperties take other keys (default: auto, strict as "
+                        "xgrammar); disable_additional_properties makes guidance strict again")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model family's tool-call format: hermes (Qwen2.5/Qwen3/Hermes), llama3_json, mistral")
     p.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
@@ -235,6 +239,7 @@ def _config(args: argparse.Namespace):
         kv_overlap_score_weight=args.kv_overlap_score_weight, disable_access_log=args.disable_access_log,
         direct_streaming=args.direct_streaming,
         enable_auto_tool_choice=bool(auto_tools), tool_call_parser=parser, reasoning_parser=args.reasoning_parser,
+        structured_outputs_config=args.structured_outputs_config,
         lora_modules=tuple(args.lora_modules), enable_lora_runtime_updating=args.enable_lora_runtime_updating,
         max_local_prefill_length=args.max_local_prefill_length,
         enforce_disagg=args.enforce_disagg,

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from cluster.http.structured_config import StructuredOutputsConfig
 from cluster.launch.app_config import LOCAL_PREFILL_QUEUE
 from cluster.launch.cli import build_parser, main
 from cluster.launch.serve_cli import _config
@@ -68,6 +69,9 @@ def test_flags_reach_the_app_config(tiny_model):
     assert cfg.engine_args.dtype == "float32" and cfg.engine_args.num_kv_blocks == 77
     assert cfg.prefix_affinity and cfg.num_gpus() == 1
     assert cfg.autoscale["look_back_period_s"] == 10.0
+    lenient = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--structured-outputs-config",
+                                                 '{"backend": "guidance"}']))
+    assert StructuredOutputsConfig.of(lenient.structured_outputs_config) == StructuredOutputsConfig("guidance")
     look = _config(build_parser().parse_args(["serve", "--model", tiny_model, "--look-back-period-s", "4"]))
     assert look.autoscale["look_back_period_s"] == 4.0
     assert not cfg.disable_access_log and cfg.api_server_count == 1
@@ -145,6 +149,7 @@ def test_speculative_config_reaches_the_engine_args(tiny_model):
     (["--mode", "colocated", "--direct-streaming", "--data-parallel-size", "2"], "direct_streaming"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
     (["--speculative-config", '{"method": "eagle"}'], "speculative_config.method"),
+    (["--structured-outputs-config", '{"bakend": "guidance"}'], "structured_outputs_config has no field 'bakend'"),
 ])
 def test_bad_values_exit_2_naming_the_field(tiny_model, capsys, argv, needle):
     assert main(["serve", "--model", tiny_model, *argv]) == 2

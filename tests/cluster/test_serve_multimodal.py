@@ -1,6 +1,7 @@
-"""Images over HTTP: OpenAI chat image_url parts against a colocated LLaVA app, driven by the
-official openai client. Oracles: HF LLaVA greedy text, the OpenAI error shape, the replicas'
-KV figures and the encoder-cache counters on /metrics."""
+"""Images over HTTP: OpenAI chat image_url parts and Anthropic image blocks against a colocated
+LLaVA app, driven by the official openai and anthropic clients. Oracles: HF LLaVA greedy text,
+the same chat request's prompt tokens, the OpenAI and Anthropic error shapes, the replicas' KV
+figures and the encoder-cache counters on /metrics."""
 
 from __future__ import annotations
 
@@ -123,6 +124,53 @@ def test_too_many_images_is_400_on_messages(app):
     r = requests.post(f"{app}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "messages" and "at most 4 images" in r.json()["error"]["message"]
+
+
+def _anthropic_image(source: dict, text: str = "What is in this picture?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": text}]}]
+
+
+def _base64_source(img) -> dict:
+    return {"type": "base64", "media_type": "image/png", "data": base64.b64encode(_png(img)).decode()}
+
+
+def test_anthropic_image_blocks_answer_as_chat_and_hf(app, client, llava_model, media_dir):
+    from anthropic import Anthropic
+
+    anthropic = Anthropic(base_url=app, api_key="unused", max_retries=0)
+    img = image(24)
+    path = media_dir / "block.png"
+    path.write_bytes(_png(img))
+    chat = _chat(client, _messages(_data_url(img)))
+    for source in (_base64_source(img), {"type": "url", "url": f"file://{path}"}):
+        message = anthropic.messages.create(model=NAME, max_tokens=MAX_TOKENS, messages=_anthropic_image(source),
+                                            extra_body={"temperature": 0})
+        assert message.content[0].text == _expected(llava_model, img), source["type"]
+        assert message.usage.input_tokens == chat.usage.prompt_tokens
+    counted = anthropic.messages.count_tokens(model=NAME, messages=_anthropic_image(_base64_source(img)))
+    assert counted.input_tokens == chat.usage.prompt_tokens  # the image's placeholders counted
+
+
+BAD_SOURCES = [
+    ({"type": "base64", "media_type": "image/tiff", "data": "AAAA"}, "source.media_type must be one of"),
+    ({"type": "base64", "media_type": "image/png"}, "source.data: a base64 image source needs its data"),
+    ({"type": "base64", "media_type": "image/png", "data": "!!!not-base64!!!"}, "source.data: the base64 payload"),
+    ({"type": "base64", "media_type": "image/png", "data": base64.b64encode(b"not a png").decode()},
+     "source.data: the image cannot be decoded"),
+    ({"type": "url"}, "source.url: a url image source needs a url"),
+    ({"type": "url", "url": "https://example.com/cat.png"}, "source.url: must be a data:image"),
+]
+
+
+@pytest.mark.parametrize("source,match", BAD_SOURCES)
+def test_bad_anthropic_image_blocks_are_400_naming_the_field(app, source, match):
+    body = {"model": NAME, "max_tokens": 4, "system": "Be brief.", "messages": [  # chat: one message more
+        {"role": "user", "content": "first"}, {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image", "source": source}]}]}
+    r = requests.post(f"{app}/v1/messages", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and f"messages[2].content[1].{match}" in error["message"], error
 
 
 def test_nothing_leaks_after_the_image_requests(app):

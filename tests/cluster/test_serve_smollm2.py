@@ -117,3 +117,27 @@ def test_the_openai_agents_sdk_runs_a_tool_using_agent_to_a_final_answer(app):
     assert asked and all(isinstance(c, str) and c for c in asked), asked
     assert isinstance(result.final_output, str) and result.final_output.strip(), result.final_output
     assert_no_leaks(app, APP, {"colocated"})
+
+
+def test_langchain_bind_tools_with_a_named_tool_choice_returns_a_valid_call(app):
+    """langchain-openai's ChatOpenAI: `bind_tools([tool], tool_choice=NAME)` sends the named
+    choice; the call that comes back fits the schema LangChain made from the tool, well within
+    the token budget (finish_reason "stop", as OpenAI ends a forced named call, not "length")."""
+    import jsonschema
+    from langchain_core.tools import tool
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        return f"sunny in {city}"
+
+    llm = ChatOpenAI(model=NAME, base_url=f"{app}/v1", api_key="unused", max_retries=0, temperature=0,
+                     max_tokens=64)
+    answer = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    assert answer.response_metadata["finish_reason"] == "stop", answer
+    assert [c["name"] for c in answer.tool_calls] == ["get_weather"] and not answer.invalid_tool_calls
+    jsonschema.validate(answer.tool_calls[0]["args"], convert_to_openai_tool(get_weather)["function"]["parameters"])
+    assert answer.usage_metadata["output_tokens"] <= 64
+    assert_no_leaks(app, APP, {"colocated"})
