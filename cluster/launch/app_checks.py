@@ -89,7 +89,10 @@ def check_core_process(roles_args: list[EngineArgs]) -> None:
 
 def check_bounds(cfg) -> None:
     """AppConfig's numbers and choices within their ranges (each error names its field)."""
+    from cluster.http.structured_config import StructuredOutputsConfig
     from cluster.replica.router import ROUTER_MODES  # here: Serve's router classes load with it
+
+    StructuredOutputsConfig.of(cfg.structured_outputs_config)  # its fields, checked
 
     if not 0 < cfg.scale_timeout_s <= 3600:
         raise ParameterError("scale_timeout_s", f"scale_timeout_s must be in (0, 3600], got {cfg.scale_timeout_s}")

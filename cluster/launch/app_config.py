@@ -19,7 +19,6 @@ from cluster.http.body_limits import MAX_REQUEST_BODY_BYTES, REQUEST_BODY_TIMEOU
 from cluster.http.lora import LoRAModule
 from cluster.http.migration import DEFAULT_MIGRATION_LIMIT
 from cluster.http.request_limits import RequestLimits
-from cluster.http.structured_config import StructuredOutputsConfig
 from cluster.launch.app_checks import (
     check_bounds,
     check_core_process,
@@ -160,11 +159,9 @@ class AppConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # vLLM's: <think> text as reasoning_content (cluster.http.reasoning)
-    # vLLM's --structured-outputs-config: its JSON text or a dict of its fields (`backend`,
-    # `disable_additional_properties`): how JSON schemas are read (cluster.http.structured_config).
+    # vLLM's --structured-outputs-config, JSON text or a dict (cluster.http.structured_config)
     structured_outputs_config: str | dict | None = None
-    # LoRA adapters served by name from the start (vLLM's --lora-modules: "name=path" or JSON
-    # entries; needs enable_lora), and vLLM's run-time load/unload routes (cluster.http.lora).
+    # vLLM's --lora-modules ("name=path" or JSON; needs enable_lora) and run-time LoRA routes
     lora_modules: tuple[str, ...] = ()
     enable_lora_runtime_updating: bool = False
 
@@ -187,7 +184,6 @@ class AppConfig:
         require_model_dir(self.engine_args.model)
         self.engine_args.create_engine_config()  # every engine field, checked before Ray starts
         check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
-        StructuredOutputsConfig.of(self.structured_outputs_config)  # its fields, checked
         if self.lora_modules and not self.engine_args.enable_lora:
             raise ParameterError("lora_modules", "lora_modules needs enable_lora (--enable-lora)")
         self.lora_module_list()  # each entry parses
