@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.models.quant_linear import rows_covered
+
 QTYPE = "int8"
 
 
@@ -64,12 +66,7 @@ class Int8Weight:
                                          torch.cat([s.scale for s in self.segments]))]
 
     def covered(self) -> bool:
-        at = 0
-        for s in self.segments:
-            if s.start != at:
-                return False
-            at = s.stop
-        return at == self.out_features
+        return rows_covered(self.segments, self.out_features)
 
     @property
     def nbytes(self) -> int:

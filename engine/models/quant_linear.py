@@ -94,6 +94,16 @@ def weights_choice(device: torch.device, quantization: str | None, dense_bytes: 
                   "PDSERVE_QUANT_ACTIVATIONS=int8 takes int8 activations)")
 
 
+
+def rows_covered(segments, out_features: int) -> bool:
+    """Every output row is filled exactly once by segments sorted by start (each has start, stop)."""
+    at = 0
+    for s in segments:
+        if s.start != at:
+            return False
+        at = s.stop
+    return at == out_features
+
 @dataclass
 class QuantSegment:
     start: int  # first output row of the projection it fills
@@ -125,13 +135,7 @@ class QuantWeight:
         self.segments.sort(key=lambda s: s.start)
 
     def covered(self) -> bool:
-        """Every output row is filled exactly once."""
-        at = 0
-        for s in self.segments:
-            if s.start != at:
-                return False
-            at = s.stop
-        return at == self.out_features
+        return rows_covered(self.segments, self.out_features)
 
     @property
     def nbytes(self) -> int:
