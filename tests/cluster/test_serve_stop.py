@@ -42,13 +42,15 @@ TOKENS_AT_SIGNAL = 4
 
 class Stream(threading.Thread):
     """A streamed completion of exactly STREAM_TOKENS tokens; `started` is set once it has
-    TOKENS_AT_SIGNAL tokens (or ended)."""
+    TOKENS_AT_SIGNAL tokens (or ended), and `on_started` runs then, on the reading thread, before
+    it reads on: whatever the machine's scheduling, it runs with the stream in flight."""
 
-    def __init__(self, url: str, model: str):
+    def __init__(self, url: str, model: str, on_started=None):
         super().__init__(daemon=True)
-        self.url, self.model = url, model
+        self.url, self.model, self.on_started = url, model, on_started
         self.started = threading.Event()
         self.tokens, self.finish_reason, self.done, self.error = 0, None, False, None
+        self.tokens_at_start = None
 
     def run(self) -> None:
         body = {"model": self.model, "prompt": "Once upon a time", "max_tokens": STREAM_TOKENS,
@@ -65,7 +67,10 @@ class Stream(threading.Thread):
                         self.tokens = chunk["usage"]["completion_tokens"]
                         for choice in chunk["choices"]:
                             self.finish_reason = choice.get("finish_reason") or self.finish_reason
-                        if self.tokens >= TOKENS_AT_SIGNAL:
+                        if self.tokens >= TOKENS_AT_SIGNAL and not self.started.is_set():
+                            self.tokens_at_start = self.tokens
+                            if self.on_started is not None:
+                                self.on_started()
                             self.started.set()
         except Exception as e:  # noqa: BLE001 - reported by the test
             self.error = repr(e)
@@ -159,19 +164,21 @@ def test_leaving_clients_stall_no_stream_and_the_stop_path_drains_then_ends_ever
         if running(pid, srv.tree[pid]) and pid != srv.proc.pid and "haproxy" not in cmdline(pid):
             assert sigterm_blocked(pid), f"{cmdline(pid)[:80]} neither blocks nor ignores SIGTERM"
     names = {pid: cmdline(pid) for pid in srv.tree}  # to say which ones went, should the stream fail
-    stream = Stream(srv.url, os.path.basename(tiny_model))
+    sent = []
+
+    def send_the_signal() -> None:  # on the stream's thread, as its TOKENS_AT_SIGNAL-th token arrives
+        sent.append(time.monotonic())
+        if stop == "SIGINT to the main process":
+            srv.proc.send_signal(signal.SIGINT)
+        elif stop == "SIGTERM to the main process":
+            srv.proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(srv.proc.pid, signal.SIGTERM)
+
+    stream = Stream(srv.url, os.path.basename(tiny_model), on_started=send_the_signal)
     stream.start()
-    assert stream.started.wait(120) and stream.error is None, stream.error
-    tokens_at_signal = stream.tokens
-
-    t0 = time.monotonic()
-    if stop == "SIGINT to the main process":
-        srv.proc.send_signal(signal.SIGINT)
-    elif stop == "SIGTERM to the main process":
-        srv.proc.send_signal(signal.SIGTERM)
-    else:
-        os.killpg(srv.proc.pid, signal.SIGTERM)
-
+    assert stream.started.wait(120) and stream.error is None and sent, stream.error
+    tokens_at_signal, t0 = stream.tokens_at_start, sent[0]
     stream.join(BOUND_S)
     assert tokens_at_signal < STREAM_TOKENS  # the signal came mid-stream ...
     assert (stream.error, stream.done, stream.tokens, stream.finish_reason) == (None, True, STREAM_TOKENS, "length"), (
