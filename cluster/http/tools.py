@@ -265,16 +265,18 @@ def plain_conversation(conv: list[dict], plan: ToolPlan | None) -> list[dict]:
     and the results of calls as hermes writes them: a user turn of <tool_response> blocks (a
     "tool" role the template does not know leaves a small model calling the tool again)."""
     out = []
+    results_at = None  # index in out of the user turn gathering the current results
     for m in conv:
         if "tool_call_id" in m:
             content = m["content"]
             if isinstance(content, list):  # text parts
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
             block = f"<tool_response>\n{content}\n</tool_response>"
-            if out and out[-1].get("tool_results"):  # results of one turn's calls: one user turn
+            if results_at == len(out) - 1:  # results of one turn's calls: one user turn
                 out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + block}
             else:
-                out.append({"role": "user", "content": block, "tool_results": True})
+                results_at = len(out)
+                out.append({"role": "user", "content": block})
             continue
         if m.get("tool_calls"):
             calls = "".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
@@ -284,7 +286,6 @@ def plain_conversation(conv: list[dict], plan: ToolPlan | None) -> list[dict]:
             text = m.get("content") if isinstance(m.get("content"), str) else ""
             m = {"role": m["role"], "content": (text + "\n" if text else "") + calls}
         out.append(m)
-    out = [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
     if plan is not None and plan.template_tools() is not None:
         prompt = plan.system_prompt()
         if out and out[0]["role"] == "system" and isinstance(out[0]["content"], str):

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from cluster.http.tool_parsers import HermesToolParser
-from cluster.http.tools import ToolPlan, parse_tools
+from cluster.http.tools import ToolPlan, parse_tools, plain_conversation
 from engine.errors import ParameterError
 
 WEATHER = {"type": "function", "function": {
@@ -158,3 +158,17 @@ def test_forced_calls_allow_no_keys_a_schema_does_not_list_unless_it_says_so():
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "f", "parameters": {"city": "P", "more": 1}}], required)
     jsonschema.validate([{"name": "g", "parameters": {"x": 1, "y": 2}}], required)  # it said so
+
+
+def test_a_template_without_tools_gets_each_turns_results_as_one_user_turn_of_tool_responses():
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}
+    conv = [{"role": "user", "content": "q"}, call,
+            {"role": "tool", "tool_call_id": "1", "content": "a"},
+            {"role": "tool", "tool_call_id": "2", "content": [{"type": "text", "text": "b"}]},
+            call, {"role": "tool", "tool_call_id": "3", "content": "c"}]
+    out = plain_conversation(conv, None)
+    assert [m["role"] for m in out] == ["user", "assistant", "user", "assistant", "user"]
+    assert out[2]["content"] == "<tool_response>\na\n</tool_response>\n<tool_response>\nb\n</tool_response>"
+    assert out[4] == {"role": "user", "content": "<tool_response>\nc\n</tool_response>"}
+    assert out[1]["content"] == '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
