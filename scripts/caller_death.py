@@ -31,20 +31,14 @@ def main() -> int:
     p.add_argument("--num-cpus", type=int, default=2)
     args = p.parse_args()
 
-    from cluster.launch.serve_env import THROUGHPUT, configure_serve_env
-    from scripts.serve_bench.server import free_port
+    from cluster.launch.serve_env import THROUGHPUT
+    from scripts.serve_bench.server import free_port, local_ray
 
-    before = set(os.environ)
-    os.environ[THROUGHPUT] = "1" if args.calls == "grpc" else "0"
-    configure_serve_env()
-    import ray
-
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
-    for name in set(os.environ) - before:  # this driver's handles stay synchronous (tests/conftest.py)
-        del os.environ[name]
+    local_ray(args.num_cpus, {THROUGHPUT: "1" if args.calls == "grpc" else "0"})
     try:
         return _measure(args, free_port())
     finally:
+        import ray
         from ray import serve
 
         serve.shutdown()

@@ -313,19 +313,13 @@ def _start_app(args) -> tuple[str, str]:
     cores run in processes of their own; the base URL and the served model's name."""
     from cluster.launch.app import build_app
     from cluster.launch.app_config import AppConfig
-    from cluster.launch.serve_env import configure_serve_env
     from engine import EngineArgs
     from engine.models.default_model import default_model
-    from scripts.serve_bench.server import free_port
+    from scripts.serve_bench.server import free_port, local_ray
 
-    before = set(os.environ)
-    configure_serve_env()
-    import ray
-    from ray import serve
+    local_ray(args.num_cpus)
+    from ray import serve  # after local_ray: Serve reads the environment it set when imported
 
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
-    for name in set(os.environ) - before:  # this driver's handles stay synchronous (tests/conftest.py)
-        del os.environ[name]
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine = EngineArgs(model=args.model or default_model(), engine_core_process=True,

@@ -150,17 +150,12 @@ def main() -> int:
     prompts = _prompts(args.prompts)
     expected = _hf_texts(model, prompts, args.max_tokens)
 
-    from cluster.launch.serve_env import configure_serve_env
-    from scripts.serve_bench.server import free_port
+    from scripts.serve_bench.server import free_port, local_ray
 
-    before = set(os.environ)
-    configure_serve_env()
-    import ray
+    local_ray(args.num_cpus)
+    import ray  # after local_ray: Ray and Serve read the environment it set when imported
     from ray import serve
 
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
-    for name in set(os.environ) - before:  # this driver's handles stay synchronous (tests/conftest.py)
-        del os.environ[name]
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

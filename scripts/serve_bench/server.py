@@ -23,6 +23,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_ray(num_cpus: int, env: dict[str, str] | None = None) -> None:
+    """A local Ray for an in-process Serve app: its workers get pdserve's Serve environment
+    (cluster.launch.serve_env) and `env`, while this driver's own handles stay synchronous
+    (tests/conftest.py does the same). Ray and Serve are imported only after it: they read
+    some of that environment when imported."""
+    from cluster.launch.serve_env import configure_serve_env
+
+    before = set(os.environ)
+    os.environ.update(env or {})
+    configure_serve_env()
+    import ray
+
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    for name in set(os.environ) - before:
+        del os.environ[name]
+
+
 def server_command(mode: str, port: int, model: str | None, num_kv_blocks: int | None,
                    served_model: str | None, extra: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", "--mode", mode, "--port", str(port)]
