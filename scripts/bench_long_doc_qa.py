@@ -66,17 +66,29 @@ def ttft(engine, rid: str, prompt: list[int], params) -> float:
                 return first
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_document_args(p: argparse.ArgumentParser) -> None:
+    """The model, documents and questions of a long-document run (this script's and
+    bench_shared_tier.py's)."""
     p.add_argument("--model", default=None, help="model directory or .gguf file (default: the default model)")
     p.add_argument("--num-docs", type=int, default=8)
     p.add_argument("--doc-tokens", type=int, default=1500)
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per question")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def max_model_len(args) -> int:
+    """Blocks enough for a document, its question and the answer."""
+    prompt_len = args.doc_tokens + 40
+    return -(-(prompt_len + args.max_tokens + 1) // args.block_size) * args.block_size
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_document_args(p)
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="the engine's KV pool in blocks (default: half the documents' tokens)")
     p.add_argument("--kv-offloading-size", type=float, default=1.0, help="the host tier's GiB (tier side)")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
     from engine import SamplingParams
@@ -85,11 +97,10 @@ def main() -> int:
     from engine.models.default_model import default_model
 
     model = args.model or default_model()
-    prompt_len = args.doc_tokens + 40
-    max_model_len = -(-(prompt_len + args.max_tokens + 1) // args.block_size) * args.block_size
-    pool = args.num_kv_blocks or max(args.num_docs * prompt_len // 2 // args.block_size,
-                                     max_model_len // args.block_size)
-    common = dict(max_model_len=max_model_len, block_size=args.block_size, num_kv_blocks=pool)
+    model_len = max_model_len(args)
+    pool = args.num_kv_blocks or max(args.num_docs * (args.doc_tokens + 40) // 2 // args.block_size,
+                                     model_len // args.block_size)
+    common = dict(max_model_len=model_len, block_size=args.block_size, num_kv_blocks=pool)
     engines = {
         "off": LLMEngine(EngineArgs.from_kwargs(model, **common).create_engine_config()),
         "on": LLMEngine(EngineArgs.from_kwargs(model, kv_offloading_size=args.kv_offloading_size,

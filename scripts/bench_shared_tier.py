@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from scripts.bench_long_doc_qa import cpu_name, documents, ttft
+from scripts.bench_long_doc_qa import add_document_args, cpu_name, documents, max_model_len, ttft
 
 
 def wait_listed(engine, blocks: int, bound_s: float = 60.0) -> None:
@@ -39,13 +39,8 @@ def wait_listed(engine, blocks: int, bound_s: float = 60.0) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="model directory or .gguf file (default: the default model)")
-    p.add_argument("--num-docs", type=int, default=8)
-    p.add_argument("--doc-tokens", type=int, default=1500)
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per question")
-    p.add_argument("--block-size", type=int, default=16)
+    add_document_args(p)
     p.add_argument("--kv-shared-tier-size", type=float, default=1.0, help="the tier's GiB")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
     import ray
@@ -58,9 +53,7 @@ def main() -> int:
     from kvstore.store_actor import create_store
 
     model = args.model or default_model()
-    prompt_len = args.doc_tokens + 40
-    max_model_len = -(-(prompt_len + args.max_tokens + 1) // args.block_size) * args.block_size
-    common = dict(max_model_len=max_model_len, block_size=args.block_size)
+    common = dict(max_model_len=max_model_len(args), block_size=args.block_size)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         store = create_store()
