@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import socket
 import threading
 import time
@@ -191,10 +192,27 @@ def serve_logs(app_name: str, deployment: str) -> list[str]:
     return texts
 
 
+# Ports for the servers tests start: below Linux's ephemeral range (32768-60999), where the
+# kernel puts every outgoing connection and every port-0 bind (Ray's own ports among them), and
+# above Ray's worker ports (10002-19999). A port-0 pick lies in the ephemeral range, so it could
+# be taken by some connection before the server bound it (HAProxy then exits: "Address already
+# in use"); a pick here is only ever taken by another test's pick.
+PORT_RANGE = (20000, 29999)
+_PORTS = random.SystemRandom()  # not the module's generator, which a test may have seeded
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port in PORT_RANGE that 127.0.0.1 can bind now, chosen at random (two xdist workers
+    picking at once rarely meet)."""
+    for _ in range(500):
+        port = _PORTS.randint(*PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORT_RANGE[0]}-{PORT_RANGE[1]} after 500 tries")
 
 
 def proc_stat(pid: int) -> list[str] | None:
