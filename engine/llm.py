@@ -149,7 +149,10 @@ class LLM:
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
             try:
                 while pending:
-                    for out in self.engine.step():
+                    outputs = self.engine.step()
+                    if not outputs:
+                        self.engine.wait_while_waiting()
+                    for out in outputs:
                         if out.finished and out.request_id in pending:
                             finished[out.request_id] = out
                             pending.discard(out.request_id)

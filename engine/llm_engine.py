@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from engine.config import EngineConfig
 from engine.core import resolve_max_model_len
 from engine.core_client import CoreClient, make_core_client
@@ -23,6 +25,10 @@ from engine.processor import InputProcessor, PromptType
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import eos_token_ids, load_tokenizer, pickled_tokenizer
+
+# How long an offline driver waits to be woken while every request waits (for KV or a
+# grammar): the server's engine loop polls at the same bound (engine.async_llm).
+IDLE_WAIT_S = 0.05
 
 
 def load_processor(config: EngineConfig) -> tuple[object, InputProcessor]:
@@ -58,6 +64,12 @@ class LLMEngine:
             self.processor = input_processor(config, self.tokenizer, self.core.max_model_len, self.core.arch)
             self.output_processor = OutputProcessor(self.tokenizer)
             self.stats = StatsRecorder(model_dir, self.core.max_model_len)
+            # Offline drivers step in a loop. While every request only waits (for KV that a
+            # tier or a P/D peer is fetching, or for its grammar), a step computes nothing, and
+            # a loop without a pause would hold the GIL against the very thread fetching.
+            # (AsyncLLM sets its own callback: its loop blocks on its inputs instead.)
+            self._woken = threading.Event()
+            self.core.set_kv_wakeup(self._woken.set)
         except BaseException:
             self.core.shutdown()  # a core process or actors would otherwise outlive the failed start
             raise
@@ -115,6 +127,14 @@ class LLMEngine:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.stats.record(outputs)
         return outputs
+
+    def wait_while_waiting(self, bound_s: float = IDLE_WAIT_S) -> None:
+        """After a step that computed nothing because every request waits (a KV load, a
+        grammar): block until one is ready, at most `bound_s`; otherwise return at once. A
+        wake-up lost between two steps costs at most the bound."""
+        if getattr(self.core, "idle", False) and self.core.has_work():
+            self._woken.wait(bound_s)
+        self._woken.clear()
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

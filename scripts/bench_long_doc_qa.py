@@ -52,12 +52,17 @@ def documents(tokenizer, num_docs: int, doc_tokens: int, seed: int) -> list[list
 
 
 def ttft(engine, rid: str, prompt: list[int], params) -> float:
-    """Seconds from queuing `prompt` to its first token; then runs it to its end."""
+    """Seconds from queuing `prompt` to its first token; then runs it to its end. While the
+    request only waits for KV a tier is fetching, this waits to be woken, as the server's engine
+    loop does (LLMEngine.wait_while_waiting)."""
     start = time.perf_counter()
     engine.add_request(rid, {"prompt_token_ids": prompt}, params)
     first = None
     while True:
-        for out in engine.step():
+        outputs = engine.step()
+        if not outputs:
+            engine.wait_while_waiting()
+        for out in outputs:
             if out.request_id != rid:
                 continue
             if first is None and out.outputs[0].token_ids:

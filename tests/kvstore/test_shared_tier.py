@@ -35,14 +35,20 @@ def _engine(model: str, store, replica_id: str) -> LLMEngine:
     return LLMEngine(config, with_shared_tier(config, store, replica_id, None))
 
 
-def _generate(engine: LLMEngine, prompt: list[int], rid: str, bound_s: float = 60.0):
+def _generate(engine: LLMEngine, prompt: list[int], rid: str, bound_s: float = 60.0, steps: list | None = None):
+    """`rid`'s finished output, driven as LLM.generate drives its engine; `steps` gets one
+    entry per step() call."""
     engine.add(engine.process({"prompt_token_ids": prompt}, GREEDY, rid))
     deadline = time.monotonic() + bound_s
     while time.monotonic() < deadline:
-        for out in engine.step():
+        outputs = engine.step()
+        if steps is not None:
+            steps.append(len(outputs))
+        if not outputs:
+            engine.wait_while_waiting()
+        for out in outputs:
             if out.request_id == rid and out.finished:
                 return out
-        time.sleep(0.001)  # waiting for a fetch thread: do not spin the core
     raise AssertionError(f"{rid} did not finish in {bound_s} s")
 
 
@@ -97,6 +103,33 @@ def test_a_prompt_computed_on_one_engine_is_loaded_by_another_with_equal_tokens(
     assert _worker(a).transfer_stats()["shared_stores"] >= SHARED_TOKENS // BS
     # B tells a KV-aware router what the tier holds (SHARED medium), as its snapshot does.
     assert len(b.core.kv_snapshot().held[SHARED]) >= SHARED_TOKENS // BS
+    _assert_no_leaks(a, b)
+
+
+def test_an_engine_waiting_for_a_slow_fetch_sleeps_until_woken_instead_of_stepping(tiny_model, store,
+                                                                                   prompt_and_expected,
+                                                                                   monkeypatch):
+    """A step loop that never pauses would hold the GIL against the fetching thread (measured
+    on a 2-core machine: the fetch took 0.2 s instead of 0.01 s, thousands of empty steps)."""
+    prompt, expected = prompt_and_expected
+    a, b = _engine(tiny_model, store, "A"), _engine(tiny_model, store, "B")
+    _generate(a, prompt, "a")
+    _wait_listed(b, SHARED_TOKENS // BS)
+    fetch = SharedTierConnector._fetch_blocks
+    delay_s = 0.3  # a slow network, not a synchronisation: the engine must wait it out either way
+
+    def slow_fetch(self, spec):
+        time.sleep(delay_s)
+        return fetch(self, spec)
+
+    monkeypatch.setattr(SharedTierConnector, "_fetch_blocks", slow_fetch)
+    steps: list[int] = []
+    start = time.monotonic()
+    out_b = _generate(b, prompt, "b", steps=steps)
+    assert time.monotonic() - start >= delay_s
+    assert list(out_b.outputs[0].token_ids) == list(expected) and out_b.num_cached_tokens == SHARED_TOKENS
+    # Woken when the blocks land (or polled at the 50 ms bound): a handful of empty steps.
+    assert steps.count(0) <= delay_s / 0.05 + 3, f"{steps.count(0)} empty steps while the fetch ran"
     _assert_no_leaks(a, b)
 
 
