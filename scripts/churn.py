@@ -325,7 +325,7 @@ def _start_app(args) -> tuple[str, str]:
     engine = EngineArgs(model=args.model or default_model(), engine_core_process=True,
                         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks)
     cfg = AppConfig(engine_args=engine, mode="pd", served_model_name="churn", app_name=args.app_name,
-                    direct_streaming=True, replica_num_cpus=0, health_check_period_s=1.0,
+                    direct_streaming=getattr(args, "direct_streaming", True), replica_num_cpus=0, health_check_period_s=1.0,
                     decode_replicas=args.decode_replicas)
     serve.run(build_app(cfg), name=args.app_name, route_prefix="/", blocking=False, external_scaler_enabled=True)
     url = f"http://127.0.0.1:{port}"

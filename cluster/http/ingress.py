@@ -43,6 +43,7 @@ from cluster.http.errors import (
     rejecting,
     replica_error,
 )
+from cluster.http.ingress_router import ingress_id
 from cluster.http.metrics import AppMetrics, push_forever
 from cluster.http.migration import ReplicaResume, resume_here
 from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
@@ -123,7 +124,7 @@ class Ingress:
         loras = self.served.loras  # run-time adapter changes of other ingress replicas, followed
         self.lora_follower = (lora.LoRAFollower(loras, lambda: self._ask_coordinator("lora_table", timeout_s=2.0))
                               if loras is not None and loras.runtime_updates else None)
-        self.ingress_id = f"ingress-{serve.get_replica_context().replica_id.unique_id}"
+        self.ingress_id = ingress_id(serve.get_replica_context().replica_id.unique_id)
         # --direct-streaming: this replica's own engine (an EngineServer in this process) runs
         # the colocated (or decode) half of every request, called in process. Otherwise those
         # run on engine replicas, whose outputs come as one message per engine step.

@@ -137,7 +137,8 @@ class ReplicaResume:
     """Where a direct-streaming ingress sends a request its own engine failed: another ingress
     replica's engine, by a streaming call through `handle` (this deployment's own). A replica
     that refuses it (its own engine failed, or it is this one, `own_id`) is passed over: the
-    call is routed again, at most `tries` times, before the client gets its 503."""
+    call is routed again, at most `tries` times, before the client gets its 503. The router
+    never picks this replica while another is there (cluster.http.ingress_router)."""
 
     def __init__(self, handle, own_id: str, tries: int = 4, backoff_s: float = 0.1) -> None:
         self.handle, self.own_id = handle.options(stream=True), own_id
@@ -146,7 +147,8 @@ class ReplicaResume:
 
     async def __call__(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         for attempt in range(self.tries):
-            stream = self.handle.resume.remote(request, self.own_id, self.caller)
+            # By keyword: the ingress's router passes over `avoid` (cluster.http.ingress_router).
+            stream = self.handle.resume.remote(request, avoid=self.own_id, caller=self.caller)
             try:
                 first = await stream.__anext__()
                 break

@@ -20,6 +20,7 @@ from cluster.control.capacity import node_cpus
 from cluster.control.coordinator import DEPLOYMENTS, Coordinator
 from cluster.http.auth import digest, keys_from
 from cluster.http.ingress import Ingress
+from cluster.http.ingress_router import IngressRouter
 from cluster.http.settings import DirectSettings, IngressSettings
 from cluster.http.structured_config import StructuredOutputsConfig
 from cluster.launch.app_config import AppConfig
@@ -96,7 +97,8 @@ def build_app(cfg: AppConfig):
         role = cfg.direct_role
         direct = DirectSettings(server_kwargs(role), cfg.routing_stats_period_s)
         ingress_options = dict(num_replicas=cfg.targets()[role], ray_actor_options=cfg.engine_actor_options(role),
-                               health_check_period_s=cfg.health_check_period_s)
+                               health_check_period_s=cfg.health_check_period_s,
+                               request_router_config=RequestRouterConfig(request_router_class=IngressRouter))
     settings = IngressSettings(
         mode=cfg.mode, engine_args=cfg.engine_args, served_model_name=cfg.model_name, app_name=cfg.app_name,
         max_pending_requests=cfg.max_pending_requests, load_failure_policy=cfg.load_failure_policy,

@@ -184,7 +184,7 @@ class _Streams:
     def options(self, stream: bool):
         return self
 
-    def remote(self, request, avoid, caller):
+    def remote(self, request, *, avoid, caller):  # by keyword: the ingress's router reads `avoid`
         self.calls.append(_Call(self.answers.pop(0)))
         return self.calls[-1]
 
@@ -236,6 +236,34 @@ def test_a_migrated_request_is_routed_past_refusals_and_cancelled_on_its_replica
     with pytest.raises(MigrationRefused):
         asyncio.run(refused_everywhere())
     assert len(nowhere.calls) == 4
+
+
+def test_the_ingress_router_never_sends_a_migrated_request_back_to_the_replica_it_left():
+    """Serve's own router picks the shorter queue, which is the failed replica's (its requests
+    just failed): the ingress's router passes it over while another replica is there."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from cluster.http.ingress_router import IngressRouter, ingress_id, pass_over
+
+    @dataclass(frozen=True)
+    class ReplicaID:  # hashable, as Serve's (the locality rule returns a set of them)
+        unique_id: str
+
+    a, b = (SimpleNamespace(replica_id=ReplicaID(u)) for u in ("a", "b"))
+    assert pass_over([a, b], ingress_id("a")) == [b]
+    assert pass_over([a], ingress_id("a")) == [a]  # the only one: it refuses, the client gets its 503
+    assert pass_over([a, b], None) == [a, b]
+    router = object.__new__(IngressRouter)
+    router.apply_locality_routing = lambda pending: {a.replica_id, b.replica_id}  # one node
+
+    def chosen(kwargs):
+        [rank] = asyncio.run(router.choose_replicas([a, b], SimpleNamespace(args=(), kwargs=kwargs)))
+        return {r.replica_id.unique_id for r in rank}
+
+    for _ in range(20):  # random choices: every one passes over "b"
+        assert chosen({"avoid": ingress_id("b")}) == {"a"}
+    assert chosen({}) == {"a", "b"}  # an HTTP request: Serve's two choices
 
 
 def test_a_migrated_request_left_while_it_is_being_placed_is_cancelled_there():
