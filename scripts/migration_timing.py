@@ -77,13 +77,28 @@ def run_streams(client, model: str, prompts: list[str], max_tokens: int, kill=No
 
 
 def victim(app_name: str, kind: str) -> int:
-    """The pid to kill: a decode replica's engine core, or the replica itself."""
-    deployment = "Ingress" if kind == "core" else "Decode"
-    for _ in range(20):
-        procs = deployment_processes(deployment, app_name)
-        if procs is not None and (kind == "replica" or procs["engine_cores"]):
-            return procs["replica"] if kind == "replica" else procs["engine_cores"][0]
-    raise RuntimeError(f"no {deployment} replica with an engine answered")
+    """The pid to kill: a decode replica's engine core (direct streaming), or the decode
+    replica running the most requests (asked through Serve's handle, whose calls reach one
+    replica or another: asked until both are known)."""
+    from ray import serve
+
+    if kind == "core":
+        for _ in range(20):
+            procs = deployment_processes("Ingress", app_name)
+            if procs is not None and procs["engine_cores"]:
+                return procs["engine_cores"][0]
+        raise RuntimeError("no ingress replica with an engine core answered")
+    handle = serve.get_deployment_handle("Decode", app_name)
+    pids, running = {}, {}
+    for _ in range(40):
+        procs = handle.processes.remote().result(timeout_s=10)
+        pids[procs["id"]] = procs["replica"]
+        report = handle.report.remote().result(timeout_s=10)
+        running[report.replica] = report.engine.running
+        if len(pids) > 1 and set(pids) <= set(running):
+            break
+    busiest = max((r for r in running if r in pids), key=running.get)
+    return pids[busiest]
 
 
 def prefill_s(client, model: str, prompt: str) -> float:
