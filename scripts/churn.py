@@ -34,11 +34,9 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # After the path set-up above, so the script runs from any directory.
+from scripts.serve_bench.churn_requests import KINDS, PROMPTS, ask, check_oracle, openai_client  # noqa: E402, F401
 from scripts.serve_bench.proc_cpu import classify, snapshot  # noqa: E402
 
-PROMPTS = ["The river ran quietly past", "A good engineer measures before", "Once upon a time there was",
-           "Hello! How can I help you", "The capital of France is", "Write a short poem about the sea",
-           "List three prime numbers:", "In the beginning the universe"]
 # Long-lived processes may grow this much after warm-up: allocator and import caches settle, and
 # a Serve controller or proxy keeps a little per replica it has seen (each kill adds one).
 RSS_GROWTH = 1.25
@@ -79,39 +77,26 @@ def _kind(error: BaseException) -> str:
     return f"other:{type(error).__name__}"
 
 
-def openai_client(url: str, timeout_s: float):
-    import openai
-
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
-
-
-def ask(client, model: str, prompt: str, max_tokens: int, stream: bool) -> str:
-    """One greedy completion's text, whole or joined from its stream."""
-    args = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
-    if not stream:
-        return client.completions.create(**args).choices[0].text
-    with client.completions.create(**args, stream=True) as chunks:
-        return "".join(c.choices[0].text for c in chunks if c.choices)
-
-
 class Clients:
-    """`n` threads, each sending greedy completions (every other one streamed) until stopped,
-    retrying a failed request (after its Retry-After, or a second) for up to `retry_s`."""
+    """`n` threads, each sending completions of each kind in `kinds` in turn (every other one
+    streamed) until stopped, retrying a failed request (after its Retry-After, or a second) for
+    up to `retry_s`. `oracle[(prompt index, kind)]` is each one's right text."""
 
-    def __init__(self, url: str, model: str, oracle: list[str], n: int, max_tokens: int, timeout_s: float,
-                 retry_s: float) -> None:
+    def __init__(self, url: str, model: str, oracle: dict, n: int, max_tokens: int, timeout_s: float,
+                 retry_s: float, kinds: tuple[str, ...] = ("greedy",)) -> None:
         self.client = openai_client(url, timeout_s)
         self.model, self.oracle, self.max_tokens, self.retry_s = model, oracle, max_tokens, retry_s
+        self.kinds = kinds
         self.tally, self._lock, self._stop = Tally(), threading.Lock(), threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(w,), name=f"churn-client-{w}", daemon=True)
                          for w in range(n)]
 
-    def _one(self, i: int, stream: bool) -> None:
+    def _one(self, i: int, stream: bool, kind: str) -> None:
         kinds: list[str] = []
         deadline = time.monotonic() + self.retry_s
         while True:
             try:
-                text = ask(self.client, self.model, PROMPTS[i], self.max_tokens, stream)
+                text = ask(self.client, self.model, PROMPTS[i], self.max_tokens, stream, kind)
                 break
             except Exception as e:  # noqa: BLE001 - every failure is classified and counted
                 kinds.append(_kind(e))
@@ -128,9 +113,9 @@ class Clients:
             if text is None:
                 t.failed += 1
                 t.unrecovered.update(kinds)
-            elif text != self.oracle[i]:
+            elif text != self.oracle[i, kind]:
                 t.wrong_200 += 1
-                t.wrong = (t.wrong + [(i, text)])[:5]
+                t.wrong = (t.wrong + [(i, kind, text)])[:5]
             elif kinds:
                 t.retried_ok += 1
             else:
@@ -139,7 +124,7 @@ class Clients:
     def _run(self, worker: int) -> None:
         n = 0
         while not self._stop.is_set():
-            self._one((worker + n) % len(PROMPTS), stream=n % 2 == 1)
+            self._one((worker + n) % len(PROMPTS), stream=n % 2 == 1, kind=self.kinds[n // 2 % len(self.kinds)])
             n += 1
 
     def __enter__(self) -> Clients:
@@ -250,18 +235,22 @@ def leaks(url: str, since: float) -> str | None:
 
 def run_churn(url: str, app_name: str, model: str, duration_s: float, every_s: float, clients: int = 4,
               max_tokens: int = 16, warm_s: float = 10.0, seed: int = 0, root_pid: int | None = None,
-              timeout_s: float = 120.0, retry_s: float = 240.0, log=print, oracle: list[str] | None = None) -> dict:
+              timeout_s: float = 120.0, retry_s: float = 240.0, log=print, oracle: list[str] | None = None,
+              kinds: tuple[str, ...] = ("greedy",)) -> dict:
     """Measure, churn and check; the report as a dict (see the module's docstring). `oracle`:
-    each of PROMPTS' right text for `max_tokens` (default: the healthy server's answers)."""
+    each of PROMPTS' right greedy text for `max_tokens` (default, and for the other `kinds`
+    always: the healthy server's answers)."""
     import requests
 
     root = os.getpid() if root_pid is None else root_pid
-    healthy = openai_client(url, timeout_s)
-    oracle = oracle or [ask(healthy, model, p, max_tokens, False) for p in PROMPTS]  # the healthy server's greedy answers
-    if len(oracle) != len(PROMPTS):
+    if oracle is not None and len(oracle) != len(PROMPTS):
         raise ValueError(f"oracle: one text per prompt ({len(PROMPTS)}), got {len(oracle)}")
+    healthy = openai_client(url, timeout_s)
+    right = {(i, kind): oracle[i] if oracle is not None and kind == "greedy" else
+             ask(healthy, model, p, max_tokens, False, kind) for i, p in enumerate(PROMPTS) for kind in kinds}
+    check_oracle(right)
     rng, kills = random.Random(seed), []
-    with Clients(url, model, oracle, clients, max_tokens, timeout_s, retry_s) as load:
+    with Clients(url, model, right, clients, max_tokens, timeout_s, retry_s, kinds) as load:
         time.sleep(warm_s)  # steady load before the first measure: the duration of the warm-up
         # What the end asks of the server (its /status, its /metrics), asked once before the
         # baseline: a first call's imports are not growth (a loaded machine may take a while).
@@ -296,7 +285,7 @@ def run_churn(url: str, app_name: str, model: str, duration_s: float, every_s: f
     rss = rss_report(warm, end)
     bad = {k: n for k, n in t.unrecovered.items() if not k.endswith("+retry-after")}
     bad.update({k: n for k, n in t.attempt_failures.items() if k.startswith("4") or k == "timeout"})
-    report = {"duration_s": duration_s, "every_s": every_s, "clients": clients, "kills": kills,
+    report = {"duration_s": duration_s, "every_s": every_s, "clients": clients, "kinds": list(kinds), "kills": kills,
               "kills_by_kind": dict(Counter(f"{k['deployment']}:{k['kind']}" for k in kills)),
               "requests": t.requests, "first_try": t.first_try, "retried_ok": t.retried_ok, "failed": t.failed,
               "wrong_200": t.wrong_200, "wrong_examples": t.wrong, "attempt_failures": dict(t.attempt_failures),
@@ -359,13 +348,14 @@ def main() -> int:
     p.add_argument("--num-kv-blocks", type=int, default=256)
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--decode-replicas", type=int, default=1, help="2 or more: a killed one's requests migrate")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"request kinds, comma-separated, of {', '.join(KINDS)}")
     p.add_argument("--app-name", default="churn")
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "churn.json"), help="the report, as JSON")
     args = p.parse_args()
     url, model = _start_app(args)
     try:
         report = run_churn(url, args.app_name, model, args.minutes * 60, args.every_s, args.clients,
-                           args.max_tokens, args.warm_s, args.seed)
+                           args.max_tokens, args.warm_s, args.seed, kinds=tuple(args.kinds.split(",")))
     finally:
         import ray
         from ray import serve
