@@ -231,11 +231,21 @@ def test_a_migrated_request_is_routed_past_refusals_and_cancelled_on_its_replica
     nowhere = _Streams(*[refused] * 4)
 
     async def refused_everywhere():
-        return [o async for o in ReplicaResume(nowhere, "ingress-a", backoff_s=0.001)(engine_request())]
+        return [o async for o in ReplicaResume(nowhere, "ingress-a", tries=4, backoff_s=0.001)(engine_request())]
 
     with pytest.raises(MigrationRefused):
         asyncio.run(refused_everywhere())
     assert len(nowhere.calls) == 4
+
+    # Every other replica's engine failed too: the request waits (routed again, backing off)
+    # until a replacement takes it, rather than failing at once.
+    later = _Streams(*[refused] * 8, [out(7)])
+
+    async def taken_by_a_replacement():
+        return [o async for o in ReplicaResume(later, "ingress-a", backoff_s=0.001)(engine_request())]
+
+    assert [o.delta_token_ids for o in asyncio.run(taken_by_a_replacement())] == [[7]]
+    assert len(later.calls) == 9
 
 
 def test_the_ingress_router_never_sends_a_migrated_request_back_to_the_replica_it_left():
