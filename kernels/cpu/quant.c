@@ -25,6 +25,8 @@
 #ifdef __AVX2__
 #include "quant_t1.h"
 #include "quant_t1_b32.h"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include "quant_neon_t1.h"
 #endif
 
 #define NT 4                        /* weight rows decoded together (T > 1) */

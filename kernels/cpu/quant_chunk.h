@@ -38,6 +38,8 @@ static inline u8x16 k_scale_bytes(const uint8_t *p) {
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #include "quant_avx2.h"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include "quant_neon.h"
 #else
 /* A weight chunk: 256 values in the order of run_group, s and m per run (run_lane). */
 typedef struct { u8x64 q[4]; v16 s, m; } chunk;
