@@ -32,8 +32,13 @@ def test_the_best_level_a_cpu_runs_is_chosen(monkeypatch):
     # AVX-512 without VNNI (Skylake-X) takes the AVX2 build.
     assert build.isa_level(ZEN4 - {"avx512_vnni"}, "x86_64") == "avx2"
     assert build.isa_level({"sse2", "sse4_2"}, "x86_64") == "portable"
-    # aarch64's /proc/cpuinfo has "Features: fp asimd ... asimddp": plain C at the target's default.
-    assert build.isa_level({"fp", "asimd", "asimddp"}, "aarch64") == "portable"
+    # aarch64's /proc/cpuinfo has "Features: fp asimd ... asimddp" (Graviton 2 on, Ampere
+    # Altra, Apple cores): NEON with the int8 dot product; asimd alone (Cortex-A72) plain NEON.
+    assert build.isa_level({"fp", "asimd", "asimddp", "i8mm"}, "aarch64") == "neon_dotprod"
+    assert build.isa_level({"fp", "asimd", "asimddp"}, "arm64") == "neon_dotprod"
+    assert build.isa_level({"fp", "asimd"}, "aarch64") == "neon"
+    assert build.isa_level({"fp"}, "aarch64") == "portable"
+    assert build.isa_level(ZEN4, "riscv64") == "portable"
 
 
 def test_the_cpu_flags_are_read_from_proc_cpuinfo():
@@ -48,11 +53,17 @@ def test_a_forced_level_is_taken_when_the_cpu_runs_it(monkeypatch):
     assert build.isa_level(ZEN4, "x86_64") == "avx2"
     monkeypatch.setenv(build.ENV, "portable")
     assert build.isa_level({"fp", "asimd"}, "aarch64") == "portable"
+    monkeypatch.setenv(build.ENV, "neon")
+    assert build.isa_level({"fp", "asimd", "asimddp"}, "aarch64") == "neon"
 
 
 @pytest.mark.parametrize("forced, flags, machine, words", [
     ("avx512", HASWELL, "x86_64", "'avx512' is not a level this CPU can run; allowed on this CPU: avx2, portable"),
-    ("avx2", {"fp", "asimd"}, "aarch64", "'avx2' is not a known level; allowed on this CPU: portable"),
+    ("avx2", {"fp", "asimd"}, "aarch64", "'avx2' is not a known level; allowed on this CPU: neon, portable \\(levels "
+     "known on this architecture: neon_dotprod, neon, portable\\)"),
+    ("neon_dotprod", {"fp", "asimd"}, "aarch64", "'neon_dotprod' is not a level this CPU can run; allowed on this "
+     "CPU: neon, portable"),
+    ("neon", HASWELL, "x86_64", "'neon' is not a known level; allowed on this CPU: avx2, portable"),
     ("sse9", ZEN4, "x86_64", "'sse9' is not a known level; allowed on this CPU: avx512, avx2, portable"),
 ])
 def test_forcing_a_level_the_cpu_cannot_run_names_the_variable_and_the_choices(monkeypatch, forced, flags, machine, words):
