@@ -46,7 +46,7 @@ while read -r arch level flags; do
         [ "$(uname -m)" = x86_64 ] || continue
         cc=$CC run=()
     fi
-    exe="$out/quant_check-$level"
+    exe="$out/quant_check-$arch-$level"
     echo "== $arch $level: $cc $flags"
     if ! $cc -O3 -fopenmp -std=gnu11 $flags -I"$root/kernels/cpu" "$root/tests/kernels_c/quant_check.c" \
             "$root/kernels/cpu/quant.c" -o "$exe" -lm -Wno-psabi; then
@@ -54,12 +54,11 @@ while read -r arch level flags; do
         status=1
         continue
     fi
-    if line=$("${run[@]}" "$exe" "$arch/$level" | tee /dev/stderr | tail -n 1); then
-        summary+="$line"$'\n'
-    else
-        summary+="$line"$'\n'
-        status=1
-    fi
+    "${run[@]}" "$exe" "$arch/$level" >"$exe.log" || status=1
+    cat "$exe.log"
+    line=$(tail -n 1 "$exe.log")
+    [[ $line == quant_check* ]] || line="$arch $level: no summary line (the driver crashed)"
+    summary+="$line"$'\n'
 done <<<"$levels"
 echo "== summary"
 printf '%s' "$summary"
