@@ -1,6 +1,6 @@
 """kernels.cpu.build's ISA levels: which one a CPU gets, what forcing one does, and every level
 this machine runs built and held to the torch / float64 references (each level is its own C
-code path: AVX-512, AVX2's natural-order chunks, plain C)."""
+code path: AVX-512, AVX2's natural-order chunks, NEON, plain C)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from tests.kernels.test_reference import _naive_attention, _paged_inputs
 
 ZEN4 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 HASWELL = {"avx", "avx2", "fma", "f16c", "sse4_2"}
-LEVELS = build.runnable_levels() if platform.machine() == "x86_64" and shutil.which("gcc") else []
+# Every level this CPU runs (x86 or aarch64), each built and held to the references below.
+LEVELS = build.runnable_levels() if shutil.which("gcc") else []
 
 
 def test_the_best_level_a_cpu_runs_is_chosen(monkeypatch):
