@@ -58,6 +58,8 @@ def kernel_supports(qtype: str, in_features: int, device: torch.device) -> bool:
 # path at batch 1, 8 and 32 (docs/benchmarks.md#kept-blocks-or-dequantized). At the other levels
 # kept blocks with exact products were 3.2-3.5x faster at batch 1, 1.5x at 8 and level within
 # the noise at 32, in 0.4x the memory, so they are the rule there, with no timing at load (on a shared machine a few ms of timing measure the neighbours).
+# aarch64's neon levels have the same kinds of product paths and follow the same rule, untimed
+# (no ARM machine has run them); its portable level, plain C, dequantizes as on x86.
 DEQUANTIZE_LEVELS = ("portable",)
 
 

@@ -39,8 +39,16 @@ X86_LEVELS = {
     "avx2": (("avx2", "fma", "f16c"), [_X86, *_X86_AVX2]),
     "portable": ((), [_X86]),
 }
-# Elsewhere (aarch64 included) only plain C at the compiler's default for the target: on
-# aarch64 that default has Advanced SIMD, which the C's vector types compile to.
+# aarch64 levels, best first, from /proc/cpuinfo's "Features": asimd (Advanced SIMD, which
+# quant_neon*.h's intrinsics need) and asimddp (the int8 dot product, vdotq_s32). "portable"
+# turns Advanced SIMD off, so it runs on any aarch64 core and is the plain C the others are
+# checked against (its vector types compile to scalar code).
+ARM_LEVELS = {
+    "neon_dotprod": (("asimd", "asimddp"), ["-march=armv8.2-a+dotprod"]),
+    "neon": (("asimd",), ["-march=armv8-a"]),
+    "portable": ((), ["-march=armv8-a+nosimd"]),
+}
+# Elsewhere only plain C at the compiler's default for the target.
 OTHER_LEVELS = {"portable": ((), [])}
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 # C signatures, in the order of the arguments of each function.
@@ -69,7 +77,9 @@ _loaded: dict[str, ctypes.CDLL] = {}
 
 
 def _levels(machine: str) -> dict[str, tuple[tuple[str, ...], list[str]]]:
-    return X86_LEVELS if machine in ("x86_64", "AMD64", "amd64") else OTHER_LEVELS
+    if machine in ("x86_64", "AMD64", "amd64"):
+        return X86_LEVELS
+    return ARM_LEVELS if machine in ("aarch64", "arm64") else OTHER_LEVELS
 
 
 def _cpu_flags() -> set[str]:

@@ -4,7 +4,8 @@
  * a scale s and a term m: w = s * (q - OFFSET) + m. Then
  *   int8: activation rows are quantized per 32 values to int8 once per call; a chunk's product
  *         is four 64-byte u8 x s8 dot products (AVX-512 VNNI vpdpbusd, or plain C) summed per
- *         run and scaled in fp32 (AVX2 builds: eight 32-byte ones, quant_avx2.h);
+ *         run and scaled in fp32 (AVX2 builds: eight 32-byte ones, quant_avx2.h; aarch64:
+ *         sixteen 16-byte s8 x s8 ones, vdotq_s32 or widening multiplies, quant_neon.h);
  *   fp32: the chunk is dequantized exactly (as engine/models/gguf_quants.py) and multiplied
  *         with FMA.
  * T = 1 (int8) keeps one row's accumulator in a register; larger T decodes each chunk of NT
@@ -25,6 +26,8 @@
 #ifdef __AVX2__
 #include "quant_t1.h"
 #include "quant_t1_b32.h"
+#elif defined(QUANT_NEON)
+#include "quant_neon_t1.h"
 #endif
 
 #define NT 4                        /* weight rows decoded together (T > 1) */

@@ -36,8 +36,16 @@ static inline u8x16 k_scale_bytes(const uint8_t *p) {
     return low | ((y >> 2) & (top & 0x30));
 }
 
+/* aarch64 with Advanced SIMD (not the portable level, which turns it off), little-endian: the
+ * NEON code reads the 4 bytes of a 32-bit lane in memory order. */
+#if defined(__aarch64__) && defined(__ARM_NEON) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define QUANT_NEON 1
+#endif
+
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #include "quant_avx2.h"
+#elif defined(QUANT_NEON)
+#include "quant_neon.h"
 #else
 /* A weight chunk: 256 values in the order of run_group, s and m per run (run_lane). */
 typedef struct { u8x64 q[4]; v16 s, m; } chunk;

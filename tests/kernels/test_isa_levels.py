@@ -1,6 +1,6 @@
 """kernels.cpu.build's ISA levels: which one a CPU gets, what forcing one does, and every level
 this machine runs built and held to the torch / float64 references (each level is its own C
-code path: AVX-512, AVX2's natural-order chunks, plain C)."""
+code path: AVX-512, AVX2's natural-order chunks, NEON, plain C)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from tests.kernels.test_reference import _naive_attention, _paged_inputs
 
 ZEN4 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 HASWELL = {"avx", "avx2", "fma", "f16c", "sse4_2"}
-LEVELS = build.runnable_levels() if platform.machine() == "x86_64" and shutil.which("gcc") else []
+# Every level this CPU runs (x86 or aarch64), each built and held to the references below.
+LEVELS = build.runnable_levels() if shutil.which("gcc") else []
 
 
 def test_the_best_level_a_cpu_runs_is_chosen(monkeypatch):
@@ -32,8 +33,13 @@ def test_the_best_level_a_cpu_runs_is_chosen(monkeypatch):
     # AVX-512 without VNNI (Skylake-X) takes the AVX2 build.
     assert build.isa_level(ZEN4 - {"avx512_vnni"}, "x86_64") == "avx2"
     assert build.isa_level({"sse2", "sse4_2"}, "x86_64") == "portable"
-    # aarch64's /proc/cpuinfo has "Features: fp asimd ... asimddp": plain C at the target's default.
-    assert build.isa_level({"fp", "asimd", "asimddp"}, "aarch64") == "portable"
+    # aarch64's /proc/cpuinfo has "Features: fp asimd ... asimddp" (Graviton 2 on, Ampere
+    # Altra, Apple cores): NEON with the int8 dot product; asimd alone (Cortex-A72) plain NEON.
+    assert build.isa_level({"fp", "asimd", "asimddp", "i8mm"}, "aarch64") == "neon_dotprod"
+    assert build.isa_level({"fp", "asimd", "asimddp"}, "arm64") == "neon_dotprod"
+    assert build.isa_level({"fp", "asimd"}, "aarch64") == "neon"
+    assert build.isa_level({"fp"}, "aarch64") == "portable"
+    assert build.isa_level(ZEN4, "riscv64") == "portable"
 
 
 def test_the_cpu_flags_are_read_from_proc_cpuinfo():
@@ -48,11 +54,17 @@ def test_a_forced_level_is_taken_when_the_cpu_runs_it(monkeypatch):
     assert build.isa_level(ZEN4, "x86_64") == "avx2"
     monkeypatch.setenv(build.ENV, "portable")
     assert build.isa_level({"fp", "asimd"}, "aarch64") == "portable"
+    monkeypatch.setenv(build.ENV, "neon")
+    assert build.isa_level({"fp", "asimd", "asimddp"}, "aarch64") == "neon"
 
 
 @pytest.mark.parametrize("forced, flags, machine, words", [
     ("avx512", HASWELL, "x86_64", "'avx512' is not a level this CPU can run; allowed on this CPU: avx2, portable"),
-    ("avx2", {"fp", "asimd"}, "aarch64", "'avx2' is not a known level; allowed on this CPU: portable"),
+    ("avx2", {"fp", "asimd"}, "aarch64", "'avx2' is not a known level; allowed on this CPU: neon, portable \\(levels "
+     "known on this architecture: neon_dotprod, neon, portable\\)"),
+    ("neon_dotprod", {"fp", "asimd"}, "aarch64", "'neon_dotprod' is not a level this CPU can run; allowed on this "
+     "CPU: neon, portable"),
+    ("neon", HASWELL, "x86_64", "'neon' is not a known level; allowed on this CPU: avx2, portable"),
     ("sse9", ZEN4, "x86_64", "'sse9' is not a known level; allowed on this CPU: avx512, avx2, portable"),
 ])
 def test_forcing_a_level_the_cpu_cannot_run_names_the_variable_and_the_choices(monkeypatch, forced, flags, machine, words):
