@@ -64,8 +64,10 @@ PREFILL_TIMEOUT_COLD = 3.0
 # replicas are as busy: a prompt behind 32 others waits for 32 prefills.
 MAX_PREFILL_QUEUE_SIZE = 32
 # Why a prompt fell back (the `reason` of pdserve:pd_fallback_total): no prefill replica on
-# the board, their queue over its bound, a prefill call over its time, its replica gone.
-FALLBACK_REASONS = ("no_replicas", "queue", "timeout", "replica_died")
+# the board, their queue over its bound, a prefill call over its time, its replica gone, its
+# replica's engine dead (a core process or a rank gone: the replica answers until Serve
+# replaces it, but it computes nothing).
+FALLBACK_REASONS = ("no_replicas", "queue", "timeout", "replica_died", "engine_died")
 
 
 class PrefillUnavailable(ReplicaError):

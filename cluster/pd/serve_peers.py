@@ -25,6 +25,7 @@ from cluster.replica.errors import ReplicaError
 from cluster.replica.replica_streams import REPLICA_ERRORS
 from engine.engine_client import EngineClient
 from engine.engine_request import EngineRequest
+from engine.errors import EngineDeadError
 from engine.outputs import RequestOutput
 from kvstore.handoff import GRPC_MAX_MESSAGE, Inbox, max_reply_kv_bytes
 
@@ -58,6 +59,11 @@ class ServePeers:
                                                 f"{self.prefill_timeout_s:.1f} s") from e
         except ray.exceptions.RayActorError as e:  # died or unreachable (ActorUnavailableError)
             raise PrefillUnavailable("replica_died", f"prefill replica unavailable: {e}") from e
+        except EngineDeadError as e:
+            # The replica lives but its engine is dead (as decode migration reads it), raised as
+            # itself (Serve's gRPC path) or as a RayTaskError of it: nothing was computed, so the
+            # prompt runs on its decode engine.
+            raise PrefillUnavailable("engine_died", f"prefill replica's engine is dead: {e}") from e
         except REPLICA_ERRORS as e:
             raise ReplicaError(f"prefill replica unavailable: {e}") from e
         except grpc.aio.AioRpcError as e:
@@ -70,8 +76,8 @@ class ServePeers:
                                    f"raise {GRPC_MAX_MESSAGE}") from e
             raise ReplicaError(f"prefill call failed: {e.code().name}: {e.details()}") from e
         except Exception as e:
-            # The prefill replica's own failure (its engine died), which Serve's gRPC path
-            # re-raises as itself, not as a RayTaskError: the request failed on a replica.
+            # The prefill replica's own failure, which Serve's gRPC path re-raises as itself,
+            # not as a RayTaskError: the request failed on a replica (a 503).
             raise ReplicaError(f"prefill failed on its replica: {type(e).__name__}: {e}") from e
         self._open.remove(response)
         if self.inbox is None:

@@ -141,10 +141,19 @@ def test_a_prefill_call_over_its_bound_is_cancelled_released_and_the_prompt_runs
     assert case.placement.in_flight == {"remote": 0, "local": 0} and case.placement.remote_tokens == 0
 
 
-def test_a_prefill_replica_that_dies_during_the_call_falls_back_but_a_failing_engine_is_still_a_503():
+def test_a_prefill_replica_or_engine_that_dies_during_the_call_falls_back_but_a_failing_engine_is_a_503():
+    from engine.errors import EngineDeadError
+
     died = _Case(_Response(error=ray.exceptions.ActorDiedError()))
     assert died.outputs() == [[7], [7, 8]] and died.fallbacks == ["replica_died"]
     assert died.store.released == died.prefill.calls  # the flow's cleanup released it
+    # The replica lives but its engine core was killed: raised as itself (Serve's gRPC path)
+    # or as a RayTaskError of it (an actor call).
+    gone = EngineDeadError("the engine core process (pid 7) exited with code -9")
+    for error in (gone, ray.exceptions.RayTaskError("prefill", "EngineDeadError", gone).as_instanceof_cause()):
+        dead = _Case(_Response(error=error))
+        assert dead.outputs() == [[7], [7, 8]] and dead.fallbacks == ["engine_died"]
+        assert dead.store.released == dead.prefill.calls and dead.decode.requests == [("r", None)]
     # The replica answered with its engine's failure, as a RayTaskError or (Serve's gRPC path)
     # as the exception itself: a 503 the client can retry, never a 500 without Retry-After.
     task_error = ray.exceptions.RayTaskError("prefill_handoff", "RuntimeError: engine failed", RuntimeError())
