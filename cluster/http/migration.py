@@ -134,10 +134,11 @@ class MigrationRefused(ReplicaError):
 
 
 # How often a migrated request is routed again while every replica that could take it
-# refuses (their engines failed too): 0.1 s apart, doubling to 4 s, about 26 s in all, which
-# covers Serve replacing a replica whose engine died (measured 15-25 s on a busy 2-core
-# machine); then the client gets its 503. The client sees a pause, not an error.
-RESUME_TRIES = 12
+# refuses (their engines failed too, or this is the only one): 0.1 s apart, doubling to 4 s,
+# about 42 s in all, which covers Serve starting a replacement for a replica whose engine died
+# (measured 22-23 s on a busy 2-core machine, the default model); then the client gets its
+# 503. The client sees a pause, not an error.
+RESUME_TRIES = 15
 
 
 class ReplicaResume:
