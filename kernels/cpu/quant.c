@@ -25,6 +25,7 @@
 #ifdef __AVX2__
 #include "quant_t1.h"
 #include "quant_t1_b32.h"
+#include "quant_tile_b32.h"
 #endif
 
 #define NT 4                        /* weight rows decoded together (T > 1) */
@@ -219,6 +220,18 @@ void quant_matmul_f32(const float *x, int64_t xs, const uint8_t *w, int64_t N, i
             f(w, rb, tiles * i / n * NT, MIN(tiles * (i + 1) / n * NT, N), K, X, unscale, y);
         }
         if (X != small_x) free(X);
+        return;
+    }
+    if (method == 1 && T > 1 && B32_TYPE(type) && K % 32 == 0) {
+        const size_t bytes = sizeof(float) * (size_t)((K + 127) / 128 * T * TB_QUAD);
+        float *X = aligned_alloc(64, (bytes + 63) / 64 * 64), *unscale = malloc(sizeof(float) * (size_t)T);
+        tb_prep(type, x, xs, T, K, X, unscale);
+#pragma omp parallel num_threads(nth) if (nth > 1)
+        {
+            const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+            tb_rows(type, w, rb, tiles * i / n * NT, MIN(tiles * (i + 1) / n * NT, N), K, X, T, unscale, y, ys);
+        }
+        free(X), free(unscale);
         return;
     }
 #endif

@@ -1,0 +1,230 @@
+/* The exact (fp32) product of T > 1 activation rows with Q4_0, Q4_1 and Q8_0 rows (the default
+ * model's types) for the avx512 and avx2 levels: quant.c's path for small batches of them.
+ * Included by quant.c after quant_t1_b32.h, whose scheme it extends to a tile of rows:
+ *   - each activation row is prepared once per call as quant_t1_b32.h prepares one (values in
+ *     the order the weights' bytes unpack to, times 2^(s - e); per block the sum of x that
+ *     multiplies the offset or Q4_1's m), here in quads of 4 blocks (128 values) with the
+ *     quad's 8 term slots after them, the T rows of a quad side by side;
+ *   - per weight row and 8 weights, the quants are and-ed in place and converted (q 2^e) and
+ *     multiplied by the block's scale d (exact: q has 8 bits, d 11), then that vector meets
+ *     every activation row of the tile with one FMA each, so the convert and the scale are
+ *     paid once per tile of rows, and no dequantized copy goes through memory;
+ *   - per quad, one FMA adds the block's terms (d and m against the slots) to each sum.
+ * The weights are the same numbers as the dequantized ones (d q + m rounded once); only the
+ * order and grouping of the sums differs: x @ W^T up to fp32 summation error. */
+#ifndef PDSERVE_QUANT_TILE_B32_H
+#define PDSERVE_QUANT_TILE_B32_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "quant_t1_b32.h"
+
+#define TB_QUAD (16 * 8 + 8) /* floats of one activation row's quad: 16 vectors, 8 term slots */
+/* Weight rows x activation rows whose sums stay in registers (TB_NR x TB_TT of them, with the
+ * NR weight vectors and one activation vector beside): AVX2 has 16 vector registers, AVX-512
+ * 32 (these are 256-bit ones, for the reason quant_t1_b32.h gives). */
+#ifndef TB_NR
+#ifdef __AVX512F__
+#define TB_NR 2
+#else
+#define TB_NR 1
+#endif
+#endif
+#ifndef TB_TT
+#define TB_TT 8
+#endif
+#define TB_MAX_TT 8
+#ifndef TB_QUADS
+#define TB_QUADS 5 /* quads per span: 22 KB of activations for 8 rows */
+#endif
+#ifndef TB_ROWS
+#define TB_ROWS 16 /* weight rows per block (a multiple of TB_NR) */
+#endif
+
+/* The value within a quad of lane d of vector i (Q4: two 2-block vectors of 8, Q8_0: four
+ * 1-block vectors of 4), and the exponent that vector's quants come with. */
+static inline int tb_value(int type, int i, int d) {
+    return type == Q8_0 ? 32 * (i / 4) + b32_value(type, i % 4, d) : 64 * (i / 8) + b32_value(type, i % 8, d);
+}
+static inline int tb_exponent(int type, int i) { return b32_exponent(type, type == Q8_0 ? i % 4 : i % 8); }
+
+/* X [nq][T][TB_QUAD] from x [T, K] (row stride xs, K a multiple of 32, the last quad
+ * zero-padded), each row times its own 2^s as in t1_prep; unscale[t] = 2^-s. */
+static void tb_prep(int type, const float *x, int64_t xs, int64_t T, int64_t K, float *X, float *unscale) {
+    const int64_t nq = (K + 127) / 128;
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * xs;
+        const int s = b32_shift(xr, K);
+        unscale[t] = ldexpf(1.0f, -s);
+        float pow2[16];
+        for (int i = 0; i < 16; i++) pow2[i] = ldexpf(1.0f, s - tb_exponent(type, i));
+        const float term = ldexpf(type == Q4_0 ? -8.0f : type == Q8_0 ? -128.0f : 1.0f, s);
+        for (int64_t q = 0; q < nq; q++) {
+            float *o = X + (q * T + t) * TB_QUAD;
+            const float *xq = xr + 128 * q;
+            const int n = (int)(K - 128 * q < 128 ? K - 128 * q : 128);
+            for (int i = 0; i < 16; i++)
+                for (int d = 0; d < 8; d++) {
+                    const int v = tb_value(type, i, d);
+                    o[8 * i + d] = v < n ? xq[v] * pow2[i] : 0.0f;
+                }
+            memset(o + 128, 0, 8 * sizeof(float));
+            for (int b = 0; 32 * b < n; b++) { /* slot 2b multiplies d_b, 2b + 1 Q4_1's m_b */
+                const v8 sum = load8(xq + 32 * b) + load8(xq + 32 * b + 8) + load8(xq + 32 * b + 16) + load8(xq + 32 * b + 24);
+                o[128 + 2 * b + (type == Q4_1)] = hsum(sum) * term;
+            }
+        }
+    }
+}
+
+/* Independent sums per (weight row, activation row) so that about 8 FMA chains are in flight
+ * (4 cycles of latency, 2 FMAs a cycle): 1 for big tiles, more for few activation rows. */
+static inline int tb_sets(int nr, int tt) { return nr * tt >= 8 ? 1 : 8 / (nr * tt); }
+
+/* acc[j][t + tt s] + quad (4 blocks at p[j]) of weight row j times activation row t of xq
+ * (the quad's first row of the tile; rows TB_QUAD floats apart), vector k going to set
+ * s = k mod tb_sets. */
+static inline __attribute__((always_inline)) void tb_quad(int type, int nr, int tt, int nvec, const uint8_t *const p[],
+                                                          const float *xq, __m256 acc[][TB_MAX_TT]) {
+    const int B = BLOCK_BYTES[type], qs = type == Q4_1 ? 4 : 2;
+    __m256 dm[TB_NR]; /* d0 m0 d1 m1 d2 m2 d3 m3 (m = 0 but for Q4_1) */
+    #pragma GCC unroll 16
+    for (int j = 0; j < nr; j++) {
+        dm[j] = _mm256_cvtph_ps(_mm_setr_epi32(b32_word(p[j], type), b32_word(p[j] + B, type),
+                                               b32_word(p[j] + 2 * B, type), b32_word(p[j] + 3 * B, type)));
+        #pragma GCC unroll 16
+        for (int t = 0; t < tt; t++) acc[j][t] = _mm256_fmadd_ps(dm[j], _mm256_loadu_ps(xq + t * TB_QUAD + 128), acc[j][t]);
+    }
+    const int per = type == Q8_0 ? 4 : 8; /* vectors per 256-bit load of quants */
+    #pragma GCC unroll 16
+    for (int v = 0; v < nvec; v++) {
+        __m256i raw[TB_NR];
+        __m256 d[TB_NR];
+        #pragma GCC unroll 16
+        for (int j = 0; j < nr; j++) {
+            if (type == Q8_0) {
+                raw[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p[j] + v * B + 2)), _mm256_set1_epi8((char)0x80));
+                d[j] = _mm256_permutevar8x32_ps(dm[j], _mm256_set1_epi32(2 * v));
+            } else {
+                raw[j] = _mm256_loadu2_m128i((const __m128i *)(p[j] + (2 * v + 1) * B + qs), (const __m128i *)(p[j] + 2 * v * B + qs));
+                d[j] = _mm256_permutevar8x32_ps(dm[j], _mm256_setr_epi32(4 * v, 4 * v, 4 * v, 4 * v, 4 * v + 2, 4 * v + 2, 4 * v + 2, 4 * v + 2));
+            }
+        }
+        #pragma GCC unroll 16
+        for (int k = 0; k < per; k++) {
+            const int e = type == Q8_0 ? 8 * k : 8 * (k % 4) + 4 * (k / 4), bits = type == Q8_0 ? 255 : 15;
+            __m256 wv[TB_NR];
+            #pragma GCC unroll 16
+            for (int j = 0; j < nr; j++) {
+                const __m256i q = e == 32 - (type == Q8_0 ? 8 : 4) ? _mm256_srli_epi32(raw[j], e)
+                                                                   : _mm256_and_si256(raw[j], _mm256_set1_epi32(bits << e));
+                wv[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d[j]);
+            }
+            const float *xv = xq + 8 * (per * v + k);
+            #pragma GCC unroll 16
+            for (int t = 0; t < tt; t++) {
+                const __m256 a = _mm256_loadu_ps(xv + t * TB_QUAD);
+                const int c = t + tt * (k % tb_sets(nr, tt));
+                #pragma GCC unroll 16
+                for (int j = 0; j < nr; j++) acc[j][c] = _mm256_fmadd_ps(wv[j], a, acc[j][c]);
+            }
+        }
+    }
+}
+
+/* Quads [q0, q1) of weight rows n .. n + TB_NR - 1 (rows from n1 on repeat row n1 - 1 and are
+ * not written) times activation rows t0 .. t0 + tt - 1, added to the sums in part (zero where
+ * q0 = 0); the last span writes y[t0 + t, n + j] instead. Rows of K / 32 blocks, rb bytes
+ * apart; X from tb_prep (T rows). A row's last quad, when it is not whole, is read from a
+ * zeroed copy (scales 0), so nothing past the row is read. */
+static inline __attribute__((always_inline)) void tb_tile(int type, int tt, const uint8_t *w, int64_t rb, int64_t n,
+                                                          int64_t n1, int64_t K, int64_t q0, int64_t q1, const float *X,
+                                                          int64_t T, int64_t t0, __m256 *part, const float *unscale,
+                                                          float *y, int64_t ys) {
+    const int B = BLOCK_BYTES[type];
+    const int64_t blocks = K / 32, full = blocks / 4, rest = blocks % 4;
+    const uint8_t *p[TB_NR];
+    for (int j = 0; j < TB_NR; j++) p[j] = w + (n + j < n1 ? n + j : n1 - 1) * rb;
+    __m256 acc[TB_NR][TB_MAX_TT];
+#pragma GCC unroll 16
+    for (int j = 0; j < TB_NR; j++)
+#pragma GCC unroll 16
+        for (int c = 0; c < tt * tb_sets(TB_NR, tt); c++) acc[j][c] = q0 && c < tt ? part[j * tt + c] : _mm256_setzero_ps();
+    for (int64_t q = q0; q < q1 && q < full; q++) {
+        const uint8_t *pq[TB_NR];
+        for (int j = 0; j < TB_NR; j++) {
+            pq[j] = p[j] + q * 4 * B;
+            T1_PREFETCH(pq[j], 4 * B);
+        }
+        tb_quad(type, TB_NR, tt, type == Q8_0 ? 4 : 2, pq, X + (q * T + t0) * TB_QUAD, acc);
+    }
+    if (rest && q1 > full) {
+        uint8_t tail[TB_NR][4 * 34];
+        const uint8_t *pq[TB_NR];
+        for (int j = 0; j < TB_NR; j++) {
+            memset(tail[j], 0, sizeof(tail[j]));
+            memcpy(tail[j], p[j] + full * 4 * B, (size_t)(rest * B));
+            pq[j] = tail[j];
+        }
+        /* only the 256-bit loads that hold blocks (the rest of the zeroed copy adds 0) */
+        const float *xq = X + (full * T + t0) * TB_QUAD;
+        const int64_t loads = type == Q8_0 ? rest : (rest + 1) / 2;
+        if (loads == 1) tb_quad(type, TB_NR, tt, 1, pq, xq, acc);
+        else if (loads == 2) tb_quad(type, TB_NR, tt, 2, pq, xq, acc);
+        else tb_quad(type, TB_NR, tt, 3, pq, xq, acc);
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < TB_NR; j++)
+#pragma GCC unroll 16
+        for (int c = tt; c < tt * tb_sets(TB_NR, tt); c++) acc[j][c % tt] = _mm256_add_ps(acc[j][c % tt], acc[j][c]);
+    if (q1 * 4 < blocks) {
+#pragma GCC unroll 16
+        for (int j = 0; j < TB_NR; j++)
+#pragma GCC unroll 16
+            for (int t = 0; t < tt; t++) part[j * tt + t] = acc[j][t];
+        return;
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < TB_NR; j++)
+#pragma GCC unroll 16
+        for (int t = 0; t < tt; t++)
+            if (n + j < n1) y[(t0 + t) * ys + n + j] = hsum((v8)acc[j][t]) * unscale[t0 + t];
+}
+
+#define TB_TILES(TYPE, TT)                                                                                           \
+    static void tb_tiles_##TYPE##_##TT(const uint8_t *w, int64_t rb, int64_t n, int64_t n1, int64_t K, int64_t q0,   \
+                                       int64_t q1, const float *X, int64_t T, int64_t t0, __m256 *part,               \
+                                       const float *unscale, float *y, int64_t ys) {                                  \
+        tb_tile(TYPE, TT, w, rb, n, n1, K, q0, q1, X, T, t0, part, unscale, y, ys);                                   \
+    }
+typedef void (*tb_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const float *, int64_t,
+                      int64_t, __m256 *, const float *, float *, int64_t);
+/* One function per tile height: the sums of a tile stay in registers only where their count is
+ * known when compiling. Heights above TB_TT are never called. */
+#define TB_TYPE_FUNCTIONS(TYPE)                                                                                      \
+    TB_TILES(TYPE, 1) TB_TILES(TYPE, 2) TB_TILES(TYPE, 3) TB_TILES(TYPE, 4) TB_TILES(TYPE, 5) TB_TILES(TYPE, 6)          \
+    TB_TILES(TYPE, 7) TB_TILES(TYPE, 8)                                                                              \
+    static const tb_fn tb_##TYPE[TB_MAX_TT + 1] = {0, tb_tiles_##TYPE##_1, tb_tiles_##TYPE##_2, tb_tiles_##TYPE##_3,   \
+                                                   tb_tiles_##TYPE##_4, tb_tiles_##TYPE##_5, tb_tiles_##TYPE##_6,      \
+                                                   tb_tiles_##TYPE##_7, tb_tiles_##TYPE##_8};
+TB_TYPE_FUNCTIONS(Q4_0) TB_TYPE_FUNCTIONS(Q4_1) TB_TYPE_FUNCTIONS(Q8_0)
+
+/* y[t, n] for t < T, n in [n0, n1) (n0 a multiple of TB_NR). Blocks of TB_ROWS weight rows
+ * meet tiles of TB_TT activation rows a span of TB_QUADS quads at a time, the tiles' sums
+ * kept between spans in part: a span's activations (TB_TT x TB_QUADS x 544 bytes) and
+ * weights stay in L1 however long the rows are. */
+static void tb_rows(int type, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, int64_t K, const float *X, int64_t T,
+                    const float *unscale, float *y, int64_t ys) {
+    const tb_fn *f = type == Q4_0 ? tb_Q4_0 : type == Q4_1 ? tb_Q4_1 : tb_Q8_0;
+    const int64_t nq = (K + 127) / 128;
+    __m256 part[TB_ROWS * TB_MAX_TT];
+    for (int64_t nb = n0; nb < n1; nb += TB_ROWS)
+        for (int64_t t0 = 0; t0 < T; t0 += TB_TT) {
+            const int64_t tt = T - t0 < TB_TT ? T - t0 : TB_TT, nend = n1 - nb < TB_ROWS ? n1 : nb + TB_ROWS;
+            for (int64_t q0 = 0; q0 < nq; q0 += TB_QUADS)
+                for (int64_t n = nb; n < nend; n += TB_NR)
+                    f[tt](w, rb, n, nend, K, q0, q0 + TB_QUADS, X, T, t0, part + (n - nb) * tt, unscale, y, ys);
+        }
+}
+#endif
