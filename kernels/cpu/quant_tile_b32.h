@@ -49,30 +49,43 @@ static inline int tb_value(int type, int i, int d) {
 }
 static inline int tb_exponent(int type, int i) { return b32_exponent(type, type == Q8_0 ? i % 4 : i % 8); }
 
+/* Per type (Q4_0, Q4_1, Q8_0): the value within a quad of each slot of the prepared
+ * activations, and the exponent of each of its vectors; filled when the library loads. */
+static uint8_t tb_index[3][128];
+static int8_t tb_exp[3][16];
+static void __attribute__((constructor)) tb_tables(void) {
+    for (int t = 0; t < 3; t++)
+        for (int i = 0; i < 16; i++) {
+            const int type = t == 0 ? Q4_0 : t == 1 ? Q4_1 : Q8_0;
+            tb_exp[t][i] = (int8_t)tb_exponent(type, i);
+            for (int d = 0; d < 8; d++) tb_index[t][8 * i + d] = (uint8_t)tb_value(type, i, d);
+        }
+}
+
 /* X [nq][T][TB_QUAD] from x [T, K] (row stride xs, K a multiple of 32, the last quad
  * zero-padded), each row times its own 2^s as in t1_prep; unscale[t] = 2^-s. */
 static void tb_prep(int type, const float *x, int64_t xs, int64_t T, int64_t K, float *X, float *unscale) {
     const int64_t nq = (K + 127) / 128;
+    const int ti = type == Q4_0 ? 0 : type == Q4_1 ? 1 : 2;
+    const uint8_t *index = tb_index[ti];
     for (int64_t t = 0; t < T; t++) {
         const float *xr = x + t * xs;
         const int s = b32_shift(xr, K);
         unscale[t] = ldexpf(1.0f, -s);
         float pow2[16];
-        for (int i = 0; i < 16; i++) pow2[i] = ldexpf(1.0f, s - tb_exponent(type, i));
+        for (int i = 0; i < 16; i++) pow2[i] = ldexpf(1.0f, s - tb_exp[ti][i]);
         const float term = ldexpf(type == Q4_0 ? -8.0f : type == Q8_0 ? -128.0f : 1.0f, s);
         for (int64_t q = 0; q < nq; q++) {
             float *o = X + (q * T + t) * TB_QUAD;
-            const float *xq = xr + 128 * q;
             const int n = (int)(K - 128 * q < 128 ? K - 128 * q : 128);
+            float xq[128] = {0}; /* the quad's values, zero past K */
+            memcpy(xq, xr + 128 * q, sizeof(float) * (size_t)n);
             for (int i = 0; i < 16; i++)
-                for (int d = 0; d < 8; d++) {
-                    const int v = tb_value(type, i, d);
-                    o[8 * i + d] = v < n ? xq[v] * pow2[i] : 0.0f;
-                }
-            memset(o + 128, 0, 8 * sizeof(float));
-            for (int b = 0; 32 * b < n; b++) { /* slot 2b multiplies d_b, 2b + 1 Q4_1's m_b */
+                for (int d = 0; d < 8; d++) o[8 * i + d] = xq[index[8 * i + d]] * pow2[i];
+            for (int b = 0; b < 4; b++) { /* slot 2b multiplies d_b, 2b + 1 Q4_1's m_b */
                 const v8 sum = load8(xq + 32 * b) + load8(xq + 32 * b + 8) + load8(xq + 32 * b + 16) + load8(xq + 32 * b + 24);
                 o[128 + 2 * b + (type == Q4_1)] = hsum(sum) * term;
+                o[128 + 2 * b + (type != Q4_1)] = 0.0f;
             }
         }
     }
