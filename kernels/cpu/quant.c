@@ -25,7 +25,7 @@
 #ifdef __AVX2__
 #include "quant_t1.h"
 #include "quant_t1_b32.h"
-#include "quant_tile_b32.h"
+#include "quant_tile.h"
 #endif
 
 #define NT 4                        /* weight rows decoded together (T > 1) */
@@ -222,7 +222,7 @@ void quant_matmul_f32(const float *x, int64_t xs, const uint8_t *w, int64_t N, i
         if (X != small_x) free(X);
         return;
     }
-    if (method == 1 && T > 1 && B32_TYPE(type) && K % 32 == 0) {
+    if (method == 1 && T > 1 && TB_TYPE(type) && K % BLOCK_VALUES[type] == 0) {
         const size_t bytes = sizeof(float) * (size_t)((K + 127) / 128 * T * TB_QUAD);
         float *X = aligned_alloc(64, (bytes + 63) / 64 * 64), *unscale = malloc(sizeof(float) * (size_t)T);
         tb_prep(type, x, xs, T, K, X, unscale);

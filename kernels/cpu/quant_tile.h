@@ -12,8 +12,8 @@
  *   - per quad, one FMA adds the block's terms (d and m against the slots) to each sum.
  * The weights are the same numbers as the dequantized ones (d q + m rounded once); only the
  * order and grouping of the sums differs: x @ W^T up to fp32 summation error. */
-#ifndef PDSERVE_QUANT_TILE_B32_H
-#define PDSERVE_QUANT_TILE_B32_H
+#ifndef PDSERVE_QUANT_TILE_H
+#define PDSERVE_QUANT_TILE_H
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -35,38 +35,60 @@
 #define TB_TT 8
 #endif
 #define TB_MAX_TT 8
-#ifndef TB_QUADS
-#define TB_QUADS 5 /* quads per span: 22 KB of activations for 8 rows */
+/* Activation bytes a span of quads may take (tb_rows): at avx2 a tile of 1 weight row loads
+ * every activation vector once per FMA, which L1 serves and L2 does not; at avx512 a tile of 2
+ * rows halves those loads, and spans measured slower there (the weights' stream is broken up). */
+#ifndef TB_SPAN_BYTES
+#ifdef __AVX512F__
+#define TB_SPAN_BYTES (1 << 30)
+#else
+#define TB_SPAN_BYTES (24 << 10)
+#endif
 #endif
 #ifndef TB_ROWS
 #define TB_ROWS 16 /* weight rows per block (a multiple of TB_NR) */
 #endif
 
-/* The value within a quad of lane d of vector i (Q4: two 2-block vectors of 8, Q8_0: four
- * 1-block vectors of 4), and the exponent that vector's quants come with. */
+#define TB_TYPE(type) (B32_TYPE(type) || (type) == Q4_K || (type) == Q6_K)
+#define TB_KQUANT(type) ((type) == Q4_K || (type) == Q6_K) /* a super-block is two quads */
+static inline int tb_slot(int type) { return type == Q4_0 ? 0 : type == Q4_1 ? 1 : type == Q8_0 ? 2 : type == Q4_K ? 3 : 4; }
+
+/* The value within a quad of lane d of vector i, and the exponent that vector's quants come
+ * with. Q4: two 2-block vectors of 8; Q8_0: four 1-block vectors of 4; Q4_K: a 32-byte load
+ * of 64 values (low nibbles, then high) per 8; Q6_K: 32 bytes merged with their high bits per
+ * 4, two per load of low nibbles (AVX2's top nibble is shifted down, never converted as a
+ * negative lane). */
 static inline int tb_value(int type, int i, int d) {
+    if (TB_KQUANT(type)) return 64 * (i / 8) + 32 * (i / 4 % 2) + 4 * d + i % 4;
     return type == Q8_0 ? 32 * (i / 4) + b32_value(type, i % 4, d) : 64 * (i / 8) + b32_value(type, i % 8, d);
 }
-static inline int tb_exponent(int type, int i) { return b32_exponent(type, type == Q8_0 ? i % 4 : i % 8); }
+static inline int tb_exponent(int type, int i) {
+    if (type == Q4_K) return i % 8 == 7 ? 0 : 8 * (i % 4) + 4 * (i / 4 % 2);
+    if (type == Q6_K) return 8 * (i % 4);
+    return b32_exponent(type, type == Q8_0 ? i % 4 : i % 8);
+}
 
-/* Per type (Q4_0, Q4_1, Q8_0): the value within a quad of each slot of the prepared
- * activations, and the exponent of each of its vectors; filled when the library loads. */
-static uint8_t tb_index[3][128];
-static int8_t tb_exp[3][16];
+/* Per type (tb_slot): the value within a quad of each slot of the prepared activations, and
+ * the exponent of each of its vectors; filled when the library loads. */
+static uint8_t tb_index[5][128];
+static int8_t tb_exp[5][16];
 static void __attribute__((constructor)) tb_tables(void) {
-    for (int t = 0; t < 3; t++)
+    static const int types[5] = {Q4_0, Q4_1, Q8_0, Q4_K, Q6_K};
+    for (int t = 0; t < 5; t++)
         for (int i = 0; i < 16; i++) {
-            const int type = t == 0 ? Q4_0 : t == 1 ? Q4_1 : Q8_0;
-            tb_exp[t][i] = (int8_t)tb_exponent(type, i);
-            for (int d = 0; d < 8; d++) tb_index[t][8 * i + d] = (uint8_t)tb_value(type, i, d);
+            tb_exp[t][i] = (int8_t)tb_exponent(types[t], i);
+            for (int d = 0; d < 8; d++) tb_index[t][8 * i + d] = (uint8_t)tb_value(types[t], i, d);
         }
 }
 
 /* X [nq][T][TB_QUAD] from x [T, K] (row stride xs, K a multiple of 32, the last quad
- * zero-padded), each row times its own 2^s as in t1_prep; unscale[t] = 2^-s. */
+ * zero-padded), each row times its own 2^s as in t1_prep; unscale[t] = 2^-s. Term slots:
+ * Q4_0 / Q4_1 / Q8_0: 2b multiplies block b's d, 2b + 1 Q4_1's m; Q4_K: its 32-value run b
+ * (of 4) in slot b of an even quad, 4 + b of an odd one, against the super-block's 8 mins;
+ * Q6_K: its 16-value run b (of 8) in slot b, against 8 of the super-block's 16 scales. */
 static void tb_prep(int type, const float *x, int64_t xs, int64_t T, int64_t K, float *X, float *unscale) {
     const int64_t nq = (K + 127) / 128;
-    const int ti = type == Q4_0 ? 0 : type == Q4_1 ? 1 : 2;
+    const int ti = tb_slot(type), run = type == Q6_K ? 16 : 32;
     const uint8_t *index = tb_index[ti];
     for (int64_t t = 0; t < T; t++) {
         const float *xr = x + t * xs;
@@ -74,7 +96,8 @@ static void tb_prep(int type, const float *x, int64_t xs, int64_t T, int64_t K, 
         unscale[t] = ldexpf(1.0f, -s);
         float pow2[16];
         for (int i = 0; i < 16; i++) pow2[i] = ldexpf(1.0f, s - tb_exp[ti][i]);
-        const float term = ldexpf(type == Q4_0 ? -8.0f : type == Q8_0 ? -128.0f : 1.0f, s);
+        const float term = ldexpf(type == Q4_0 ? -8.0f : type == Q8_0 ? -128.0f : type == Q6_K ? -32.0f
+                                  : type == Q4_K ? -1.0f : 1.0f, s);
         for (int64_t q = 0; q < nq; q++) {
             float *o = X + (q * T + t) * TB_QUAD;
             const int n = (int)(K - 128 * q < 128 ? K - 128 * q : 128);
@@ -82,10 +105,12 @@ static void tb_prep(int type, const float *x, int64_t xs, int64_t T, int64_t K, 
             memcpy(xq, xr + 128 * q, sizeof(float) * (size_t)n);
             for (int i = 0; i < 16; i++)
                 for (int d = 0; d < 8; d++) o[8 * i + d] = xq[index[8 * i + d]] * pow2[i];
-            for (int b = 0; b < 4; b++) { /* slot 2b multiplies d_b, 2b + 1 Q4_1's m_b */
-                const v8 sum = load8(xq + 32 * b) + load8(xq + 32 * b + 8) + load8(xq + 32 * b + 16) + load8(xq + 32 * b + 24);
-                o[128 + 2 * b + (type == Q4_1)] = hsum(sum) * term;
-                o[128 + 2 * b + (type != Q4_1)] = 0.0f;
+            memset(o + 128, 0, 8 * sizeof(float));
+            for (int b = 0; b < 128 / run; b++) {
+                v8 sum = load8(xq + run * b) + load8(xq + run * b + 8);
+                if (run == 32) sum += load8(xq + run * b + 16) + load8(xq + run * b + 24);
+                const int slot = type == Q4_K ? 4 * (int)(q % 2) + b : type == Q6_K ? b : 2 * b + (type == Q4_1);
+                o[128 + slot] = hsum(sum) * term;
             }
         }
     }
@@ -146,6 +171,73 @@ static inline __attribute__((always_inline)) void tb_quad(int type, int nr, int 
     }
 }
 
+/* acc + a Q4_K or Q6_K super-block (at p[j]) of weight row j times the tile's activation rows
+ * (quads xa and xb: values 0..127 and 128..255), as tb_quad does for a quad. */
+static inline __attribute__((always_inline)) void tb_superblock(int type, int nr, int tt, const uint8_t *const p[],
+                                                                const float *xa, const float *xb,
+                                                                __m256 acc[][TB_MAX_TT]) {
+    const int sets = tb_sets(nr, tt);
+    __m256 sc[TB_NR][2]; /* Q4_K: scales 0..7, mins 0..7; Q6_K: scales 0..7, 8..15 */
+#pragma GCC unroll 16
+    for (int j = 0; j < nr; j++) {
+        if (type == Q4_K) {
+            const __m128i b = (__m128i)k_scale_bytes(p[j] + 4);
+            sc[j][0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_set1_ps(_cvtsh_ss(ldh(p[j]))));
+            sc[j][1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))),
+                                     _mm256_set1_ps(_cvtsh_ss(ldh(p[j] + 2))));
+        } else {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(p[j] + 192));
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(ldh(p[j] + 208)));
+            sc[j][0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d);
+            sc[j][1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), d);
+        }
+        const __m256 ta = type == Q4_K ? sc[j][1] : sc[j][0], tb = sc[j][1];
+#pragma GCC unroll 16
+        for (int t = 0; t < tt; t++)
+            acc[j][t] = _mm256_fmadd_ps(ta, _mm256_loadu_ps(xa + t * TB_QUAD + 128),
+                                        _mm256_fmadd_ps(tb, _mm256_loadu_ps(xb + t * TB_QUAD + 128), acc[j][t]));
+    }
+#pragma GCC unroll 16
+    for (int g = 0; g < 8; g++) { /* 4 vectors of 8 weights sharing a scale pattern */
+        const float *xv = (g < 4 ? xa : xb) + 32 * (g % 4);
+        __m256i q[TB_NR];
+        __m256 scale[TB_NR];
+#pragma GCC unroll 16
+        for (int j = 0; j < nr; j++) {
+            if (type == Q4_K) { /* 32 bytes (g / 2): run g / 2 * 2 low nibbles, + 1 high */
+                q[j] = _mm256_loadu_si256((const __m256i *)(p[j] + 16 + 32 * (g / 2)));
+                scale[j] = _mm256_permutevar8x32_ps(sc[j][0], _mm256_set1_epi32(g));
+            } else { /* r = g / 4, h = g / 2 % 2, e = g % 2: 16-value runs 8 r + 4 h + 2 e (+ 1) */
+                const int r = g / 4, h = g / 2 % 2, e = g % 2, sh = 4 - 2 * (2 * h + e), l = 4 * h + 2 * e;
+                const __m256i ql = _mm256_loadu_si256((const __m256i *)(p[j] + 64 * r + 32 * e));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(p[j] + 128 + 32 * r));
+                const __m256i hi = sh > 0 ? _mm256_slli_epi16(qh, sh) : sh < 0 ? _mm256_srli_epi16(qh, -sh) : qh;
+                q[j] = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(15)),
+                                       _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+                scale[j] = _mm256_permutevar8x32_ps(sc[j][r], _mm256_setr_epi32(l, l, l, l, l + 1, l + 1, l + 1, l + 1));
+            }
+        }
+#pragma GCC unroll 16
+        for (int k = 0; k < 4; k++) {
+            const int i = 4 * (g % 4) + k, e = tb_exponent(type, 16 * (g / 4) + i);
+            __m256 wv[TB_NR];
+#pragma GCC unroll 16
+            for (int j = 0; j < nr; j++) {
+                const __m256i m = type == Q4_K && e == 0 && k == 3 ? _mm256_srli_epi32(q[j], 28)
+                                  : _mm256_and_si256(q[j], _mm256_set1_epi32((type == Q4_K ? 15 : 63) << e));
+                wv[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(m), scale[j]);
+            }
+#pragma GCC unroll 16
+            for (int t = 0; t < tt; t++) {
+                const __m256 a = _mm256_loadu_ps(xv + 8 * k + t * TB_QUAD);
+                const int c = t + tt * (k % sets);
+#pragma GCC unroll 16
+                for (int j = 0; j < nr; j++) acc[j][c] = _mm256_fmadd_ps(wv[j], a, acc[j][c]);
+            }
+        }
+    }
+}
+
 /* Quads [q0, q1) of weight rows n .. n + TB_NR - 1 (rows from n1 on repeat row n1 - 1 and are
  * not written) times activation rows t0 .. t0 + tt - 1, added to the sums in part (zero where
  * q0 = 0); the last span writes y[t0 + t, n + j] instead. Rows of K / 32 blocks, rb bytes
@@ -156,7 +248,7 @@ static inline __attribute__((always_inline)) void tb_tile(int type, int tt, cons
                                                           int64_t T, int64_t t0, __m256 *part, const float *unscale,
                                                           float *y, int64_t ys) {
     const int B = BLOCK_BYTES[type];
-    const int64_t blocks = K / 32, full = blocks / 4, rest = blocks % 4;
+    const int64_t blocks = K / 32, full = blocks / 4, rest = TB_KQUANT(type) ? 0 : blocks % 4, nq = (K + 127) / 128;
     const uint8_t *p[TB_NR];
     for (int j = 0; j < TB_NR; j++) p[j] = w + (n + j < n1 ? n + j : n1 - 1) * rb;
     __m256 acc[TB_NR][TB_MAX_TT];
@@ -164,7 +256,16 @@ static inline __attribute__((always_inline)) void tb_tile(int type, int tt, cons
     for (int j = 0; j < TB_NR; j++)
 #pragma GCC unroll 16
         for (int c = 0; c < tt * tb_sets(TB_NR, tt); c++) acc[j][c] = q0 && c < tt ? part[j * tt + c] : _mm256_setzero_ps();
-    for (int64_t q = q0; q < q1 && q < full; q++) {
+    if (TB_KQUANT(type)) /* K a multiple of 256: whole super-blocks, two quads each (q0 even) */
+        for (int64_t q = q0; q < q1 && q < nq; q += 2) {
+            const uint8_t *pq[TB_NR];
+            for (int j = 0; j < TB_NR; j++) {
+                pq[j] = p[j] + q / 2 * B;
+                T1_PREFETCH(pq[j], B);
+            }
+            tb_superblock(type, TB_NR, tt, pq, X + (q * T + t0) * TB_QUAD, X + ((q + 1) * T + t0) * TB_QUAD, acc);
+        }
+    else for (int64_t q = q0; q < q1 && q < full; q++) {
         const uint8_t *pq[TB_NR];
         for (int j = 0; j < TB_NR; j++) {
             pq[j] = p[j] + q * 4 * B;
@@ -191,7 +292,7 @@ static inline __attribute__((always_inline)) void tb_tile(int type, int tt, cons
     for (int j = 0; j < TB_NR; j++)
 #pragma GCC unroll 16
         for (int c = tt; c < tt * tb_sets(TB_NR, tt); c++) acc[j][c % tt] = _mm256_add_ps(acc[j][c % tt], acc[j][c]);
-    if (q1 * 4 < blocks) {
+    if (q1 < nq) {
 #pragma GCC unroll 16
         for (int j = 0; j < TB_NR; j++)
 #pragma GCC unroll 16
@@ -221,23 +322,24 @@ typedef void (*tb_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64
     static const tb_fn tb_##TYPE[TB_MAX_TT + 1] = {0, tb_tiles_##TYPE##_1, tb_tiles_##TYPE##_2, tb_tiles_##TYPE##_3,   \
                                                    tb_tiles_##TYPE##_4, tb_tiles_##TYPE##_5, tb_tiles_##TYPE##_6,      \
                                                    tb_tiles_##TYPE##_7, tb_tiles_##TYPE##_8};
-TB_TYPE_FUNCTIONS(Q4_0) TB_TYPE_FUNCTIONS(Q4_1) TB_TYPE_FUNCTIONS(Q8_0)
+TB_TYPE_FUNCTIONS(Q4_0) TB_TYPE_FUNCTIONS(Q4_1) TB_TYPE_FUNCTIONS(Q8_0) TB_TYPE_FUNCTIONS(Q4_K) TB_TYPE_FUNCTIONS(Q6_K)
 
 /* y[t, n] for t < T, n in [n0, n1) (n0 a multiple of TB_NR). Blocks of TB_ROWS weight rows
- * meet tiles of TB_TT activation rows a span of TB_QUADS quads at a time, the tiles' sums
- * kept between spans in part: a span's activations (TB_TT x TB_QUADS x 544 bytes) and
- * weights stay in L1 however long the rows are. */
+ * meet tiles of TB_TT activation rows a span of quads at a time, the tiles' sums kept between
+ * spans in part: a span's activations (at most TB_SPAN_BYTES) and weights stay in L1 however
+ * long the rows are. */
 static void tb_rows(int type, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, int64_t K, const float *X, int64_t T,
                     const float *unscale, float *y, int64_t ys) {
-    const tb_fn *f = type == Q4_0 ? tb_Q4_0 : type == Q4_1 ? tb_Q4_1 : tb_Q8_0;
-    const int64_t nq = (K + 127) / 128;
+    const tb_fn *f = type == Q4_0 ? tb_Q4_0 : type == Q4_1 ? tb_Q4_1 : type == Q8_0 ? tb_Q8_0 : type == Q4_K ? tb_Q4_K : tb_Q6_K;
+    const int64_t nq = (K + 127) / 128, fit = TB_SPAN_BYTES / (int64_t)(sizeof(float) * TB_QUAD * (T < TB_TT ? T : TB_TT));
+    const int64_t span = fit >= nq ? nq : TB_KQUANT(type) ? (fit < 2 ? 2 : fit / 2 * 2) : (fit < 1 ? 1 : fit); /* K-quants: whole super-blocks */
     __m256 part[TB_ROWS * TB_MAX_TT];
     for (int64_t nb = n0; nb < n1; nb += TB_ROWS)
         for (int64_t t0 = 0; t0 < T; t0 += TB_TT) {
             const int64_t tt = T - t0 < TB_TT ? T - t0 : TB_TT, nend = n1 - nb < TB_ROWS ? n1 : nb + TB_ROWS;
-            for (int64_t q0 = 0; q0 < nq; q0 += TB_QUADS)
+            for (int64_t q0 = 0; q0 < nq; q0 += span)
                 for (int64_t n = nb; n < nend; n += TB_NR)
-                    f[tt](w, rb, n, nend, K, q0, q0 + TB_QUADS, X, T, t0, part + (n - nb) * tt, unscale, y, ys);
+                    f[tt](w, rb, n, nend, K, q0, q0 + span, X, T, t0, part + (n - nb) * tt, unscale, y, ys);
         }
 }
 #endif
