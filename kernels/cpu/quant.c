@@ -11,7 +11,9 @@
  * weight rows once for a tile of TT activation rows, so a batch reads the weights once. OpenMP
  * threads split the output rows. A row end that is not a whole chunk (K = 576: 2 chunks and 2
  * blocks) is read in place, on into the next rows, with the missing blocks' scales and-ed to 0;
- * near the matrix's end from a padded copy, so nothing is read outside the weight. */
+ * near the matrix's end from a padded copy, so nothing is read outside the weight. At the avx2
+ * and avx512 levels fp32 has faster paths that keep the scales out of the inner sums:
+ * quant_t1.h and quant_t1_b32.h at T = 1, quant_tile.h for small batches. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -222,7 +224,9 @@ void quant_matmul_f32(const float *x, int64_t xs, const uint8_t *w, int64_t N, i
         if (X != small_x) free(X);
         return;
     }
-    if (method == 1 && T > 1 && TB_TYPE(type) && K % BLOCK_VALUES[type] == 0) {
+    /* K-quants from a full tile of activation rows on stay with the old tile: on the 1B shapes
+     * their decode (Q6_K's above all) made this one up to 1.15x slower there (docs/kernels.md). */
+    if (method == 1 && T > 1 && TB_TYPE(type) && K % BLOCK_VALUES[type] == 0 && (!TB_KQUANT(type) || T < TB_TT)) {
         const size_t bytes = sizeof(float) * (size_t)((K + 127) / 128 * T * TB_QUAD);
         float *X = aligned_alloc(64, (bytes + 63) / 64 * 64), *unscale = malloc(sizeof(float) * (size_t)T);
         tb_prep(type, x, xs, T, K, X, unscale);

@@ -1,15 +1,18 @@
 /* The exact (fp32) product of T > 1 activation rows with Q4_0, Q4_1 and Q8_0 rows (the default
- * model's types) for the avx512 and avx2 levels: quant.c's path for small batches of them.
- * Included by quant.c after quant_t1_b32.h, whose scheme it extends to a tile of rows:
- *   - each activation row is prepared once per call as quant_t1_b32.h prepares one (values in
- *     the order the weights' bytes unpack to, times 2^(s - e); per block the sum of x that
- *     multiplies the offset or Q4_1's m), here in quads of 4 blocks (128 values) with the
- *     quad's 8 term slots after them, the T rows of a quad side by side;
+ * model's types), and Q4_K and Q6_K rows (a Q4_K_M file's), for the avx512 and avx2 levels:
+ * quant.c's path for small batches of them. Included by quant.c after quant_t1_b32.h, whose
+ * scheme (and quant_t1.h's for the K-quants) it extends to a tile of rows:
+ *   - each activation row is prepared once per call as the batch-1 paths prepare one (values
+ *     in the order the weights' bytes unpack to, times 2^(s - e); per block or sub-block the
+ *     sum of x that multiplies the offset or the min), here in quads of 128 values with 8 term
+ *     slots after them (a K-quant super-block is two quads), the T rows of a quad side by side;
  *   - per weight row and 8 weights, the quants are and-ed in place and converted (q 2^e) and
- *     multiplied by the block's scale d (exact: q has 8 bits, d 11), then that vector meets
- *     every activation row of the tile with one FMA each, so the convert and the scale are
- *     paid once per tile of rows, and no dequantized copy goes through memory;
- *   - per quad, one FMA adds the block's terms (d and m against the slots) to each sum.
+ *     multiplied by the block's (sub-block's) scale (exact: q has at most 8 bits and the scale
+ *     11, or 6 + 6 + 11 for the K-quants), then that vector meets every activation row of the
+ *     tile with one FMA each, so the conversion and the scale are paid once per tile of rows,
+ *     and no dequantized copy goes through memory;
+ *   - per quad, one FMA adds the blocks' terms (d and m, or the mins or scales, against the
+ *     slots) to each sum.
  * The weights are the same numbers as the dequantized ones (d q + m rounded once); only the
  * order and grouping of the sums differs: x @ W^T up to fp32 summation error. */
 #ifndef PDSERVE_QUANT_TILE_H
