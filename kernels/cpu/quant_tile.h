@@ -26,7 +26,8 @@
 #define TB_QUAD (16 * 8 + 8) /* floats of one activation row's quad: 16 vectors, 8 term slots */
 /* Weight rows x activation rows whose sums stay in registers (TB_NR x TB_TT of them, with the
  * NR weight vectors and one activation vector beside): AVX2 has 16 vector registers, AVX-512
- * 32 (these are 256-bit ones, for the reason quant_t1_b32.h gives). */
+ * 32 (these are 256-bit ones, for the reason quant_t1_b32.h gives). The sizes below are the
+ * ones measured fastest (docs/kernels.md); -D on the compiler's line tries others. */
 #ifndef TB_NR
 #ifdef __AVX512F__
 #define TB_NR 2
@@ -51,6 +52,7 @@
 #ifndef TB_ROWS
 #define TB_ROWS 16 /* weight rows per block (a multiple of TB_NR) */
 #endif
+_Static_assert(TB_TT >= 1 && TB_TT <= TB_MAX_TT && TB_ROWS % TB_NR == 0, "tile sizes out of range");
 
 #define TB_TYPE(type) (B32_TYPE(type) || (type) == Q4_K || (type) == Q6_K)
 #define TB_KQUANT(type) ((type) == Q4_K || (type) == Q6_K) /* a super-block is two quads */
