@@ -224,9 +224,10 @@ void quant_matmul_f32(const float *x, int64_t xs, const uint8_t *w, int64_t N, i
         if (X != small_x) free(X);
         return;
     }
-    /* K-quants from a full tile of activation rows on stay with the old tile: on the 1B shapes
-     * their decode (Q6_K's above all) made this one up to 1.15x slower there (docs/kernels.md). */
-    if (method == 1 && T > 1 && TB_TYPE(type) && K % BLOCK_VALUES[type] == 0 && (!TB_KQUANT(type) || T < TB_TT)) {
+    /* Up to TB_MAX_T rows (K-quants: below a full tile of TB_TT); with more, the old tile, which
+     * spreads a dequantization over 64 rows, measured as fast or faster (docs/kernels.md). */
+    if (method == 1 && T > 1 && T <= (TB_KQUANT(type) ? TB_TT - 1 : TB_MAX_T) && TB_TYPE(type) &&
+        K % BLOCK_VALUES[type] == 0) {
         const size_t bytes = sizeof(float) * (size_t)((K + 127) / 128 * T * TB_QUAD);
         float *X = aligned_alloc(64, (bytes + 63) / 64 * 64), *unscale = malloc(sizeof(float) * (size_t)T);
         tb_prep(type, x, xs, T, K, X, unscale);

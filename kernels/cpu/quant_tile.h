@@ -39,6 +39,7 @@
 #define TB_TT 8
 #endif
 #define TB_MAX_TT 8
+#define TB_MAX_T 16 /* activation rows quant.c sends here (Q4_0, Q4_1, Q8_0; K-quants below TB_TT) */
 /* Activation bytes a span of quads may take (tb_rows): at avx2 a tile of 1 weight row loads
  * every activation vector once per FMA, which L1 serves and L2 does not; at avx512 a tile of 2
  * rows halves those loads, and spans measured slower there (the weights' stream is broken up). */
