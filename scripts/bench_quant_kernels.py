@@ -4,6 +4,7 @@ dequantized weight: torch's F.linear (MKL) and oneDNN with the weight packed onc
 
     python scripts/bench_quant_kernels.py --threads 2
     python scripts/bench_quant_kernels.py --threads 1 --types Q4_0 Q4_K --rows 1 8
+    python scripts/bench_quant_kernels.py --threads 1 --clock cpu --stat min   # a shared machine
 
 Per (type, shape, T): microseconds per call (median, or with --stat min the minimum, of
 --repeats samples, each a loop of calls lasting about --sample-ms), and the weight bytes read per second (GB/s, the
@@ -11,7 +12,9 @@ quantized row bytes for quant_matmul, 4 bytes per value for the fp32 products). 
 --rotate-mb, each call uses the next of enough weight copies to fill that many MB, so the
 weights come from memory rather than from cache. A shape whose K is not a whole number of the
 type's blocks (K-quants need K % 256 == 0: 576) is left out, as llama.cpp leaves such
-tensors to another type.
+tensors to another type. --clock cpu times with the process's CPU time (time.process_time)
+instead of the wall clock: with one thread on a machine others keep busy, the time the
+process waits for a core is then left out.
 """
 
 from __future__ import annotations
@@ -51,21 +54,21 @@ def random_qweight(qtype: str, N: int, K: int, rng: np.random.Generator) -> torc
     return torch.from_numpy(blocks.reshape(N, -1))
 
 
-def timed(fn, repeats: int, sample_ms: float, stat: str = "median") -> float:
+def timed(fn, repeats: int, sample_ms: float, stat: str = "median", clock=time.perf_counter) -> float:
     """Seconds per call: the median (or minimum) over `repeats` samples, each a loop of calls
     lasting about sample_ms. On a busy machine the minimum is the less noisy of the two."""
     fn()
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < sample_ms / 1e3 or calls < 2:
+    start, calls = clock(), 0
+    while clock() - start < sample_ms / 1e3 or calls < 2:
         fn()
         calls += 1
-    inner = max(1, int(calls * sample_ms / 1e3 / (time.perf_counter() - start)))
+    inner = max(1, int(calls * sample_ms / 1e3 / max(clock() - start, 1e-9)))
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(inner):
             fn()
-        samples.append((time.perf_counter() - t0) / inner)
+        samples.append((clock() - t0) / inner)
     return min(samples) if stat == "min" else statistics.median(samples)
 
 
@@ -84,7 +87,8 @@ def bench(qtype: str, N: int, K: int, T: int, args, rng) -> dict[str, float]:
     qws = cycler([qw] + [qw.clone() for _ in range(copies - 1)])
     x = torch.randn(T, K)
     out = torch.empty(T, N)
-    res, timing = {}, (args.repeats, args.sample_ms, args.stat)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    res, timing = {}, (args.repeats, args.sample_ms, args.stat, clock)
     for method in ("int8", "fp32"):
         sec = timed(lambda m=method: quant.quant_matmul(x, qws(), qtype, K, out, method=m), *timing)
         res[method] = sec
@@ -108,6 +112,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--sample-ms", type=float, default=30.0)
     p.add_argument("--stat", choices=["median", "min"], default="median", help="of the samples")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall: time.perf_counter; cpu: time.process_time (all threads' CPU time)")
     p.add_argument("--rotate-mb", type=float, default=0.0, help="cycle weight copies filling this many MB")
     p.add_argument("--no-fp32-baselines", action="store_true")
     args = p.parse_args()
@@ -119,7 +125,8 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"{time.strftime('%Y-%m-%d')} {cpu}, {os.cpu_count()} CPUs, kernels' ISA level {build.isa_level()} "
           f"(set {build.ENV} to force one); threads={args.threads} "
-          f"rotate_mb={args.rotate_mb} torch={torch.__version__}; us per call, {args.stat} of {args.repeats}")
+          f"rotate_mb={args.rotate_mb} torch={torch.__version__}; us per call ({args.clock} clock), "
+          f"{args.stat} of {args.repeats}")
     head = (f"{'type':5} {'shape':13} {'N x K':>11} {'T':>3} | {'int8 us':>8} {'GB/s':>5} | {'fp32 us':>8} "
             f"{'GB/s':>5} | {'F.linear':>8} {'oneDNN':>8} | best vs fp32 weight")
     print(head)

@@ -12,7 +12,9 @@
  * weight rows once for a tile of TT activation rows, so a batch reads the weights once. OpenMP
  * threads split the output rows. A row end that is not a whole chunk (K = 576: 2 chunks and 2
  * blocks) is read in place, on into the next rows, with the missing blocks' scales and-ed to 0;
- * near the matrix's end from a padded copy, so nothing is read outside the weight. */
+ * near the matrix's end from a padded copy, so nothing is read outside the weight. At the avx2
+ * and avx512 levels fp32 has faster paths that keep the scales out of the inner sums:
+ * quant_t1.h and quant_t1_b32.h at T = 1, quant_tile.h for small batches. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,6 +28,7 @@
 #ifdef __AVX2__
 #include "quant_t1.h"
 #include "quant_t1_b32.h"
+#include "quant_tile.h"
 #elif defined(QUANT_NEON)
 #include "quant_neon_t1.h"
 #endif
@@ -222,6 +225,23 @@ void quant_matmul_f32(const float *x, int64_t xs, const uint8_t *w, int64_t N, i
             f(w, rb, tiles * i / n * NT, MIN(tiles * (i + 1) / n * NT, N), K, X, unscale, y);
         }
         if (X != small_x) free(X);
+        return;
+    }
+#endif
+#ifdef TB_TYPE
+    /* Up to TB_MAX_T rows (K-quants: below a full tile of TB_TT); with more, the old tile, which
+     * spreads a dequantization over 64 rows, measured as fast or faster (docs/kernels.md). */
+    if (method == 1 && T > 1 && T <= (TB_KQUANT(type) ? TB_TT - 1 : TB_MAX_T) && TB_TYPE(type) &&
+        K % BLOCK_VALUES[type] == 0) {
+        const size_t bytes = sizeof(float) * (size_t)((K + 127) / 128 * T * TB_QUAD);
+        float *X = aligned_alloc(64, (bytes + 63) / 64 * 64), *unscale = malloc(sizeof(float) * (size_t)T);
+        tb_prep(type, x, xs, T, K, X, unscale);
+#pragma omp parallel num_threads(nth) if (nth > 1)
+        {
+            const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+            tb_rows(type, w, rb, tiles * i / n * NT, MIN(tiles * (i + 1) / n * NT, N), K, X, T, unscale, y, ys);
+        }
+        free(X), free(unscale);
         return;
     }
 #endif

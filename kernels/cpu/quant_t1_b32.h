@@ -45,15 +45,20 @@ static inline int b32_value(int type, int i, int d) {
     return type == Q8_0 ? 32 * (d / 8) + 4 * (d % 8) + k : 32 * (d / 4) + 16 * h + 4 * (d % 4) + k;
 }
 
-/* Groups of x (K a multiple of 32, ng groups, the last one zero-padded), times 2^s as in
- * t1_prep; returns 2^-s. */
-static float b32_prep(int type, const float *x, int64_t K, int64_t ng, float *out) {
+/* The s of t1_prep for a row of K values (a multiple of 8). */
+static int b32_shift(const float *x, int64_t K) {
     v8 m = splat(0.0f);
     for (int64_t i = 0; i < K; i += 8) m = vmax(m, (v8)((v8i)load8(x + i) & 0x7FFFFFFF));
     float amax = 0.0f;
     for (int i = 0; i < 8; i++) amax = fmaxf(amax, m[i]);
-    int s = amax > 0.0f && isfinite(amax) ? -ilogbf(amax) : 0;
-    s = s < -64 ? -64 : s > 64 ? 64 : s;
+    const int s = amax > 0.0f && isfinite(amax) ? -ilogbf(amax) : 0;
+    return s < -64 ? -64 : s > 64 ? 64 : s;
+}
+
+/* Groups of x (K a multiple of 32, ng groups, the last one zero-padded), times 2^s as in
+ * t1_prep; returns 2^-s. */
+static float b32_prep(int type, const float *x, int64_t K, int64_t ng, float *out) {
+    const int s = b32_shift(x, K);
     const int nb = B32_BLOCKS(type), nv = B32_VECS(type), gs = B32_GROUP(type);
     const int term_slot = type == Q4_1; /* Q4_1's sums multiply m, the others' d */
     const float term = ldexpf(type == Q4_0 ? -8.0f : type == Q8_0 ? -128.0f : 1.0f, s);

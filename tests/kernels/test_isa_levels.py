@@ -128,6 +128,28 @@ def test_batch_one_products_hold_for_activations_of_any_magnitude(level):
             assert ((y - ref).abs() <= 1e-5 * mag).all(), f"{level} {qtype} {what}"
 
 
+def test_small_batch_products_hold_for_rows_of_any_magnitude(level):
+    # From T = 2 the fp32 product of Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K rows runs tiles of weight
+    # rows times up to 8 activation rows, each row scaled by its own power of two
+    # (quant_tile.h): rows tiny, huge, spread and zero in one batch; T past a tile and not a
+    # multiple of it; rows ending 0 to 3 blocks past a 4-block quad (K = 32 has no whole quad);
+    # K longer than one span of quads; N not a multiple of the tile nor of its row block.
+    g = torch.Generator().manual_seed(12)
+    shapes = {32: ((37, 608), (19, 576), (5, 1568), (3, 32), (2, 1024)), 256: ((37, 768), (3, 256), (5, 2560))}
+    for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
+        for N, K in shapes[quant.QTYPES[qtype][1]]:
+            qw, W, _ = _case(qtype, N, K)
+            x = torch.randn(11, K, generator=g)
+            x[1] *= 1e-36
+            x[2] *= 1e30
+            x[3] *= torch.pow(10.0, torch.empty(K).uniform_(-25, 25, generator=g))
+            x[4] = 0
+            for T in (2, 3, 8, 11):
+                y = quant.quant_matmul(x[:T], qw, qtype, K, method="fp32").double()
+                ref, mag = x[:T].double() @ W.T, x[:T].double().abs() @ W.abs().T
+                assert ((y - ref).abs() <= 1e-5 * mag).all(), f"{level} {qtype} {N}x{K} T={T}"
+
+
 def test_attention_and_the_elementwise_kernels_match_the_references(level):
     q_lens, ctx_lens = [1, 3, 1], [33, 9, 17]
     q, kc, vc, table, qsl, seq_lens, dense = _paged_inputs(q_lens, ctx_lens, 8, 2, 64, 16, 12)
