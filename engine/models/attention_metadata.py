@@ -25,7 +25,8 @@ class AttentionMetadata:
         token at position p sees keys [0, p], as it does in the whole step). Writes nothing:
         the slots are those rows' own, for a caller that has already cached the step's K/V."""
         # The request of each row: the number of query runs that end at or before it.
-        req = torch.searchsorted(self.query_start_loc[1:], rows.to(self.query_start_loc.dtype), right=True)
+        ends = self.query_start_loc[1:]
+        req = torch.searchsorted(ends, rows.to(ends.dtype), right=True)
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[rows],
             block_table=self.block_table[req],
@@ -33,5 +34,6 @@ class AttentionMetadata:
             seq_lens=(positions[rows] + 1).to(torch.int32),
             max_query_len=1,
             max_seq_len=self.max_seq_len,  # a bound: no kernel needs it exact
-            window_group=None if self.window_group is None else self.window_group.for_queries(rows, positions),
+            window_group=(None if self.window_group is None
+                          else self.window_group.for_queries(rows, positions)),
         )

@@ -123,8 +123,8 @@ class DecoderLayer(nn.Module):
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta, cos_sin[1] if self.local_rope else cos_sin[0],
-                           rows, rows_meta)
+        cos_sin = cos_sin[1] if self.local_rope else cos_sin[0]
+        x = self.self_attn(positions, x, kv_cache, meta, cos_sin, rows, rows_meta)
         if rows is not None:  # past attention every op is per token: only `rows` go on
             residual = residual[rows]
         if self.pre_feedforward_layernorm is None:
@@ -190,7 +190,8 @@ class CausalLM(nn.Module):
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             if i == last and output_rows is not None:
                 rows_meta = meta.for_queries(output_rows, positions)
-                x, residual = layer(positions, x, residual, kv, meta, cos_sin, output_rows, rows_meta)
+                x, residual = layer(positions, x, residual, kv, meta, cos_sin, output_rows,
+                                    rows_meta)
             else:
                 x, residual = layer(positions, x, residual, kv, meta, cos_sin)
         x, _ = self.norm(x, residual)

@@ -56,8 +56,8 @@ class Pooler:
         """[R] which of the step's requests pool (they never sample)."""
         return np.fromiter((r in self.params for r in req_ids), dtype=bool, count=len(req_ids))
 
-    def output_rows(self, req_ids: list[str], starts: np.ndarray, num_sched: np.ndarray, num_prompt: np.ndarray,
-                    cu: np.ndarray) -> np.ndarray | None:
+    def output_rows(self, req_ids: list[str], starts: np.ndarray, num_sched: np.ndarray,
+                    num_prompt: np.ndarray, cu: np.ndarray) -> np.ndarray | None:
         """The step's tokens whose final hidden states this step pools ([N] ascending), when
         that is all the step needs: every request pools and the type reads one token (LAST:
         a prompt's last, CLS: its first). None: every token's (MEAN, or a request that does

@@ -4,8 +4,9 @@ kernels.reference: same signatures, same results up to float rounding.
 `paged_attention` runs rows with at most `NATIVE_MAX_QUERY_LEN` query tokens (decode, short
 chunks) in C straight off the paged cache (a sliding window's rows from its first visible key
 on), longer ones through SDPA: up to `BLOCKED_MAX_CONTEXT` keys in blocks of queries
-(`prefill_attention`), past it (or windowed, soft-capped) through the reference's prefill path. The per-token ops (rms_norm,
-silu_and_mul, gelu_tanh_and_mul, neox rotary, reshape_and_cache) are one fused pass each.
+(`prefill_attention`), past it (or windowed, soft-capped) through the reference's prefill
+path. The per-token ops (rms_norm, silu_and_mul, gelu_tanh_and_mul, neox rotary,
+reshape_and_cache) are one fused pass each.
 Whatever the C code does not cover (not fp32, odd sizes or strides, no compiler,
 PDSERVE_CPU_KERNELS=0) runs the reference unchanged.
 """
@@ -82,20 +83,22 @@ def paged_attention(
         rows = long.tolist()
         if not sliding_window and not softcap:
             blocked = [r for r in rows if ctx[r] <= BLOCKED_MAX_CONTEXT]
-            prefill_attention(q, key_cache, value_cache, block_table, starts, ctx, blocked, scale, out)
+            prefill_attention(q, key_cache, value_cache, block_table, starts, ctx, blocked, scale,
+                              out)
             rows = [r for r in rows if ctx[r] > BLOCKED_MAX_CONTEXT]
-        reference.prefill_attention(q, key_cache, value_cache, block_table, starts, ctx, rows, scale,
-                                    out, sliding_window, softcap)
+        reference.prefill_attention(q, key_cache, value_cache, block_table, starts, ctx, rows,
+                                    scale, out, sliding_window, softcap)
     return out
 
 
 def prefill_attention(q, key_cache, value_cache, block_table, starts: list[int], ctx: list[int],
                       rows: list[int], scale: float, out: torch.Tensor) -> None:
     """reference.prefill_attention without a window or softcap, each row's queries in blocks
-    of QUERY_BLOCK: a block's SDPA reads the keys up to its last query only (QUERY_BLOCK)."""
+    of QUERY_BLOCK: a block's SDPA reads only the keys up to its last query."""
     for r in rows:
         q_len, L = starts[r + 1] - starts[r], ctx[r]
-        k, v = reference.gather_context(key_cache, value_cache, block_table[r:r + 1], L)  # [1, Hkv, L, D]
+        # k, v: [1, Hkv, L, D]
+        k, v = reference.gather_context(key_cache, value_cache, block_table[r:r + 1], L)
         qr = q[starts[r]:starts[r + 1]].transpose(0, 1).unsqueeze(0).float()  # [1, H, q_len, D]
         # Query i sits at position L - q_len + i and sees keys [0, L - q_len + i].
         mask = torch.ones(q_len, L, dtype=torch.bool).tril(L - q_len)
@@ -104,7 +107,8 @@ def prefill_attention(q, key_cache, value_cache, block_table, starts: list[int],
             i1 = min(i0 + QUERY_BLOCK, q_len)
             n_keys = L - q_len + i1
             o = F.scaled_dot_product_attention(qr[:, :, i0:i1], k[:, :, :n_keys], v[:, :, :n_keys],
-                                               attn_mask=mask[i0:i1, :n_keys], scale=scale, enable_gqa=gqa)
+                                               attn_mask=mask[i0:i1, :n_keys], scale=scale,
+                                               enable_gqa=gqa)
             out[starts[r] + i0:starts[r] + i1] = o[0].transpose(0, 1).to(out.dtype)
 
 

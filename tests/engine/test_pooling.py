@@ -92,8 +92,8 @@ def test_pooled_tokens_over_chunks_through_a_sliding_window_last_layer_match_tra
     # it is a window layer (its KV in the hybrid cache's own group), the prompts run past the
     # window in 32-token chunks, batched with each other.
     model = model_factory("gemma3", layer_types=["full_attention", "sliding_attention"])
-    llm = LLM(model, runner="pooling", pooler_config={"pooling_type": pooling_type}, max_num_batched_tokens=32,
-              max_model_len=128)
+    llm = LLM(model, runner="pooling", pooler_config={"pooling_type": pooling_type},
+              max_num_batched_tokens=32, max_model_len=128)
     prompts = random_prompts([5, 40, 90, 1], 1000, seed=36)
     for p, out in zip(prompts, llm.embed(_ids(prompts), use_tqdm=False)):
         assert cosine(out.outputs.embedding, hf_pooled(model, p, pooling_type)) >= 0.9999
