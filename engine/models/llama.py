@@ -123,8 +123,8 @@ class DecoderLayer(nn.Module):
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        cos_sin = cos_sin[1] if self.local_rope else cos_sin[0]
-        x = self.self_attn(positions, x, kv_cache, meta, cos_sin, rows, rows_meta)
+        rope = cos_sin[1] if self.local_rope else cos_sin[0]
+        x = self.self_attn(positions, x, kv_cache, meta, rope, rows, rows_meta)
         if rows is not None:  # past attention every op is per token: only `rows` go on
             residual = residual[rows]
         if self.pre_feedforward_layernorm is None:
