@@ -82,7 +82,7 @@ def prefill_attention(q, key_cache, value_cache, block_table, starts: list[int],
         return
     for r in rows:
         q_len = starts[r + 1] - starts[r]
-        k, v = _gather_context(key_cache, value_cache, block_table[r : r + 1], ctx[r])  # [1, Hkv, L, D]
+        k, v = gather_context(key_cache, value_cache, block_table[r : r + 1], ctx[r])  # [1, Hkv, L, D]
         qr = q[starts[r] : starts[r + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         if q_len == ctx[r]:
             o = F.scaled_dot_product_attention(
@@ -96,7 +96,7 @@ def prefill_attention(q, key_cache, value_cache, block_table, starts: list[int],
         out[starts[r] : starts[r + 1]] = o[0].transpose(0, 1).to(out.dtype)
 
 
-def _gather_context(key_cache, value_cache, block_table, max_len):
+def gather_context(key_cache, value_cache, block_table, max_len):
     """Dense fp32 K/V [R, Hkv, max_len, D] of each table row's first max_len positions.
     (index_select over flat block ids is much faster on CPU than advanced indexing.)"""
     R = block_table.shape[0]
@@ -112,7 +112,7 @@ def _decode_attention(q, key_cache, value_cache, block_table, starts, ctx, rows,
     dev = key_cache.device  # the index and mask tensors live beside the cache (CUDA in GPU tests)
     for bucket in _length_buckets(sorted(rows, key=lambda r: ctx[r]), ctx, key_cache[0, 0].numel()):
         lens = torch.tensor([ctx[r] for r in bucket], device=dev)
-        k, v = _gather_context(key_cache, value_cache, block_table[torch.tensor(bucket, device=block_table.device)],
+        k, v = gather_context(key_cache, value_cache, block_table[torch.tensor(bucket, device=block_table.device)],
                                ctx[bucket[-1]])
         tok = torch.tensor([starts[r] for r in bucket], device=q.device)
         qd = q[tok].unsqueeze(2).float()  # [n, H, 1, D]

@@ -58,9 +58,13 @@ class Attention(nn.Module):
         self.ops = ops
         self.in_window_group = False  # set by CausalLM.use_window_group
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata, cos_sin):
+    def forward(self, positions, x, kv_cache, meta: AttentionMetadata, cos_sin,
+                rows: torch.Tensor | None = None, rows_meta: AttentionMetadata | None = None):
+        """Every token's K/V is cached; with `rows` (and their `rows_meta`,
+        AttentionMetadata.for_queries) only those tokens' outputs are computed: [N, hidden]."""
         if self.in_window_group and meta.window_group is not None:
             meta = meta.window_group
+            rows_meta = None if rows_meta is None else rows_meta.window_group
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], -1)
         q = q.view(T, self.h, self.d)  # [T, H, D]
@@ -72,6 +76,8 @@ class Attention(nn.Module):
         q, k = self.ops.rotary_embedding(positions, q, k, cos_sin, True)
         key_cache, value_cache = kv_cache
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        if rows is not None:
+            q, meta, T = q[rows], rows_meta, rows.shape[0]
         o = self.ops.paged_attention(
             q, key_cache, value_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, self.scale,
             **self.extra,
@@ -109,7 +115,7 @@ class DecoderLayer(nn.Module):
         # Gemma 3's window layers rotate with their own base (CausalLM.cos_sin_local).
         self.local_rope = arch.window(index) > 0 and arch.local_rope_theta is not None
 
-    def forward(self, positions, x, residual, kv_cache, meta, cos_sin):
+    def forward(self, positions, x, residual, kv_cache, meta, cos_sin, rows=None, rows_meta=None):
         # The residual add is fused into the norms: rms_norm(x, w, eps, residual) returns
         # (norm(x + residual), x + residual).
         if residual is None:
@@ -117,7 +123,10 @@ class DecoderLayer(nn.Module):
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta, cos_sin[1] if self.local_rope else cos_sin[0])
+        rope = cos_sin[1] if self.local_rope else cos_sin[0]
+        x = self.self_attn(positions, x, kv_cache, meta, rope, rows, rows_meta)
+        if rows is not None:  # past attention every op is per token: only `rows` go on
+            residual = residual[rows]
         if self.pre_feedforward_layernorm is None:
             x, residual = self.post_attention_layernorm(x, residual)
             return self.mlp(x), residual
@@ -159,7 +168,12 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: multimodal steps embed first
-    ) -> torch.Tensor:  # hidden states [T, hidden]
+        output_rows: torch.Tensor | None = None,  # [N] int64 ascending: only these tokens' states
+    ) -> torch.Tensor:  # hidden states [T, hidden], or [N, hidden] of output_rows
+        """With `output_rows` (a pooling step that reads a few tokens: the last, the first)
+        the last layer computes the rest of its tokens' K/V only: their attention outputs,
+        MLP and final norm would feed nothing. Earlier layers still run every token, since
+        the next layer's keys and values are computed from them."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.arch.embed_scale != 1.0 and inputs_embeds is None:
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)  # rounded as transformers does
@@ -167,12 +181,19 @@ class CausalLM(nn.Module):
             self._stack = build_stack(self) or False
         if self._stack and stack_accepts(x, meta):
             x = x if x.is_contiguous() else x.contiguous()
-            return self._stack(x, positions, meta.slot_mapping, meta.block_table, meta.query_start_loc,
-                               meta.seq_lens, kv_caches)
+            x = self._stack(x, positions, meta.slot_mapping, meta.block_table, meta.query_start_loc,
+                            meta.seq_lens, kv_caches)
+            return x if output_rows is None else x[output_rows]
         residual = None
         cos_sin = (self.cos_sin, self.cos_sin_local)
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv, meta, cos_sin)
+        last = len(self.layers) - 1
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            if i == last and output_rows is not None:
+                rows_meta = meta.for_queries(output_rows, positions)
+                x, residual = layer(positions, x, residual, kv, meta, cos_sin, output_rows,
+                                    rows_meta)
+            else:
+                x, residual = layer(positions, x, residual, kv, meta, cos_sin)
         x, _ = self.norm(x, residual)
         return x
 

@@ -56,26 +56,48 @@ class Pooler:
         """[R] which of the step's requests pool (they never sample)."""
         return np.fromiter((r in self.params for r in req_ids), dtype=bool, count=len(req_ids))
 
+    def output_rows(self, req_ids: list[str], starts: np.ndarray, num_sched: np.ndarray,
+                    num_prompt: np.ndarray, cu: np.ndarray) -> np.ndarray | None:
+        """The step's tokens whose final hidden states this step pools ([N] ascending), when
+        that is all the step needs: every request pools and the type reads one token (LAST:
+        a prompt's last, CLS: its first). None: every token's (MEAN, or a request that does
+        not pool). Empty is None too, so a step always computes some rows."""
+        kind = self.model.pooling_type
+        if kind == "MEAN" or not all(r in self.params for r in req_ids):
+            return None
+        if kind == "LAST":
+            rows = (cu[1:len(req_ids) + 1] - 1)[starts + num_sched >= num_prompt]
+        else:
+            rows = cu[:len(req_ids)][starts == 0]
+        return rows.astype(np.int64) if len(rows) else None
+
     def step(self, hidden: torch.Tensor, req_ids: list[str], starts: np.ndarray, num_sched: np.ndarray,
-             num_prompt: np.ndarray, cu: np.ndarray, compute_logits) -> dict[str, torch.Tensor]:
+             num_prompt: np.ndarray, cu: np.ndarray, compute_logits,
+             rows: np.ndarray | None = None) -> dict[str, torch.Tensor]:
         """Fold this step's positions in; returns the finished requests' outputs (fp32 on the
-        CPU). hidden: [T, hidden]; the arrays are per request in step order, `starts` before
-        this step's progress."""
+        CPU). hidden: [T, hidden], or with `rows` (output_rows) [N, hidden] of those tokens;
+        the arrays are per request in step order, `starts` before this step's progress."""
+        # Row of token t in `hidden`: itself, or its place among `rows`.
+        at = None if rows is None else {int(t): j for j, t in enumerate(rows)}
+
+        def row(t: int) -> torch.Tensor:  # [hidden] fp32
+            return hidden[t if at is None else at[t]].float()
+
         done_ids, done_vecs = [], []
         kind = self.model.pooling_type
         for i, req_id in enumerate(req_ids):
             if req_id not in self.params:
                 continue
-            h = hidden[int(cu[i]): int(cu[i]) + int(num_sched[i])]  # [n, hidden]
-            if kind == "MEAN":
-                s = h.float().sum(dim=0)
+            first, n = int(cu[i]), int(num_sched[i])
+            if kind == "MEAN":  # every token (output_rows is None for MEAN)
+                s = hidden[first:first + n].float().sum(dim=0)
                 self.partial[req_id] = s if req_id not in self.partial else self.partial[req_id] + s
             elif kind == "CLS" and starts[i] == 0:
-                self.partial[req_id] = h[0].float()
-            if starts[i] + num_sched[i] < num_prompt[i]:
+                self.partial[req_id] = row(first)
+            if starts[i] + n < num_prompt[i]:
                 continue  # a chunk before the prompt's end
             if kind == "LAST":
-                vec = h[-1].float()
+                vec = row(first + n - 1)
             elif kind == "MEAN":
                 vec = self.partial.pop(req_id) / float(num_prompt[i])
             else:

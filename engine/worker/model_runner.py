@@ -161,6 +161,7 @@ class ModelRunner:
         num_drafts = self._write_drafts(so.scheduled_spec_decode_tokens, req_ids, rows)
         T, nb, sample_mask, n_logits = self._fill_host_inputs(rows, num_sched, num_drafts)
         graphs = self.decode_graphs
+        out_rows = None  # a pooling step that reads some tokens computes only those (Pooler.output_rows)
         if (graphs is not None and not merges and T == len(rows)
                 and padded_size(T, graphs.sizes) is not None):
             hidden = graphs.run(T)  # one token per request (so no drafts)
@@ -172,8 +173,12 @@ class ModelRunner:
         else:
             meta, input_ids, positions, logits_indices = self._to_device(len(rows), T, nb, n_logits, num_sched)
             embeds = self.encoder.embed(input_ids, merges) if merges else None
+            if self.pooler is not None and self.pooler.params and self.lora is None:  # LoRA maps every token
+                out_rows = self.pooler.output_rows(req_ids, ib.num_computed_tokens[rows], num_sched,
+                                                   ib.num_prompt_tokens[rows], self.query_start_loc.np)
+            kw = {} if out_rows is None else {"output_rows": torch.from_numpy(out_rows).to(self.device)}
             with self.lora.step(req_ids, num_sched) if self.lora is not None else nullcontext():
-                hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds)  # [T, hidden]
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds, **kw)  # [T or N, hidden]
             if self._drafts_by_model:
                 self.proposer.run_step(input_ids, positions, meta)
         prompt_lps = pooled = None
@@ -181,7 +186,8 @@ class ModelRunner:
             prompt_lps = self._prompt_logprobs(hidden, req_ids, rows, num_sched)
         if self.pooler is not None and self.pooler.params:
             pooled = self.pooler.step(hidden, req_ids, ib.num_computed_tokens[rows], num_sched,
-                                      ib.num_prompt_tokens[rows], self.query_start_loc.np, self.model.compute_logits)
+                                      ib.num_prompt_tokens[rows], self.query_start_loc.np, self.model.compute_logits,
+                                      out_rows)
         ib.num_computed_tokens[rows] += num_sched
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprob_lists: list[list[dict[int, float]] | None] = [None] * len(req_ids)

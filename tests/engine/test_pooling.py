@@ -3,12 +3,15 @@ the same way, and sentence-transformers' own encode; the rules read from the mod
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import ParameterError
 from engine.pooling import PoolingParams
+from engine.pooling.config import PoolingModel
+from engine.pooling.pooler import Pooler
 from tests.engine.hf_reference import random_prompts
 from tests.engine.pooling_factory import cosine, hf_pooled, sentence_transformers_dir
 
@@ -80,6 +83,38 @@ def test_cls_pooling_override_and_matryoshka_dimensions(qwen3):
     with pytest.raises(ParameterError, match="dimensions") as e:
         llm.embed(_ids([prompt]), PoolingParams(dimensions=65), use_tqdm=False)
     assert e.value.field == "dimensions"
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "CLS"])
+def test_pooled_tokens_over_chunks_through_a_sliding_window_last_layer_match_transformers(
+        model_factory, pooling_type):
+    # The last layer runs its attention and MLP for the pooled tokens only (output_rows); here
+    # it is a window layer (its KV in the hybrid cache's own group), the prompts run past the
+    # window in 32-token chunks, batched with each other.
+    model = model_factory("gemma3", layer_types=["full_attention", "sliding_attention"])
+    llm = LLM(model, runner="pooling", pooler_config={"pooling_type": pooling_type},
+              max_num_batched_tokens=32, max_model_len=128)
+    prompts = random_prompts([5, 40, 90, 1], 1000, seed=36)
+    for p, out in zip(prompts, llm.embed(_ids(prompts), use_tqdm=False)):
+        assert cosine(out.outputs.embedding, hf_pooled(model, p, pooling_type)) >= 0.9999
+
+
+def test_a_step_computes_the_tokens_it_pools_only_when_it_pools_one_per_prompt():
+    def rows(kind, req_ids=("a", "b", "c")):
+        pooler = Pooler(PoolingModel("embed", kind, True, 64), torch.float32)
+        for r in ("a", "b", "c"):
+            pooler.add(r, PoolingParams())
+        # a: tokens 0-3 end its prompt; b: tokens 4-9, a chunk from position 6 of 20;
+        # c: tokens 10-11, its whole prompt.
+        n = len(req_ids)
+        return pooler.output_rows(list(req_ids), np.array([5, 6, 0])[:n], np.array([4, 6, 2])[:n],
+                                  np.array([9, 20, 2])[:n], np.array([0, 4, 10, 12])[:n + 1])
+
+    assert rows("LAST").tolist() == [3, 11]
+    assert rows("CLS").tolist() == [10]
+    assert rows("MEAN") is None  # every token is summed
+    assert rows("LAST", ("a", "b", "x")) is None  # a request that does not pool needs them all
+    assert rows("CLS", ("a", "b")) is None  # nothing pooled: the step computes every token
 
 
 def test_score_with_an_embedding_model_is_the_cosine_of_the_embeddings(qwen3):

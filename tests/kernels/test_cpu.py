@@ -42,6 +42,18 @@ def test_native_matches_naive_on_decodes_short_chunks_and_prefills(H, Hkv, D):
     torch.testing.assert_close(out, _naive_attention(q, dense, q_lens, ctx_lens, scale), atol=1e-5, rtol=1e-5)
 
 
+def test_prefills_in_query_blocks_match_naive_across_block_edges_and_past_the_blocked_limit():
+    B = cpu.QUERY_BLOCK
+    # A whole prompt over several blocks, a chunk over a cached prefix ending mid-block, a
+    # decode beside them, and a prompt past BLOCKED_MAX_CONTEXT (one causal SDPA call).
+    q_lens = [2 * B + 5, B + 9, 1, cpu.BLOCKED_MAX_CONTEXT + 3]
+    ctx_lens = [2 * B + 5, B + 9 + 40, 20, cpu.BLOCKED_MAX_CONTEXT + 3]
+    q, kc, vc, table, qsl, seq_lens, dense = _paged_inputs(q_lens, ctx_lens, 8, 2, 64, 16, 90)
+    out = cpu.paged_attention(q, kc, vc, table, qsl, seq_lens, 0.125)
+    expected = _naive_attention(q, dense, q_lens, ctx_lens, 0.125)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_native_matches_reference_on_a_large_decode_batch_with_page_size_one():
     g = torch.Generator().manual_seed(7)
     ctx_lens = torch.randint(1, 300, (64,), generator=g).tolist()
