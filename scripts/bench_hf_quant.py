@@ -11,7 +11,9 @@ one (int8 per-channel weights, dynamic per-token int8 activations), and a Q4_K_M
 mix). The quantized checkpoints store what they leave unquantized (head, embedding, norms) in
 16 bits, as real ones do: fp16 (GPTQ), bf16 (compressed-tensors). Each variant runs in a fresh subprocess per repeat, the variants alternating, and the
 script prints each figure's range:
-  - batch-1 decode: tokens/s of one greedy request, --tokens tokens (the prefill excluded);
+  - batch-1 decode: tokens/s of one greedy request, --tokens tokens (the prefill excluded),
+    and the process's CPU time per token (with --threads 1 the figure a busy machine's
+    neighbours disturb least);
   - batch 8: output tokens/s of eight greedy requests at once;
   - resident memory the model adds after loading and one warm-up request, less the KV cache.
 
@@ -95,17 +97,19 @@ def run(model: str, threads: int, tokens: int) -> dict:
     rss = _rss_mb() - kv_mb - base
     engine.add_request("b1", {"prompt_token_ids": prompts[1]}, greedy)
     engine.step()  # the prefill
-    t0, steps = time.perf_counter(), 0
+    t0, c0, steps = time.perf_counter(), time.process_time(), 0
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
     decode = steps / (time.perf_counter() - t0)
+    cpu_ms = (time.process_time() - c0) * 1e3 / steps
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[1:9]], greedy, use_tqdm=False)
     batch8 = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
     model = core.executor.worker.runner.model
     kept = sum(1 for m in model.modules() if getattr(m, "quant", None) is not None and hasattr(m.quant, "segments"))
-    return {"decode_tok_s": decode, "batch8_tok_s": batch8, "rss_mb": rss, "kept": kept, "head": _head_form(model)}
+    return {"decode_tok_s": decode, "decode_cpu_ms": cpu_ms, "batch8_tok_s": batch8, "rss_mb": rss, "kept": kept,
+            "head": _head_form(model)}
 
 
 def _head_form(model) -> str:
@@ -143,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=128, help="tokens decoded per request")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                   help="the variants timed (all are written)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -151,23 +157,28 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dir:
         p.error("--dir is required")
     paths = make_models(args.dir, args.preset, args.group, args.desc_act)
-    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    runs: dict[str, list[dict]] = {v: [] for v in args.variants}
     for _ in range(args.repeats):
-        for v in VARIANTS:  # alternated, so every variant sees the same machine
+        for v in args.variants:  # alternated, so every variant sees the same machine
             runs[v].append(_spawn(paths[v], args))
     cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
     print(f"preset {args.preset}, GPTQ group {args.group}{' act-order' if args.desc_act else ''}, "
           f"{args.threads} threads, {args.tokens} tokens, {args.repeats} repeats (ranges), load {os.getloadavg()[0]:.2f}")
     print(f"CPU {cpu}")
-    print("| variant | batch-1 decode tok/s | batch 8 tok/s | resident MB | kept projections | head |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for v in VARIANTS:
+    print("| variant | batch-1 decode tok/s | batch-1 CPU ms/token | batch 8 tok/s | resident MB | kept projections "
+          "| head |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for v in args.variants:
         rs = runs[v]
-        print(f"| {v} | {_span([r['decode_tok_s'] for r in rs])} | {_span([r['batch8_tok_s'] for r in rs])} | "
+        print(f"| {v} | {_span([r['decode_tok_s'] for r in rs])} | {_span([r['decode_cpu_ms'] for r in rs], '{:.2f}')} | "
+              f"{_span([r['batch8_tok_s'] for r in rs])} | "
               f"{_span([r['rss_mb'] for r in rs], '{:.0f}')} | {rs[0]['kept']} | {rs[0]['head']} |")
     for a, b in (("gptq-w4a16", "gguf-q4_k_m"), ("gptq-w4a16-qhead", "gguf-q4_k_m"), ("ct-w8a8", "dense-fp32")):
+        if a not in runs or b not in runs:
+            continue
         r = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(runs[a], runs[b])]
-        print(f"{a} / {b} batch-1 decode: {_span(r, '{:.2f}')}x")
+        c = [y["decode_cpu_ms"] / x["decode_cpu_ms"] for x, y in zip(runs[a], runs[b])]
+        print(f"{a} / {b} batch-1 decode: {_span(r, '{:.2f}')}x tokens/s, {_span(c, '{:.2f}')}x by CPU time")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Time kernels.cpu.quant.quant_matmul (GGUF blocks kept quantized) against fp32 products on the
 dequantized weight: torch's F.linear (MKL) and oneDNN with the weight packed once
-(engine.models.cpu_linear), for the linear shapes of SmolLM2-135M and of a 1B llama.
+(engine.models.cpu_linear), and against the weight held in fp16 (kernels.cpu.half, a quantized
+checkpoint's unquantized head), for the linear shapes of SmolLM2-135M and of a 1B llama.
 
     python scripts/bench_quant_kernels.py --threads 2
     python scripts/bench_quant_kernels.py --threads 1 --types Q4_0 Q4_K --rows 1 8
@@ -9,7 +10,8 @@ Per (type, shape, T): microseconds per call (median, or with --stat min the mini
 --repeats samples, each a loop of calls lasting about --sample-ms), and the weight bytes read per second (GB/s, the
 quantized row bytes for quant_matmul, 4 bytes per value for the fp32 products). With
 --rotate-mb, each call uses the next of enough weight copies to fill that many MB, so the
-weights come from memory rather than from cache. A shape whose K is not a whole number of the
+weights come from memory rather than from cache. --clock process counts the process's CPU
+time instead of wall time (with --threads 1, what a shared machine's neighbours disturb least). A shape whose K is not a whole number of the
 type's blocks (K-quants need K % 256 == 0: 576) is left out, as llama.cpp leaves such
 tensors to another type.
 """
@@ -29,13 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.models import cpu_linear  # noqa: E402
 from engine.models.gguf_quants import dequantize  # noqa: E402
-from kernels.cpu import build, quant  # noqa: E402
+from kernels.cpu import build, half, quant  # noqa: E402
 
 # (name, N out, K in)
 SHAPES = [
     ("135M q/o", 576, 576), ("135M k/v", 192, 576), ("135M gate/up", 1536, 576),
     ("135M down", 576, 1536), ("135M head", 49152, 576),
-    ("1B q/o", 2048, 2048), ("1B gate/up", 5632, 2048), ("1B down", 2048, 5632),
+    ("1B q/o", 2048, 2048), ("1B gate/up", 5632, 2048), ("1B down", 2048, 5632), ("1B head", 32000, 2048),
 ]
 # Byte offsets of each block's fp16 fields (gguf's block structs).
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
@@ -51,21 +53,21 @@ def random_qweight(qtype: str, N: int, K: int, rng: np.random.Generator) -> torc
     return torch.from_numpy(blocks.reshape(N, -1))
 
 
-def timed(fn, repeats: int, sample_ms: float, stat: str = "median") -> float:
+def timed(fn, repeats: int, sample_ms: float, stat: str = "median", clock=time.perf_counter) -> float:
     """Seconds per call: the median (or minimum) over `repeats` samples, each a loop of calls
     lasting about sample_ms. On a busy machine the minimum is the less noisy of the two."""
     fn()
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < sample_ms / 1e3 or calls < 2:
+    start, calls = clock(), 0
+    while clock() - start < sample_ms / 1e3 or calls < 2:
         fn()
         calls += 1
-    inner = max(1, int(calls * sample_ms / 1e3 / (time.perf_counter() - start)))
+    inner = max(1, int(calls * sample_ms / 1e3 / max(clock() - start, 1e-9)))
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(inner):
             fn()
-        samples.append((time.perf_counter() - t0) / inner)
+        samples.append((clock() - t0) / inner)
     return min(samples) if stat == "min" else statistics.median(samples)
 
 
@@ -84,7 +86,8 @@ def bench(qtype: str, N: int, K: int, T: int, args, rng) -> dict[str, float]:
     qws = cycler([qw] + [qw.clone() for _ in range(copies - 1)])
     x = torch.randn(T, K)
     out = torch.empty(T, N)
-    res, timing = {}, (args.repeats, args.sample_ms, args.stat)
+    clock = time.process_time if args.clock == "process" else time.perf_counter
+    res, timing = {}, (args.repeats, args.sample_ms, args.stat, clock)
     for method in ("int8", "fp32"):
         sec = timed(lambda m=method: quant.quant_matmul(x, qws(), qtype, K, out, method=m), *timing)
         res[method] = sec
@@ -93,6 +96,8 @@ def bench(qtype: str, N: int, K: int, T: int, args, rng) -> dict[str, float]:
         fcopies = max(1, int(args.rotate_mb * 2**20 // (W.numel() * 4))) if args.rotate_mb else 1
         Ws = cycler([W] + [W.clone() for _ in range(fcopies - 1)])
         res["F.linear"] = timed(lambda: torch.nn.functional.linear(x, Ws()), *timing)
+        halves = cycler([w.half() for w in [W] * fcopies])
+        res["fp16"] = timed(lambda: half.half_matmul(x, halves(), out), *timing)
         if cpu_linear.onednn_linear_available():
             packed = cycler([cpu_linear.pack_weight(W) for _ in range(fcopies)])
             res["oneDNN"] = timed(lambda: cpu_linear.packed_linear(x, packed(), None), *timing)
@@ -109,7 +114,8 @@ def main() -> None:
     p.add_argument("--sample-ms", type=float, default=30.0)
     p.add_argument("--stat", choices=["median", "min"], default="median", help="of the samples")
     p.add_argument("--rotate-mb", type=float, default=0.0, help="cycle weight copies filling this many MB")
-    p.add_argument("--no-fp32-baselines", action="store_true")
+    p.add_argument("--no-fp32-baselines", action="store_true", help="nor the fp16 product")
+    p.add_argument("--clock", choices=["wall", "process"], default="wall")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not quant.supported("Q4_0", 32):
@@ -119,9 +125,10 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"{time.strftime('%Y-%m-%d')} {cpu}, {os.cpu_count()} CPUs, kernels' ISA level {build.isa_level()} "
           f"(set {build.ENV} to force one); threads={args.threads} "
-          f"rotate_mb={args.rotate_mb} torch={torch.__version__}; us per call, {args.stat} of {args.repeats}")
+          f"rotate_mb={args.rotate_mb} torch={torch.__version__}; us per call ({args.clock} clock), "
+          f"{args.stat} of {args.repeats}")
     head = (f"{'type':5} {'shape':13} {'N x K':>11} {'T':>3} | {'int8 us':>8} {'GB/s':>5} | {'fp32 us':>8} "
-            f"{'GB/s':>5} | {'F.linear':>8} {'oneDNN':>8} | best vs fp32 weight")
+            f"{'GB/s':>5} | {'F.linear':>8} {'oneDNN':>8} {'fp16':>8} | best vs fp32 weight")
     print(head)
     print("-" * len(head))
     for qtype in args.types:
@@ -136,7 +143,8 @@ def main() -> None:
                 speedup = f"{min(base) / ours:5.2f}x" if base else "-"
                 print(f"{qtype:5} {name:13} {N:>5}x{K:<5} {T:>3} | {r['int8'] * 1e6:8.1f} {nbytes / r['int8'] / 1e9:5.1f} "
                       f"| {r['fp32'] * 1e6:8.1f} {nbytes / r['fp32'] / 1e9:5.1f} | "
-                      f"{r.get('F.linear', float('nan')) * 1e6:8.1f} {r.get('oneDNN', float('nan')) * 1e6:8.1f} | {speedup}",
+                      f"{r.get('F.linear', float('nan')) * 1e6:8.1f} {r.get('oneDNN', float('nan')) * 1e6:8.1f} "
+                      f"{r.get('fp16', float('nan')) * 1e6:8.1f} | {speedup}",
                       flush=True)
 
 
