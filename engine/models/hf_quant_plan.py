@@ -9,7 +9,9 @@ kept, its GGUF blocks (engine.models.hf_quant_unpack) or int8 rows (engine.model
 
 Kept (CPU only, C kernels built): a parameter all of whose pieces repack exactly, whole or
 split by output rows. A piece split by input columns (a row-parallel shard under tensor
-parallelism) and anything that does not repack exactly are dequantized at load instead.
+parallelism) and anything that does not repack exactly are dequantized at load instead. The
+LM head and embedding table, when left unquantized and stored in fp16 / bf16, are held as
+stored (engine.models.half_linear) rather than widened to fp32.
 """
 
 from __future__ import annotations
