@@ -3,13 +3,17 @@ Q4_K_M GGUF file (for GPTQ W4A16) and as the dense fp32 checkpoint (for compress
 W8A8), all with the same CPU threads.
 
 One model (make_model's preset, random weights: only speed and memory mean anything) is
-written four ways once: the dense fp32 safetensors directory, a GPTQ 4-bit checkpoint (group
-128, symmetric, v1 format; --desc-act scatters the groups), a compressed-tensors W8A8 one
-(int8 per-channel weights, dynamic per-token int8 activations), and a Q4_K_M GGUF file
+written five ways once: the dense fp32 safetensors directory, a GPTQ 4-bit checkpoint (group
+128, symmetric, v1 format; --desc-act scatters the groups) with its head unquantized and, as
+gptqmodel's lm_head=True makes it, one with the head quantized too, a compressed-tensors W8A8
+one (int8 per-channel weights, dynamic per-token int8 activations), and a Q4_K_M GGUF file
 (llama.cpp's own quantizer; without llama-cpp-python, gguf-py's writer with the same type
-mix). Each variant runs in a fresh subprocess per repeat, the variants alternating, and the
+mix). The quantized checkpoints store what they leave unquantized (head, embedding, norms) in
+16 bits, as real ones do: fp16 (GPTQ), bf16 (compressed-tensors). Each variant runs in a fresh subprocess per repeat, the variants alternating, and the
 script prints each figure's range:
-  - batch-1 decode: tokens/s of one greedy request, --tokens tokens (the prefill excluded);
+  - batch-1 decode: tokens/s of one greedy request, --tokens tokens (the prefill excluded),
+    and the process's CPU time per token (with --threads 1 the figure a busy machine's
+    neighbours disturb least);
   - batch 8: output tokens/s of eight greedy requests at once;
   - resident memory the model adds after loading and one warm-up request, less the KV cache.
 
@@ -29,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = ("gptq-w4a16", "gguf-q4_k_m", "ct-w8a8", "dense-fp32")
+VARIANTS = ("gptq-w4a16", "gptq-w4a16-qhead", "gguf-q4_k_m", "ct-w8a8", "dense-fp32")
 # Q4_K_M's mix as llama.cpp makes it for a Llama (attn_v and ffn_down in Q6_K), for gguf-py.
 Q4_K_M_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
                 "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q4_K"}
@@ -42,7 +46,9 @@ def _rss_mb() -> float:
 
 
 def make_models(out: str, preset: str, group: int, desc_act: bool) -> dict[str, str]:
-    """The four variants' paths, written under `out` when absent."""
+    """The variants' paths, written under `out` when absent."""
+    import torch
+
     from engine.models.make_model import make_model
     from tests.engine.gguf_factory import write_gguf
     from tests.engine.hf_quant_factory import write_quantized
@@ -51,13 +57,16 @@ def make_models(out: str, preset: str, group: int, desc_act: bool) -> dict[str, 
     dense = os.path.join(out, "dense")
     if not os.path.exists(os.path.join(dense, "config.json")):
         make_model(dense, preset, "llama")
-    paths = {"dense-fp32": dense, "gptq-w4a16": os.path.join(out, "gptq"), "ct-w8a8": os.path.join(out, "w8a8"),
+    paths = {"dense-fp32": dense, "gptq-w4a16": os.path.join(out, "gptq"),
+             "gptq-w4a16-qhead": os.path.join(out, "gptq-qhead"), "ct-w8a8": os.path.join(out, "w8a8"),
              "gguf-q4_k_m": os.path.join(out, "q4_k_m.gguf")}
-    if not os.path.exists(os.path.join(paths["gptq-w4a16"], "config.json")):
-        write_quantized(dense, paths["gptq-w4a16"], "gptq", bits=4, group=group, sym=True, desc_act=desc_act,
-                        oracle=False)
+    for variant, lm_head in (("gptq-w4a16", False), ("gptq-w4a16-qhead", True)):
+        if not os.path.exists(os.path.join(paths[variant], "config.json")):
+            write_quantized(dense, paths[variant], "gptq", bits=4, group=group, sym=True, desc_act=desc_act,
+                            oracle=False, dense_dtype=torch.float16, lm_head=lm_head)
     if not os.path.exists(os.path.join(paths["ct-w8a8"], "config.json")):
-        write_quantized(dense, paths["ct-w8a8"], "ct", bits=8, group=-1, sym=True, oracle=False)
+        write_quantized(dense, paths["ct-w8a8"], "ct", bits=8, group=-1, sym=True, oracle=False,
+                        dense_dtype=torch.bfloat16)
     if not os.path.exists(paths["gguf-q4_k_m"]):
         try:
             from scripts.bench_gguf_load import quantize_q4_k_m
@@ -88,16 +97,29 @@ def run(model: str, threads: int, tokens: int) -> dict:
     rss = _rss_mb() - kv_mb - base
     engine.add_request("b1", {"prompt_token_ids": prompts[1]}, greedy)
     engine.step()  # the prefill
-    t0, steps = time.perf_counter(), 0
+    t0, c0, steps = time.perf_counter(), time.process_time(), 0
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
     decode = steps / (time.perf_counter() - t0)
+    cpu_ms = (time.process_time() - c0) * 1e3 / steps
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[1:9]], greedy, use_tqdm=False)
     batch8 = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
-    kept = sum(1 for m in core.executor.worker.runner.model.modules() if getattr(m, "quant", None) is not None)
-    return {"decode_tok_s": decode, "batch8_tok_s": batch8, "rss_mb": rss, "kept": kept}
+    model = core.executor.worker.runner.model
+    kept = sum(1 for m in model.modules() if getattr(m, "quant", None) is not None and hasattr(m.quant, "segments"))
+    return {"decode_tok_s": decode, "decode_cpu_ms": cpu_ms, "batch8_tok_s": batch8, "rss_mb": rss, "kept": kept,
+            "head": _head_form(model)}
+
+
+def _head_form(model) -> str:
+    """How the logits' weight is held: its block types, its 16-bit dtype, or fp32."""
+    q = (model.lm_head if model.lm_head is not None else model.embed_tokens).quant
+    if q is None:
+        return "fp32"
+    if hasattr(q, "segments"):
+        return "+".join(sorted({s.qtype for s in q.segments}))
+    return str(q.dtype).removeprefix("torch.")
 
 
 def _spawn(model: str, args) -> dict:
@@ -118,13 +140,15 @@ def _span(values: list[float], fmt: str = "{:.1f}") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", help="where the four variants are written (once) and read")
+    p.add_argument("--dir", help="where the variants are written (once) and read")
     p.add_argument("--preset", default="bench", help="make_model's preset (bench, 1b, small, tiny)")
     p.add_argument("--group", type=int, default=128, help="GPTQ group size")
     p.add_argument("--desc-act", action="store_true", help="GPTQ act-order: groups scattered over the columns")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=128, help="tokens decoded per request")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                   help="the variants timed (all are written)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -133,23 +157,28 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dir:
         p.error("--dir is required")
     paths = make_models(args.dir, args.preset, args.group, args.desc_act)
-    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    runs: dict[str, list[dict]] = {v: [] for v in args.variants}
     for _ in range(args.repeats):
-        for v in VARIANTS:  # alternated, so every variant sees the same machine
+        for v in args.variants:  # alternated, so every variant sees the same machine
             runs[v].append(_spawn(paths[v], args))
     cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
     print(f"preset {args.preset}, GPTQ group {args.group}{' act-order' if args.desc_act else ''}, "
           f"{args.threads} threads, {args.tokens} tokens, {args.repeats} repeats (ranges), load {os.getloadavg()[0]:.2f}")
     print(f"CPU {cpu}")
-    print("| variant | batch-1 decode tok/s | batch 8 tok/s | resident MB | kept projections |")
-    print("| --- | --- | --- | --- | --- |")
-    for v in VARIANTS:
+    print("| variant | batch-1 decode tok/s | batch-1 CPU ms/token | batch 8 tok/s | resident MB | kept projections "
+          "| head |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for v in args.variants:
         rs = runs[v]
-        print(f"| {v} | {_span([r['decode_tok_s'] for r in rs])} | {_span([r['batch8_tok_s'] for r in rs])} | "
-              f"{_span([r['rss_mb'] for r in rs], '{:.0f}')} | {rs[0]['kept']} |")
-    for a, b in (("gptq-w4a16", "gguf-q4_k_m"), ("ct-w8a8", "dense-fp32")):
+        print(f"| {v} | {_span([r['decode_tok_s'] for r in rs])} | {_span([r['decode_cpu_ms'] for r in rs], '{:.2f}')} | "
+              f"{_span([r['batch8_tok_s'] for r in rs])} | "
+              f"{_span([r['rss_mb'] for r in rs], '{:.0f}')} | {rs[0]['kept']} | {rs[0]['head']} |")
+    for a, b in (("gptq-w4a16", "gguf-q4_k_m"), ("gptq-w4a16-qhead", "gguf-q4_k_m"), ("ct-w8a8", "dense-fp32")):
+        if a not in runs or b not in runs:
+            continue
         r = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(runs[a], runs[b])]
-        print(f"{a} / {b} batch-1 decode: {_span(r, '{:.2f}')}x")
+        c = [y["decode_cpu_ms"] / x["decode_cpu_ms"] for x, y in zip(runs[a], runs[b])]
+        print(f"{a} / {b} batch-1 decode: {_span(r, '{:.2f}')}x tokens/s, {_span(c, '{:.2f}')}x by CPU time")
     return 0
 
 

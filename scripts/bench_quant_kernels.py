@@ -1,6 +1,7 @@
 """Time kernels.cpu.quant.quant_matmul (GGUF blocks kept quantized) against fp32 products on the
 dequantized weight: torch's F.linear (MKL) and oneDNN with the weight packed once
-(engine.models.cpu_linear), for the linear shapes of SmolLM2-135M and of a 1B llama.
+(engine.models.cpu_linear), and against the weight held in fp16 (kernels.cpu.half, a quantized
+checkpoint's unquantized head), for the linear shapes of SmolLM2-135M and of a 1B llama.
 
     python scripts/bench_quant_kernels.py --threads 2
     python scripts/bench_quant_kernels.py --threads 1 --types Q4_0 Q4_K --rows 1 8
@@ -32,13 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.models import cpu_linear  # noqa: E402
 from engine.models.gguf_quants import dequantize  # noqa: E402
-from kernels.cpu import build, quant  # noqa: E402
+from kernels.cpu import build, half, quant  # noqa: E402
 
 # (name, N out, K in)
 SHAPES = [
     ("135M q/o", 576, 576), ("135M k/v", 192, 576), ("135M gate/up", 1536, 576),
     ("135M down", 576, 1536), ("135M head", 49152, 576),
-    ("1B q/o", 2048, 2048), ("1B gate/up", 5632, 2048), ("1B down", 2048, 5632),
+    ("1B q/o", 2048, 2048), ("1B gate/up", 5632, 2048), ("1B down", 2048, 5632), ("1B head", 32000, 2048),
 ]
 # Byte offsets of each block's fp16 fields (gguf's block structs).
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
@@ -97,6 +98,8 @@ def bench(qtype: str, N: int, K: int, T: int, args, rng) -> dict[str, float]:
         fcopies = max(1, int(args.rotate_mb * 2**20 // (W.numel() * 4))) if args.rotate_mb else 1
         Ws = cycler([W] + [W.clone() for _ in range(fcopies - 1)])
         res["F.linear"] = timed(lambda: torch.nn.functional.linear(x, Ws()), *timing)
+        halves = cycler([w.half() for w in [W] * fcopies])
+        res["fp16"] = timed(lambda: half.half_matmul(x, halves(), out), *timing)
         if cpu_linear.onednn_linear_available():
             packed = cycler([cpu_linear.pack_weight(W) for _ in range(fcopies)])
             res["oneDNN"] = timed(lambda: cpu_linear.packed_linear(x, packed(), None), *timing)
@@ -115,7 +118,7 @@ def main() -> None:
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="wall: time.perf_counter; cpu: time.process_time (all threads' CPU time)")
     p.add_argument("--rotate-mb", type=float, default=0.0, help="cycle weight copies filling this many MB")
-    p.add_argument("--no-fp32-baselines", action="store_true")
+    p.add_argument("--no-fp32-baselines", action="store_true", help="nor the fp16 product")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not quant.supported("Q4_0", 32):
@@ -128,7 +131,7 @@ def main() -> None:
           f"rotate_mb={args.rotate_mb} torch={torch.__version__}; us per call ({args.clock} clock), "
           f"{args.stat} of {args.repeats}")
     head = (f"{'type':5} {'shape':13} {'N x K':>11} {'T':>3} | {'int8 us':>8} {'GB/s':>5} | {'fp32 us':>8} "
-            f"{'GB/s':>5} | {'F.linear':>8} {'oneDNN':>8} | best vs fp32 weight")
+            f"{'GB/s':>5} | {'F.linear':>8} {'oneDNN':>8} {'fp16':>8} | best vs fp32 weight")
     print(head)
     print("-" * len(head))
     for qtype in args.types:
@@ -143,7 +146,8 @@ def main() -> None:
                 speedup = f"{min(base) / ours:5.2f}x" if base else "-"
                 print(f"{qtype:5} {name:13} {N:>5}x{K:<5} {T:>3} | {r['int8'] * 1e6:8.1f} {nbytes / r['int8'] / 1e9:5.1f} "
                       f"| {r['fp32'] * 1e6:8.1f} {nbytes / r['fp32'] / 1e9:5.1f} | "
-                      f"{r.get('F.linear', float('nan')) * 1e6:8.1f} {r.get('oneDNN', float('nan')) * 1e6:8.1f} | {speedup}",
+                      f"{r.get('F.linear', float('nan')) * 1e6:8.1f} {r.get('oneDNN', float('nan')) * 1e6:8.1f} "
+                      f"{r.get('fp16', float('nan')) * 1e6:8.1f} | {speedup}",
                       flush=True)
 
 

@@ -82,7 +82,7 @@ class PackedLinearMixin:
     GGUF blocks (`quant`, engine.models.quant_linear), the packed one, or the dense one."""
 
     packed_weight: torch.Tensor | None = None
-    quant = None  # QuantWeight: set by the loader in place of `weight`
+    quant = None  # QuantWeight, Int8Weight or HalfWeight: set by the loader in place of `weight`
 
     def pack(self) -> bool:
         if self.quant is not None:

@@ -9,7 +9,9 @@ kept, its GGUF blocks (engine.models.hf_quant_unpack) or int8 rows (engine.model
 
 Kept (CPU only, C kernels built): a parameter all of whose pieces repack exactly, whole or
 split by output rows. A piece split by input columns (a row-parallel shard under tensor
-parallelism) and anything that does not repack exactly are dequantized at load instead.
+parallelism) and anything that does not repack exactly are dequantized at load instead. The
+LM head and embedding table, when left unquantized and stored in fp16 / bf16, are held as
+stored (engine.models.half_linear) rather than widened to fp32.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 from safetensors import safe_open
 
+from engine.models.half_linear import HalfWeight
 from engine.models.hf_quant_config import HFQuantScheme
 from engine.models.hf_quant_unpack import (
     GroupQuant,
@@ -32,6 +35,10 @@ from engine.models.int8_linear import Int8Weight
 from engine.models.parallel import ColumnParallelLinear, RowParallelLinear
 from engine.models.quant_linear import QuantWeight
 
+# The parameters the logits and the embedding read, which a checkpoint leaves unquantized
+# unless it quantizes its head (gptqmodel's lm_head=True: then the head is kept as blocks).
+_VOCAB_PARAMS = ("lm_head.weight", "embed_tokens.weight")
+_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 Destinations = Callable[[str], list[tuple[str, tuple | None, tuple | None]]]
 # The tensor that marks a module as quantized, and the parts read with it, per method.
 _MARK = {"gptq": "qweight", "awq": "qweight", "compressed-tensors": "weight_scale"}
@@ -48,7 +55,7 @@ class HFQuantPlan:
 
     def __init__(self, files: list[str], scheme: HFQuantScheme, keep: bool) -> None:
         self.scheme, self.keep = scheme, keep
-        self.weights: dict[str, QuantWeight | Int8Weight] = {}
+        self.weights: dict[str, QuantWeight | Int8Weight | HalfWeight] = {}
         self._where: dict[str, str] = {}  # checkpoint tensor -> its file
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
@@ -58,6 +65,7 @@ class HFQuantPlan:
         quantized = set(self.modules)
         self._parts = {f"{m}.{p}" for m in quantized for p in _PARTS[scheme.method]}
         self._kept: dict[str, tuple] = {}  # "<module>.weight" -> what raw() hands the loader
+        self._half: set[str] = set()  # checkpoint tensors held as stored, in 16 bits
 
     def _read(self, name: str) -> torch.Tensor:
         with safe_open(self._where[name], framework="pt", device="cpu") as f:
@@ -111,6 +119,38 @@ class HFQuantPlan:
             self.weights[param] = (Int8Weight if self.scheme.int8_activations else QuantWeight)(
                 m.out_features, m.in_features)
             self._kept.update((f"{mod}.weight", v) for mod, v in packed.items())
+        self._plan_half(model, destinations)
+
+    def _plan_half(self, model: torch.nn.Module, destinations: Destinations) -> None:
+        """The vocabulary tensors (LM head, embedding table) that stay unquantized and are stored
+        in fp16 / bf16: held as stored (engine.models.half_linear), whole or split by rows."""
+        from kernels.cpu.build import library
+
+        if library() is None:
+            return
+        for name in (n for n in self._where if n not in self._parts):
+            parts = destinations(name)
+            if len(parts) != 1 or parts[0][0] not in _VOCAB_PARAMS or parts[0][0] in self.weights:
+                continue
+            dtype = _DTYPES.get(self._dtype(name))
+            if dtype is None:
+                continue
+            param, rows, src = parts[0]
+            module = model.get_submodule(param.rpartition(".")[0])
+            out_features, in_features = module.weight.shape
+            if (src is not None and src[0] == 1) or (rows is not None and rows != (0, out_features)):
+                continue  # a rank's vocabulary padding rows are zeros the loader writes: dense
+            self.weights[param] = HalfWeight(out_features, in_features, dtype)
+            self._half.add(name)
+
+    def _dtype(self, name: str) -> str:
+        with safe_open(self._where[name], framework="pt", device="cpu") as f:
+            return f.get_slice(name).get_dtype()
+
+    @property
+    def half_tensors(self) -> list[str]:
+        """The checkpoint tensors held in their 16-bit form."""
+        return sorted(self._half)
 
     @property
     def kept_modules(self) -> int:
@@ -126,8 +166,11 @@ class HFQuantPlan:
         return to_blocks(w)
 
     def raw(self, name: str, src: tuple | None) -> tuple:
-        """What QuantWeight.add / Int8Weight.add take after the rows: (GGUF type, uint8 rows,
-        column order) or (int8 rows, scales), this rank's rows (`src`, along dim 0)."""
+        """What QuantWeight.add / Int8Weight.add / HalfWeight.add take after the rows: (GGUF
+        type, uint8 rows, column order), (int8 rows, scales) or (16-bit rows,), this rank's rows
+        (`src`, along dim 0)."""
+        if name in self._half:
+            return (_narrow(self._read(name), src),)
         packed = self._kept[name]
         if src is None:
             return packed

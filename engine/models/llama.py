@@ -209,7 +209,7 @@ class CausalLM(nn.Module):
         elif self.tied_head is not None:
             local = packed_linear(hidden, self.tied_head, None)
         elif self.embed_tokens.quant is not None:
-            local = self.embed_tokens.quant.matmul(hidden)  # the tied head read from GGUF blocks
+            local = self.embed_tokens.quant.matmul(hidden)  # the tied head: GGUF blocks or 16-bit rows
         else:
             local = nn.functional.linear(hidden, self.embed_tokens.weight)
         logits = parallel_logits(local, self.arch.vocab_size, self.tp)

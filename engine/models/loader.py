@@ -196,6 +196,8 @@ def _hf_quantized(model_dir: str, gguf: str | None, model: torch.nn.Module, devi
            else "repacked exactly into GGUF blocks, fp32 products")
     logger.info("%s weights: %d of %d quantized projections kept (%s), the rest dequantized to %s at load",
                 scheme.method, plan.kept_modules, len(plan.modules), why, str(dtype).removeprefix("torch."))
+    if plan.half_tensors:
+        logger.info("%s: held as stored in 16 bits, multiplied with fp32 sums", ", ".join(plan.half_tensors))
     return plan
 
 

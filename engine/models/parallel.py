@@ -183,7 +183,9 @@ class VocabParallelEmbedding(nn.Embedding):
         self.tp = tp
         self.vocab_start = layout.vocab_start
 
-    quant = None  # QuantWeight: the table kept in GGUF blocks (set by the loader)
+    # QuantWeight (the table kept in GGUF blocks) or HalfWeight (in its checkpoint's 16 bits),
+    # set by the loader.
+    quant = None
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:

@@ -63,6 +63,7 @@ _SIGNATURES = {
     "reshape_and_cache_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "quant_matmul_f32": [_PTR, _I64, _PTR, _I64, _I64, _INT, _I64, _PTR, _I64, _I64, _INT, _INT],
     "quant_embedding_f32": [_PTR, _I64, _PTR, _I64, _INT, _I64, _PTR, _INT],
+    "half_matmul_f32": [_PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _PTR, _I64, _I64, _INT],
     "decode_stack_scratch": [_PTR, _I64],
     "decode_stack_f32": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR],
 }

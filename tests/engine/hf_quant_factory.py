@@ -69,18 +69,24 @@ def _write(src: str, out: str, tensors: dict, qconfig: dict | None) -> str:
 
 def write_quantized(src: str, out: str, method: str, bits: int = 4, group: int = 128, sym: bool = True,
                     desc_act: bool = False, seed: int = 0, oracle: bool = True, v2: bool = False,
-                    w8a8: bool = True) -> tuple[str, str | None]:
+                    w8a8: bool = True, dense_dtype: torch.dtype = torch.float32,
+                    lm_head: bool = False) -> tuple[str, str | None]:
     """(quantized checkpoint dir, dense fp32 oracle dir or None without `oracle`) of the
     dense model in `src`.
     method: gptq (v1 format, or gptq_v2 with `v2`), awq, ct (compressed-tensors pack-quantized
-    int4, or int-quantized int8 when bits == 8: W8A8, or W8A16 without `w8a8`)."""
+    int4, or int-quantized int8 when bits == 8: W8A8, or W8A16 without `w8a8`).
+    dense_dtype: what the tensors left unquantized are stored in (real checkpoints: fp16 or
+    bf16; the oracle holds the same values in fp32). lm_head: the head quantized too (GPTQ,
+    gptqmodel's `lm_head: true`)."""
     dense = {k: v.float() for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
     gen = torch.Generator().manual_seed(seed)
     quant, dequantized = {}, dict(dense)
+    projections = PROJECTIONS + (("lm_head",) if lm_head else ())
     for name, w in dense.items():
         module = name.removesuffix(".weight")
-        if not name.endswith(".weight") or module.rpartition(".")[2] not in PROJECTIONS:
-            quant[name] = w
+        if not name.endswith(".weight") or module.rpartition(".")[2] not in projections:
+            quant[name] = w.to(dense_dtype)
+            dequantized[name] = quant[name].float()
             continue
         n, k = w.shape
         gs = group if group > 0 else k
@@ -114,6 +120,8 @@ def write_quantized(src: str, out: str, method: str, bits: int = 4, group: int =
             quant[f"{module}.weight"] = (q - 128).to(torch.int8)
             quant[f"{module}.weight_scale"] = scales
     qconfig = _config(method, bits, group, sym, desc_act, v2, w8a8)
+    if lm_head:
+        qconfig["lm_head"] = True
     return _write(src, out, quant, qconfig), _write(src, out + "-dense", dequantized, None) if oracle else None
 
 

@@ -19,6 +19,7 @@ from engine import LLM, SamplingParams
 from engine.errors import ParameterError
 from engine.models import fused_decode
 from engine.models.gguf_quants import dequantize
+from engine.models.half_linear import HalfWeight
 from engine.models.hf_quant_config import hf_scheme
 from engine.models.hf_quant_plan import HFQuantPlan
 from engine.models.hf_quant_unpack import to_blocks
@@ -167,6 +168,27 @@ def test_kept_quantized_from_the_config_alone_with_transformers_greedy_tokens(ch
     # GPU packages there, so their oracle is the dense checkpoint of the same weights.
     reference = quantized if name.startswith("ct-") else oracle
     assert _tokens(llm, prompts) == hf_greedy(reference, prompts, GREEDY.max_tokens)
+
+
+# What real checkpoints store unquantized (fp16 or bf16 head, norms and embedding table), on a
+# model with its own head, one with tied embeddings, and one whose head is quantized too
+# (gptqmodel's lm_head: true); the oracle is the dense fp32 checkpoint of the same values.
+@pytest.mark.parametrize("family, dtype, lm_head", [("llama", torch.float16, False), ("qwen2", torch.bfloat16, False),
+                                                    ("llama", torch.float16, True)])
+def test_unquantized_vocabulary_tensors_stay_16_bit_and_a_quantized_head_stays_blocks(
+        model_factory, tmp_path, family, dtype, lm_head):
+    quantized, oracle = write_quantized(model_factory(family, **SHAPE), str(tmp_path / "q"), "gptq", group=32,
+                                        dense_dtype=dtype, lm_head=lm_head)
+    llm = LLM(quantized, max_model_len=128)
+    model = _model(llm)
+    assert isinstance(model.embed_tokens.quant, HalfWeight) and model.embed_tokens.quant.weight.dtype == dtype
+    if family == "qwen2":
+        assert model.lm_head is None  # the logits read the 16-bit table
+    else:
+        assert isinstance(model.lm_head.quant, QuantWeight if lm_head else HalfWeight)
+        assert model.lm_head.weight is None
+    prompts = random_prompts([4, 30, 61], 500, seed=5)
+    assert _tokens(llm, prompts) == hf_greedy(oracle, prompts, GREEDY.max_tokens)
 
 
 def test_quantization_none_dequantizes_to_the_same_tokens(checkpoints):

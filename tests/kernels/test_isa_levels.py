@@ -14,8 +14,9 @@ import torch
 
 from kernels import cpu
 from kernels import reference as ref
-from kernels.cpu import build, quant
+from kernels.cpu import build, half, quant
 from kernels.cpu.decode_stack import DecodeStack, StackDims, StackLayer
+from tests.kernels.test_half_cpu import all_finite_values, check_product
 from tests.kernels.test_quant_cpu import TYPES, _case, _check, random_qweight
 from tests.kernels.test_reference import _naive_attention, _paged_inputs
 
@@ -148,6 +149,19 @@ def test_small_batch_products_hold_for_rows_of_any_magnitude(level):
                 y = quant.quant_matmul(x[:T], qw, qtype, K, method="fp32").double()
                 ref, mag = x[:T].double() @ W.T, x[:T].double().abs() @ W.abs().T
                 assert ((y - ref).abs() <= 1e-5 * mag).all(), f"{level} {qtype} {N}x{K} T={T}"
+
+
+def test_half_products_widen_every_value_exactly_and_match_the_upcast(level):
+    # Each level widens 16-bit weights its own way: AVX-512's and F16C's conversions, plain
+    # C's bit arithmetic (subnormals included).
+    g = torch.Generator().manual_seed(12)
+    for dtype in (torch.float16, torch.bfloat16):
+        w = all_finite_values(dtype)
+        assert torch.equal(half.half_matmul(torch.eye(16), w), w.float().T), f"{level} {dtype}"
+        rows = torch.randn(37, 200, generator=g).to(dtype)
+        for T in (1, 5):
+            x = torch.randn(T, 200, generator=g)
+            check_product(x, rows, half.half_matmul(x, rows), f"{level} {dtype} T={T}")
 
 
 def test_attention_and_the_elementwise_kernels_match_the_references(level):
