@@ -3,7 +3,8 @@ streaming that this module shares with test_pd_fallback and others (`shared_dire
 scaled to two decode (ingress) replicas for the test and back to one.
 
 Six requests (greedy, seeded, JSON schema; each streamed and not) go to one ingress replica
-(its own HTTP port); its engine core is SIGKILLed once every stream is decoding. Each request
+(its own HTTP port); its engine core is SIGKILLed (or SIGSTOPped: hung, failed by the step
+watchdog) once every stream is decoding. Each request
 goes on on the other replica's engine: every answer is the healthy server's (greedy: Hugging
 Face's), streamed chunks add up to it with no duplicate and no gap, usage counts every token,
 and the migrations are counted. Then no block, request or transfer is left anywhere.
@@ -106,7 +107,12 @@ class _Stream:
                     self.usage = event["usage"]
 
 
-def test_requests_on_a_killed_decode_engine_go_on_on_the_other_decode_replica_as_if_healthy(app, tiny_model):
+# SIGKILL: the core dies (engine_died). SIGSTOP: it hangs, and the step watchdog fails it
+# after DIRECT_STEP_TIMEOUT_S (engine_hung); the stopped process is killed at the end.
+@pytest.mark.parametrize("sig,reason", [(signal.SIGKILL, "engine_died"), (signal.SIGSTOP, "engine_hung")],
+                         ids=["killed", "stopped"])
+def test_requests_on_a_killed_or_hung_decode_engine_go_on_on_the_other_decode_replica_as_if_healthy(
+        app, tiny_model, sig, reason):
     healthy = {kind: requests.post(f"{app}/v1/completions", json=_body(kind), timeout=120).json()
                for kind in BODIES}
     expected = {kind: a["choices"][0]["text"] for kind, a in healthy.items()}
@@ -116,6 +122,7 @@ def test_requests_on_a_killed_decode_engine_go_on_on_the_other_decode_replica_as
               for r in ("replica_died", "engine_died", "engine_hung")}
     r = requests.post(f"{app}/scale", json={"decode": 2}, timeout=60)
     assert r.status_code == 202, r.text
+    core = None
     try:
         wait_for(lambda: len([x for x in replicas(app) if x["role"] == "decode"]) == 2,
                  "both decode engines to report", 180, 0.5)
@@ -133,7 +140,8 @@ def test_requests_on_a_killed_decode_engine_go_on_on_the_other_decode_replica_as
                  for kind in BODIES}
         # Every stream decoding on the victim's engine: its prefill's token and one chunk more.
         wait_for(lambda: all(len(s.chunks) >= 2 for s in streams.values()), "every stream to decode", 60, 0.01)
-        os.kill(victim["engine_cores"][0], signal.SIGKILL)
+        core = victim["engine_cores"][0]
+        os.kill(core, sig)
         for kind, s in streams.items():
             s.done.result(timeout=120)
             assert "".join(s.chunks) == expected[kind], kind
@@ -146,11 +154,17 @@ def test_requests_on_a_killed_decode_engine_go_on_on_the_other_decode_replica_as
         # Counted on the victim, whose figures reach every scrape within a push period.
         def moved():
             now = {r: metric_value(app, "pdserve:request_migrations_total", reason=r) - before[r] for r in before}
-            return now if now["engine_died"] >= 3 else None
+            return now if now[reason] >= 3 else None
         moved = wait_for(moved, "the migrations to be counted", 30, 0.5)
         # The streams surely, and the plain requests beside them unless one ended first.
-        assert moved["replica_died"] == moved["engine_hung"] == 0 and 3 <= moved["engine_died"] <= 6, moved
+        others = [r for r in moved if r != reason]
+        assert all(moved[r] == 0 for r in others) and 3 <= moved[reason] <= 6, moved
     finally:
+        if sig == signal.SIGSTOP and core is not None:
+            try:
+                os.kill(core, signal.SIGKILL)  # failed by the watchdog, still stopped: not left behind
+            except ProcessLookupError:
+                pass
         back = requests.post(f"{app}/scale", json={"decode": 1}, timeout=60)
     assert back.status_code == 202, back.text
 
