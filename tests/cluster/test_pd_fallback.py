@@ -315,7 +315,7 @@ def test_a_stalled_prefill_replica_leaves_every_request_answered_by_its_decode_r
     assert_no_leaks(app, APP, ROLES)
 
 
-def test_a_stopped_decode_core_fails_its_requests_with_503s_within_the_step_bound_and_is_replaced(app, tiny_model):
+def test_a_stopped_decode_core_is_failed_at_the_step_bound_its_requests_go_on_and_it_is_replaced(app, tiny_model):
     import requests
 
     from tests.cluster.helpers import (
@@ -346,18 +346,28 @@ def test_a_stopped_decode_core_fails_its_requests_with_503s_within_the_step_boun
     stopped = time.monotonic()
     try:
         answer = in_thread(post)  # in flight on the stopped core
-        rest = sse_events(_Lines(lines))  # the stream ends with an error event, never hangs
+        # The step watchdog fails the engine at its bound; then both requests migrate and wait
+        # for Serve's replacement (docs/pd.md#decode-migration), or, where none took them within
+        # the migration's bound, end as before: an error event, a 503 naming the bound.
+        rest = sse_events(_Lines(lines))  # never hangs
         ended = time.monotonic() - stopped
         r, done = answer.result(timeout=120)
-        assert any(isinstance(e, dict) and e.get("error", {}).get("code") == 503 for e in rest), rest[-3:]
-        assert ended <= STEP_TIMEOUT_S + WATCHDOG_SLACK_S
-        assert r.status_code == 503 and r.headers["Retry-After"], r.text
-        assert "engine_step_timeout_s" in r.json()["error"]["message"]
-        assert done - stopped <= STEP_TIMEOUT_S + WATCHDOG_SLACK_S
+        errors = [e for e in rest if isinstance(e, dict) and "error" in e]
+        if errors:
+            assert errors[-1]["error"]["code"] == 503 and ended <= STEP_TIMEOUT_S + WATCHDOG_SLACK_S + 60, rest[-3:]
+            assert r.status_code == 503 and r.headers["Retry-After"], r.text
+            assert "engine_step_timeout_s" in r.json()["error"]["message"]
+        else:
+            assert rest[-1] == "[DONE]" and ended >= STEP_TIMEOUT_S  # held until the watchdog's bound
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 480, r.text
+        assert done - stopped >= STEP_TIMEOUT_S
         # Its health check fails from then on: Serve replaces the replica, which answers.
         expected = hf_text(tiny_model, REQUESTS[0][0], 10)
         wait_for(answers_exactly(openai_client(app), NAME, REQUESTS[0][0], expected), "a replaced replica", 180, 2.0)
         assert deployment_processes("Ingress", APP)["replica"] != old["replica"]
+        if not errors:  # the migrated answer is the uninterrupted run's
+            again = requests.post(f"{app}/v1/completions", json=body, timeout=120)
+            assert again.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
     finally:
         stream.close()
         if running(core, start):

@@ -234,7 +234,7 @@ def test_the_replicas_core_is_its_child_and_answers_like_transformers(app, tiny_
     assert_no_leaks(app, APP, {"colocated"})
 
 
-def test_a_killed_core_is_a_5xx_then_serve_replaces_the_replica(app, tiny_model):
+def test_a_killed_core_loses_no_request_then_serve_replaces_the_replica(app, tiny_model):
     kill_core_then_answers_again(app, "Colocated", APP, NAME, PROMPT, hf_text(tiny_model, PROMPT, 10))
 
 

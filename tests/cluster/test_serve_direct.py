@@ -92,7 +92,7 @@ def test_a_client_leaving_mid_stream_aborts_the_request_and_frees_its_kv_blocks(
     assert metric_value(app, steps, role="colocated") - before < 400
 
 
-def test_a_killed_core_is_a_5xx_then_serve_replaces_the_replica(app, model):
+def test_a_killed_core_loses_no_request_then_serve_replaces_the_replica(app, model):
     kill_core_then_answers_again(app, "Ingress", APP, NAME, PROMPT, hf_text(model, PROMPT, 10))
 
 

@@ -92,13 +92,13 @@ def test_a_client_leaving_mid_stream_aborts_the_request_and_frees_its_kv_blocks(
     assert metric_value(app, steps, role="decode") - before < 400
 
 
-def test_a_killed_decode_core_is_a_5xx_then_serve_replaces_the_ingress_replica(app, model):
+def test_a_killed_decode_core_loses_no_request_then_serve_replaces_the_ingress_replica(app, model):
     kill_core_then_answers_again(app, "Ingress", APP, NAME, PROMPT, hf_text(model, PROMPT, 10))
     engine_core_of("Ingress", APP)  # the new replica runs its own core
     assert_no_leaks(app, APP, ROLES)
 
 
-def test_a_killed_prefill_core_is_a_5xx_then_serve_replaces_the_prefill_replica(app, model):
+def test_a_killed_prefill_core_loses_no_request_then_serve_replaces_the_prefill_replica(app, model):
     kill_core_then_answers_again(app, "Prefill", APP, NAME, PROMPT, hf_text(model, PROMPT, 10))
     engine_core_of("Prefill", APP)
     assert_no_leaks(app, APP, ROLES)
