@@ -17,8 +17,8 @@ CROSS_CC=${CROSS_CC:-aarch64-linux-gnu-gcc}
 QEMU=${QEMU:-qemu-aarch64}
 SYSROOT=${SYSROOT:-/usr/aarch64-linux-gnu}
 CC=${CC:-gcc}
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+workdir=$(mktemp -d)
+trap 'rm -rf "$workdir"' EXIT
 
 # "arch level flags..." per line, from build.py itself (standard library only, so no
 # environment is needed to read it).
@@ -46,7 +46,7 @@ while read -r arch level flags; do
         [ "$(uname -m)" = x86_64 ] || continue
         cc=$CC run=()
     fi
-    exe="$out/quant_check-$arch-$level"
+    exe="$workdir/quant_check-$arch-$level"
     echo "== $arch $level: $cc $flags"
     if ! $cc -O3 -fopenmp -std=gnu11 $flags -I"$root/kernels/cpu" "$root/tests/kernels_c/quant_check.c" \
             "$root/kernels/cpu/quant.c" -o "$exe" -lm -Wno-psabi; then
